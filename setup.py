@@ -1,0 +1,32 @@
+"""Build and install shmserve: the packages `shmserve` and `workers`, the C extension, the CLI."""
+
+from setuptools import Extension, setup
+
+setup(
+    name="shmserve",
+    version="0.1.0",
+    description="Single-host inference serving over POSIX shared memory",
+    python_requires=">=3.11",
+    packages=["shmserve", "workers"],
+    ext_modules=[
+        Extension(
+            "shmserve._atomics",
+            sources=["shmserve/_atomics.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
+        )
+    ],
+    install_requires=[
+        "posix_ipc>=1.1,<2",
+        "numpy>=1.24,<3",
+        "uvloop>=0.19,<1",
+        "orjson>=3.9,<4",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "gpu": ["cuda-python>=12.4,<14"],
+        "onnx": ["onnxruntime>=1.17,<2", "onnx>=1.15,<2"],
+        "torch": ["torch>=2.3,<3"],
+        "tensorrt": ["tensorrt>=10,<12"],
+    },
+    entry_points={"console_scripts": ["shmserve=shmserve.cli:main"]},
+)

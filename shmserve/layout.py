@@ -1,0 +1,532 @@
+"""The arena layout: every struct format, offset and limit of the shared segment.
+
+Owns: the binary layout of the arena and its version number, the geometry
+computation (where each region starts), and the validating decoders that turn
+arena bytes into Python values.  The front-end, workers, client and inspection
+tool all compute offsets through this module and nothing else does.
+
+Must not: touch a file descriptor, create or map memory, or trust the bytes it
+decodes.  Arena contents are untrusted input: every decoder checks offsets,
+sizes and enumerations against the arena it was given and raises
+``LayoutError`` (never IndexError, struct.error or a crash).
+
+One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
+
+    0                 +-------------------------------------------------------+
+                      | header page (4 KiB)                                   |
+                      |   magic "SHMSERVE", layout version, header size,      |
+                      |   total size, instance name, boot id, created (unix), |
+                      |   owner pid + process start ticks, owner heartbeat,   |
+                      |   state (INITIALIZING -> LIVE -> STOPPING),           |
+                      |   geometry of every region, size-class table,         |
+                      |   statistics counters (from STATS_OFFSET)             |
+    worker_table_off  +-------------------------------------------------------+
+                      | worker table: max_workers x WORKER (128 B)            |
+                      |   pid, state, restarts, heartbeat, counters, device   |
+    ring_table_off    +-------------------------------------------------------+
+                      | rings: 2 per worker, submission then completion;      |
+                      | each ring_stride bytes:                               |
+                      |   +0   tail  u64   (producer's cache line)            |
+                      |   +64  head  u64   (consumer's cache line)            |
+                      |   +128 doorbell seq u32, waiters u32                  |
+                      |   +192 entries: ring_capacity x u64                   |
+    slot_table_off    +-------------------------------------------------------+
+                      | slot table: slot_count x SLOT (2 KiB, 64-B aligned)   |
+                      |   +0    status u64 = generation << 32 | state         |
+                      |   +8    request id, model id, worker, counts, flags,  |
+                      |         error code + message, stage timestamps        |
+                      |   +512  MAX_TENSORS x TENSOR (96 B): dtype, ndim,     |
+                      |         role, name index, shape[8], offset, nbytes    |
+    data_off          +-------------------------------------------------------+
+     (2 MiB aligned)  | data region: size classes one after the other; each   |
+                      | class is extent_count extents of extent_size bytes,   |
+                      | extents 4 KiB aligned (2 MiB from 2 MiB upwards)      |
+    total_size        +-------------------------------------------------------+
+
+Publication rule (DESIGN.md section 4): whoever fills a slot's descriptors or
+data writes them first and then store-releases the slot's status word; a
+reader load-acquires the status word before it reads anything else.  The
+status word and ring indices are only touched through ``shmserve._atomics``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MAGIC = b"SHMSERVE"
+LAYOUT_VERSION = 1
+
+PAGE = 4096
+HUGE_PAGE = 2 * 1024 * 1024  # larger size classes align to this (THP / DMA friendly)
+CACHE_LINE = 64
+
+HEADER_SIZE = PAGE
+SLOT_SIZE = 2048
+WORKER_SIZE = 128
+RING_ENTRIES_OFFSET = 3 * CACHE_LINE  # tail, head and doorbell each own a cache line
+TENSOR_SIZE = 96
+TENSORS_OFFSET = 512  # within a slot
+MAX_TENSORS = (SLOT_SIZE - TENSORS_OFFSET) // TENSOR_SIZE  # 16 inputs + outputs
+MAX_DIMS = 8
+MAX_SIZE_CLASSES = 8
+TENSOR_ALIGN = CACHE_LINE  # every tensor starts on a cache line inside its extent
+MIN_EXTENT = PAGE
+INSTANCE_MAX = 64  # bytes of UTF-8; also bounds the /dev/shm name length
+ERROR_MESSAGE_MAX = 192
+MAX_SLOTS = 1 << 20  # sanity bound for hostile headers: 2 GiB of slot table
+MAX_WORKERS = 1024
+MAX_RING_CAPACITY = 1 << 20
+
+# Arena-wide states (header field `state`).
+ARENA_INITIALIZING, ARENA_LIVE, ARENA_STOPPING = 0, 1, 2
+ARENA_STATE_NAMES = {ARENA_INITIALIZING: "initializing", ARENA_LIVE: "live", ARENA_STOPPING: "stopping"}
+
+# Tensor roles within a slot.
+ROLE_INPUT, ROLE_OUTPUT = 1, 2
+
+# dtype codes: stable on the wire and in the arena, never renumbered.
+DTYPE_CODES: dict[str, int] = {
+    "bool": 1, "int8": 2, "uint8": 3, "int16": 4, "uint16": 5, "int32": 6, "uint32": 7,
+    "int64": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12,
+}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class LayoutError(ValueError):
+    """Arena bytes that do not describe a valid arena of this layout version."""
+
+
+def dtype_code(dtype) -> int:
+    """Return the arena code of a numpy dtype; LayoutError if it has none."""
+    name = np.dtype(dtype).name
+    try:
+        return DTYPE_CODES[name]
+    except KeyError:
+        raise LayoutError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPE_CODES)})") from None
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """Return the numpy dtype of an arena dtype code; LayoutError if unknown."""
+    try:
+        return np.dtype(DTYPE_NAMES[code])
+    except KeyError:
+        raise LayoutError(f"unknown dtype code {code}") from None
+
+
+class Record:
+    """A fixed-size little-endian record: named fields at fixed offsets.
+
+    Fields are laid out in order with natural alignment; ``offset(name)`` is the
+    byte offset atomics use, ``read`` decodes the whole record into a namedtuple
+    and ``write`` encodes the named fields.  Reads of a buffer that is too short
+    raise LayoutError.
+    """
+
+    def __init__(self, name: str, size: int, fields: Sequence[tuple[str, str]]):
+        self.name, self.size = name, size
+        self._offsets: dict[str, int] = {}
+        self._fields: dict[str, struct.Struct] = {}
+        fmt, pos = "<", 0
+        for field, code in fields:
+            st = struct.Struct("<" + code)
+            align = struct.calcsize(code[-1]) if code[-1] in "bBhHiIqQd" else 1
+            pad = (-pos) % align
+            fmt += "x" * pad
+            pos += pad
+            self._offsets[field] = pos
+            self._fields[field] = st
+            fmt += code
+            pos += st.size
+        if pos > size:
+            raise AssertionError(f"record {name} needs {pos} bytes, has {size}")
+        self._struct = struct.Struct(fmt)
+        self.tuple = namedtuple(name, list(self._offsets))
+
+    def offset(self, field: str) -> int:
+        return self._offsets[field]
+
+    def read(self, buf, base: int = 0):
+        try:
+            return self.tuple._make(self._struct.unpack_from(buf, base))
+        except struct.error as exc:
+            raise LayoutError(f"{self.name} at offset {base}: {exc}") from None
+
+    def read_field(self, buf, base: int, field: str):
+        try:
+            return self._fields[field].unpack_from(buf, base + self._offsets[field])[0]
+        except struct.error as exc:
+            raise LayoutError(f"{self.name}.{field} at offset {base}: {exc}") from None
+
+    def write(self, buf, base: int = 0, **values) -> None:
+        for field, value in values.items():
+            self._fields[field].pack_into(buf, base + self._offsets[field], value)
+
+    def pack(self, buf, base: int, *values) -> None:
+        """Write every field at once, in declaration order (array fields flattened)."""
+        self._struct.pack_into(buf, base, *values)
+
+    def unpack(self, buf, base: int = 0) -> tuple:
+        """Read every field at once as a flat tuple; struct.error if the buffer is short."""
+        return self._struct.unpack_from(buf, base)
+
+
+HEADER = Record("Header", 1024, [
+    ("magic", "8s"),
+    ("version", "I"),
+    ("header_size", "I"),
+    ("total_size", "Q"),
+    ("instance", f"{INSTANCE_MAX}s"),
+    ("boot_id", "16s"),
+    ("created_unix_ns", "Q"),
+    ("owner_pid", "I"),
+    ("state", "I"),
+    ("owner_start_ticks", "Q"),
+    ("owner_heartbeat_ns", "Q"),
+    ("max_workers", "I"),
+    ("slot_count", "I"),
+    ("worker_table_off", "Q"),
+    ("ring_table_off", "Q"),
+    ("ring_capacity", "I"),
+    ("ring_stride", "I"),
+    ("slot_table_off", "Q"),
+    ("slot_size", "I"),
+    ("n_classes", "I"),
+    ("data_off", "Q"),
+    ("data_size", "Q"),
+    # size-class table: (extent_size, extent_count, offset) x MAX_SIZE_CLASSES
+    *[(f"class{i}_{what}", "Q") for i in range(MAX_SIZE_CLASSES) for what in ("size", "count", "offset")],
+])
+
+# Statistics counters (u64 each, updated with fetch_add64) from STATS_OFFSET in
+# the header page.  Append only: an inspection tool reads them by name.
+STATS_OFFSET = 1024
+STAT_NAMES = (
+    "requests_total", "errors_total", "bytes_in", "bytes_out",
+    "slots_in_use", "extent_bytes_in_use",
+)
+STAT_OFFSETS = {name: STATS_OFFSET + 8 * i for i, name in enumerate(STAT_NAMES)}
+
+WORKER = Record("Worker", WORKER_SIZE, [
+    ("pid", "I"),
+    ("state", "I"),
+    ("restarts", "I"),
+    ("incarnation", "I"),
+    ("heartbeat_ns", "Q"),
+    ("requests", "Q"),
+    ("errors", "Q"),
+    ("device", "16s"),
+    ("name", "48s"),
+])
+# Worker states (worker table field `state`).
+WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4
+WORKER_STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "stopping", 4: "dead"}
+
+RING_TAIL, RING_HEAD, RING_SEQ, RING_WAITERS = 0, CACHE_LINE, 2 * CACHE_LINE, 2 * CACHE_LINE + 4
+
+SLOT = Record("Slot", TENSORS_OFFSET, [
+    ("status", "Q"),
+    ("request_id", "Q"),
+    ("model_id", "I"),
+    ("worker", "I"),
+    ("n_inputs", "H"),
+    ("n_outputs", "H"),
+    ("flags", "I"),
+    ("extent_off", "Q"),
+    ("extent_size", "Q"),
+    ("error_code", "I"),
+    ("error_len", "I"),
+    ("error_msg", f"{ERROR_MESSAGE_MAX}s"),
+    # monotonic-clock nanoseconds per stage (0 = not reached)
+    ("t_acquired", "Q"),
+    ("t_ready", "Q"),
+    ("t_claimed", "Q"),
+    ("t_compute_start", "Q"),
+    ("t_compute_end", "Q"),
+    ("t_done", "Q"),
+])
+STAGE_FIELDS = ("t_acquired", "t_ready", "t_claimed", "t_compute_start", "t_compute_end", "t_done")
+
+TENSOR = Record("Tensor", TENSOR_SIZE, [
+    ("dtype", "B"),
+    ("ndim", "B"),
+    ("role", "B"),
+    ("name_index", "B"),
+    ("reserved", "I"),
+    ("offset", "Q"),
+    ("nbytes", "Q"),
+    ("shape", f"{MAX_DIMS}q"),
+])
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def class_alignment(extent_size: int) -> int:
+    """Alignment of extents of one size class: 2 MiB from 2 MiB up, else 4 KiB."""
+    return HUGE_PAGE if extent_size >= HUGE_PAGE else PAGE
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    extent_size: int
+    extent_count: int
+    offset: int = 0  # absolute arena offset of the first extent
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.extent_size * self.extent_count
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where every region of an arena lives.  Built by ``plan`` or ``decode_header``."""
+
+    total_size: int
+    max_workers: int
+    slot_count: int
+    ring_capacity: int
+    ring_stride: int
+    worker_table_off: int
+    ring_table_off: int
+    slot_table_off: int
+    data_off: int
+    data_size: int
+    classes: tuple[SizeClass, ...]
+
+    def worker_off(self, index: int) -> int:
+        if not 0 <= index < self.max_workers:
+            raise LayoutError(f"worker index {index} out of range 0..{self.max_workers - 1}")
+        return self.worker_table_off + index * WORKER_SIZE
+
+    def ring_off(self, worker: int, completion: bool) -> int:
+        if not 0 <= worker < self.max_workers:
+            raise LayoutError(f"worker index {worker} out of range 0..{self.max_workers - 1}")
+        return self.ring_table_off + (2 * worker + int(completion)) * self.ring_stride
+
+    def slot_off(self, index: int) -> int:
+        if not 0 <= index < self.slot_count:
+            raise LayoutError(f"slot index {index} out of range 0..{self.slot_count - 1}")
+        return self.slot_table_off + index * SLOT_SIZE
+
+    def tensor_off(self, slot_index: int, tensor_index: int) -> int:
+        if not 0 <= tensor_index < MAX_TENSORS:
+            raise LayoutError(f"tensor index {tensor_index} out of range 0..{MAX_TENSORS - 1}")
+        return self.slot_off(slot_index) + TENSORS_OFFSET + tensor_index * TENSOR_SIZE
+
+    def contains_data(self, offset: int, nbytes: int) -> bool:
+        """True if [offset, offset+nbytes) lies inside the data region."""
+        return self.data_off <= offset and nbytes >= 0 and offset + nbytes <= self.data_off + self.data_size
+
+    def extent_class(self, offset: int, size: int) -> int:
+        """Index of the size class holding exactly the extent [offset, offset+size); LayoutError otherwise."""
+        for i, cls in enumerate(self.classes):
+            if cls.offset <= offset < cls.end:
+                if size != cls.extent_size or (offset - cls.offset) % cls.extent_size:
+                    break
+                return i
+        raise LayoutError(f"[{offset}, +{size}) is not an extent of this arena")
+
+
+def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_workers: int,
+         ring_capacity: int) -> Geometry:
+    """Compute the geometry of a new arena.
+
+    ``size_classes`` is a sequence of ``(extent_size, extent_count)``; sizes are
+    rounded up to 4 KiB.  ``ring_capacity`` must be a power of two at least
+    ``slot_count`` so a ring can never overflow.  Raises ValueError on
+    impossible parameters.
+    """
+    if not 1 <= slot_count <= MAX_SLOTS:
+        raise ValueError(f"slot_count must be in 1..{MAX_SLOTS}")
+    if not 1 <= max_workers <= MAX_WORKERS:
+        raise ValueError(f"max_workers must be in 1..{MAX_WORKERS}")
+    if ring_capacity < 1 or ring_capacity & (ring_capacity - 1) or ring_capacity > MAX_RING_CAPACITY:
+        raise ValueError(f"ring_capacity must be a power of two up to {MAX_RING_CAPACITY}")
+    if not 1 <= len(size_classes) <= MAX_SIZE_CLASSES:
+        raise ValueError(f"between 1 and {MAX_SIZE_CLASSES} size classes")
+    ring_stride = _align(RING_ENTRIES_OFFSET + 8 * ring_capacity, CACHE_LINE)
+    worker_table_off = HEADER_SIZE
+    ring_table_off = _align(worker_table_off + max_workers * WORKER_SIZE, CACHE_LINE)
+    slot_table_off = _align(ring_table_off + 2 * max_workers * ring_stride, PAGE)
+    data_off = _align(slot_table_off + slot_count * SLOT_SIZE, HUGE_PAGE)
+    pos, classes = data_off, []
+    for size, count in sorted(size_classes):
+        if size < 1 or count < 1:
+            raise ValueError(f"size class ({size}, {count}): size and count must be positive")
+        size = _align(size, class_alignment(size))
+        pos = _align(pos, class_alignment(size))
+        classes.append(SizeClass(size, count, pos))
+        pos += size * count
+    total = _align(pos, PAGE)
+    return Geometry(total, max_workers, slot_count, ring_capacity, ring_stride, worker_table_off,
+                    ring_table_off, slot_table_off, data_off, total - data_off, tuple(classes))
+
+
+def encode_header(buf, geometry: Geometry, *, instance: str, boot_id: bytes, created_unix_ns: int,
+                  owner_pid: int, owner_start_ticks: int) -> None:
+    """Write a fresh header (state INITIALIZING) for ``geometry`` into ``buf``."""
+    name = instance.encode()
+    if len(name) > INSTANCE_MAX:
+        raise ValueError(f"instance name longer than {INSTANCE_MAX} bytes")
+    fields = dict(
+        magic=MAGIC, version=LAYOUT_VERSION, header_size=HEADER_SIZE, total_size=geometry.total_size,
+        instance=name, boot_id=boot_id, created_unix_ns=created_unix_ns, owner_pid=owner_pid,
+        state=ARENA_INITIALIZING, owner_start_ticks=owner_start_ticks, owner_heartbeat_ns=0,
+        max_workers=geometry.max_workers, slot_count=geometry.slot_count,
+        worker_table_off=geometry.worker_table_off, ring_table_off=geometry.ring_table_off,
+        ring_capacity=geometry.ring_capacity, ring_stride=geometry.ring_stride,
+        slot_table_off=geometry.slot_table_off, slot_size=SLOT_SIZE, n_classes=len(geometry.classes),
+        data_off=geometry.data_off, data_size=geometry.data_size,
+    )
+    for i in range(MAX_SIZE_CLASSES):
+        cls = geometry.classes[i] if i < len(geometry.classes) else SizeClass(0, 0, 0)
+        fields.update({f"class{i}_size": cls.extent_size, f"class{i}_count": cls.extent_count,
+                       f"class{i}_offset": cls.offset})
+    HEADER.write(buf, 0, **fields)
+
+
+@dataclass(frozen=True)
+class HeaderInfo:
+    """The identity part of a decoded header, plus its geometry."""
+
+    instance: str
+    boot_id: bytes
+    created_unix_ns: int
+    owner_pid: int
+    owner_start_ticks: int
+    owner_heartbeat_ns: int
+    state: int
+    geometry: Geometry
+
+
+def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
+    """Decode and validate the header of an arena of ``buffer_size`` bytes.
+
+    Checks magic, version, sizes, that every region lies inside the buffer in
+    order without overlapping, and that the geometry equals what ``plan``
+    would compute from the same parameters (so no offset can be forged).
+    Raises LayoutError describing the first inconsistency.
+    """
+    size = len(buf) if buffer_size is None else buffer_size
+    if size < HEADER_SIZE:
+        raise LayoutError(f"segment is {size} bytes, smaller than an arena header ({HEADER_SIZE})")
+    h = HEADER.read(buf, 0)
+    if h.magic != MAGIC:
+        raise LayoutError(f"bad magic {h.magic!r}: not a shmserve arena")
+    if h.version != LAYOUT_VERSION:
+        raise LayoutError(f"arena layout version {h.version}, this shmserve reads version {LAYOUT_VERSION}")
+    if h.header_size != HEADER_SIZE or h.slot_size != SLOT_SIZE:
+        raise LayoutError("header or slot size differs from this layout version")
+    if h.total_size != size:
+        raise LayoutError(f"header says {h.total_size} bytes, segment has {size}")
+    if h.state not in ARENA_STATE_NAMES:
+        raise LayoutError(f"unknown arena state {h.state}")
+    if not 1 <= h.n_classes <= MAX_SIZE_CLASSES:
+        raise LayoutError(f"size-class count {h.n_classes} out of range")
+    try:
+        instance = h.instance.rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise LayoutError("instance name is not UTF-8") from None
+    classes = [(getattr(h, f"class{i}_size"), getattr(h, f"class{i}_count")) for i in range(h.n_classes)]
+    try:
+        expected = plan(slot_count=h.slot_count, size_classes=classes, max_workers=h.max_workers,
+                        ring_capacity=h.ring_capacity)
+    except ValueError as exc:
+        raise LayoutError(f"impossible geometry: {exc}") from None
+    actual = Geometry(
+        h.total_size, h.max_workers, h.slot_count, h.ring_capacity, h.ring_stride, h.worker_table_off,
+        h.ring_table_off, h.slot_table_off, h.data_off, h.data_size,
+        tuple(SizeClass(getattr(h, f"class{i}_size"), getattr(h, f"class{i}_count"),
+                        getattr(h, f"class{i}_offset")) for i in range(h.n_classes)))
+    if actual != expected:
+        raise LayoutError("region offsets do not match the layout computed from the header's sizes")
+    return HeaderInfo(instance, h.boot_id, h.created_unix_ns, h.owner_pid, h.owner_start_ticks,
+                      h.owner_heartbeat_ns, h.state, actual)
+
+
+# ---------------------------------------------------------------------------
+# Slot status word: generation << 32 | state.  One 64-bit word so that a CAS
+# checks both at once: a stale handle (old generation) can never move a slot.
+
+def pack_status(generation: int, state: int) -> int:
+    return ((generation & 0xFFFFFFFF) << 32) | (state & 0xFFFFFFFF)
+
+
+def unpack_status(word: int) -> tuple[int, int]:
+    """Return (generation, state) of a status word."""
+    return word >> 32, word & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """One tensor of a slot, validated against the arena."""
+
+    role: int
+    name_index: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def encode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int, *, role: int,
+                  name_index: int, dtype, shape: Sequence[int], offset: int) -> int:
+    """Write one tensor descriptor; returns its nbytes.  ValueError on bad shapes."""
+    if len(shape) > MAX_DIMS:
+        raise LayoutError(f"rank {len(shape)} exceeds the maximum of {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise LayoutError(f"negative dimension in shape {tuple(shape)}")
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
+    dims = list(shape) + [0] * (MAX_DIMS - len(shape))
+    TENSOR.pack(buf, geometry.tensor_off(slot_index, tensor_index),
+                dtype_code(dt), len(shape), role, name_index, 0, offset, nbytes, *dims)
+    return nbytes
+
+
+def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int) -> TensorDesc:
+    """Read and validate one tensor descriptor: LayoutError if anything is out of bounds."""
+    base = geometry.tensor_off(slot_index, tensor_index)
+    try:
+        code, ndim, role, name_index, _, offset, nbytes, *dims = TENSOR.unpack(buf, base)
+    except struct.error as exc:
+        raise LayoutError(f"tensor descriptor at {base}: {exc}") from None
+    dtype = dtype_from_code(code)
+    if ndim > MAX_DIMS:
+        raise LayoutError(f"tensor rank {ndim} exceeds {MAX_DIMS}")
+    if role not in (ROLE_INPUT, ROLE_OUTPUT):
+        raise LayoutError(f"unknown tensor role {role}")
+    shape = tuple(dims[:ndim])
+    if any(d < 0 for d in shape):
+        raise LayoutError(f"negative dimension in shape {shape}")
+    expected = dtype.itemsize
+    for d in shape:
+        expected *= d
+    if expected != nbytes:
+        raise LayoutError(f"shape {shape} of {dtype.name} is {expected} bytes, descriptor says {nbytes}")
+    if offset % TENSOR_ALIGN:
+        raise LayoutError(f"tensor offset {offset} is not {TENSOR_ALIGN}-byte aligned")
+    if not geometry.contains_data(offset, nbytes):
+        raise LayoutError(f"tensor [{offset}, +{nbytes}) lies outside the data region")
+    return TensorDesc(role, name_index, dtype, shape, offset, nbytes)
+
+
+def decode_error(buf, geometry: Geometry, slot_index: int) -> tuple[int, str]:
+    """Return (error_code, message) of a slot; the message is bounded and decoded leniently."""
+    base = geometry.slot_off(slot_index)
+    code = SLOT.read_field(buf, base, "error_code")
+    length = min(SLOT.read_field(buf, base, "error_len"), ERROR_MESSAGE_MAX)
+    raw = SLOT.read_field(buf, base, "error_msg")[:length]
+    return code, raw.decode("utf-8", "replace")
+
+
+def encode_error(buf, geometry: Geometry, slot_index: int, code: int, message: str) -> None:
+    """Write an error code and message (truncated to ERROR_MESSAGE_MAX bytes on a UTF-8 boundary)."""
+    raw = message.encode()[:ERROR_MESSAGE_MAX].decode("utf-8", "ignore").encode()
+    SLOT.write(buf, geometry.slot_off(slot_index), error_code=code, error_len=len(raw), error_msg=raw)

@@ -1,0 +1,94 @@
+"""The slot state machine: states, the one transition table, and who may take each edge.
+
+Owns: the meaning of the ``state`` half of a slot's status word.  The arena
+module applies transitions with a compare-and-swap on the whole status word
+(generation and state), the front-end and workers request them, and the
+inspection tool names states through this table.
+
+Must not: touch memory.  It is pure data and a check.
+
+Rules
+-----
+====================  ==========  ==========================================
+from -> to            actor       when
+====================  ==========  ==========================================
+FREE    -> WRITING    front-end   acquire; the generation is incremented
+WRITING -> READY      front-end   inputs written, queued on a worker's ring
+WRITING -> FREE       front-end   abandoned before submission (bad input,
+                                  client gone during upload)
+READY   -> RUNNING    worker      claimed from the submission ring
+READY   -> ERROR      front-end   failed while queued (worker died, timeout,
+                                  shutdown)
+RUNNING -> DONE       worker      outputs written (GPU: stream synchronized)
+RUNNING -> ERROR      worker      the backend failed on this request
+RUNNING -> ERROR      front-end   only once the claiming worker is dead
+DONE    -> FREE       front-end   response delivered / client released it
+ERROR   -> FREE       front-end   error delivered / nobody left to tell
+====================  ==========  ==========================================
+
+A RUNNING slot is never taken away from a live worker: a request that times
+out while RUNNING is answered with a timeout error, and its slot is freed when
+the worker publishes DONE or ERROR.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+    RUNNING = 3
+    DONE = 4
+    ERROR = 5
+
+
+class Actor(enum.Enum):
+    FRONTEND = "front-end"
+    WORKER = "worker"
+
+
+class IllegalTransition(RuntimeError):
+    """A transition the table does not allow: a bug in the caller, not bad input."""
+
+
+S, A = SlotState, Actor
+TRANSITIONS: dict[tuple[SlotState, SlotState], frozenset[Actor]] = {
+    (S.FREE, S.WRITING): frozenset({A.FRONTEND}),
+    (S.WRITING, S.READY): frozenset({A.FRONTEND}),
+    (S.WRITING, S.FREE): frozenset({A.FRONTEND}),
+    (S.READY, S.RUNNING): frozenset({A.WORKER}),
+    (S.READY, S.ERROR): frozenset({A.FRONTEND}),
+    (S.RUNNING, S.DONE): frozenset({A.WORKER}),
+    (S.RUNNING, S.ERROR): frozenset({A.WORKER, A.FRONTEND}),
+    (S.DONE, S.FREE): frozenset({A.FRONTEND}),
+    (S.ERROR, S.FREE): frozenset({A.FRONTEND}),
+}
+del S, A
+
+# Terminal states: the worker is done with the slot and its outputs (or error) are readable.
+FINISHED = frozenset({SlotState.DONE, SlotState.ERROR})
+
+
+def check_transition(frm: int, to: int, actor: Actor) -> None:
+    """Raise IllegalTransition unless ``actor`` may move a slot from ``frm`` to ``to``."""
+    try:
+        edge = (SlotState(frm), SlotState(to))
+    except ValueError:
+        raise IllegalTransition(f"unknown slot state in {frm} -> {to}") from None
+    allowed = TRANSITIONS.get(edge)
+    if allowed is None:
+        raise IllegalTransition(f"slot transition {edge[0].name} -> {edge[1].name} is not allowed")
+    if actor not in allowed:
+        raise IllegalTransition(
+            f"slot transition {edge[0].name} -> {edge[1].name} is not the {actor.value}'s to make")
+
+
+def state_name(state: int) -> str:
+    """Name of a state value, or 'INVALID(n)' for a value outside the table (hostile arenas)."""
+    try:
+        return SlotState(state).name
+    except ValueError:
+        return f"INVALID({state})"
