@@ -19,7 +19,7 @@
  * Contract: every call checks that `off` is a non-negative int, that the word
  * lies wholly inside the buffer and that its absolute address is naturally
  * aligned; it raises ValueError/TypeError/OverflowError otherwise.  Stores,
- * CAS and fetch-add need a writable buffer (TypeError/BufferError if not);
+ * CAS, exchange and fetch-add need a writable buffer (TypeError if not);
  * loads and futex calls accept read-only ones (the inspection tool maps
  * arenas read-only).  No argument can crash the interpreter.
  *
@@ -76,7 +76,24 @@ word_at(PyObject *obj, PyObject *off_obj, Py_ssize_t width, int writable, Py_buf
     }
     int flags = PyBUF_SIMPLE | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) != 0) {
-        return NULL; /* TypeError or BufferError set by the exporter */
+        /* Exporters disagree on how they refuse writes (BufferError, ValueError):
+         * if a read-only export would work, callers get one TypeError. */
+        if (writable && PyObject_CheckBuffer(obj)) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) == 0) {
+                PyBuffer_Release(view);
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+                PyErr_Format(PyExc_TypeError, "cannot write: the %.100s buffer is read-only",
+                             Py_TYPE(obj)->tp_name);
+            } else {
+                PyErr_Clear();
+                PyErr_Restore(type, value, tb);
+            }
+        }
+        return NULL;
     }
     if (off < 0 || off > view->len - width) {
         PyErr_Format(PyExc_ValueError,

@@ -355,11 +355,11 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
     ring_table_off = _align(worker_table_off + max_workers * WORKER_SIZE, CACHE_LINE)
     slot_table_off = _align(ring_table_off + 2 * max_workers * ring_stride, PAGE)
     data_off = _align(slot_table_off + slot_count * SLOT_SIZE, HUGE_PAGE)
-    pos, classes = data_off, []
-    for size, count in sorted(size_classes):
+    for size, count in size_classes:
         if size < 1 or count < 1:
             raise ValueError(f"size class ({size}, {count}): size and count must be positive")
-        size = _align(size, class_alignment(size))
+    pos, classes = data_off, []
+    for size, count in sorted((_align(size, class_alignment(size)), count) for size, count in size_classes):
         pos = _align(pos, class_alignment(size))
         classes.append(SizeClass(size, count, pos))
         pos += size * count

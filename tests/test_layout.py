@@ -1,0 +1,194 @@
+"""The layout module: geometry, encode/decode round trips, and hostile bytes (errors, never crashes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from shmserve import layout
+from shmserve.layout import LayoutError
+
+size_classes = st.lists(st.tuples(st.integers(1, 4 * 1024 * 1024), st.integers(1, 8)), min_size=1,
+                        max_size=layout.MAX_SIZE_CLASSES)
+geometries = st.builds(
+    lambda slots, classes, workers, ring_shift: layout.plan(
+        slot_count=slots, size_classes=classes, max_workers=workers,
+        ring_capacity=1 << max(ring_shift, (slots - 1).bit_length())),
+    st.integers(1, 300), size_classes, st.integers(1, 16), st.integers(0, 10))
+
+
+def make_header(geometry: layout.Geometry, instance="inst") -> bytearray:
+    buf = bytearray(layout.HEADER_SIZE)
+    layout.encode_header(buf, geometry, instance=instance, boot_id=b"b" * 16, created_unix_ns=123,
+                         owner_pid=4242, owner_start_ticks=99)
+    return buf
+
+
+def test_geometry_regions_are_ordered_aligned_and_disjoint():
+    g = layout.plan(slot_count=100, size_classes=[(3333, 5), (5 * 1024 * 1024, 2), (4096, 1)],
+                    max_workers=3, ring_capacity=128)
+    assert g.worker_table_off == layout.HEADER_SIZE
+    assert g.ring_table_off >= g.worker_table_off + 3 * layout.WORKER_SIZE
+    assert g.slot_table_off >= g.ring_table_off + 6 * g.ring_stride
+    assert g.slot_table_off % layout.PAGE == 0
+    assert g.data_off >= g.slot_table_off + 100 * layout.SLOT_SIZE
+    assert g.data_off % layout.HUGE_PAGE == 0
+    sizes = [c.extent_size for c in g.classes]
+    assert sizes == sorted(sizes) == [4096, 4096, 6 * 1024 * 1024]  # 3333 rounds up to a page, 5 MiB to 2 MiB
+    for c in g.classes:
+        assert c.offset % layout.class_alignment(c.extent_size) == 0
+        assert c.extent_size % layout.class_alignment(c.extent_size) == 0
+    for a, b in zip(g.classes, g.classes[1:]):
+        assert a.end <= b.offset
+    assert g.classes[-1].end <= g.total_size == g.data_off + g.data_size
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(slot_count=0), dict(max_workers=0), dict(ring_capacity=3), dict(size_classes=[]),
+    dict(size_classes=[(0, 1)]), dict(size_classes=[(4096, 0)]), dict(size_classes=[(4096, 1)] * 9),
+])
+def test_plan_rejects_impossible_parameters(kwargs):
+    params = dict(slot_count=4, size_classes=[(4096, 1)], max_workers=1, ring_capacity=4) | kwargs
+    with pytest.raises(ValueError):
+        layout.plan(**params)
+
+
+@given(geometries)
+@settings(max_examples=200)
+def test_header_roundtrip(geometry):
+    buf = make_header(geometry)
+    info = layout.decode_header(buf, geometry.total_size)
+    assert info.geometry == geometry
+    assert (info.instance, info.owner_pid, info.owner_start_ticks) == ("inst", 4242, 99)
+    assert info.state == layout.ARENA_INITIALIZING
+
+
+@given(st.binary(min_size=0, max_size=layout.HEADER_SIZE), st.integers(0, 2**40))
+@settings(max_examples=300)
+def test_random_header_bytes_raise_layout_error_only(data, size):
+    data = data.ljust(layout.HEADER_SIZE, b"\0") if len(data) > 8 and data[:8] == layout.MAGIC else data
+    try:
+        layout.decode_header(data, size)
+    except LayoutError:
+        pass
+
+
+@given(geometries, st.data())
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_mutated_valid_header_is_rejected_or_still_consistent(geometry, data):
+    buf = make_header(geometry)
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, 1023))
+        buf[pos] = data.draw(st.integers(0, 255))
+    try:
+        info = layout.decode_header(buf, geometry.total_size)
+    except LayoutError:
+        return
+    g = info.geometry  # whatever survived must still lie inside the segment, in order
+    assert g.total_size == geometry.total_size
+    assert g.worker_table_off < g.ring_table_off <= g.slot_table_off < g.data_off <= g.total_size
+    assert all(g.data_off <= c.offset and c.end <= g.total_size for c in g.classes)
+
+
+def test_specific_corruptions_are_named():
+    g = layout.plan(slot_count=4, size_classes=[(4096, 2)], max_workers=1, ring_capacity=4)
+    good = make_header(g)
+    cases = {
+        "magic": ("magic", b"NOTSHMSV"),
+        "version": ("version", 99),
+        "offsets": ("data_off", g.data_off + 4096),
+        "size-class": ("n_classes", 0),
+        "state": ("state", 17),
+    }
+    for what, (field, value) in cases.items():
+        buf = bytearray(good)
+        layout.HEADER.write(buf, 0, **{field: value})
+        with pytest.raises(LayoutError):
+            layout.decode_header(buf, g.total_size)
+    with pytest.raises(LayoutError, match="segment has"):
+        layout.decode_header(good, g.total_size + 4096)
+    with pytest.raises(LayoutError, match="smaller than"):
+        layout.decode_header(good[:100])
+
+
+def test_status_word_packs_generation_and_state():
+    word = layout.pack_status(7, 3)
+    assert layout.unpack_status(word) == (7, 3)
+    assert layout.unpack_status(layout.pack_status(2**32 + 5, 1)) == (5, 1)  # generation wraps
+
+
+@pytest.fixture(scope="module")
+def small_arena_buf():
+    g = layout.plan(slot_count=2, size_classes=[(4096, 2)], max_workers=1, ring_capacity=2)
+    buf = bytearray(g.total_size)
+    layout.encode_header(buf, g, instance="x", boot_id=b"\0" * 16, created_unix_ns=0, owner_pid=1,
+                         owner_start_ticks=0)
+    return g, buf
+
+
+def test_tensor_roundtrip(small_arena_buf):
+    g, buf = small_arena_buf
+    off = g.classes[0].offset + 64
+    nbytes = layout.encode_tensor(buf, g, 1, 3, role=layout.ROLE_INPUT, name_index=2, dtype="float32",
+                                  shape=(2, 3, 4), offset=off)
+    assert nbytes == 96
+    t = layout.decode_tensor(buf, g, 1, 3)
+    assert (t.dtype, t.shape, t.offset, t.nbytes, t.role, t.name_index) == (
+        np.dtype("float32"), (2, 3, 4), off, 96, layout.ROLE_INPUT, 2)
+    layout.encode_tensor(buf, g, 0, 0, role=layout.ROLE_OUTPUT, name_index=0, dtype=np.int8, shape=(),
+                         offset=off)
+    assert layout.decode_tensor(buf, g, 0, 0).shape == ()
+
+
+@given(st.binary(min_size=layout.TENSOR_SIZE, max_size=layout.TENSOR_SIZE))
+@settings(max_examples=500)
+def test_hostile_tensor_descriptors_never_escape_the_data_region(small_arena_buf, raw):
+    g, buf = small_arena_buf
+    base = g.tensor_off(0, 5)
+    buf[base:base + layout.TENSOR_SIZE] = raw
+    try:
+        t = layout.decode_tensor(buf, g, 0, 5)
+    except LayoutError:
+        return
+    assert g.data_off <= t.offset and t.offset + t.nbytes <= g.data_off + g.data_size
+    assert t.nbytes == t.dtype.itemsize * int(np.prod(t.shape, dtype=object))
+
+
+@given(st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**64 - 1), st.sampled_from(list(layout.DTYPE_CODES)))
+def test_forged_offsets_are_rejected(small_arena_buf, dim, offset, dtype):
+    g, buf = small_arena_buf
+    base = g.tensor_off(1, 0)
+    layout.TENSOR.pack(buf, base, layout.DTYPE_CODES[dtype], 1, layout.ROLE_INPUT, 0, 0, offset,
+                       max(dim, 0) * np.dtype(dtype).itemsize % 2**64, dim, *[0] * 7)
+    try:
+        t = layout.decode_tensor(buf, g, 1, 0)
+    except LayoutError:
+        return
+    assume(t is not None)
+    assert g.contains_data(t.offset, t.nbytes)
+
+
+def test_index_bounds():
+    g = layout.plan(slot_count=2, size_classes=[(4096, 1)], max_workers=1, ring_capacity=2)
+    for call in (lambda: g.slot_off(2), lambda: g.slot_off(-1), lambda: g.worker_off(1),
+                 lambda: g.ring_off(1, False), lambda: g.tensor_off(0, layout.MAX_TENSORS)):
+        with pytest.raises(LayoutError):
+            call()
+
+
+def test_error_message_truncates_on_a_character_boundary(small_arena_buf):
+    g, buf = small_arena_buf
+    layout.encode_error(buf, g, 0, 42, "é" * 200)
+    code, message = layout.decode_error(buf, g, 0)
+    assert code == 42 and message == "é" * (layout.ERROR_MESSAGE_MAX // 2)
+    layout.SLOT.write(buf, g.slot_off(0), error_len=2**32 - 1)  # hostile length
+    assert len(layout.decode_error(buf, g, 0)[1]) <= layout.ERROR_MESSAGE_MAX
+
+
+def test_unsupported_dtype():
+    with pytest.raises(LayoutError, match="not supported"):
+        layout.dtype_code(np.complex64)
+    with pytest.raises(LayoutError):
+        layout.dtype_from_code(250)

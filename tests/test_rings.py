@@ -1,0 +1,140 @@
+"""SPSC rings and both doorbells, in one process and across real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmserve.arena import Arena
+from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, drain_eventfd, new_eventfd
+
+PEER = str(Path(__file__).parent / "helpers" / "ring_peer.py")
+ARENA = dict(slot_count=16, max_workers=1, size_classes=[(4096, 1)])
+
+
+@pytest.fixture
+def arena(instance_name):
+    with Arena.create(instance_name(), **ARENA) as a:
+        yield a
+
+
+def test_push_pop_order_full_and_empty(arena):
+    ring = Ring.of_worker(arena, 0, completion=False)
+    assert ring.capacity == 16 and ring.empty() and ring.pop() is None
+    for i in range(16):
+        assert ring.push(i + 100)
+    assert not ring.push(999) and len(ring) == 16
+    assert [ring.pop() for _ in range(3)] == [100, 101, 102]
+    assert ring.push(2**64 - 1)  # wraps around the entry array
+    assert ring.pop_all() == list(range(103, 116)) + [2**64 - 1]
+    assert ring.empty() and ring.pop_all() == []
+    for _ in range(40):  # indices keep growing across many wraps
+        ring.push(1)
+        assert ring.pop() == 1
+
+
+def test_discard_drops_pending_entries(arena):
+    ring = Ring.of_worker(arena, 0, completion=True)
+    for i in range(5):
+        ring.push(i)
+    assert ring.discard() == 5 and ring.empty()
+
+
+def test_rings_of_different_workers_do_not_overlap(instance_name):
+    with Arena.create(instance_name(), slot_count=4, max_workers=3, size_classes=[(4096, 1)]) as a:
+        rings = [Ring.of_worker(a, w, c) for w in range(3) for c in (False, True)]
+        for i, ring in enumerate(rings):
+            ring.push(i)
+        assert [ring.pop() for ring in rings] == list(range(6))
+
+
+def test_waits_time_out_and_return_at_once_when_non_empty(arena):
+    ring = Ring.of_worker(arena, 0, completion=False)
+    for bell in (FutexDoorbell(ring), EventfdDoorbell(ring, new_eventfd())):
+        t0 = time.monotonic()
+        assert bell.wait(timeout=0.05) is False
+        assert bell.wait(timeout=0.02, spin=0.01) is False
+        assert time.monotonic() - t0 >= 0.06
+        ring.push(1)
+        assert bell.wait(timeout=5) is True
+        ring.pop()
+        if isinstance(bell, EventfdDoorbell):
+            os.close(bell.fd)
+
+
+def _start_peer(instance, kind, fd=None, spin=0.0):
+    args = [sys.executable, PEER, instance, kind, str(fd if fd is not None else -1), str(spin)]
+    return subprocess.Popen(args, pass_fds=() if fd is None else (fd,))
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.0005])
+def test_futex_round_trips_across_processes(arena, spin):
+    submissions = Ring.of_worker(arena, 0, completion=False)
+    completions = Ring.of_worker(arena, 0, completion=True)
+    to_peer, from_peer = FutexDoorbell(submissions), FutexDoorbell(completions)
+    peer = _start_peer(arena.instance, "futex", spin=spin)
+    try:
+        for i in range(1, 2001):
+            assert submissions.push(i)
+            to_peer.notify()
+            assert from_peer.wait(timeout=10, spin=spin), f"lost wake-up at round {i}"
+            assert completions.pop() == i + 1
+        submissions.push(0)
+        to_peer.notify()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
+def test_eventfd_completions_wake_an_asyncio_loop(arena):
+    submissions = Ring.of_worker(arena, 0, completion=False)
+    completions = Ring.of_worker(arena, 0, completion=True)
+    fd = new_eventfd()
+    bell = EventfdDoorbell(completions, fd)
+    peer = _start_peer(arena.instance, "eventfd", fd=fd)
+    received: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def on_readable():
+            drain_eventfd(fd)
+            wake.set()
+
+        loop.add_reader(fd, on_readable)
+        try:
+            for i in range(1, 501):
+                submissions.push(i)
+                FutexDoorbell(submissions).notify()
+                while True:
+                    got = completions.pop_all()
+                    if got:
+                        received.extend(got)
+                        break
+                    if bell.arm():  # something arrived between drain and arm
+                        continue
+                    wake.clear()
+                    await asyncio.wait_for(wake.wait(), timeout=10)
+        finally:
+            loop.remove_reader(fd)
+
+    try:
+        asyncio.run(main())
+        submissions.push(0)
+        FutexDoorbell(submissions).notify()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        os.close(fd)
+    assert received == [i + 1 for i in range(1, 501)]
