@@ -36,7 +36,9 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
                       |   +8    request id, model id, worker, counts, flags,  |
                       |         error code + message, stage timestamps        |
                       |   +512  MAX_TENSORS x TENSOR (96 B): dtype, ndim,     |
-                      |         role, name index, shape[8], offset, nbytes    |
+                      |         role, name index, region, offset, nbytes,     |
+                      |         shape[8]; region 0 = this arena's data region,|
+                      |         r > 0 = client region shmserve.<inst>.r<r>     |
     data_off          +-------------------------------------------------------+
      (2 MiB aligned)  | data region: size classes one after the other; each   |
                       | class is extent_count extents of extent_size bytes,   |
@@ -236,8 +238,11 @@ SLOT = Record("Slot", TENSORS_OFFSET, [
     ("n_inputs", "H"),
     ("n_outputs", "H"),
     ("flags", "I"),
-    ("extent_off", "Q"),
-    ("extent_size", "Q"),
+    # where the worker writes outputs: region 0 is the arena's data region,
+    # region r > 0 a client's region segment (shmserve.<instance>.r<r>)
+    ("out_region", "I"),
+    ("out_off", "Q"),
+    ("out_capacity", "Q"),
     ("error_code", "I"),
     ("error_len", "I"),
     ("error_msg", f"{ERROR_MESSAGE_MAX}s"),
@@ -256,7 +261,7 @@ TENSOR = Record("Tensor", TENSOR_SIZE, [
     ("ndim", "B"),
     ("role", "B"),
     ("name_index", "B"),
-    ("reserved", "I"),
+    ("region", "I"),
     ("offset", "Q"),
     ("nbytes", "Q"),
     ("shape", f"{MAX_DIMS}q"),
@@ -465,18 +470,19 @@ def unpack_status(word: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorDesc:
-    """One tensor of a slot, validated against the arena."""
+    """One tensor of a slot, validated against the space it lies in."""
 
     role: int
     name_index: int
     dtype: np.dtype
     shape: tuple[int, ...]
-    offset: int
+    offset: int  # within its region (region 0: absolute arena offset)
     nbytes: int
+    region: int = 0
 
 
 def encode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int, *, role: int,
-                  name_index: int, dtype, shape: Sequence[int], offset: int) -> int:
+                  name_index: int, dtype, shape: Sequence[int], offset: int, region: int = 0) -> int:
     """Write one tensor descriptor; returns its nbytes.  ValueError on bad shapes."""
     if len(shape) > MAX_DIMS:
         raise LayoutError(f"rank {len(shape)} exceeds the maximum of {MAX_DIMS}")
@@ -486,15 +492,21 @@ def encode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int, *
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     TENSOR.pack(buf, geometry.tensor_off(slot_index, tensor_index),
-                dtype_code(dt), len(shape), role, name_index, 0, offset, nbytes, *dims)
+                dtype_code(dt), len(shape), role, name_index, region, offset, nbytes, *dims)
     return nbytes
 
 
-def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int) -> TensorDesc:
-    """Read and validate one tensor descriptor: LayoutError if anything is out of bounds."""
+def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int,
+                  region_sizes=None) -> TensorDesc:
+    """Read and validate one tensor descriptor: LayoutError if anything is out of bounds.
+
+    Region 0 is checked against the arena's data region; region r > 0 against
+    ``region_sizes[r]`` (a mapping of region id to size in bytes; an id not
+    in it is an error).
+    """
     base = geometry.tensor_off(slot_index, tensor_index)
     try:
-        code, ndim, role, name_index, _, offset, nbytes, *dims = TENSOR.unpack(buf, base)
+        code, ndim, role, name_index, region, offset, nbytes, *dims = TENSOR.unpack(buf, base)
     except struct.error as exc:
         raise LayoutError(f"tensor descriptor at {base}: {exc}") from None
     dtype = dtype_from_code(code)
@@ -512,9 +524,21 @@ def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int) -
         raise LayoutError(f"shape {shape} of {dtype.name} is {expected} bytes, descriptor says {nbytes}")
     if offset % TENSOR_ALIGN:
         raise LayoutError(f"tensor offset {offset} is not {TENSOR_ALIGN}-byte aligned")
-    if not geometry.contains_data(offset, nbytes):
-        raise LayoutError(f"tensor [{offset}, +{nbytes}) lies outside the data region")
-    return TensorDesc(role, name_index, dtype, shape, offset, nbytes)
+    if region == 0:
+        if not geometry.contains_data(offset, nbytes):
+            raise LayoutError(f"tensor [{offset}, +{nbytes}) lies outside the data region")
+    else:
+        size = None if region_sizes is None else region_sizes.get(region)
+        if size is None:
+            raise LayoutError(f"tensor lies in unknown region {region}")
+        if offset + nbytes > size:
+            raise LayoutError(f"tensor [{offset}, +{nbytes}) lies outside region {region} ({size} bytes)")
+    return TensorDesc(role, name_index, dtype, shape, offset, nbytes, region)
+
+
+def region_of_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int) -> int:
+    """The region id a tensor descriptor names (to map it before ``decode_tensor``)."""
+    return TENSOR.read_field(buf, geometry.tensor_off(slot_index, tensor_index), "region")
 
 
 def decode_error(buf, geometry: Geometry, slot_index: int) -> tuple[int, str]:

@@ -140,19 +140,29 @@ def test_tensor_roundtrip(small_arena_buf):
     layout.encode_tensor(buf, g, 0, 0, role=layout.ROLE_OUTPUT, name_index=0, dtype=np.int8, shape=(),
                          offset=off)
     assert layout.decode_tensor(buf, g, 0, 0).shape == ()
+    layout.encode_tensor(buf, g, 0, 1, role=layout.ROLE_INPUT, name_index=0, dtype="uint8", shape=(100,),
+                         offset=128, region=3)
+    assert layout.decode_tensor(buf, g, 0, 1, {3: 228}).region == 3
+    for sizes in (None, {3: 227}, {4: 10**9}):
+        with pytest.raises(LayoutError):
+            layout.decode_tensor(buf, g, 0, 1, sizes)
 
 
 @given(st.binary(min_size=layout.TENSOR_SIZE, max_size=layout.TENSOR_SIZE))
 @settings(max_examples=500)
-def test_hostile_tensor_descriptors_never_escape_the_data_region(small_arena_buf, raw):
+def test_hostile_tensor_descriptors_never_escape_their_space(small_arena_buf, raw):
     g, buf = small_arena_buf
     base = g.tensor_off(0, 5)
     buf[base:base + layout.TENSOR_SIZE] = raw
+    regions = {7: 10_000}
     try:
-        t = layout.decode_tensor(buf, g, 0, 5)
+        t = layout.decode_tensor(buf, g, 0, 5, regions)
     except LayoutError:
         return
-    assert g.data_off <= t.offset and t.offset + t.nbytes <= g.data_off + g.data_size
+    if t.region == 0:
+        assert g.data_off <= t.offset and t.offset + t.nbytes <= g.data_off + g.data_size
+    else:
+        assert t.region == 7 and t.offset + t.nbytes <= 10_000
     assert t.nbytes == t.dtype.itemsize * int(np.prod(t.shape, dtype=object))
 
 

@@ -34,8 +34,9 @@ STOP = 2**64 - 1
 ALIGN = layout.TENSOR_ALIGN
 
 
+# The input's CRC travels in the slot's request_id, the output's in its flags.
 def _crc_field(arena: Arena, slot: int, tensor: int) -> int:
-    return layout.TENSOR.read_field(arena.buf, arena.geometry.tensor_off(slot, tensor), "reserved")
+    return layout.SLOT.read_field(arena.buf, arena.geometry.slot_off(slot), "flags" if tensor else "request_id")
 
 
 def worker_main(instance: str, worker: int, spin: float) -> int:
@@ -67,7 +68,7 @@ def worker_main(instance: str, worker: int, spin: float) -> int:
                 return 1
             out = payload[::-1]
             buf[dst.offset:dst.offset + dst.nbytes] = out
-            layout.TENSOR.write(buf, g.tensor_off(index, 1), reserved=zlib.crc32(out))
+            layout.SLOT.write(buf, g.slot_off(index), flags=zlib.crc32(out))
             # Order matters here: output and CRC are written before DONE is published.
             arena.transition(index, generation, SlotState.RUNNING, SlotState.DONE, Actor.WORKER)
             outbox_ring.push(entry)
@@ -116,8 +117,7 @@ def run_front(arena: Arena, *, rounds: int, workers: int, seed: int, in_flight: 
                                      shape=(n,), offset=extent.offset)
                 layout.encode_tensor(buf, g, index, 1, role=layout.ROLE_OUTPUT, name_index=0, dtype="uint8",
                                      shape=(n,), offset=out_off)
-                layout.TENSOR.write(buf, g.tensor_off(index, 0), reserved=zlib.crc32(payload))
-                layout.TENSOR.write(buf, g.tensor_off(index, 1), reserved=0)
+                layout.SLOT.write(buf, g.slot_off(index), request_id=zlib.crc32(payload), flags=0)
                 buf[out_off:out_off + n] = bytes(n)  # poison the output area
                 # Order matters here: payload and descriptors are written before READY is published.
                 arena.transition(index, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)

@@ -1,0 +1,273 @@
+"""Server configuration: the TOML file, its defaults, and the embedded demo.
+
+Owns: every configurable knob with its default and the reason for it, and
+validation that names the key that is wrong (``models[1].device: …``).
+
+Must not: import backends or start anything.
+
+File format::
+
+    [server]
+    instance = "default"            # arena /dev/shm/shmserve.<instance>
+    socket = "/run/shmserve/x.sock" # else $SHMSERVE_SOCKET, else the runtime-dir default
+    request_timeout_s = 30
+    max_request_bytes = 67108864    # per request, inputs plus outputs
+    allow_uids = [1000]             # SO_PEERCRED allow-list; the server's uid and root always
+    allow_gids = []
+
+    [arena]
+    slots = 256
+    size_classes = [[4096, 256], [65536, 64]]   # [extent bytes, count]; default derived from limits
+
+    [[models]]
+    name = "demo"
+    backend = "onnxruntime"         # or "python", or any registered backend
+    path = "demo.onnx"              # relative to this file; python: "module:callable"
+    device = "cpu"                  # or "cuda:0"
+    instances = 1
+    max_batch_size = 0              # 0: no batching
+    max_queue_delay_us = 0
+    max_output_bytes = 16777216     # reserved per output whose size is unknown until it runs
+    inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from shmserve.arena import validate_instance
+from shmserve.spec import TensorSpec
+
+MiB = 1024 * 1024
+DEFAULT_INSTANCE = "default"
+DEMO_MODEL_RESOURCE = "demo.onnx"  # in shmserve/models/, rebuilt by tools/make_demo_model.py
+_DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,2})$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the offending key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    backend: str
+    path: str
+    device: str = "cpu"
+    instances: int = 1
+    max_batch_size: int = 0
+    max_queue_delay_us: int = 0
+    max_output_bytes: int = 16 * MiB
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    options: dict = field(default_factory=dict)  # backend-specific, passed through
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
+                "instances": self.instances, "max_batch_size": self.max_batch_size,
+                "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
+                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
+                "options": self.options}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["inputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("inputs", ()))
+        d["outputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("outputs", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    models: tuple[ModelConfig, ...]
+    instance: str = DEFAULT_INSTANCE
+    socket: str | None = None
+    request_timeout_s: float = 30.0
+    max_request_bytes: int = 64 * MiB  # the largest tensor set one request may carry (in + out)
+    allow_uids: tuple[int, ...] = ()
+    allow_gids: tuple[int, ...] = ()
+    arena_slots: int = 256
+    size_classes: tuple[tuple[int, int], ...] | None = None
+    drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight requests may finish
+    spin_us: int = 50  # bounded spin before sleeping (docs/performance.md); 0 to never spin
+    max_waiting: int = 1024  # requests queued for arena space before 'overloaded'
+    max_inflight_per_connection: int = 256
+    restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
+
+    def arena_size_classes(self) -> tuple[tuple[int, int], ...]:
+        """Explicit classes, or a default that holds max_request_bytes (x2 for in + out) twice."""
+        if self.size_classes:
+            return self.size_classes
+        big = 2 * self.max_request_bytes + 64 * 1024
+        classes = [(4096, 256), (64 * 1024, 128), (MiB, 32), (16 * MiB, 4)]
+        classes = [c for c in classes if c[0] < big]
+        return tuple(classes + [(big, 2)])
+
+
+def resolve_socket(cli_value: str | None, config_value: str | None, instance: str) -> str:
+    """--socket, else the config, else $SHMSERVE_SOCKET, else $XDG_RUNTIME_DIR/shmserve/<instance>.sock,
+    else /tmp/shmserve-<uid>/<instance>.sock."""
+    for value in (cli_value, config_value, os.environ.get("SHMSERVE_SOCKET")):
+        if value:
+            return value
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "shmserve" if runtime else Path(f"/tmp/shmserve-{os.getuid()}")
+    return str(base / f"{instance}.sock")
+
+
+def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
+    """The embedded default: the demo model on CPU through ONNX Runtime."""
+    path = str(resources.files("shmserve.models") / DEMO_MODEL_RESOURCE)
+    return ServerConfig(models=(ModelConfig(name="demo", backend="onnxruntime", path=path),), instance=instance)
+
+
+def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfig:
+    """Parse and validate a TOML config file.  Raises ConfigError naming the bad key."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse(raw, base_dir=path.parent, instance=instance)
+
+
+def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None) -> ServerConfig:
+    _keys(raw, "", {"server", "arena", "models"})
+    server = _table(raw, "server")
+    arena = _table(raw, "arena")
+    _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
+                              "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
+                              "max_inflight_per_connection"})
+    _keys(arena, "arena.", {"slots", "size_classes"})
+    kw: dict = {}
+    inst = instance or server.get("instance", DEFAULT_INSTANCE)
+    try:
+        kw["instance"] = validate_instance(inst)
+    except ValueError as exc:
+        raise ConfigError(f"server.instance: {exc}") from None
+    if "socket" in server:
+        kw["socket"] = _str(server["socket"], "server.socket")
+    for key, lo, hi in (("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600)):
+        if key in server:
+            kw[key] = float(_num(server[key], f"server.{key}", lo, hi))
+    for key, lo, hi in (("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000),
+                        ("max_waiting", 0, 1 << 20), ("max_inflight_per_connection", 1, 1 << 16)):
+        if key in server:
+            kw[key] = _int(server[key], f"server.{key}", lo, hi)
+    for key in ("allow_uids", "allow_gids"):
+        if key in server:
+            values = server[key]
+            if not isinstance(values, list):
+                raise ConfigError(f"server.{key}: expected a list of ids")
+            kw[key] = tuple(_int(v, f"server.{key}[{i}]", 0, 2**32 - 1) for i, v in enumerate(values))
+    if "slots" in arena:
+        kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
+    if "size_classes" in arena:
+        classes = arena["size_classes"]
+        if not isinstance(classes, list) or not classes or len(classes) > 8:
+            raise ConfigError("arena.size_classes: expected 1-8 [extent_bytes, count] pairs")
+        kw["size_classes"] = tuple(
+            (_int(c[0], f"arena.size_classes[{i}][0]", 1, 1 << 36), _int(c[1], f"arena.size_classes[{i}][1]", 1, 1 << 20))
+            if isinstance(c, list) and len(c) == 2 else _bad(f"arena.size_classes[{i}]: expected [extent_bytes, count]")
+            for i, c in enumerate(classes))
+    models = raw.get("models")
+    if not isinstance(models, list) or not models:
+        raise ConfigError("models: at least one [[models]] table is required")
+    parsed, names = [], set()
+    for i, m in enumerate(models):
+        mc = _model(m, f"models[{i}]", base_dir)
+        if mc.name in names:
+            raise ConfigError(f"models[{i}].name: {mc.name!r} is used twice")
+        names.add(mc.name)
+        parsed.append(mc)
+    return ServerConfig(models=tuple(parsed), **kw)
+
+
+def _model(m, where: str, base_dir: Path) -> ModelConfig:
+    if not isinstance(m, dict):
+        raise ConfigError(f"{where}: expected a table")
+    _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
+                           "max_queue_delay_us", "max_output_bytes", "inputs", "outputs", "options"})
+    for key in ("name", "backend", "path"):
+        if key not in m:
+            raise ConfigError(f"{where}.{key}: required")
+    name = _str(m["name"], f"{where}.name")
+    if not re.match(r"^[A-Za-z0-9_.:-]{1,128}$", name):
+        raise ConfigError(f"{where}.name: {name!r} must be 1-128 of A-Z a-z 0-9 _ . : -")
+    backend = _str(m["backend"], f"{where}.backend")
+    path = _str(m["path"], f"{where}.path")
+    if backend != "python" and ":" not in path.split("/")[0]:
+        resolved = (base_dir / path).resolve()
+        if not resolved.is_file():
+            raise ConfigError(f"{where}.path: no such file {str(resolved)!r}")
+        path = str(resolved)
+    device = _str(m.get("device", "cpu"), f"{where}.device")
+    if not _DEVICE_RE.match(device):
+        raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
+    kw = dict(name=name, backend=backend, path=path, device=device)
+    for key, lo, hi in (("instances", 1, 64), ("max_batch_size", 0, 1 << 16), ("max_queue_delay_us", 0, 10_000_000),
+                        ("max_output_bytes", 0, 1 << 36)):
+        if key in m:
+            kw[key] = _int(m[key], f"{where}.{key}", lo, hi)
+    for key in ("inputs", "outputs"):
+        if key in m:
+            tensors = m[key]
+            if not isinstance(tensors, list):
+                raise ConfigError(f"{where}.{key}: expected a list of {{name, dtype, shape}} tables")
+            specs = []
+            for j, t in enumerate(tensors):
+                if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape"} or not isinstance(t["shape"], list):
+                    raise ConfigError(f"{where}.{key}[{j}]: expected {{name, dtype, shape}}")
+                try:
+                    specs.append(TensorSpec.from_dict(t))
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"{where}.{key}[{j}]: {exc}") from None
+            kw[key] = tuple(specs)
+    if "options" in m:
+        if not isinstance(m["options"], dict):
+            raise ConfigError(f"{where}.options: expected a table")
+        kw["options"] = dict(m["options"])
+    return ModelConfig(**kw)
+
+
+def _keys(table: dict, prefix: str, allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ConfigError(f"{prefix}{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _table(raw: dict, key: str) -> dict:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table")
+    return value
+
+
+def _str(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _int(value, where: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ConfigError(f"{where}: expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _num(value, where: str, lo: float, hi: float) -> float:
+    if type(value) not in (int, float) or not lo <= value <= hi:
+        raise ConfigError(f"{where}: expected a number in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _bad(message: str):
+    raise ConfigError(message)

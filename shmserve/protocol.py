@@ -1,0 +1,421 @@
+"""The wire protocol, sans I/O: bytes in, events out; events to bytes.
+
+Owns: frame format, message kinds, limits, the receiving connection's state
+machine, and the schema of every message's metadata.  Client and server both
+use it; neither the socket code nor the front-end parses bytes themselves.
+
+Must not: touch a socket, the arena or the clock.  Everything here is a pure
+function or a state machine over bytes (after h11), so it can be fuzzed
+without a server.
+
+Frame (little-endian)::
+
+    +-------+---------+------+----------+----------+--------------+-----------+
+    | "SV"  | version | kind | meta_len | data_len | meta (orjson)| data      |
+    | 2 B   | u8      | u8   | u32      | u64      | meta_len B   | data_len B|
+    +-------+---------+------+----------+----------+--------------+-----------+
+
+``meta`` is a JSON object; ``data`` is raw tensor bytes, back to back in the
+order the metadata lists them (no per-tensor padding).  The receiver decides
+where ``data`` goes *before* it arrives (``accept_payload`` with destination
+buffers, e.g. views of the arena), so the socket layer can ``recv_into`` the
+final place: the only copy is the kernel's.
+
+Rules (receiving side)
+----------------------
+==============  ========================  ==============
+state           on                        next state
+==============  ========================  ==============
+HEADER          16 header bytes, valid    META
+META            meta_len bytes, no data   HEADER (emit Frame)
+META            meta_len bytes, data > 0  AWAIT (emit Frame)
+AWAIT           accept_payload(sinks)     PAYLOAD
+AWAIT           discard_payload()         DISCARD
+PAYLOAD         data_len bytes stored     HEADER (emit PayloadDone)
+DISCARD         data_len bytes skipped    HEADER (emit PayloadDone)
+any             invalid input             ERROR (emit ProtocolError)
+==============  ========================  ==============
+
+In ERROR the connection accepts nothing more: the owner answers with an
+error frame and closes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import orjson
+
+from shmserve.errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+MAGIC = b"SV"
+FRAME_HEADER = struct.Struct("<2sBBIQ")
+HEADER_SIZE = FRAME_HEADER.size  # 16
+
+MAX_META = 1 << 20  # 1 MiB of JSON is far more than any request's descriptors need
+MAX_DATA = 1 << 40  # protocol ceiling; servers enforce their own, lower limit
+MAX_TENSORS_PER_MESSAGE = 16  # the arena's MAX_TENSORS: a slot holds inputs and outputs
+MAX_NAME = 256
+MAX_DIMS = 8
+MAX_REQUEST_ID = 2**63 - 1
+SUPPORTED_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                    "float16", "float32", "float64")
+
+
+class Kind(enum.IntEnum):
+    # client -> server
+    INFER = 1  # inline request: input bytes follow
+    INFER_REGION = 2  # zero-copy request: inputs already in the client's region
+    OPEN_REGION = 3  # ask for a region of shared memory (its fd comes with the REGION answer)
+    CLOSE_REGION = 4
+    MODELS = 5
+    HEALTH = 6
+    INFO = 7
+    # server -> client
+    RESULT = 64  # inline result: output bytes follow
+    RESULT_REGION = 65  # zero-copy result: outputs are in the client's region
+    REPLY = 66  # answer to a control message
+    REGION = 67  # answer to OPEN_REGION, with the region's fd as SCM_RIGHTS ancillary data
+    ERROR = 68
+
+
+CLIENT_KINDS = frozenset({Kind.INFER, Kind.INFER_REGION, Kind.OPEN_REGION, Kind.CLOSE_REGION, Kind.MODELS,
+                          Kind.HEALTH, Kind.INFO})
+SERVER_KINDS = frozenset({Kind.RESULT, Kind.RESULT_REGION, Kind.REPLY, Kind.REGION, Kind.ERROR})
+KINDS_WITH_DATA = frozenset({Kind.INFER, Kind.RESULT})
+
+
+class Role(enum.Enum):
+    """Which side the Connection receives for: SERVER accepts client kinds, CLIENT server kinds."""
+
+    SERVER = "server"
+    CLIENT = "client"
+
+
+class State(enum.Enum):
+    HEADER = "header"
+    META = "meta"
+    AWAIT = "await"
+    PAYLOAD = "payload"
+    DISCARD = "discard"
+    ERROR = "error"
+
+
+# -- events -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    meta: dict
+    data_len: int
+
+
+@dataclass(frozen=True)
+class PayloadDone:
+    """The data of the last Frame has been stored in the sinks (or skipped)."""
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    code: ErrorCode
+    message: str
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+
+class ProtocolViolation(Exception):
+    """Metadata that breaks the message schema; carries the stable code to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- sending ------------------------------------------------------------------------------
+
+def encode_frame(kind: Kind, meta: dict, data_len: int = 0) -> bytes:
+    """Header and metadata of one frame; the caller sends ``data_len`` data bytes after it."""
+    body = orjson.dumps(meta)
+    return FRAME_HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), data_len) + body
+
+
+def error_frame(request_id: int | None, code: ErrorCode, message: str) -> bytes:
+    return encode_frame(Kind.ERROR, {"id": request_id, "code": code.wire, "message": message})
+
+
+# -- receiving ----------------------------------------------------------------------------
+
+class Connection:
+    """The receiving half of one connection.
+
+    Feed bytes with ``receive_data``; take events with ``next_event`` until it
+    returns NEED_DATA.  After a Frame with ``data_len > 0`` call either
+    ``accept_payload(sinks)`` (writable buffers whose sizes add up to
+    ``data_len``) or ``discard_payload()``.  While a payload is being
+    received, ``payload_buffer()`` names where the next bytes should be
+    received directly; report them with ``payload_received(n)``.
+    """
+
+    def __init__(self, role: Role, *, max_meta: int = MAX_META, max_data: int = MAX_DATA):
+        self.role = role
+        self._allowed = CLIENT_KINDS if role is Role.SERVER else SERVER_KINDS
+        self.max_meta, self.max_data = max_meta, max_data
+        self.state = State.HEADER
+        self._buf = bytearray()
+        self._kind: Kind | None = None
+        self._meta_len = 0
+        self._data_len = 0
+        self._remaining = 0
+        self._sinks: list[memoryview] = []
+        self._sink_index = 0
+        self._sink_pos = 0
+
+    # bytes in
+
+    def receive_data(self, data) -> None:
+        """Feed received bytes (any bytes-like object; it is not kept)."""
+        if self.state is State.ERROR or not data:
+            return
+        if self.state in (State.PAYLOAD, State.DISCARD) and not self._buf:
+            data = self._consume_payload(memoryview(data).cast("B"))
+        if data is not None and len(data):
+            self._buf += data
+
+    def payload_buffer(self) -> memoryview | None:
+        """Where the next payload bytes should land (a view of the current sink), or None
+        when the caller should use its own read buffer and ``receive_data``."""
+        if self.state is not State.PAYLOAD or self._buf:
+            return None
+        sink = self._sinks[self._sink_index]
+        return sink[self._sink_pos:]
+
+    def payload_received(self, n: int) -> None:
+        """``n`` bytes were written into the view ``payload_buffer()`` returned."""
+        if self.state is not State.PAYLOAD or n < 0 or n > len(self._sinks[self._sink_index]) - self._sink_pos:
+            raise RuntimeError("payload_received without a matching payload_buffer")
+        self._advance(n)
+
+    def accept_payload(self, sinks: Sequence) -> None:
+        """Store the pending payload into ``sinks`` (writable buffers, total == data_len)."""
+        if self.state is not State.AWAIT:
+            raise RuntimeError(f"accept_payload in state {self.state.name}")
+        views = [memoryview(s).cast("B") for s in sinks]
+        if sum(len(v) for v in views) != self._data_len:
+            raise ValueError("sinks do not add up to the frame's data length")
+        self._sinks = [v for v in views if len(v)]
+        self._sink_index = self._sink_pos = 0
+        self._remaining = self._data_len
+        self.state = State.PAYLOAD
+        self._drain_buffer_into_payload()
+
+    def discard_payload(self) -> None:
+        """Skip the pending payload (the request was refused before its data arrived)."""
+        if self.state is not State.AWAIT:
+            raise RuntimeError(f"discard_payload in state {self.state.name}")
+        self._sinks = []
+        self._remaining = self._data_len
+        self.state = State.DISCARD
+        self._drain_buffer_into_payload()
+
+    @property
+    def payload_remaining(self) -> int:
+        return self._remaining if self.state in (State.PAYLOAD, State.DISCARD) else 0
+
+    def next_event(self):
+        """The next event: Frame, PayloadDone, ProtocolError, or NEED_DATA."""
+        state = self.state
+        if state is State.ERROR:
+            return NEED_DATA
+        if state is State.AWAIT:
+            raise RuntimeError("accept_payload or discard_payload must follow a Frame with data")
+        if state in (State.PAYLOAD, State.DISCARD):
+            if self._remaining:
+                return NEED_DATA
+            self.state = State.HEADER
+            self._sinks = []
+            return PayloadDone()
+        if state is State.HEADER:
+            if len(self._buf) < HEADER_SIZE:
+                return NEED_DATA
+            magic, version, kind, meta_len, data_len = FRAME_HEADER.unpack_from(self._buf)
+            if magic != MAGIC:
+                return self._fail(ErrorCode.BAD_FRAME, "bad frame magic: not a shmserve peer")
+            if version != PROTOCOL_VERSION:
+                return self._fail(ErrorCode.VERSION_MISMATCH,
+                                  f"protocol version {version}; this side speaks {PROTOCOL_VERSION}")
+            if kind not in self._allowed:
+                return self._fail(ErrorCode.BAD_FRAME, f"message kind {kind} is not valid here")
+            if meta_len > self.max_meta:
+                return self._fail(ErrorCode.FRAME_TOO_LARGE, f"metadata of {meta_len} bytes exceeds {self.max_meta}")
+            if data_len > self.max_data:
+                return self._fail(ErrorCode.FRAME_TOO_LARGE, f"payload of {data_len} bytes exceeds {self.max_data}")
+            if data_len and kind not in KINDS_WITH_DATA:
+                return self._fail(ErrorCode.BAD_FRAME, f"{Kind(kind).name} carries no payload")
+            del self._buf[:HEADER_SIZE]
+            self._kind, self._meta_len, self._data_len = Kind(kind), meta_len, data_len
+            self.state = state = State.META
+        if state is State.META:
+            if len(self._buf) < self._meta_len:
+                return NEED_DATA
+            raw = bytes(self._buf[:self._meta_len])
+            del self._buf[:self._meta_len]
+            try:
+                meta = orjson.loads(raw) if raw else {}
+            except orjson.JSONDecodeError as exc:
+                return self._fail(ErrorCode.BAD_FRAME, f"metadata is not valid JSON: {exc}")
+            if not isinstance(meta, dict):
+                return self._fail(ErrorCode.BAD_FRAME, "metadata must be a JSON object")
+            self.state = State.AWAIT if self._data_len else State.HEADER
+            return Frame(self._kind, meta, self._data_len)
+        raise AssertionError(state)
+
+    # internals
+
+    def _fail(self, code: ErrorCode, message: str) -> ProtocolError:
+        self.state = State.ERROR
+        self._buf.clear()
+        self._sinks = []
+        return ProtocolError(code, message)
+
+    def _drain_buffer_into_payload(self) -> None:
+        if self._buf:
+            pending = bytes(self._buf)
+            self._buf.clear()
+            rest = self._consume_payload(memoryview(pending))
+            if rest is not None and len(rest):
+                self._buf += rest
+
+    def _consume_payload(self, data: memoryview) -> memoryview | None:
+        """Copy (PAYLOAD) or skip (DISCARD) bytes of ``data``; return what follows the payload."""
+        take = min(len(data), self._remaining)
+        if self.state is State.DISCARD:
+            self._remaining -= take
+        else:
+            pos = 0
+            while pos < take:
+                sink = self._sinks[self._sink_index]
+                n = min(take - pos, len(sink) - self._sink_pos)
+                sink[self._sink_pos:self._sink_pos + n] = data[pos:pos + n]
+                pos += n
+                self._advance(n)
+        return data[take:] if take < len(data) else None
+
+    def _advance(self, n: int) -> None:
+        self._remaining -= n
+        self._sink_pos += n
+        while self._sink_index < len(self._sinks) and self._sink_pos == len(self._sinks[self._sink_index]):
+            self._sink_index += 1
+            self._sink_pos = 0
+
+
+# -- message schemas ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int | None = None  # zero-copy only: where it lies in the client's region
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+    def to_wire(self) -> dict:
+        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.offset is not None:
+            out["offset"] = self.offset
+        return out
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    id: int
+    model: str
+    inputs: tuple[TensorMeta, ...]
+    timeout_s: float | None
+    region: int | None = None  # zero-copy: the client's region id
+    output_offset: int | None = None  # zero-copy: where outputs go in that region
+    output_capacity: int | None = None
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = np.dtype(dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _require(cond: bool, message: str, code: ErrorCode = ErrorCode.BAD_FRAME) -> None:
+    if not cond:
+        raise ProtocolViolation(code, message)
+
+
+def _int(meta: dict, key: str, lo: int, hi: int, code: ErrorCode = ErrorCode.BAD_FRAME) -> int:
+    value = meta.get(key)
+    _require(type(value) is int and lo <= value <= hi, f"'{key}' must be an integer in [{lo}, {hi}]", code)
+    return value
+
+
+def request_id(meta: dict) -> int | None:
+    """The request id of a message if it has a valid one (to address an error answer), else None."""
+    value = meta.get("id")
+    return value if type(value) is int and 0 <= value <= MAX_REQUEST_ID else None
+
+
+def parse_name(value, what: str) -> str:
+    _require(isinstance(value, str) and 0 < len(value) <= MAX_NAME and value.isprintable(),
+             f"{what} must be a printable string of 1-{MAX_NAME} characters")
+    return value
+
+
+def parse_tensor_list(items, what: str, *, with_offset: bool) -> tuple[TensorMeta, ...]:
+    """Validate a list of tensor descriptors (name, dtype, shape[, offset])."""
+    _require(isinstance(items, list) and len(items) <= MAX_TENSORS_PER_MESSAGE,
+             f"'{what}' must be a list of at most {MAX_TENSORS_PER_MESSAGE} tensors")
+    out, names = [], set()
+    for i, item in enumerate(items):
+        _require(isinstance(item, dict), f"{what}[{i}] must be an object")
+        name = parse_name(item.get("name"), f"{what}[{i}].name")
+        _require(name not in names, f"{what}: tensor {name!r} appears twice", ErrorCode.BAD_INPUT)
+        names.add(name)
+        dtype = item.get("dtype")
+        _require(dtype in SUPPORTED_DTYPES, f"{what}[{i}].dtype {dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}",
+                 ErrorCode.BAD_DTYPE)
+        shape = item.get("shape")
+        _require(isinstance(shape, list) and len(shape) <= MAX_DIMS
+                 and all(type(d) is int and 0 <= d < 2**40 for d in shape),
+                 f"{what}[{i}].shape must be a list of at most {MAX_DIMS} non-negative integers", ErrorCode.BAD_SHAPE)
+        offset = None
+        if with_offset:
+            offset = _int(item, "offset", 0, MAX_DATA, ErrorCode.BAD_REGION)
+        out.append(TensorMeta(name, dtype, tuple(shape), offset))
+    return tuple(out)
+
+
+def parse_infer(meta: dict, *, zero_copy: bool) -> InferRequest:
+    """Validate an INFER or INFER_REGION message.  Raises ProtocolViolation naming the field."""
+    rid = _int(meta, "id", 0, MAX_REQUEST_ID)
+    model = parse_name(meta.get("model"), "'model'")
+    inputs = parse_tensor_list(meta.get("inputs"), "inputs", with_offset=zero_copy)
+    timeout = meta.get("timeout_s")
+    _require(timeout is None or (type(timeout) in (int, float) and 0 < timeout <= 86400),
+             "'timeout_s' must be a number of seconds in (0, 86400]")
+    if not zero_copy:
+        return InferRequest(rid, model, inputs, timeout)
+    region = _int(meta, "region", 1, 2**32 - 1, ErrorCode.BAD_REGION)
+    out_off = _int(meta, "output_offset", 0, MAX_DATA, ErrorCode.BAD_REGION)
+    out_cap = _int(meta, "output_capacity", 0, MAX_DATA, ErrorCode.BAD_REGION)
+    return InferRequest(rid, model, inputs, timeout, region, out_off, out_cap)
