@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="Single-host inference serving over POSIX shared memory",
     python_requires=">=3.11",
-    packages=["shmserve", "workers"],
+    packages=["shmserve", "shmserve.models", "workers", "workers.backends"],
+    package_data={"shmserve.models": ["demo.onnx"]},
     ext_modules=[
         Extension(
             "shmserve._atomics",
@@ -20,11 +21,12 @@ setup(
         "numpy>=1.24,<3",
         "uvloop>=0.19,<1",
         "orjson>=3.9,<4",
+        "onnxruntime>=1.17,<2",  # the embedded demo model runs on it
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2"],
         "gpu": ["cuda-python>=12.4,<14"],
-        "onnx": ["onnxruntime>=1.17,<2", "onnx>=1.15,<2"],
+        "onnx": ["onnx>=1.15,<2"],  # to rebuild the demo model (tools/make_demo_model.py)
         "torch": ["torch>=2.3,<3"],
         "tensorrt": ["tensorrt>=10,<12"],
     },

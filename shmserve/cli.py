@@ -1,21 +1,163 @@
 """The `shmserve` command line: one subcommand per user-facing action.
 
-Owns: argument parsing and exit codes.  Each subcommand delegates to the
-module that owns the work; nothing here touches the arena layout directly.
+Owns: argument parsing, output formatting and exit codes.  Each subcommand
+delegates to the module that owns the work (server, client, stale).
+
+Exit codes: 0 success; 1 the operation failed (the server answered with an
+error, or a model failed); 2 usage or configuration error; 3 no server
+answers at the socket.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
+import zlib
+from pathlib import Path
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+
+
+def _socket_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", help="server socket (default: $SHMSERVE_SOCKET, else "
+                                         "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/)")
+    parser.add_argument("--instance", default=None, help="instance name used for the default socket path")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for an answer")
+
+
+def _client(args):
+    from shmserve.client import Client
+    from shmserve.config import DEFAULT_INSTANCE
+
+    return Client(args.socket, timeout=args.timeout, instance=args.instance or DEFAULT_INSTANCE)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    print("shmserve serve: the serving path is not implemented yet (issue: 'Serving path end to end')",
-          file=sys.stderr)
-    return EXIT_FAILURE
+    from shmserve import config as cfg
+    from shmserve.server import serve
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = cfg.load(args.config, instance=args.instance) if args.config else \
+            cfg.demo_config(args.instance or cfg.DEFAULT_INSTANCE)
+    except cfg.ConfigError as exc:
+        print(f"shmserve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    path = cfg.resolve_socket(args.socket, config.socket, config.instance)
+    return serve(config, path)
+
+
+def _cmd_infer(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from shmserve.errors import ConnectionClosed, ShmserveError
+
+    try:
+        with _client(args) as client:
+            inputs = {}
+            for item in args.input or []:
+                name, sep, path = item.partition("=")
+                if not sep:
+                    print(f"shmserve infer: --input expects NAME=FILE.npy, got {item!r}", file=sys.stderr)
+                    return EXIT_USAGE
+                inputs[name] = np.load(path, allow_pickle=False)
+            if args.random:
+                spec = next((m for m in client.models() if m["name"] == args.model), None)
+                if spec is None:
+                    print(f"shmserve infer: the server has no model {args.model!r}", file=sys.stderr)
+                    return EXIT_FAILURE
+                rng = np.random.default_rng(args.seed)
+                for t in spec["inputs"]:
+                    if t["name"] not in inputs:
+                        shape = [d if isinstance(d, int) and d >= 0 else args.dynamic_dim for d in t["shape"]]
+                        inputs[t["name"]] = _random(rng, t["dtype"], shape)
+            if not inputs:
+                print("shmserve infer: give --input NAME=FILE.npy or --random", file=sys.stderr)
+                return EXIT_USAGE
+            outputs = client.infer(args.model, inputs, timeout=args.timeout)
+    except ConnectionClosed as exc:
+        print(f"shmserve infer: {exc.message}", file=sys.stderr)
+        return EXIT_NO_SERVER
+    except ShmserveError as exc:
+        print(f"shmserve infer: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    rows = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape),
+             "crc32": f"{zlib.crc32(np.ascontiguousarray(a).tobytes()):08x}"} for n, a in outputs.items()]
+    if args.save:
+        out_dir = Path(args.save)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for n, a in outputs.items():
+            np.save(out_dir / f"{_safe(n)}.npy", a)
+    if args.json:
+        print(json.dumps({"model": args.model, "outputs": rows}))
+    else:
+        for r in rows:
+            print(f"{r['name']}\t{r['dtype']}\t{tuple(r['shape'])}\tcrc32={r['crc32']}")
+    return EXIT_OK
+
+
+def _random(rng, dtype: str, shape):
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return rng.random(shape, dtype=np.float64).astype(dt)
+    if dt.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    info = np.iinfo(dt)
+    return rng.integers(max(info.min, -1000), min(info.max, 1000), shape, endpoint=True).astype(dt)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "output"
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from shmserve.errors import ConnectionClosed, ShmserveError
+
+    try:
+        with _client(args) as client:
+            models = client.models()
+    except ConnectionClosed as exc:
+        print(f"shmserve models: {exc.message}", file=sys.stderr)
+        return EXIT_NO_SERVER
+    except ShmserveError as exc:
+        print(f"shmserve models: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(models))
+        return EXIT_OK
+    for m in models:
+        print(f"{m['name']}\t{m['backend']}\t{m['device']}\t{m['state']}\t{m['path']}")
+        for role in ("inputs", "outputs"):
+            for t in m[role]:
+                dims = ", ".join("?" if d is None else str(d) for d in t["shape"])
+                print(f"  {role[:-1]:6} {t['name']}\t{t['dtype']}\t[{dims}]")
+        if m.get("error"):
+            print(f"  error: {m['error']}")
+    return EXIT_OK
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    from shmserve.errors import ConnectionClosed, ShmserveError
+
+    try:
+        with _client(args) as client:
+            answer = client.health() if args.command == "health" else client.info()
+    except ConnectionClosed as exc:
+        print(f"shmserve {args.command}: {exc.message}", file=sys.stderr)
+        return EXIT_NO_SERVER
+    except ShmserveError as exc:
+        print(f"shmserve {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(json.dumps(answer, indent=None if args.json else 2))
+    if args.command == "health" and answer.get("status") != "ok":
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
@@ -37,8 +179,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the service")
+    serve = sub.add_parser("serve", help="run the service (no --config: the embedded demo model on CPU)")
+    serve.add_argument("--config", help="TOML configuration file")
+    serve.add_argument("--socket", help="socket path (overrides the config and $SHMSERVE_SOCKET)")
+    serve.add_argument("--instance", help="instance name (overrides the config)")
+    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     serve.set_defaults(func=_cmd_serve)
+
+    infer = sub.add_parser("infer", help="run a model once and print its outputs' dtype, shape and checksum")
+    infer.add_argument("model")
+    infer.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
+    infer.add_argument("--random", action="store_true", help="random inputs for every input not given")
+    infer.add_argument("--dynamic-dim", type=int, default=1, help="size of dynamic dimensions with --random")
+    infer.add_argument("--seed", type=int, default=None, help="seed for --random")
+    infer.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
+    infer.add_argument("--json", action="store_true")
+    _socket_arg(infer)
+    infer.set_defaults(func=_cmd_infer)
+
+    models = sub.add_parser("models", help="list the server's models with their inputs and outputs")
+    models.add_argument("--json", action="store_true")
+    _socket_arg(models)
+    models.set_defaults(func=_cmd_models)
+
+    for name, text in (("health", "is the server healthy (exit 1 if not)"), ("info", "server and arena facts")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--json", action="store_true", help="one line of JSON")
+        _socket_arg(p)
+        p.set_defaults(func=_cmd_control)
 
     cleanup = sub.add_parser("cleanup", help="remove arenas whose server is gone (never a live one)")
     cleanup.add_argument("--instance", help="only this instance's arena")

@@ -14,6 +14,8 @@ File format::
     max_request_bytes = 67108864    # per request, inputs plus outputs
     allow_uids = [1000]             # SO_PEERCRED allow-list; the server's uid and root always
     allow_gids = []
+    socket_mode = 0o600             # 0o660 with socket_group to let a group's members connect
+    socket_group = "shmserve-clients"
 
     [arena]
     slots = 256
@@ -98,6 +100,8 @@ class ServerConfig:
     max_waiting: int = 1024  # requests queued for arena space before 'overloaded'
     max_inflight_per_connection: int = 256
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
+    socket_mode: int = 0o600
+    socket_group: str | None = None
 
     def arena_size_classes(self) -> tuple[tuple[int, int], ...]:
         """Explicit classes, or a default that holds max_request_bytes (x2 for in + out) twice."""
@@ -145,7 +149,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     arena = _table(raw, "arena")
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
-                              "max_inflight_per_connection"})
+                              "max_inflight_per_connection", "socket_mode", "socket_group"})
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -155,6 +159,12 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         raise ConfigError(f"server.instance: {exc}") from None
     if "socket" in server:
         kw["socket"] = _str(server["socket"], "server.socket")
+    if "socket_mode" in server:
+        kw["socket_mode"] = _int(server["socket_mode"], "server.socket_mode", 0, 0o777)
+        if kw["socket_mode"] & 0o007:
+            raise ConfigError("server.socket_mode: must not grant access to other users (use socket_group)")
+    if "socket_group" in server:
+        kw["socket_group"] = _str(server["socket_group"], "server.socket_group")
     for key, lo, hi in (("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600)):
         if key in server:
             kw[key] = float(_num(server[key], f"server.{key}", lo, hi))

@@ -1,0 +1,532 @@
+"""Client library: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Owns: the client side of the socket.  Inline calls send tensors from the
+caller's arrays with one vectored ``sendmsg`` and receive results straight
+into freshly allocated arrays (``recvmsg_into``); zero-copy calls work in a
+region of shared memory the server created for this connection and passed as
+a file descriptor: inputs are written into it by the caller, outputs are read
+from it, and only small descriptors cross the socket.
+
+Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
+``ConnectionClosed`` when no server answers.  Neither client is thread-safe;
+use one per thread (they are cheap).
+
+Must not: parse frames itself (``shmserve.protocol`` does).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import bisect
+import mmap
+import os
+import socket
+import time
+from collections import deque
+from typing import Mapping
+
+import numpy as np
+
+from shmserve import layout, protocol
+from shmserve.config import DEFAULT_INSTANCE, resolve_socket
+from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
+from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
+
+READ_BUFFER = 256 * 1024
+ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
+DEFAULT_REGION_BYTES = 64 * 1024 * 1024
+DEFAULT_OUTPUT_CAPACITY = 16 * 1024 * 1024
+_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+_ARRAYS = "_arrays"  # key under which a received RESULT's arrays are attached to its frame's meta
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _prepare_inputs(inputs: Mapping[str, np.ndarray]) -> tuple[list[dict], list[np.ndarray]]:
+    metas, arrays = [], []
+    for name, value in inputs.items():
+        a = np.ascontiguousarray(value)
+        if a.dtype.name not in protocol.SUPPORTED_DTYPES:
+            raise ShmserveError(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
+        metas.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape)})
+        arrays.append(a)
+    return metas, arrays
+
+
+def _raise_error(frame: Frame):
+    raise ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))), str(frame.meta.get("message")))
+
+
+def _output_sinks(frame: Frame) -> tuple[dict[str, np.ndarray], list]:
+    outputs, sinks = {}, []
+    for item in frame.meta.get("outputs", []):
+        arr = np.empty(item["shape"], dtype=item["dtype"])
+        outputs[item["name"]] = arr
+        if arr.nbytes:
+            sinks.append(_raw(arr))
+    return outputs, sinks
+
+
+class RegionAllocator:
+    """First-fit allocation of 64-byte aligned ranges in one region (client side)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+
+    def allocate(self, nbytes: int) -> int | None:
+        need = max(layout.TENSOR_ALIGN, (nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+        for i, (off, length) in enumerate(self.free):
+            if length >= need:
+                if length == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + need, length - need)
+                return off
+        return None
+
+    def release(self, offset: int, nbytes: int) -> None:
+        need = max(layout.TENSOR_ALIGN, (nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+        i = bisect.bisect(self.free, (offset, 0))
+        self.free.insert(i, (offset, need))
+        merged: list[tuple[int, int]] = []
+        for off, length in self.free:  # coalesce neighbours
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self.free = merged
+
+
+class Region:
+    """Shared memory the server made for this connection; ``buf`` is its mapping."""
+
+    def __init__(self, region_id: int, size: int, fd: int):
+        self.id, self.size = region_id, size
+        try:
+            self.buf = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.allocator = RegionAllocator(size)
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # views still alive: the mapping goes when they do
+
+
+class ZeroCopyCall:
+    """One zero-copy request: write ``inputs`` (numpy views into the region), call ``run``,
+    read the returned views; ``release`` (or leaving the ``with`` block) returns the space."""
+
+    def __init__(self, client: "Client", model: str, region: Region, inputs: dict[str, tuple[int, np.ndarray]],
+                 out_offset: int, out_capacity: int):
+        self.client, self.model, self.region = client, model, region
+        self._inputs = inputs
+        self.inputs = {name: view for name, (_, view) in inputs.items()}
+        self.out_offset, self.out_capacity = out_offset, out_capacity
+        self.outputs: dict[str, np.ndarray] | None = None
+        self._released = False
+
+    def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run the model on what is in ``inputs`` now; returns read-only views valid until release."""
+        metas = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape), "offset": off}
+                 for n, (off, v) in self._inputs.items()]
+        frame = self.client._call(Kind.INFER_REGION, {
+            "model": self.model, "inputs": metas, "region": self.region.id, "output_offset": self.out_offset,
+            "output_capacity": self.out_capacity, "timeout_s": timeout or self.client.timeout}, timeout=timeout)
+        outputs = {}
+        for item in frame.meta.get("outputs", []):
+            offset, nbytes = item["offset"], protocol.tensor_nbytes(item["dtype"], item["shape"])
+            if not (self.out_offset <= offset and offset + nbytes <= self.out_offset + self.out_capacity):
+                raise ShmserveError(ErrorCode.INTERNAL, "server placed an output outside the output area")
+            view = np.ndarray(item["shape"], item["dtype"], buffer=self.region.buf, offset=offset)
+            view.flags.writeable = False
+            outputs[item["name"]] = view
+        self.outputs = outputs
+        return outputs
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.inputs = {}
+        self.outputs = None
+        for offset, view in self._inputs.values():
+            self.region.allocator.release(offset, view.nbytes)
+        self._inputs = {}
+        self.region.allocator.release(self.out_offset, self.out_capacity)
+
+    def __enter__(self) -> "ZeroCopyCall":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Client:
+    """A blocking connection to a shmserve server.
+
+    ``socket``: the server's socket path (default: $SHMSERVE_SOCKET, else the
+    runtime-directory default for ``instance``).  ``timeout``: default
+    seconds per request, enforced by the server (and by this client with a
+    grace period should the server not answer at all).
+    """
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE):
+        self.path = resolve_socket(socket_path, None, instance)
+        self.timeout = timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self._sock.close()
+            raise ConnectionClosed(f"no shmserve server at {self.path} ({exc.strerror})") from None
+        self._proto = protocol.Connection(protocol.Role.CLIENT)
+        self._buffer = bytearray(READ_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._fds: deque[int] = deque()
+        self._next_id = 1
+        self._regions: list[Region] = []
+        self._specs: dict[str, ModelSpec] = {}
+        self._broken: str | None = None
+
+    # -- public API -----------------------------------------------------------------------
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays)."""
+        metas, arrays = _prepare_inputs(inputs)
+        total = sum(a.nbytes for a in arrays)
+        frame = self._call(Kind.INFER, {"model": model, "inputs": metas, "timeout_s": timeout or self.timeout},
+                           payload=[_raw(a) for a in arrays if a.nbytes], data_len=total, timeout=timeout)
+        return frame.meta[_ARRAYS]
+
+    def models(self) -> list[dict]:
+        return self._call(Kind.MODELS, {}).meta["models"]
+
+    def health(self) -> dict:
+        meta = dict(self._call(Kind.HEALTH, {}).meta)
+        meta.pop("id", None)
+        return meta
+
+    def info(self) -> dict:
+        meta = dict(self._call(Kind.INFO, {}).meta)
+        meta.pop("id", None)
+        return meta
+
+    def open_region(self, size: int) -> Region:
+        """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection."""
+        frame = self._call(Kind.OPEN_REGION, {"size": size})
+        if not self._fds:
+            raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
+        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft())
+        self._regions.append(region)
+        return region
+
+    def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None) -> ZeroCopyCall:
+        """Reserve region space for one call of ``model``.
+
+        ``inputs`` maps input names to ``(shape, dtype)``; the returned call's
+        ``inputs`` are writable numpy views of that space.  Outputs get
+        ``output_capacity`` bytes (default: computed from the model's spec
+        where its output shapes follow from the inputs, else 16 MiB).
+        """
+        specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
+        sizes = {name: protocol.tensor_nbytes(dt.name, shape) for name, (shape, dt) in specs.items()}
+        if output_capacity is None:
+            output_capacity = self._estimate_outputs(model, specs)
+        need = sum(max(layout.TENSOR_ALIGN, s + layout.TENSOR_ALIGN) for s in sizes.values()) + output_capacity + 64
+        region = None
+        for candidate in self._regions:
+            if self._fits(candidate, list(sizes.values()) + [output_capacity]):
+                region = candidate
+                break
+        if region is None:
+            region = self.open_region(max(DEFAULT_REGION_BYTES, need))
+        placed: dict[str, tuple[int, np.ndarray]] = {}
+        alloc = region.allocator
+        for name, (shape, dt) in specs.items():
+            off = alloc.allocate(sizes[name])
+            placed[name] = (off, np.ndarray(shape, dt, buffer=region.buf, offset=off))
+        out_off = alloc.allocate(output_capacity)
+        return ZeroCopyCall(self, model, region, placed, out_off, output_capacity)
+
+    def close(self) -> None:
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _fits(region: Region, sizes: list[int]) -> bool:
+        free = sorted((length for _, length in region.allocator.free), reverse=True)
+        for size in sorted(sizes, reverse=True):
+            need = max(layout.TENSOR_ALIGN, (size + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+            if not free or free[0] < need:
+                return False
+            free[0] -= need
+            free.sort(reverse=True)
+        return True
+
+    def _estimate_outputs(self, model: str, specs) -> int:
+        spec = self._specs.get(model)
+        if spec is None:
+            for entry in self.models():
+                if entry["name"] == model and entry.get("inputs"):
+                    self._specs[model] = spec = ModelSpec.from_dict(entry)
+        if spec is None:
+            return DEFAULT_OUTPUT_CAPACITY
+        metas = [protocol.TensorMeta(n, dt.name, shape) for n, (shape, dt) in specs.items()]
+        try:
+            symbols = bind_inputs(spec, metas)
+        except ShmserveError:
+            return DEFAULT_OUTPUT_CAPACITY  # the server will say what is wrong
+        return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
+
+    def _call(self, kind: Kind, meta: dict, *, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
+        if self._broken:
+            raise ConnectionClosed(self._broken)
+        rid = self._next_id
+        self._next_id += 1
+        self._send([protocol.encode_frame(kind, {"id": rid, **meta}, data_len), *payload])
+        deadline = time.monotonic() + (timeout or self.timeout) + ANSWER_GRACE_S
+        return self._receive(rid, deadline)
+
+    def _send(self, parts: list) -> None:
+        views = [memoryview(p) for p in parts]
+        try:
+            while views:
+                sent = self._sock.sendmsg(views[:512])
+                while sent and views:
+                    if sent >= len(views[0]):
+                        sent -= len(views.pop(0))
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except OSError as exc:
+            self._fail(f"connection to {self.path} lost while sending: {exc}")
+
+    def _receive(self, rid: int, deadline: float) -> Frame:
+        frame_out = None
+        outputs: dict | None = None
+        while True:
+            event = self._proto.next_event()
+            if event is protocol.NEED_DATA:
+                self._read(deadline)
+                continue
+            if isinstance(event, ProtocolError):
+                self._fail(f"unreadable answer from the server: {event.message}")
+            if isinstance(event, PayloadDone):
+                return frame_out if outputs is None else Frame(frame_out.kind, {**frame_out.meta, _ARRAYS: outputs}, 0)
+            if event.kind == Kind.RESULT:
+                outputs, sinks = _output_sinks(event)
+                if sum(len(s) for s in sinks) != event.data_len:
+                    self._fail("server sent a result whose payload does not match its outputs")
+                if event.meta.get("id") != rid:
+                    self._fail("server answered a request this client did not send")
+                if not event.data_len:
+                    return Frame(event.kind, {**event.meta, _ARRAYS: outputs}, 0)
+                self._proto.accept_payload(sinks)
+                frame_out = event
+                continue
+            if event.meta.get("id") not in (rid, None):
+                self._fail("server answered a request this client did not send")
+            if event.kind == Kind.ERROR:
+                if event.meta.get("id") is None:
+                    self._broken = str(event.meta.get("message"))
+                _raise_error(event)
+            return event
+
+    def _read(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
+        self._sock.settimeout(remaining)
+        target = self._proto.payload_buffer()
+        try:
+            n, ancdata, _, _ = self._sock.recvmsg_into([target if target is not None else self._view], _FD_SPACE)
+        except socket.timeout:
+            self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
+        except OSError as exc:
+            self._fail(f"connection to {self.path} lost: {exc}")
+        for level, typ, data in ancdata:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if n == 0:
+            self._fail(f"the server at {self.path} closed the connection")
+        if target is not None:
+            self._proto.payload_received(n)
+        else:
+            self._proto.receive_data(self._view[:n])
+
+    def _fail(self, message: str, code: ErrorCode | None = None):
+        self._broken = message
+        if code is not None:
+            raise ShmserveError(code, message)
+        raise ConnectionClosed(message)
+
+
+class AsyncClient:
+    """The asyncio client: ``async with AsyncClient(path) as c: await c.infer(...)``.
+
+    Several requests may be in flight at once on one connection; answers are
+    matched by id.  Zero-copy calls use the blocking ``Client``.
+    """
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE):
+        self.path = resolve_socket(socket_path, None, instance)
+        self.timeout = timeout
+        self._next_id = 1
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._lock = asyncio.Lock()
+        self._reader_task = None
+        self._sock = None
+        self._closed_reason: str | None = None
+
+    async def connect(self) -> "AsyncClient":
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise ConnectionClosed(f"no shmserve server at {self.path} ({exc.strerror})") from None
+        self._sock = sock
+        self._proto = protocol.Connection(protocol.Role.CLIENT)
+        self._reader_task = loop.create_task(self._reader())
+        return self
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._fail_all("client closed")
+
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
+        metas, arrays = _prepare_inputs(inputs)
+        frame = await self._call(Kind.INFER, {"model": model, "inputs": metas, "timeout_s": timeout or self.timeout},
+                                 [_raw(a) for a in arrays if a.nbytes], sum(a.nbytes for a in arrays), timeout)
+        return frame.meta[_ARRAYS]
+
+    async def models(self) -> list[dict]:
+        return (await self._call(Kind.MODELS, {})).meta["models"]
+
+    async def health(self) -> dict:
+        return {k: v for k, v in (await self._call(Kind.HEALTH, {})).meta.items() if k != "id"}
+
+    async def info(self) -> dict:
+        return {k: v for k, v in (await self._call(Kind.INFO, {})).meta.items() if k != "id"}
+
+    async def _call(self, kind: Kind, meta: dict, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
+        if self._closed_reason:
+            raise ConnectionClosed(self._closed_reason)
+        loop = asyncio.get_running_loop()
+        rid = self._next_id
+        self._next_id += 1
+        fut = loop.create_future()
+        self._waiters[rid] = fut
+        async with self._lock:  # frames of concurrent calls must not interleave
+            try:
+                await loop.sock_sendall(self._sock, protocol.encode_frame(kind, {"id": rid, **meta}, data_len))
+                for part in payload:
+                    await loop.sock_sendall(self._sock, part)
+            except OSError as exc:
+                self._fail_all(f"connection lost while sending: {exc}")
+        try:
+            return await asyncio.wait_for(fut, (timeout or self.timeout) + ANSWER_GRACE_S)
+        except asyncio.TimeoutError:
+            raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
+        finally:
+            self._waiters.pop(rid, None)
+
+    async def _reader(self) -> None:
+        loop = asyncio.get_running_loop()
+        buffer = bytearray(READ_BUFFER)
+        view = memoryview(buffer)
+        current: tuple[Frame, dict] | None = None
+        try:
+            while True:
+                event = self._proto.next_event()
+                if event is protocol.NEED_DATA:
+                    target = self._proto.payload_buffer()
+                    n = await loop.sock_recv_into(self._sock, target if target is not None else view)
+                    if n == 0:
+                        raise ConnectionError("the server closed the connection")
+                    if target is not None:
+                        self._proto.payload_received(n)
+                    else:
+                        self._proto.receive_data(view[:n])
+                    continue
+                if isinstance(event, ProtocolError):
+                    raise ConnectionError(f"unreadable answer from the server: {event.message}")
+                if isinstance(event, PayloadDone):
+                    frame, outputs = current
+                    current = None
+                    self._resolve(Frame(frame.kind, {**frame.meta, _ARRAYS: outputs}, 0))
+                    continue
+                if event.kind == Kind.RESULT:
+                    outputs, sinks = _output_sinks(event)
+                    if sum(len(s) for s in sinks) != event.data_len:
+                        raise ConnectionError("result payload does not match its outputs")
+                    if not event.data_len:
+                        self._resolve(Frame(event.kind, {**event.meta, _ARRAYS: outputs}, 0))
+                        continue
+                    self._proto.accept_payload(sinks)
+                    current = (event, outputs)
+                    continue
+                self._resolve(event)
+        except (ConnectionError, OSError) as exc:
+            self._fail_all(str(exc))
+
+    def _resolve(self, frame: Frame) -> None:
+        rid = frame.meta.get("id")
+        if rid is None and frame.kind == Kind.ERROR:
+            self._fail_all(str(frame.meta.get("message")), frame)
+            return
+        fut = self._waiters.get(rid)
+        if fut is None or fut.done():
+            return
+        if frame.kind == Kind.ERROR:
+            fut.set_exception(ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))),
+                                            str(frame.meta.get("message"))))
+        else:
+            fut.set_result(frame)
+
+    def _fail_all(self, reason: str, frame: Frame | None = None) -> None:
+        self._closed_reason = self._closed_reason or reason
+        for fut in self._waiters.values():
+            if not fut.done():
+                if frame is not None:
+                    fut.set_exception(ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))), reason))
+                else:
+                    fut.set_exception(ConnectionClosed(reason))

@@ -1,0 +1,66 @@
+"""The contract between the front-end and a worker process.
+
+Owns: how a worker is started (its argv and inherited descriptors), the
+messages it sends on its control socket, the ring entry that stops it, and
+the meaning of its exit codes.  Both sides import this module; it imports
+nothing heavy.
+
+Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message,
+worker -> front-end only:
+
+    {"event": "ready", "spec": {...ModelSpec.to_dict()...}}   loaded and warmed
+    {"event": "failed", "error": "..."}                        could not load
+
+Exit codes (after gunicorn's arbiter: named codes stop crash loops):
+"""
+
+from __future__ import annotations
+
+import sys
+
+import orjson
+
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 3  # the model cannot be loaded: restarting would fail the same way
+EXIT_ARENA_FAILED = 4  # cannot map or register the arena: a host problem, not retried
+EXIT_ORPHANED = 5  # the front-end went away
+NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED})
+EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
+              EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone"}
+
+STOP_ENTRY = 2**64 - 1  # pushed on a worker's submission ring: finish what you have, then exit
+
+CONTROL_MAX = 1 << 20
+
+
+def worker_argv(*, instance: str, index: int, model_json: bytes, control_fd: int, completion_fd: int,
+                spin_us: int) -> list[str]:
+    return [sys.executable, "-m", "workers.main", "--instance", instance, "--index", str(index),
+            "--model", model_json.decode(), "--control-fd", str(control_fd),
+            "--completion-fd", str(completion_fd), "--spin-us", str(spin_us)]
+
+
+def encode(message: dict) -> bytes:
+    return orjson.dumps(message)
+
+
+def decode(data: bytes) -> dict:
+    message = orjson.loads(data)
+    if not isinstance(message, dict) or "event" not in message:
+        raise ValueError("control message without an event")
+    return message
+
+
+def describe_exit(status: int) -> str:
+    """Words for a waitpid() status."""
+    import os
+    import signal
+
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    code = os.WEXITSTATUS(status)
+    return f"exit {code} ({EXIT_NAMES.get(code, 'error')})"

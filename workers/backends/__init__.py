@@ -1,0 +1,66 @@
+"""The backend interface and the registry that finds backends by name.
+
+Owns: what a backend must provide, and name -> loader resolution: the
+built-ins below, then any installed package's ``shmserve.backends`` entry
+point (``name = "pkg.module:load"``).  Adding a backend touches neither the
+front-end nor the protocol.
+
+A loader is ``load(config: ModelConfig) -> Backend``; it raises on failure
+(the worker reports the message and exits with EXIT_LOAD_FAILED).
+
+Must not: be imported by the front-end (backends import model runtimes).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Callable, Mapping, Protocol
+
+import numpy as np
+
+from shmserve.spec import TensorSpec
+
+ENTRY_POINT_GROUP = "shmserve.backends"
+BUILTIN = {
+    "onnxruntime": "workers.backends.onnxruntime:load",
+    "python": "workers.backends.python:load",
+}
+
+
+class Backend(Protocol):
+    """A loaded model.
+
+    ``inputs``/``outputs`` are what the runtime can tell (config overrides are
+    merged by the worker).  ``run`` receives numpy views of shared memory (do
+    not keep them after returning) and returns arrays by output name.
+    """
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+class BackendNotFound(LookupError):
+    pass
+
+
+def find(name: str) -> Callable:
+    """Return the loader of backend ``name``; BackendNotFound lists what exists."""
+    target = BUILTIN.get(name)
+    if target is None:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name == name:
+                return ep.load()
+        known = sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+        raise BackendNotFound(f"no backend {name!r} (available: {', '.join(known)})")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def warmup_inputs(specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    """Zero inputs of the smallest valid shape (dynamic dimensions = 1) for a warm-up run."""
+    return {t.name: np.zeros([d if isinstance(d, int) else 1 for d in t.shape], dtype=t.dtype) for t in specs}
