@@ -303,7 +303,13 @@ class Client:
             raise ConnectionClosed(self._broken)
         rid = self._next_id
         self._next_id += 1
-        self._send([protocol.encode_frame(kind, {"id": rid, **meta}, data_len), *payload])
+        try:
+            self._send([protocol.encode_frame(kind, {"id": rid, **meta}, data_len), *payload])
+        except ConnectionClosed:
+            # The server may have said why before it closed (e.g. permission_denied): report that.
+            self._broken = None
+            self._receive(rid, time.monotonic() + 1.0)
+            raise
         deadline = time.monotonic() + (timeout or self.timeout) + ANSWER_GRACE_S
         return self._receive(rid, deadline)
 

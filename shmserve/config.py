@@ -11,7 +11,7 @@ File format::
     instance = "default"            # arena /dev/shm/shmserve.<instance>
     socket = "/run/shmserve/x.sock" # else $SHMSERVE_SOCKET, else the runtime-dir default
     request_timeout_s = 30
-    max_request_bytes = 67108864    # per request, inputs plus outputs
+    max_request_bytes = 67108864    # arena space per request: inputs plus outputs
     allow_uids = [1000]             # SO_PEERCRED allow-list; the server's uid and root always
     allow_gids = []
     socket_mode = 0o600             # 0o660 with socket_group to let a group's members connect
@@ -29,7 +29,7 @@ File format::
     instances = 1
     max_batch_size = 0              # 0: no batching
     max_queue_delay_us = 0
-    max_output_bytes = 16777216     # reserved per output whose size is unknown until it runs
+    max_output_bytes = 1048576      # reserved per output whose size the inputs do not determine
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
 """
 
@@ -64,7 +64,7 @@ class ModelConfig:
     instances: int = 1
     max_batch_size: int = 0
     max_queue_delay_us: int = 0
-    max_output_bytes: int = 16 * MiB
+    max_output_bytes: int = MiB  # reserved per output whose size the inputs do not determine
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     options: dict = field(default_factory=dict)  # backend-specific, passed through
@@ -90,7 +90,7 @@ class ServerConfig:
     instance: str = DEFAULT_INSTANCE
     socket: str | None = None
     request_timeout_s: float = 30.0
-    max_request_bytes: int = 64 * MiB  # the largest tensor set one request may carry (in + out)
+    max_request_bytes: int = 64 * MiB  # arena space one request may use: its inputs plus its outputs
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
     arena_slots: int = 256
@@ -104,11 +104,11 @@ class ServerConfig:
     socket_group: str | None = None
 
     def arena_size_classes(self) -> tuple[tuple[int, int], ...]:
-        """Explicit classes, or a default that holds max_request_bytes (x2 for in + out) twice."""
+        """Explicit classes, or a default whose largest class holds a max_request_bytes request twice."""
         if self.size_classes:
             return self.size_classes
-        big = 2 * self.max_request_bytes + 64 * 1024
-        classes = [(4096, 256), (64 * 1024, 128), (MiB, 32), (16 * MiB, 4)]
+        big = self.max_request_bytes + 64 * 1024  # + alignment padding between tensors
+        classes = [(4096, 256), (64 * 1024, 128), (MiB, 16), (16 * MiB, 2)]
         classes = [c for c in classes if c[0] < big]
         return tuple(classes + [(big, 2)])
 

@@ -550,8 +550,12 @@ class Frontend:
             req.conn.resume()
             return
         req.out_offset, req.out_capacity = pos, req.extent.offset + req.extent.size - pos
-        req.state = "receiving"
         conn = req.conn
+        if not any(t.nbytes for t in req.inputs):  # every input is empty: nothing to receive
+            self._publish(req)
+            conn.resume()
+            return
+        req.state = "receiving"
         conn.receiving = req
         conn.proto.accept_payload(sinks)
         conn.resume()
@@ -627,7 +631,7 @@ class Frontend:
 
     def _open_region(self, conn: "ClientConnection", rid: int, meta: dict) -> None:
         size = meta.get("size")
-        limit = 2 * self.config.max_request_bytes
+        limit = self.config.max_request_bytes + (1 << 20)  # one largest request, with room for alignment
         if type(size) is not int or not 0 < size <= limit:
             raise ShmserveError(ErrorCode.TOO_LARGE if type(size) is int and size > 0 else ErrorCode.BAD_FRAME,
                                 f"'size' must be an integer in [1, {limit}]")
@@ -705,7 +709,11 @@ class Frontend:
                 "pid": os.getpid(), "socket": self.socket_path, "uptime_s": round(time.monotonic() - self.started, 3),
                 "arena": {"name": self.arena.name, "size": g.total_size, "slots": g.slot_count,
                           "largest_extent": self.extents.largest},
-                "max_request_bytes": self.max_request, "request_timeout_s": self.config.request_timeout_s}
+                "max_request_bytes": self.max_request, "request_timeout_s": self.config.request_timeout_s,
+                "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
+                "workers": [{"index": w.index, "model": w.model.name, "device": w.model.device, "pid": w.pid,
+                             "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight)}
+                            for w in self.supervisor.workers]}
 
 
 class ClientConnection(asyncio.BufferedProtocol):
@@ -774,11 +782,18 @@ class ClientConnection(asyncio.BufferedProtocol):
             event = self.proto.next_event()
             if event is protocol.NEED_DATA:
                 return
-            if isinstance(event, Frame):
-                self.frontend.on_frame(self, event)
-            elif isinstance(event, PayloadDone):
-                self.frontend.on_payload_done(self)
-            elif isinstance(event, ProtocolError):
+            try:
+                if isinstance(event, Frame):
+                    self.frontend.on_frame(self, event)
+                elif isinstance(event, PayloadDone):
+                    self.frontend.on_payload_done(self)
+            except Exception:  # our bug: this connection ends, the server goes on
+                log.exception("internal error handling a %s; closing that connection", type(event).__name__)
+                self.send_now(protocol.error_frame(None, ErrorCode.INTERNAL, "internal server error"))
+                self.closed = True
+                self.transport.close()
+                return
+            if isinstance(event, ProtocolError):
                 log.info("closing a connection: %s: %s", event.code.wire, event.message)
                 self.send_now(protocol.error_frame(None, event.code, event.message))
                 self.closed = True

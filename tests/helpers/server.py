@@ -1,0 +1,144 @@
+"""Run a real `shmserve serve` process on a temporary socket for tests, and stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+from shmserve import Client
+from shmserve.config import demo_config
+from shmserve.errors import ConnectionClosed
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+DEMO_PATH = demo_config().models[0].path
+
+
+def standard_models(identity_instances: int = 2) -> str:
+    return textwrap.dedent(f"""
+        [[models]]
+        name = "identity"
+        backend = "python"
+        path = "shmserve.models:identity"
+        instances = {identity_instances}
+
+        [[models]]
+        name = "demo"
+        backend = "onnxruntime"
+        path = "{DEMO_PATH}"
+
+        [[models]]
+        name = "slow"
+        backend = "python"
+        path = "serving_models:slow"
+
+        [[models]]
+        name = "nonzero"
+        backend = "python"
+        path = "shmserve.models:nonzero"
+
+        [[models]]
+        name = "fails"
+        backend = "python"
+        path = "serving_models:fails"
+
+        [[models]]
+        name = "wrong_dtype"
+        backend = "python"
+        path = "serving_models:wrong_dtype"
+
+        [[models]]
+        name = "grow"
+        backend = "python"
+        path = "serving_models:grow"
+        max_output_bytes = 4096
+
+        [[models]]
+        name = "broken"
+        backend = "python"
+        path = "serving_models:broken_factory"
+        [models.options]
+        factory = true
+    """)
+
+
+class ServerProcess:
+    """A `shmserve serve` child.  ``start()`` returns once it answers health checks."""
+
+    def __init__(self, workdir: Path, config_text: str, *, server_section: str = "", socket_dir: Path | None = None):
+        self.workdir = workdir
+        self.instance = f"t-{uuid.uuid4().hex[:10]}"
+        self.socket_dir = socket_dir or (workdir / "run")
+        self.socket = str(self.socket_dir / "s.sock")
+        self.config_path = workdir / f"{self.instance}.toml"
+        self.config_path.write_text(f"[server]\ninstance = \"{self.instance}\"\n{server_section}\n{config_text}")
+        self.log_path = workdir / f"{self.instance}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> "ServerProcess":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(self.config_path),
+                                      "--socket", self.socket], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with Client(self.socket, timeout=10) as c:
+                    c.health()
+                return self
+            except ConnectionClosed:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def client(self, timeout: float = 30.0) -> Client:
+        return Client(self.socket, timeout=timeout)
+
+    def info(self) -> dict:
+        with self.client() as c:
+            return c.info()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Wait until no slot and no arena space is in use; returns the last info."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            stats = info["stats"]
+            if stats["slots_in_use"] == 0 and stats["extent_bytes_in_use"] == 0:
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle: {stats}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        # a SIGKILLed front-end leaves its workers to die of PDEATHSIG; give them a moment
+        time.sleep(0.2)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""

@@ -1,0 +1,47 @@
+"""Python-backend models used by the serving tests (imported by worker processes via PYTHONPATH)."""
+
+import time
+
+import numpy as np
+
+
+def slow(inputs):
+    """Sleeps x[0] seconds, then returns 2x."""
+    x = inputs["x"]
+    time.sleep(float(x[0]) if x.size else 0.0)
+    return {"y": x * 2}
+
+
+slow.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+slow.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+
+
+def fails(inputs):
+    if inputs["x"].size and inputs["x"][0] < 0:
+        raise ValueError("negative input")
+    return {"y": inputs["x"]}
+
+
+fails.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+fails.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+
+
+def broken_factory(config):
+    raise RuntimeError("this model cannot be loaded")
+
+
+def wrong_dtype(inputs):
+    return {"y": inputs["x"].astype(np.float64)}
+
+
+wrong_dtype.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+wrong_dtype.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+
+
+def grow(inputs):
+    """An output 1000x larger than its input: more than the space reserved for it."""
+    return {"y": np.zeros(inputs["x"].size * 1000, np.float32)}
+
+
+grow.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+grow.outputs = [{"name": "y", "dtype": "float32", "shape": [None]}]

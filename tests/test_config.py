@@ -1,0 +1,102 @@
+"""Configuration parsing: defaults, the embedded demo, and errors that name the key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shmserve import config
+from shmserve.config import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "shmserve.toml"
+    path.write_text(text)
+    return path
+
+
+def test_full_config(tmp_path):
+    (tmp_path / "m.onnx").write_bytes(b"x")
+    cfg = config.load(write(tmp_path, """
+        [server]
+        instance = "prod_1"
+        request_timeout_s = 5
+        allow_uids = [1000, 1001]
+        socket_mode = 0o660
+        [arena]
+        slots = 64
+        size_classes = [[4096, 8], [1048576, 2]]
+        [[models]]
+        name = "a"
+        backend = "onnxruntime"
+        path = "m.onnx"
+        device = "cuda:1"
+        instances = 2
+        max_batch_size = 8
+        max_queue_delay_us = 500
+        inputs = [{name = "x", dtype = "float32", shape = ["batch", 3]}]
+        [[models]]
+        name = "b"
+        backend = "python"
+        path = "shmserve.models:identity"
+        [models.options]
+        threads = 2
+    """))
+    assert cfg.instance == "prod_1" and cfg.request_timeout_s == 5.0 and cfg.allow_uids == (1000, 1001)
+    a, b = cfg.models
+    assert a.path == str(tmp_path / "m.onnx") and a.device == "cuda:1" and a.instances == 2
+    assert a.inputs[0].shape == ("batch", 3) and b.options == {"threads": 2}
+    assert cfg.arena_size_classes() == ((4096, 8), (1048576, 2)) and cfg.socket_mode == 0o660
+
+
+@pytest.mark.parametrize("body,key", [
+    ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\ndevice="gpu"', "models[0].device"),
+    ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\ninstances=0', "models[0].instances"),
+    ('[[models]]\nname="a"\nbackend="python"', "models[0].path"),
+    ('[[models]]\nname="a"\nbackend="onnxruntime"\npath="missing.onnx"', "models[0].path"),
+    ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\nbogus=1', "models[0].bogus"),
+    ('[[models]]\nname="a b"\nbackend="python"\npath="m:f"', "models[0].name"),
+    ('[server]\ninstance="x/y"\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.instance"),
+    ('[server]\nsocket_mode=0o666\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.socket_mode"),
+    ('[arena]\nsize_classes=[[1]]\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "arena.size_classes[0]"),
+    ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\n[[models]]\nname="a"\nbackend="python"\npath="m:g"',
+     "models[1].name"),
+    ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\ninputs=[{name="x", dtype="complex64", shape=[1]}]',
+     "models[0].inputs[0]"),
+    ("", "models"),
+])
+def test_errors_name_the_key(tmp_path, body, key):
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, body))
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_not_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(write(tmp_path, "[[models"))
+    with pytest.raises(ConfigError, match="No such file"):
+        config.load(tmp_path / "absent.toml")
+
+
+def test_demo_config_points_at_the_shipped_model():
+    cfg = config.demo_config()
+    (model,) = cfg.models
+    assert model.name == "demo" and model.backend == "onnxruntime" and os.path.getsize(model.path) < 5 * 2**20
+
+
+def test_socket_resolution(monkeypatch):
+    monkeypatch.delenv("SHMSERVE_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/7")
+    assert config.resolve_socket(None, None, "x") == "/run/user/7/shmserve/x.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert config.resolve_socket(None, None, "x") == f"/tmp/shmserve-{os.getuid()}/x.sock"
+    monkeypatch.setenv("SHMSERVE_SOCKET", "/e.sock")
+    assert config.resolve_socket(None, None, "x") == "/e.sock"
+    assert config.resolve_socket(None, "/c.sock", "x") == "/c.sock"
+    assert config.resolve_socket("/a.sock", "/c.sock", "x") == "/a.sock"
+
+
+def test_default_size_classes_hold_the_largest_request():
+    cfg = config.ServerConfig(models=(), max_request_bytes=3 * 2**20)
+    assert max(size for size, _ in cfg.arena_size_classes()) >= 3 * 2**20

@@ -1,0 +1,498 @@
+"""The serving path through real server and worker processes on a temporary socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, protocol
+from shmserve.protocol import Kind
+
+from conftest import shm_names
+from helpers.server import DEMO_PATH, TESTS_DIR, ServerProcess, standard_models
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    before = shm_names()
+    srv = ServerProcess(tmp_path_factory.mktemp("srv"), standard_models(),
+                        server_section="request_timeout_s = 20\nmax_request_bytes = 140000000").start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log()
+    assert shm_names() == before, "the server left segments in /dev/shm"
+    assert not os.path.exists(srv.socket)
+
+
+def demo_reference(x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(DEMO_PATH, providers=["CPUExecutionProvider"])
+    return session.run(None, {"image": x})[0]
+
+
+# -- results --------------------------------------------------------------------------------
+
+def test_demo_inline_and_zero_copy_equal_onnxruntime(server):
+    rng = np.random.default_rng(1)
+    for batch in (1, 3, 16):
+        x = rng.random((batch, 3, 32, 32), dtype=np.float32)
+        ref = demo_reference(x)
+        with server.client() as c:
+            out = c.infer("demo", {"image": x})
+            assert out["probabilities"].dtype == np.float32
+            np.testing.assert_array_equal(out["probabilities"], ref)  # same runtime, same model: exact
+            with c.zero_copy("demo", {"image": (x.shape, np.float32)}) as call:
+                call.inputs["image"][...] = x
+                zc = call.run()
+                np.testing.assert_array_equal(zc["probabilities"], ref)
+                assert not zc["probabilities"].flags.writeable
+
+
+def test_identity_and_empty_and_scalar_edges(server):
+    with server.client() as c:
+        for n in (0, 1, 63, 64, 65, 4097):
+            x = np.arange(n, dtype=np.uint8)
+            np.testing.assert_array_equal(c.infer("identity", {"x": x})["y"], x)
+
+
+def test_dynamic_output_size_known_only_after_running(server):
+    with server.client() as c:
+        x = np.zeros(1000, np.float32)
+        x[[3, 500, 999]] = 1
+        assert c.infer("nonzero", {"x": x})["indices"].tolist() == [3, 500, 999]
+        with c.zero_copy("nonzero", {"x": ((1000,), np.float32)}) as call:
+            call.inputs["x"][...] = x
+            assert call.run()["indices"].tolist() == [3, 500, 999]
+
+
+def test_models_listing_and_info(server):
+    with server.client() as c:
+        models = {m["name"]: m for m in c.models()}
+        demo = models["demo"]
+        assert demo["backend"] == "onnxruntime" and demo["device"] == "cpu" and demo["path"] == DEMO_PATH
+        assert demo["inputs"] == [{"name": "image", "dtype": "float32", "shape": ["batch", 3, 32, 32]}]
+        assert demo["outputs"] == [{"name": "probabilities", "dtype": "float32", "shape": ["batch", 10]}]
+        assert models["broken"]["state"] == "unavailable" and "cannot be loaded" in models["broken"]["error"]
+        info = c.info()
+        assert info["instance"] == server.instance and info["protocol"] == protocol.PROTOCOL_VERSION
+        assert len([w for w in info["workers"] if w["model"] == "identity"]) == 2
+        health = c.health()
+        assert health["status"] == "degraded" and health["models"]["demo"]["state"] == "ready"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model,inputs,code", [
+    ("nope", {"x": np.zeros(1, np.uint8)}, ErrorCode.UNKNOWN_MODEL),
+    ("demo", {"img": np.zeros((1, 3, 32, 32), np.float32)}, ErrorCode.BAD_INPUT),
+    ("demo", {"image": np.zeros((1, 3, 32, 32), np.float64)}, ErrorCode.BAD_DTYPE),
+    ("demo", {"image": np.zeros((3, 32, 32), np.float32)}, ErrorCode.BAD_SHAPE),
+    ("demo", {"image": np.zeros((1, 3, 32, 31), np.float32)}, ErrorCode.BAD_SHAPE),
+    ("identity", {"x": np.zeros(100 * MiB, np.uint8)}, ErrorCode.TOO_LARGE),
+    ("fails", {"x": np.full(4, -1, np.float32)}, ErrorCode.MODEL_ERROR),
+    ("wrong_dtype", {"x": np.ones(4, np.float32)}, ErrorCode.MODEL_ERROR),
+    ("grow", {"x": np.ones(64, np.float32)}, ErrorCode.OUTPUT_TOO_LARGE),
+    ("broken", {"x": np.ones(1, np.float32)}, ErrorCode.MODEL_UNAVAILABLE),
+])
+def test_bad_requests_get_stable_codes_and_the_server_keeps_serving(server, model, inputs, code):
+    with server.client() as c:
+        with pytest.raises(ShmserveError) as info:
+            c.infer(model, inputs)
+        assert info.value.code is code, info.value
+        assert info.value.message
+        np.testing.assert_array_equal(c.infer("identity", {"x": np.arange(9, dtype=np.uint8)})["y"], np.arange(9))
+    server.wait_idle()
+
+
+def test_timeout(server):
+    with server.client() as c:
+        with pytest.raises(ShmserveError) as info:
+            c.infer("slow", {"x": np.array([1.5], np.float32)}, timeout=0.3)
+        assert info.value.code is ErrorCode.TIMEOUT
+        assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].tolist() == [1, 1, 1]
+    server.wait_idle()  # the slot came back once the worker finished
+
+
+def test_zero_copy_descriptors_are_bounds_checked(server):
+    with server.client() as c:
+        region = c.open_region(1 << 20)
+        good = {"model": "identity", "inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": 0}],
+                "region": region.id, "output_offset": 4096, "output_capacity": 4096}
+        for patch in ({"region": region.id + 1000},
+                      {"inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": region.size - 50}]},
+                      {"inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": 3}]},
+                      {"output_offset": region.size},
+                      {"output_capacity": 2**40}):
+            with pytest.raises(ShmserveError) as info:
+                c._call(Kind.INFER_REGION, good | patch)
+            assert info.value.code is ErrorCode.BAD_REGION, patch
+        with pytest.raises(ShmserveError) as info:
+            c.open_region(2**40)
+        assert info.value.code is ErrorCode.TOO_LARGE
+        frame = c._call(Kind.INFER_REGION, good)
+        assert frame.meta["outputs"][0]["offset"] == 4096
+
+
+def test_another_clients_region_is_out_of_reach(server):
+    with server.client() as a, server.client() as b:
+        region = a.open_region(1 << 20)
+        meta = {"model": "identity", "inputs": [{"name": "x", "dtype": "uint8", "shape": [10], "offset": 0}],
+                "region": region.id, "output_offset": 4096, "output_capacity": 4096}
+        with pytest.raises(ShmserveError) as info:
+            b._call(Kind.INFER_REGION, meta)
+        assert info.value.code is ErrorCode.BAD_REGION
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.r")]
+        assert names and all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in names)
+
+
+def raw_exchange(path: str, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes, return whatever comes back until the server closes or goes quiet."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    try:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def parse_answers(data: bytes) -> list:
+    conn = protocol.Connection(protocol.Role.CLIENT)
+    conn.receive_data(data)
+    out = []
+    while True:
+        ev = conn.next_event()
+        if ev is protocol.NEED_DATA or isinstance(ev, protocol.ProtocolError):
+            return out
+        out.append(ev)
+        if isinstance(ev, protocol.Frame) and ev.data_len:
+            conn.discard_payload()
+
+
+@pytest.mark.parametrize("data,code", [
+    (b"GET / HTTP/1.1\r\n\r\n", "bad_frame"),
+    (protocol.FRAME_HEADER.pack(b"SV", 2, Kind.HEALTH, 2, 0) + b"{}", "version_mismatch"),
+    (protocol.FRAME_HEADER.pack(b"SV", 1, Kind.INFER, 2**31, 0), "frame_too_large"),
+    (protocol.FRAME_HEADER.pack(b"SV", 1, Kind.HEALTH, 5, 0) + b"[1,2]", "bad_frame"),
+    (protocol.encode_frame(Kind.INFER, {"id": 1, "model": "identity",
+                                        "inputs": [{"name": "x", "dtype": "uint8", "shape": [10]}]}, 5) + b"12345",
+     "bad_frame"),
+    (protocol.encode_frame(Kind.INFER, {"id": 1, "model": "identity", "inputs": "x"}), "bad_frame"),
+    (protocol.encode_frame(Kind.HEALTH, {"id": "x"}), "bad_frame"),
+    (protocol.encode_frame(Kind.CLOSE_REGION, {"id": 1, "region": 99}), "bad_region"),
+])
+def test_hostile_frames_get_errors_and_others_are_served(server, data, code):
+    answers = parse_answers(raw_exchange(server.socket, data))
+    assert answers and answers[-1].kind is Kind.ERROR and answers[-1].meta["code"] == code, answers
+    with server.client() as c:
+        assert c.infer("identity", {"x": np.ones(5, np.uint8)})["y"].sum() == 5
+
+
+def test_fuzzed_bytes_against_the_live_server(server):
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    valid = protocol.encode_frame(Kind.INFER, {"id": 3, "model": "identity",
+                                               "inputs": [{"name": "x", "dtype": "uint8", "shape": [16]}]}, 16) + bytes(16)
+    for i in range(60):
+        choice = rng.randrange(4)
+        if choice == 0:
+            data = rng.randbytes(rng.randrange(1, 200))
+        elif choice == 1:
+            data = valid[:rng.randrange(1, len(valid))]  # truncated
+        elif choice == 2:
+            data = bytearray(valid)
+            for _ in range(rng.randrange(1, 6)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = bytes(data)
+        else:
+            data = valid + rng.randbytes(rng.randrange(1, 64))
+        try:
+            raw_exchange(server.socket, data, timeout=2)
+        except OSError as exc:
+            pytest.fail(f"seed {seed} case {i}: {exc}")
+    with server.client() as c:
+        assert c.infer("identity", {"x": np.ones(7, np.uint8)})["y"].sum() == 7, f"seed {seed}"
+    server.wait_idle()
+
+
+def test_client_disconnecting_mid_upload_and_mid_run_leaks_nothing(server):
+    header = protocol.encode_frame(Kind.INFER, {"id": 1, "model": "identity",
+                                                "inputs": [{"name": "x", "dtype": "uint8", "shape": [1 << 20]}]}, 1 << 20)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.socket)
+    s.sendall(header + bytes(1000))  # most of the payload never comes
+    time.sleep(0.2)
+    s.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.socket)
+    x = np.array([0.5], np.float32)
+    s.sendall(protocol.encode_frame(Kind.INFER, {"id": 2, "model": "slow", "inputs": [
+        {"name": "x", "dtype": "float32", "shape": [1]}]}, 4) + x.tobytes())
+    time.sleep(0.1)
+    s.close()  # gone while the worker runs it
+    server.wait_idle()
+    with server.client() as c:
+        assert c.infer("slow", {"x": np.array([0.0], np.float32)})["y"].tolist() == [0.0]
+
+
+def test_cli_infer_models_and_no_server(server, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "shmserve.cli", *args], capture_output=True, text=True,
+                                       env=env, timeout=60)
+    r = run("infer", "demo", "--random", "--socket", server.socket)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("probabilities\tfloat32\t(1, 10)\tcrc32=")
+    x = np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    r = run("infer", "demo", "--input", f"image={tmp_path / 'x.npy'}", "--save", str(tmp_path / "out"),
+            "--json", "--socket", server.socket)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["outputs"][0]["shape"] == [2, 10]
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "probabilities.npy"), demo_reference(x))
+    r = run("models", "--json", "--socket", server.socket)
+    listed = json.loads(r.stdout)
+    assert r.returncode == 0 and isinstance(listed, list)
+    assert all({"name", "backend", "path", "device", "inputs", "outputs"} <= set(m) for m in listed)
+    r = run("models", "--socket", str(tmp_path / "nobody.sock"))
+    assert r.returncode == 3 and "no shmserve server" in r.stderr
+    r = run("infer", "nope", "--random", "--socket", server.socket)
+    assert r.returncode == 1
+
+
+def test_async_client_many_in_flight(server):
+    import asyncio
+
+    async def main():
+        async with AsyncClient(server.socket) as c:
+            xs = [np.full(i + 1, i, np.uint8) for i in range(40)]
+            outs = await asyncio.gather(*(c.infer("identity", {"x": x}) for x in xs))
+            for x, out in zip(xs, outs):
+                np.testing.assert_array_equal(out["y"], x)
+            with pytest.raises(ShmserveError) as info:
+                await c.infer("nope", {"x": xs[0]})
+            assert info.value.code is ErrorCode.UNKNOWN_MODEL
+            assert (await c.health())["models"]["identity"]["state"] == "ready"
+            assert any(m["name"] == "demo" for m in await c.models())
+
+    asyncio.run(main())
+
+
+# -- concurrency ----------------------------------------------------------------------------
+
+LOAD_CLIENT = str(Path(__file__).parent / "helpers" / "load_client.py")
+
+
+def test_sixteen_concurrent_clients_threads_and_processes(server):
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"concurrency seed={seed}")
+    procs = [subprocess.Popen([sys.executable, LOAD_CLIENT, server.socket, str(seed + i), "6"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(8)]
+    failures: list[str] = []
+
+    def thread_client(i: int):
+        from helpers.load_client import run_client
+        try:
+            run_client(server.socket, seed + 100 + i, 6)
+        except Exception as exc:  # reported below with the seed
+            failures.append(f"thread {i}: {exc!r}")
+
+    threads = [threading.Thread(target=thread_client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        if p.returncode != 0:
+            failures.append(f"process: {err.strip()[-2000:]}")
+    assert not failures, f"seed {seed}: {failures}"
+    server.wait_idle()
+
+
+# -- faults with their own server ----------------------------------------------------------
+
+def test_worker_killed_mid_request(tmp_path):
+    before = shm_names()
+    srv = ServerProcess(tmp_path, """
+        [[models]]
+        name = "slow"
+        backend = "python"
+        path = "serving_models:slow"
+        [[models]]
+        name = "identity"
+        backend = "python"
+        path = "shmserve.models:identity"
+    """, server_section="request_timeout_s = 30").start()
+    try:
+        (victim,) = [w["pid"] for w in srv.info()["workers"] if w["model"] == "slow"]
+        results: list = []
+
+        def call():
+            with srv.client() as c:
+                t0 = time.monotonic()
+                try:
+                    results.append(("ok", c.infer("slow", {"x": np.array([3.0], np.float32)}), time.monotonic() - t0))
+                except ShmserveError as exc:
+                    results.append((exc.code, exc.message, time.monotonic() - t0))
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while [w["inflight"] for w in srv.info()["workers"] if w["model"] == "slow"] != [4]:
+            assert time.monotonic() < deadline, "requests never reached the worker"
+            time.sleep(0.02)
+        os.kill(victim, 9)
+        for t in threads:
+            t.join(30)
+        assert len(results) == 4
+        for outcome, detail, elapsed in results:
+            assert outcome is ErrorCode.WORKER_CRASHED, (outcome, detail)
+            assert "SIGKILL" in detail and elapsed < 10
+        deadline = time.monotonic() + 30  # the worker comes back; meanwhile: model_unavailable
+        while True:
+            try:
+                with srv.client() as c:
+                    assert c.infer("slow", {"x": np.array([0.0], np.float32)})["y"].tolist() == [0.0]
+                break
+            except ShmserveError as exc:
+                assert exc.code is ErrorCode.MODEL_UNAVAILABLE and time.monotonic() < deadline
+                time.sleep(0.1)
+        info = srv.wait_idle()
+        (worker,) = [w for w in info["workers"] if w["model"] == "slow"]
+        assert worker["restarts"] == 1 and worker["pid"] != victim
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert shm_names() == before
+    assert not os.path.exists(srv.socket)
+
+
+def test_overloaded_when_arena_and_queue_are_full(tmp_path):
+    srv = ServerProcess(tmp_path, """
+        [arena]
+        slots = 2
+        [[models]]
+        name = "slow"
+        backend = "python"
+        path = "serving_models:slow"
+    """, server_section="max_waiting = 0").start()
+    try:
+        done = []
+
+        def call():
+            with srv.client() as c:
+                done.append(c.infer("slow", {"x": np.array([1.0], np.float32)}))
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        with srv.client() as c:
+            with pytest.raises(ShmserveError) as info:
+                c.infer("slow", {"x": np.array([0.0], np.float32)})
+            assert info.value.code is ErrorCode.OVERLOADED
+        for t in threads:
+            t.join(30)
+        assert len(done) == 2
+        srv.wait_idle()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    before = shm_names()
+    srv = ServerProcess(tmp_path, """
+        [[models]]
+        name = "slow"
+        backend = "python"
+        path = "serving_models:slow"
+    """).start()
+    results = []
+
+    def call():
+        with srv.client() as c:
+            results.append(c.infer("slow", {"x": np.array([1.0], np.float32)})["y"].tolist())
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.3)
+    assert srv.stop() == 0, srv.log()
+    t.join(10)
+    assert results == [[2.0]]  # finished during the drain, not cut off
+    assert shm_names() == before
+    assert not os.path.exists(srv.socket)
+    assert "stopped" in srv.log()
+
+
+def test_peer_credentials_refuse_other_users(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    import grp
+    import tempfile
+
+    try:
+        nogroup = grp.getgrgid(65534).gr_name
+    except KeyError:
+        pytest.skip("no group 65534 on this machine")
+    sockdir = Path(tempfile.mkdtemp(prefix="shmserve-peercred-"))
+    os.chmod(sockdir, 0o755)
+    srv = ServerProcess(tmp_path, """
+        [[models]]
+        name = "identity"
+        backend = "python"
+        path = "shmserve.models:identity"
+    """, server_section=f"socket_mode = 0o660\nsocket_group = \"{nogroup}\"", socket_dir=sockdir).start()
+    try:
+        # A forked child drops to nobody:nogroup (the interpreter is already loaded, so nothing
+        # under /root needs to be readable by nobody) and asks for health over the socket.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_end)
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                with Client(srv.socket, timeout=10) as c:
+                    c.health()
+                answer = b"served"
+            except ShmserveError as exc:
+                answer = exc.code.wire.encode()
+            except BaseException as exc:
+                answer = repr(exc).encode()
+            os.write(write_end, answer)
+            os._exit(0)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        with os.fdopen(read_end, "rb") as f:
+            answer = f.read().decode()
+        assert answer == "permission_denied", answer
+        assert "refused connection from pid" in srv.log() and "uid 65534" in srv.log()
+        with srv.client() as c:  # the owner still is served
+            assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].sum() == 3
+    finally:
+        assert srv.stop() == 0, srv.log()
+        os.rmdir(sockdir)
