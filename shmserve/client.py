@@ -57,6 +57,14 @@ def _prepare_inputs(inputs: Mapping[str, np.ndarray]) -> tuple[list[dict], list[
     return metas, arrays
 
 
+def _keep_fds(ancdata, into: deque) -> None:
+    for level, typ, data in ancdata:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+            into.extend(fds)
+
+
 def _raise_error(frame: Frame):
     raise ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))), str(frame.meta.get("message")))
 
@@ -135,11 +143,15 @@ class ZeroCopyCall:
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release."""
+        return self._collect(self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
+
+    def _meta(self, timeout: float | None) -> dict:
         metas = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape), "offset": off}
                  for n, (off, v) in self._inputs.items()]
-        frame = self.client._call(Kind.INFER_REGION, {
-            "model": self.model, "inputs": metas, "region": self.region.id, "output_offset": self.out_offset,
-            "output_capacity": self.out_capacity, "timeout_s": timeout or self.client.timeout}, timeout=timeout)
+        return {"model": self.model, "inputs": metas, "region": self.region.id, "output_offset": self.out_offset,
+                "output_capacity": self.out_capacity, "timeout_s": timeout or self.client.timeout}
+
+    def _collect(self, frame: Frame) -> dict[str, np.ndarray]:
         outputs = {}
         for item in frame.meta.get("outputs", []):
             offset, nbytes = item["offset"], protocol.tensor_nbytes(item["dtype"], item["shape"])
@@ -169,6 +181,71 @@ class ZeroCopyCall:
         self.release()
 
 
+class AsyncZeroCopyCall(ZeroCopyCall):
+    """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
+
+    async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        return self._collect(await self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
+
+    async def __aenter__(self) -> "AsyncZeroCopyCall":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+def _align(n: int) -> int:
+    return max(layout.TENSOR_ALIGN, (n + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+
+
+def _normalize(inputs: Mapping[str, tuple]) -> tuple[dict, dict]:
+    specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
+    return specs, {name: protocol.tensor_nbytes(dt.name, shape) for name, (shape, dt) in specs.items()}
+
+
+def _fits(region: Region, sizes: list[int]) -> bool:
+    free = sorted((length for _, length in region.allocator.free), reverse=True)
+    for size in sorted(sizes, reverse=True):
+        need = _align(size)
+        if not free or free[0] < need:
+            return False
+        free[0] -= need
+        free.sort(reverse=True)
+    return True
+
+
+def _find_region(regions: list[Region], sizes: list[int]) -> Region | None:
+    return next((r for r in regions if _fits(r, sizes)), None)
+
+
+def _place(region: Region, specs: dict, sizes: dict, output_capacity: int) -> tuple[dict, int]:
+    placed = {}
+    for name, (shape, dt) in specs.items():
+        off = region.allocator.allocate(sizes[name])
+        placed[name] = (off, np.ndarray(shape, dt, buffer=region.buf, offset=off))
+    return placed, region.allocator.allocate(output_capacity)
+
+
+def _region_size(sizes: dict, output_capacity: int) -> int:
+    return max(DEFAULT_REGION_BYTES, sum(_align(s) for s in sizes.values()) + _align(output_capacity))
+
+
+def _estimate(spec: ModelSpec | None, specs: dict) -> int:
+    if spec is None:
+        return DEFAULT_OUTPUT_CAPACITY
+    metas = [protocol.TensorMeta(n, dt.name, shape) for n, (shape, dt) in specs.items()]
+    try:
+        symbols = bind_inputs(spec, metas)
+    except ShmserveError:
+        return DEFAULT_OUTPUT_CAPACITY  # the server will say what is wrong
+    return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
+
+
+def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
+    entry = next((m for m in listing if m["name"] == model and m.get("inputs")), None)
+    return ModelSpec.from_dict(entry) if entry else None
+
+
 class Client:
     """A blocking connection to a shmserve server.
 
@@ -193,7 +270,7 @@ class Client:
         self._fds: deque[int] = deque()
         self._next_id = 1
         self._regions: list[Region] = []
-        self._specs: dict[str, ModelSpec] = {}
+        self._specs: dict[str, ModelSpec | None] = {}
         self._broken: str | None = None
 
     # -- public API -----------------------------------------------------------------------
@@ -236,24 +313,14 @@ class Client:
         ``output_capacity`` bytes (default: computed from the model's spec
         where its output shapes follow from the inputs, else 16 MiB).
         """
-        specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
-        sizes = {name: protocol.tensor_nbytes(dt.name, shape) for name, (shape, dt) in specs.items()}
+        specs, sizes = _normalize(inputs)
         if output_capacity is None:
-            output_capacity = self._estimate_outputs(model, specs)
-        need = sum(max(layout.TENSOR_ALIGN, s + layout.TENSOR_ALIGN) for s in sizes.values()) + output_capacity + 64
-        region = None
-        for candidate in self._regions:
-            if self._fits(candidate, list(sizes.values()) + [output_capacity]):
-                region = candidate
-                break
-        if region is None:
-            region = self.open_region(max(DEFAULT_REGION_BYTES, need))
-        placed: dict[str, tuple[int, np.ndarray]] = {}
-        alloc = region.allocator
-        for name, (shape, dt) in specs.items():
-            off = alloc.allocate(sizes[name])
-            placed[name] = (off, np.ndarray(shape, dt, buffer=region.buf, offset=off))
-        out_off = alloc.allocate(output_capacity)
+            if model not in self._specs:
+                self._specs[model] = _spec_of(self.models(), model)
+            output_capacity = _estimate(self._specs[model], specs)
+        wanted = list(sizes.values()) + [output_capacity]
+        region = _find_region(self._regions, wanted) or self.open_region(_region_size(sizes, output_capacity))
+        placed, out_off = _place(region, specs, sizes, output_capacity)
         return ZeroCopyCall(self, model, region, placed, out_off, output_capacity)
 
     def close(self) -> None:
@@ -271,32 +338,6 @@ class Client:
         self.close()
 
     # -- internals ------------------------------------------------------------------------
-
-    @staticmethod
-    def _fits(region: Region, sizes: list[int]) -> bool:
-        free = sorted((length for _, length in region.allocator.free), reverse=True)
-        for size in sorted(sizes, reverse=True):
-            need = max(layout.TENSOR_ALIGN, (size + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
-            if not free or free[0] < need:
-                return False
-            free[0] -= need
-            free.sort(reverse=True)
-        return True
-
-    def _estimate_outputs(self, model: str, specs) -> int:
-        spec = self._specs.get(model)
-        if spec is None:
-            for entry in self.models():
-                if entry["name"] == model and entry.get("inputs"):
-                    self._specs[model] = spec = ModelSpec.from_dict(entry)
-        if spec is None:
-            return DEFAULT_OUTPUT_CAPACITY
-        metas = [protocol.TensorMeta(n, dt.name, shape) for n, (shape, dt) in specs.items()]
-        try:
-            symbols = bind_inputs(spec, metas)
-        except ShmserveError:
-            return DEFAULT_OUTPUT_CAPACITY  # the server will say what is wrong
-        return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
 
     def _call(self, kind: Kind, meta: dict, *, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
         if self._broken:
@@ -370,11 +411,7 @@ class Client:
             self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
         except OSError as exc:
             self._fail(f"connection to {self.path} lost: {exc}")
-        for level, typ, data in ancdata:
-            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-                self._fds.extend(fds)
+        _keep_fds(ancdata, self._fds)
         if n == 0:
             self._fail(f"the server at {self.path} closed the connection")
         if target is not None:
@@ -393,7 +430,7 @@ class AsyncClient:
     """The asyncio client: ``async with AsyncClient(path) as c: await c.infer(...)``.
 
     Several requests may be in flight at once on one connection; answers are
-    matched by id.  Zero-copy calls use the blocking ``Client``.
+    matched by id.  ``zero_copy`` works as in ``Client`` (``await call.run()``).
     """
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE):
@@ -405,6 +442,9 @@ class AsyncClient:
         self._reader_task = None
         self._sock = None
         self._closed_reason: str | None = None
+        self._fds: deque[int] = deque()
+        self._regions: list[Region] = []
+        self._specs: dict[str, ModelSpec | None] = {}
 
     async def connect(self) -> "AsyncClient":
         loop = asyncio.get_running_loop()
@@ -436,6 +476,11 @@ class AsyncClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
         self._fail_all("client closed")
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -452,6 +497,27 @@ class AsyncClient:
 
     async def info(self) -> dict:
         return {k: v for k, v in (await self._call(Kind.INFO, {})).meta.items() if k != "id"}
+
+    async def open_region(self, size: int) -> Region:
+        frame = await self._call(Kind.OPEN_REGION, {"size": size})
+        if not self._fds:
+            raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
+        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft())
+        self._regions.append(region)
+        return region
+
+    async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *,
+                        output_capacity: int | None = None) -> AsyncZeroCopyCall:
+        """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``."""
+        specs, sizes = _normalize(inputs)
+        if output_capacity is None:
+            if model not in self._specs:
+                self._specs[model] = _spec_of(await self.models(), model)
+            output_capacity = _estimate(self._specs[model], specs)
+        wanted = list(sizes.values()) + [output_capacity]
+        region = _find_region(self._regions, wanted) or await self.open_region(_region_size(sizes, output_capacity))
+        placed, out_off = _place(region, specs, sizes, output_capacity)
+        return AsyncZeroCopyCall(self, model, region, placed, out_off, output_capacity)
 
     async def _call(self, kind: Kind, meta: dict, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
         if self._closed_reason:
@@ -485,7 +551,7 @@ class AsyncClient:
                 event = self._proto.next_event()
                 if event is protocol.NEED_DATA:
                     target = self._proto.payload_buffer()
-                    n = await loop.sock_recv_into(self._sock, target if target is not None else view)
+                    n = await self._recv_into(loop, target if target is not None else view)
                     if n == 0:
                         raise ConnectionError("the server closed the connection")
                     if target is not None:
@@ -513,6 +579,22 @@ class AsyncClient:
                 self._resolve(event)
         except (ConnectionError, OSError) as exc:
             self._fail_all(str(exc))
+
+    async def _recv_into(self, loop, target) -> int:
+        """recvmsg_into on the non-blocking socket, keeping any descriptors the server passed."""
+        while True:
+            try:
+                n, ancdata, _, _ = self._sock.recvmsg_into([target], _FD_SPACE)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(self._sock.fileno(), ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(self._sock.fileno())
+                continue
+            _keep_fds(ancdata, self._fds)
+            return n
 
     def _resolve(self, frame: Frame) -> None:
         rid = frame.meta.get("id")

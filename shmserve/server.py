@@ -184,6 +184,7 @@ class Frontend:
         path = Path(self.socket_path)
         if not path.parent.exists():
             path.parent.mkdir(mode=0o700, parents=True)
+            self._created_socket_dir = path.parent  # removed again at exit if we leave it empty
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise SystemExit(f"shmserve: {path} exists and is not a socket")
@@ -230,6 +231,12 @@ class Frontend:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
+            created = getattr(self, "_created_socket_dir", None)
+            if created is not None:
+                try:
+                    created.rmdir()
+                except OSError:
+                    pass  # not empty: somebody else's files live there too
         while self.waiting:
             req = self.waiting.popleft()
             req.conn.skip_pending_payload()

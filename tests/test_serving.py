@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def server(tmp_path_factory):
     code = srv.stop()
     assert code == 0, srv.log()
     assert shm_names() == before, "the server left segments in /dev/shm"
-    assert not os.path.exists(srv.socket)
+    assert not os.path.exists(srv.socket_dir), "the socket directory it created is still there"
 
 
 def demo_reference(x: np.ndarray) -> np.ndarray:
@@ -296,6 +297,11 @@ def test_async_client_many_in_flight(server):
             assert info.value.code is ErrorCode.UNKNOWN_MODEL
             assert (await c.health())["models"]["identity"]["state"] == "ready"
             assert any(m["name"] == "demo" for m in await c.models())
+            x = np.random.default_rng(2).random((2, 3, 32, 32), dtype=np.float32)
+            async with await c.zero_copy("demo", {"image": (x.shape, np.float32)}) as call:
+                call.inputs["image"][...] = x
+                out = await call.run()
+                np.testing.assert_array_equal(out["probabilities"], demo_reference(x))
 
     asyncio.run(main())
 
@@ -439,11 +445,18 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     t = threading.Thread(target=call)
     t.start()
     time.sleep(0.3)
+    late = srv.client()  # connected before the stop, asks during the drain
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with pytest.raises(ShmserveError) as info:
+        late.infer("slow", {"x": np.array([0.0], np.float32)})
+    assert info.value.code is ErrorCode.SHUTTING_DOWN
+    late.close()
     assert srv.stop() == 0, srv.log()
     t.join(10)
     assert results == [[2.0]]  # finished during the drain, not cut off
     assert shm_names() == before
-    assert not os.path.exists(srv.socket)
+    assert not os.path.exists(srv.socket_dir)
     assert "stopped" in srv.log()
 
 
