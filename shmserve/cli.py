@@ -35,6 +35,26 @@ def _client(args):
     return Client(args.socket, timeout=args.timeout, instance=args.instance or DEFAULT_INSTANCE)
 
 
+def _talks_to_server(func):
+    """Turn client errors of a subcommand into messages and exit codes (3: no server, 1: an error)."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(args: argparse.Namespace) -> int:
+        from shmserve.errors import ConnectionClosed, ShmserveError
+
+        try:
+            return func(args)
+        except ConnectionClosed as exc:
+            print(f"shmserve {args.command}: {exc.message}", file=sys.stderr)
+            return EXIT_NO_SERVER
+        except ShmserveError as exc:
+            print(f"shmserve {args.command}: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+
+    return wrapper
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from shmserve import config as cfg
     from shmserve.server import serve
@@ -51,40 +71,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, path)
 
 
+@_talks_to_server
 def _cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from shmserve.errors import ConnectionClosed, ShmserveError
-
-    try:
-        with _client(args) as client:
-            inputs = {}
-            for item in args.input or []:
-                name, sep, path = item.partition("=")
-                if not sep:
-                    print(f"shmserve infer: --input expects NAME=FILE.npy, got {item!r}", file=sys.stderr)
-                    return EXIT_USAGE
-                inputs[name] = np.load(path, allow_pickle=False)
-            if args.random:
-                spec = next((m for m in client.models() if m["name"] == args.model), None)
-                if spec is None:
-                    print(f"shmserve infer: the server has no model {args.model!r}", file=sys.stderr)
-                    return EXIT_FAILURE
-                rng = np.random.default_rng(args.seed)
-                for t in spec["inputs"]:
-                    if t["name"] not in inputs:
-                        shape = [d if isinstance(d, int) and d >= 0 else args.dynamic_dim for d in t["shape"]]
-                        inputs[t["name"]] = _random(rng, t["dtype"], shape)
-            if not inputs:
-                print("shmserve infer: give --input NAME=FILE.npy or --random", file=sys.stderr)
+    with _client(args) as client:
+        inputs = {}
+        for item in args.input or []:
+            name, sep, path = item.partition("=")
+            if not sep:
+                print(f"shmserve infer: --input expects NAME=FILE.npy, got {item!r}", file=sys.stderr)
                 return EXIT_USAGE
-            outputs = client.infer(args.model, inputs, timeout=args.timeout)
-    except ConnectionClosed as exc:
-        print(f"shmserve infer: {exc.message}", file=sys.stderr)
-        return EXIT_NO_SERVER
-    except ShmserveError as exc:
-        print(f"shmserve infer: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+            inputs[name] = np.load(path, allow_pickle=False)
+        if args.random:
+            spec = next((m for m in client.models() if m["name"] == args.model), None)
+            if spec is None:
+                print(f"shmserve infer: the server has no model {args.model!r}", file=sys.stderr)
+                return EXIT_FAILURE
+            rng = np.random.default_rng(args.seed)
+            for t in spec["inputs"]:
+                if t["name"] not in inputs:
+                    shape = [d if isinstance(d, int) and d >= 0 else args.dynamic_dim for d in t["shape"]]
+                    inputs[t["name"]] = _random(rng, t["dtype"], shape)
+        if not inputs:
+            print("shmserve infer: give --input NAME=FILE.npy or --random", file=sys.stderr)
+            return EXIT_USAGE
+        outputs = client.infer(args.model, inputs, timeout=args.timeout)
     rows = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape),
              "crc32": f"{zlib.crc32(np.ascontiguousarray(a).tobytes()):08x}"} for n, a in outputs.items()]
     if args.save:
@@ -116,18 +128,10 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "output"
 
 
+@_talks_to_server
 def _cmd_models(args: argparse.Namespace) -> int:
-    from shmserve.errors import ConnectionClosed, ShmserveError
-
-    try:
-        with _client(args) as client:
-            models = client.models()
-    except ConnectionClosed as exc:
-        print(f"shmserve models: {exc.message}", file=sys.stderr)
-        return EXIT_NO_SERVER
-    except ShmserveError as exc:
-        print(f"shmserve models: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+    with _client(args) as client:
+        models = client.models()
     if args.json:
         print(json.dumps(models))
         return EXIT_OK
@@ -142,18 +146,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@_talks_to_server
 def _cmd_control(args: argparse.Namespace) -> int:
-    from shmserve.errors import ConnectionClosed, ShmserveError
-
-    try:
-        with _client(args) as client:
-            answer = client.health() if args.command == "health" else client.info()
-    except ConnectionClosed as exc:
-        print(f"shmserve {args.command}: {exc.message}", file=sys.stderr)
-        return EXIT_NO_SERVER
-    except ShmserveError as exc:
-        print(f"shmserve {args.command}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+    with _client(args) as client:
+        answer = client.health() if args.command == "health" else client.info()
     print(json.dumps(answer, indent=None if args.json else 2))
     if args.command == "health" and answer.get("status") != "ok":
         return EXIT_FAILURE
