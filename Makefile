@@ -16,6 +16,8 @@ serve: $(BIN)/python
 	$(BIN)/shmserve serve $(SERVE_ARGS)
 
 test: $(BIN)/python
+	# the CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet 'torch==2.13.0'
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -24,7 +24,9 @@ setup(
         "onnxruntime>=1.17,<2",  # the embedded demo model runs on it
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2",
+                 # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU
+                 "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'"],
         "gpu": ["cuda-python>=12.4,<14"],
         "onnx": ["onnx>=1.15,<2"],  # to rebuild the demo model (tools/make_demo_model.py)
         "torch": ["torch>=2.3,<3"],

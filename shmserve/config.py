@@ -26,6 +26,7 @@ File format::
     backend = "onnxruntime"         # or "python", or any registered backend
     path = "demo.onnx"              # relative to this file; python: "module:callable"
     device = "cpu"                  # or "cuda:0"
+    io_mode = "copy"                # GPU only: "copy" (DMA) or "mapped" (zero-copy reads); docs/gpu.md
     instances = 1
     max_batch_size = 0              # 0: no batching
     max_queue_delay_us = 0
@@ -65,6 +66,7 @@ class ModelConfig:
     max_batch_size: int = 0
     max_queue_delay_us: int = 0
     max_output_bytes: int = MiB  # reserved per output whose size the inputs do not determine
+    io_mode: str = "copy"  # GPU: "copy" (DMA to device buffers) or "mapped" (kernels read shared memory); docs/gpu.md
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     options: dict = field(default_factory=dict)  # backend-specific, passed through
@@ -73,6 +75,7 @@ class ModelConfig:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
+                "io_mode": self.io_mode,
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "options": self.options}
 
@@ -205,7 +208,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
-                           "max_queue_delay_us", "max_output_bytes", "inputs", "outputs", "options"})
+                           "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options"})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -223,6 +226,10 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     if not _DEVICE_RE.match(device):
         raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
     kw = dict(name=name, backend=backend, path=path, device=device)
+    if "io_mode" in m:
+        kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
+        if kw["io_mode"] not in ("copy", "mapped"):
+            raise ConfigError(f"{where}.io_mode: expected 'copy' or 'mapped', got {kw['io_mode']!r}")
     for key, lo, hi in (("instances", 1, 64), ("max_batch_size", 0, 1 << 16), ("max_queue_delay_us", 0, 10_000_000),
                         ("max_output_bytes", 0, 1 << 36)):
         if key in m:

@@ -710,6 +710,10 @@ class Frontend:
                      "workers_ready": sum(w.state == READY for w in m.workers),
                      "restarts": sum(w.restarts for w in m.workers)} for m in self.models.values()}}
 
+    def _worker_counters(self, w: WorkerHandle) -> dict:
+        entry = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index))
+        return {"requests": entry.requests, "errors": entry.errors}
+
     def info(self) -> dict:
         g = self.arena.geometry
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "instance": self.config.instance,
@@ -718,8 +722,10 @@ class Frontend:
                           "largest_extent": self.extents.largest},
                 "max_request_bytes": self.max_request, "request_timeout_s": self.config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
-                "workers": [{"index": w.index, "model": w.model.name, "device": w.model.device, "pid": w.pid,
-                             "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight)}
+                "workers": [{**self._worker_counters(w), "index": w.index, "model": w.model.name,
+                             "device": w.model.device, "pid": w.pid,
+                             "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight),
+                             "io_mode": w.model.io_mode if w.model.device != "cpu" else None, "gpu": w.gpu}
                             for w in self.supervisor.workers]}
 
 

@@ -54,6 +54,7 @@ class WorkerHandle:
     restarts: int = 0
     inflight: set[int] = field(default_factory=set)  # slot indices handed to it
     started_at: float = 0.0
+    gpu: dict | None = None  # what a GPU worker registered (device, arena addresses)
     ready_future: asyncio.Future | None = None
 
     @property
@@ -131,6 +132,7 @@ class Supervisor:
             return
         if message["event"] == "ready":
             w.spec = ModelSpec.from_dict(message["spec"])
+            w.gpu = message.get("gpu")
             w.state, w.error = READY, None
             log.info("worker %d (%s) ready in %.2f s", w.index, w.model.name, time.monotonic() - w.started_at)
             self.on_ready(w)

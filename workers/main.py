@@ -48,10 +48,15 @@ class RequestFailed(Exception):
 
 
 class RegionCache:
-    """Client regions (``shmserve.<instance>.r<id>``) mapped on first use, dropped once unlinked."""
+    """Client regions (``shmserve.<instance>.r<id>``) mapped on first use, dropped once unlinked.
 
-    def __init__(self, instance: str):
+    On a GPU worker each region is page-locked while mapped (``gpu`` set):
+    registered after mapping, unregistered before unmapping.
+    """
+
+    def __init__(self, instance: str, gpu=None):
         self.instance = instance
+        self.gpu = gpu  # a GpuMemory, or None on CPU
         self.maps: dict[int, object] = {}
         self.sizes: dict[int, int] = {}
 
@@ -70,6 +75,13 @@ class RegionCache:
             self.sizes[region] = size
         finally:
             shm.close_fd()
+        if self.gpu is not None and size:
+            try:
+                self.gpu.register(("region", region), self.maps[region], f"region {region}")
+            except Exception as exc:
+                self.maps.pop(region).close()
+                self.sizes.pop(region)
+                raise RequestFailed(ErrorCode.INTERNAL, f"cannot page-lock region {region}: {exc}") from None
 
     def buffer(self, region: int, arena_buf):
         return arena_buf if region == 0 else self.maps[region]
@@ -78,17 +90,107 @@ class RegionCache:
         """Unmap regions whose name is gone (their client disconnected or closed them)."""
         for region in list(self.maps):
             if not os.path.exists(f"/dev/shm/shmserve.{self.instance}.r{region}"):
-                m = self.maps.pop(region)
-                self.sizes.pop(region)
-                if m is not None:
-                    m.close()
+                self._drop(region)
+
+    def _drop(self, region: int) -> None:
+        if self.gpu is not None:
+            self.gpu.unregister(("region", region))
+        m = self.maps.pop(region)
+        self.sizes.pop(region)
+        if m is not None:
+            m.close()
 
     def close(self) -> None:
-        for m in self.maps.values():
-            if m is not None:
-                m.close()
-        self.maps.clear()
-        self.sizes.clear()
+        for region in list(self.maps):
+            self._drop(region)
+
+
+class GpuMemory:
+    """The GPU worker's page-locked ranges: the arena at start, client regions as they come.
+
+    Each registration is a context manager kept open until ``unregister`` (or
+    ``close``), which always runs before the memory is unmapped.
+    """
+
+    def __init__(self, device_index: int):
+        from workers import cuda
+
+        self.cuda = cuda
+        self.device_index = device_index
+        cuda.set_device(device_index)
+        self.memory = cuda.DeviceMemory()
+        self._open: dict[object, tuple[object, object]] = {}  # key -> (context manager, registration)
+
+    def register(self, key, buf, what: str) -> None:
+        cm = self.cuda.registered(buf, what)
+        reg = cm.__enter__()
+        self._open[key] = (cm, reg)
+        self.memory.add(reg)
+
+    def unregister(self, key) -> None:
+        entry = self._open.pop(key, None)
+        if entry is not None:
+            cm, reg = entry
+            self.memory.remove(reg.host)
+            cm.__exit__(None, None, None)
+
+    def describe(self) -> dict:
+        """What is registered, for the front-end's info: device and arena host/device addresses."""
+        _, reg = self._open["arena"]
+        return {"device": self.device_index, "arena_host": hex(reg.host), "arena_device": hex(reg.device),
+                "arena_bytes": reg.size, "flags": "Portable|Mapped"}
+
+    def close(self) -> None:
+        for key in list(self._open):
+            self.unregister(key)
+
+
+class OutputPlacer:
+    """Lays a request's outputs out in its output area, 64-byte aligned, in the order they come,
+    and writes their descriptors once the backend is done (after its stream is synchronized)."""
+
+    def __init__(self, worker: "Worker", index: int, first_tensor: int, region: int, base: int, capacity: int):
+        self.worker, self.index, self.first = worker, index, first_tensor
+        self.region, self.base, self.capacity = region, base, capacity
+        self.target = worker.regions.buffer(region, worker.buf)
+        self.pos = 0
+        self.placed: dict[str, tuple[int, tuple, np.dtype]] = {}
+
+    def allocate(self, name: str, shape, dtype) -> np.ndarray:
+        """A writable view of the output area for output ``name``; RequestFailed if it does not fit."""
+        spec = self.worker.spec
+        declared = next((t for t in spec.outputs if t.name == name), None)
+        if declared is None:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
+        dtype = np.dtype(dtype)
+        if dtype.name != declared.dtype:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {dtype.name}, declared {declared.dtype}")
+        if name in self.placed:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
+        shape = tuple(int(d) for d in shape)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        pos = (self.pos + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN
+        if pos + nbytes > self.capacity:
+            raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
+                                f"outputs need more than the {self.capacity} bytes reserved for them "
+                                f"(output {name!r} is {nbytes} bytes); raise max_output_bytes")
+        self.pos = pos + nbytes
+        self.placed[name] = (self.base + pos, shape, dtype)
+        return np.ndarray(shape, dtype, buffer=self.target, offset=self.base + pos)
+
+    def finish(self) -> int:
+        spec, w = self.worker.spec, self.worker
+        missing = [t.name for t in spec.outputs if t.name not in self.placed]
+        if missing:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
+        sync = getattr(w.backend, "synchronize", None)
+        if sync is not None:
+            sync()  # a GPU backend's writes must land before DONE is published
+        for i, t in enumerate(spec.outputs):
+            offset, shape, dtype = self.placed[t.name]
+            layout.encode_tensor(w.buf, w.geometry, self.index, self.first + i, role=layout.ROLE_OUTPUT,
+                                 name_index=i, dtype=dtype, shape=shape, offset=offset, region=self.region)
+        return len(spec.outputs)
 
 
 class Worker:
@@ -102,7 +204,12 @@ class Worker:
         self.inbox = FutexDoorbell(self.submissions)
         self.outbox = EventfdDoorbell(self.completions, completion_fd)
         self.spin_s = spin_s
-        self.regions = RegionCache(arena.instance)
+        self.gpu: GpuMemory | None = None
+        if config.device.startswith("cuda"):
+            # Register the arena once, before the model loads (DESIGN.md section 6).
+            self.gpu = GpuMemory(int(config.device.split(":")[1]))
+            self.gpu.register("arena", arena.buf, f"arena {arena.name}")
+        self.regions = RegionCache(arena.instance, self.gpu)
         self.backend = None
         self.spec: ModelSpec | None = None
         self.ppid = os.getppid()
@@ -123,6 +230,9 @@ class Worker:
     def load(self) -> None:
         cfg = self.config
         self.backend = find(cfg.backend)(cfg)
+        bind = getattr(self.backend, "bind_memory", None)
+        if bind is not None and self.gpu is not None:
+            bind(self.gpu.memory)
         inputs = merge_overrides(self.backend.inputs, cfg.inputs)
         outputs = merge_overrides(self.backend.outputs, cfg.outputs)
         if not inputs or not outputs:
@@ -130,10 +240,19 @@ class Worker:
                              f"declare them in the config")
         self.spec = ModelSpec(cfg.name, cfg.backend, inputs, outputs,
                               {"path": cfg.path, "device": cfg.device})
-        result = self.backend.run(warmup_inputs(inputs))
-        missing = {t.name for t in outputs} - set(result)
-        if missing:
-            raise ValueError(f"model {cfg.name!r}: warm-up run did not return outputs {sorted(missing)}")
+        declare = getattr(self.backend, "declare", None)
+        if declare is not None:
+            declare(inputs, outputs)
+        custom = getattr(self.backend, "warmup_inputs", None)
+        warm = custom() if custom is not None else warmup_inputs(inputs)
+        if hasattr(self.backend, "run_into"):
+            scratch: list[np.ndarray] = []
+            self.backend.run_into(warm, lambda name, shape, dtype: scratch.append(np.empty(shape, dtype)) or scratch[-1])
+            got = len(scratch)
+        else:
+            got = len(set(self.backend.run(warm)) & {t.name for t in outputs})
+        if got != len(outputs):
+            raise ValueError(f"model {cfg.name!r}: warm-up run produced {got} of {len(outputs)} outputs")
 
     def serve(self) -> int:
         self._set_state(layout.WORKER_READY)
@@ -206,54 +325,49 @@ class Worker:
                 inputs[spec.inputs[desc.name_index].name] = view
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        placer = self._output_placer(index, slot)
         self.arena.stamp(index, "t_compute_start")
         try:
-            results = self.backend.run(inputs)
+            if hasattr(self.backend, "run_into"):  # writes outputs itself (GPU: straight into shared memory)
+                self.backend.run_into(inputs, placer.allocate)
+            else:
+                results = self.backend.run(inputs)
+                for t in self.spec.outputs:
+                    if t.name not in results:
+                        raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {t.name!r}")
+                    arr = np.asarray(results[t.name])
+                    np.copyto(placer.allocate(t.name, arr.shape, arr.dtype), arr, casting="no")
+                del results
+        except RequestFailed:
+            raise
         except Exception as exc:  # the model's failure is this request's error, not the worker's
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}") from None
         finally:
             del inputs
         self.arena.stamp(index, "t_compute_end")
-        return self._write_outputs(index, slot, results)
+        return placer.finish()
 
-    def _write_outputs(self, index: int, slot, results) -> int:
-        g, buf, spec = self.geometry, self.buf, self.spec
+    def _output_placer(self, index: int, slot) -> "OutputPlacer":
+        g = self.geometry
         region = slot.out_region
         self.regions.ensure(region)
         base, capacity = slot.out_off, slot.out_capacity
-        limit = self.regions.sizes.get(region) if region else None
         if region == 0 and not g.contains_data(base, capacity):
             raise RequestFailed(ErrorCode.INTERNAL, "output area lies outside the data region")
-        if region and base + capacity > limit:
+        if region and base + capacity > self.regions.sizes[region]:
             raise RequestFailed(ErrorCode.BAD_REGION, "output area lies outside the region")
-        target = self.regions.buffer(region, buf)
-        if slot.n_inputs + len(spec.outputs) > layout.MAX_TENSORS:
+        if slot.n_inputs + len(self.spec.outputs) > layout.MAX_TENSORS:
             raise RequestFailed(ErrorCode.INTERNAL, "too many tensors for one slot")
-        pos = 0
-        for i, t in enumerate(spec.outputs):
-            if t.name not in results:
-                raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {t.name!r}")
-            arr = np.asarray(results[t.name])
-            if arr.dtype.name != t.dtype:
-                raise RequestFailed(ErrorCode.MODEL_ERROR,
-                                    f"output {t.name!r} is {arr.dtype.name}, declared {t.dtype}")
-            pos = (pos + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN
-            if pos + arr.nbytes > capacity:
-                raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
-                                    f"outputs need more than the {capacity} bytes reserved for them "
-                                    f"(output {t.name!r} is {arr.nbytes} bytes); raise max_output_bytes")
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=target, offset=base + pos)
-            np.copyto(dst, arr, casting="no")
-            del dst
-            layout.encode_tensor(buf, g, index, slot.n_inputs + i, role=layout.ROLE_OUTPUT, name_index=i,
-                                 dtype=arr.dtype, shape=arr.shape, offset=base + pos, region=region)
-            pos += arr.nbytes
-        return len(spec.outputs)
+        return OutputPlacer(self, index, slot.n_inputs, region, base, capacity)
 
     def close(self) -> None:
+        """Unregister before unmapping: regions, the backend, then the arena's registration."""
         self.regions.close()
         if self.backend is not None:
             self.backend.close()
+            self.backend = None
+        if self.gpu is not None:
+            self.gpu.close()
 
 
 def _die_with_parent() -> None:
@@ -288,7 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     except ArenaError as exc:
         control.send(workerlink.encode({"event": "failed", "error": f"cannot attach the arena: {exc}"}))
         return workerlink.EXIT_ARENA_FAILED
-    worker = Worker(arena, args.index, config, control, args.completion_fd, args.spin_us / 1e6)
+    try:
+        worker = Worker(arena, args.index, config, control, args.completion_fd, args.spin_us / 1e6)
+    except Exception as exc:  # no device, no cuda-python, or page-locking refused (memlock)
+        control.send(workerlink.encode({"event": "failed", "error": f"cannot use {config.device} for "
+                                                                    f"model {config.name!r}: {exc}"}))
+        arena.close()
+        return workerlink.EXIT_ARENA_FAILED
     try:
         try:
             worker.load()
@@ -297,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{type(exc).__name__}: {exc}"
             control.send(workerlink.encode({"event": "failed", "error": message}))
             return workerlink.EXIT_LOAD_FAILED
-        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict()}))
+        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(),
+                                        "gpu": worker.gpu.describe() if worker.gpu else None}))
         return worker.serve()
     finally:
         worker.close()

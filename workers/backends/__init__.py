@@ -25,6 +25,8 @@ ENTRY_POINT_GROUP = "shmserve.backends"
 BUILTIN = {
     "onnxruntime": "workers.backends.onnxruntime:load",
     "python": "workers.backends.python:load",
+    "torch": "workers.backends.torch:load",
+    "tensorrt": "workers.backends.tensorrt:load",
 }
 
 
@@ -32,8 +34,18 @@ class Backend(Protocol):
     """A loaded model.
 
     ``inputs``/``outputs`` are what the runtime can tell (config overrides are
-    merged by the worker).  ``run`` receives numpy views of shared memory (do
-    not keep them after returning) and returns arrays by output name.
+    merged by the worker).  A backend provides one of:
+
+    * ``run(inputs) -> {name: array}``: receives numpy views of shared memory
+      (do not keep them after returning); the worker copies the returned
+      arrays into the output area;
+    * ``run_into(inputs, allocate)``: writes each output itself into
+      ``allocate(name, shape, dtype)`` (a writable numpy view of the output
+      area) — how GPU backends put results straight into shared memory.
+
+    Optional: ``declare(inputs, outputs)`` (the final specs, before warm-up),
+    ``bind_memory(device_memory)`` (GPU workers: host view -> device address),
+    ``synchronize()`` (called before DONE is published: wait for the stream).
     """
 
     inputs: tuple[TensorSpec, ...]

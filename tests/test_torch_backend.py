@@ -1,0 +1,89 @@
+"""The torch backend on CPU through a real server: TorchScript and torch.export programs.
+
+(Its CUDA paths, mapped and copy, are in test_gpu.py and tools/gpu_check.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shmserve import ErrorCode, ShmserveError  # noqa: E402
+
+from conftest import shm_names  # noqa: E402
+from helpers.server import ServerProcess  # noqa: E402
+from helpers.torch_models import save_models  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def torch_server(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("torch")
+    paths = save_models(workdir)
+    before = shm_names()
+    srv = ServerProcess(workdir, f"""
+        [[models]]
+        name = "convnet_ts"
+        backend = "torch"
+        path = "{paths['torchscript']}"
+        inputs = [{{name = "image", dtype = "float32", shape = ["batch", 3, 32, 32]}}]
+        outputs = [{{name = "scores", dtype = "float32", shape = ["batch", 10]}}]
+
+        [[models]]
+        name = "convnet_pt2"
+        backend = "torch"
+        path = "{paths['export']}"
+
+        [[models]]
+        name = "on_gpu"
+        backend = "torch"
+        path = "{paths['torchscript']}"
+        device = "cuda:0"
+        inputs = [{{name = "image", dtype = "float32", shape = ["batch", 3, 32, 32]}}]
+        outputs = [{{name = "scores", dtype = "float32", shape = ["batch", 10]}}]
+    """).start()
+    yield srv, paths
+    assert srv.stop() == 0, srv.log()
+    assert shm_names() == before
+
+
+def reference(path, x):
+    module = torch.jit.load(path)
+    with torch.inference_mode():
+        return module(torch.from_numpy(x)).numpy()
+
+
+def test_torchscript_and_export_match_torch_run_directly(torch_server):
+    srv, paths = torch_server
+    rng = np.random.default_rng(7)
+    with srv.client() as c:
+        models = {m["name"]: m for m in c.models()}
+        exported = models["convnet_pt2"]  # a .pt2 program reports its own specs
+        assert exported["inputs"][0]["dtype"] == "float32" and exported["inputs"][0]["shape"][1:] == [3, 32, 32]
+        assert exported["outputs"][0]["shape"][1:] == [10]
+        for batch in (1, 5):
+            x = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
+            ref = reference(paths["torchscript"], x)
+            # Same weights and ops, but the worker may use other thread counts: allow rounding.
+            out = c.infer("convnet_ts", {"image": x})["scores"]
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+            out = c.infer("convnet_pt2", {exported["inputs"][0]["name"]: x})[exported["outputs"][0]["name"]]
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+            with c.zero_copy("convnet_ts", {"image": (x.shape, np.float32)}) as call:
+                call.inputs["image"][...] = x
+                np.testing.assert_allclose(call.run()["scores"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gpu_model_without_a_gpu_fails_clearly_and_others_keep_serving(torch_server):
+    srv, _ = torch_server
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: test_gpu.py covers it")
+    with srv.client() as c:
+        listing = {m["name"]: m for m in c.models()}
+        assert listing["on_gpu"]["state"] == "unavailable"
+        assert "cuda:0" in listing["on_gpu"]["error"]
+        with pytest.raises(ShmserveError) as info:
+            c.infer("on_gpu", {"image": np.zeros((1, 3, 32, 32), np.float32)})
+        assert info.value.code is ErrorCode.MODEL_UNAVAILABLE
+        assert c.infer("convnet_ts", {"image": np.zeros((1, 3, 32, 32), np.float32)})["scores"].shape == (1, 10)

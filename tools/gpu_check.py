@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Prove the GPU path on a machine with an NVIDIA GPU; print a table and write JSON.
+
+Runs without editing (needs torch with CUDA, cuda-python, onnx and onnxruntime):
+
+  1. starts the real server with GPU workers (torch backend) in both I/O modes:
+     a small conv-net (torch.export .pt2, two workers on one GPU), the demo
+     model converted to torch (TorchScript), and a scale-by-2 model for timing;
+  2. sends requests through the real client, inline and zero-copy, with random
+     inputs each time and zero-copy output areas poisoned with NaN first, and
+     checks every output against a CPU reference (onnxruntime for the demo);
+  3. measures, in the same run: H2D/D2H bandwidth from a registered arena vs
+     cudaHostAlloc memory vs pageable memory; 4 KiB request p50/p99 end to end
+     vs the bare model on the GPU; 16 MiB request throughput in both modes;
+  4. shows both workers of one model registered the same arena and both served.
+
+usage: python tools/gpu_check.py [--json FILE] [--quick]
+Exit status 0 only if every correctness check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shmserve import Client  # noqa: E402
+from shmserve.config import demo_config  # noqa: E402
+from shmserve.errors import ConnectionClosed  # noqa: E402
+
+TOLERANCE = dict(rtol=2e-3, atol=2e-4)  # TF32 convolutions on the GPU vs float32 on the CPU
+MiB = 1024 * 1024
+
+
+def pct(samples, q):
+    return float(np.percentile(np.asarray(samples), q))
+
+
+# -- models -----------------------------------------------------------------------------------
+
+def build_models(directory: Path) -> dict:
+    import torch
+
+    from shmserve.models.torchnets import save_models
+
+    paths = save_models(directory, with_demo=True)
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    scale = directory / "scale.pt"
+    torch.jit.script(Scale()).save(str(scale))
+    paths["scale"] = str(scale)
+    return paths
+
+
+def config_text(instance: str, paths: dict) -> str:
+    conv_pt2 = paths["export"]
+    blocks = [f'[server]\ninstance = "{instance}"\nrequest_timeout_s = 60\nmax_request_bytes = {80 * MiB}\n']
+    for mode in ("mapped", "copy"):
+        blocks.append(f"""
+[[models]]
+name = "conv_{mode}"
+backend = "torch"
+path = "{conv_pt2}"
+device = "cuda:0"
+io_mode = "{mode}"
+instances = {2 if mode == "mapped" else 1}
+
+[[models]]
+name = "demo_{mode}"
+backend = "torch"
+path = "{paths['demo_torchscript']}"
+device = "cuda:0"
+io_mode = "{mode}"
+inputs = [{{name = "image", dtype = "float32", shape = ["batch", 3, 32, 32]}}]
+outputs = [{{name = "probabilities", dtype = "float32", shape = ["batch", 10]}}]
+
+[[models]]
+name = "scale_{mode}"
+backend = "torch"
+path = "{paths['scale']}"
+device = "cuda:0"
+io_mode = "{mode}"
+inputs = [{{name = "x", dtype = "float32", shape = ["n"]}}]
+outputs = [{{name = "y", dtype = "float32", shape = ["n"]}}]
+""")
+    return "\n".join(blocks)
+
+
+class Server:
+    def __init__(self, workdir: Path, paths: dict):
+        self.instance = f"gpucheck-{uuid.uuid4().hex[:8]}"
+        self.socket = str(workdir / "run" / "s.sock")
+        cfg = workdir / "gpu.toml"
+        cfg.write_text(config_text(self.instance, paths))
+        self.log = open(workdir / "server.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg),
+                                      "--socket", self.socket], stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=str(ROOT))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited {self.proc.returncode}; see {workdir / 'server.log'}")
+            try:
+                with Client(self.socket) as c:
+                    c.health()
+                return
+            except ConnectionClosed:
+                time.sleep(0.1)
+        raise SystemExit("server not ready in 300 s")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(120)
+        self.log.close()
+        return code
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def correctness(server: Server, rounds: int) -> list[dict]:
+    import onnxruntime as ort
+    import torch
+
+    from shmserve.models.torchnets import convnet
+
+    conv = convnet()
+    demo = ort.InferenceSession(demo_config().models[0].path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    rows = []
+    with Client(server.socket, timeout=60) as c:
+        listing = {m["name"]: m for m in c.models()}
+        for mode in ("mapped", "copy"):
+            conv_in = listing[f"conv_{mode}"]["inputs"][0]["name"]
+            conv_out = listing[f"conv_{mode}"]["outputs"][0]["name"]
+            cases = [
+                (f"conv_{mode}", conv_in, conv_out,
+                 lambda x: conv(torch.from_numpy(x)).detach().numpy(), lambda b: (b, 3, 32, 32)),
+                (f"demo_{mode}", "image", "probabilities",
+                 lambda x: demo.run(None, {"image": x})[0], lambda b: (b, 3, 32, 32)),
+                (f"scale_{mode}", "x", "y", lambda x: x * 2, lambda b: (b * 1000 + 1,)),
+            ]
+            for model, in_name, out_name, reference, shape_of in cases:
+                worst, checks = 0.0, 0
+                for r in range(rounds):
+                    x = rng.standard_normal(shape_of(1 + r * 5), dtype=np.float32)
+                    with torch.inference_mode():
+                        ref = reference(x)
+                    got = c.infer(model, {in_name: x})[out_name]
+                    np.testing.assert_allclose(got, ref, **TOLERANCE)
+                    worst = max(worst, float(np.max(np.abs(got - ref))))
+                    with c.zero_copy(model, {in_name: (x.shape, np.float32)}) as call:
+                        call.inputs[in_name][...] = x
+                        np.ndarray(call.out_capacity // 4, np.float32, buffer=call.region.buf,
+                                   offset=call.out_offset)[...] = np.nan
+                        got = call.run()[out_name]
+                        np.testing.assert_allclose(got, ref, **TOLERANCE)
+                        worst = max(worst, float(np.max(np.abs(got - ref))))
+                    checks += 2
+                rows.append({"model": model, "checks": checks, "max_abs_err": worst, "ok": True})
+                print(f"  ok  {model:14s} {checks} checks, max |err| {worst:.2e}", flush=True)
+    return rows
+
+
+def bandwidth(size: int = 256 * MiB, reps: int = 10) -> dict:
+    from shmserve.arena import Arena
+    from workers import cuda
+
+    rt = cuda.cudart
+    cuda.set_device(0)
+    dev = int(cuda.check(rt.cudaMalloc(size), "cudaMalloc"))
+    stream = cuda.check(rt.cudaStreamCreate(), "cudaStreamCreate")
+    start, stop = (cuda.check(rt.cudaEventCreate(), "cudaEventCreate") for _ in range(2))
+
+    def measure(host: int) -> tuple[float, float]:
+        out = []
+        for kind in (rt.cudaMemcpyKind.cudaMemcpyHostToDevice, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost):
+            dst, src = (dev, host) if kind == rt.cudaMemcpyKind.cudaMemcpyHostToDevice else (host, dev)
+            times = []
+            for _ in range(reps + 2):
+                cuda.check(rt.cudaEventRecord(start, stream), "cudaEventRecord")
+                cuda.check(rt.cudaMemcpyAsync(dst, src, size, kind, stream), "cudaMemcpyAsync")
+                cuda.check(rt.cudaEventRecord(stop, stream), "cudaEventRecord")
+                cuda.check(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
+                times.append(cuda.check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime"))
+            out.append(size / (statistics.median(times[2:]) / 1e3) / 1e9)
+        return out[0], out[1]
+
+    result = {}
+    with Arena.create(f"gpucheck-bw-{os.getpid()}", slot_count=1, max_workers=1,
+                      size_classes=[(size, 1)]) as arena:
+        with cuda.registered(arena.buf, "bandwidth arena") as reg:
+            host = reg.host + arena.geometry.classes[0].offset
+            result["registered arena"] = measure(host)
+    pinned = int(cuda.check(rt.cudaHostAlloc(size, rt.cudaHostAllocDefault), "cudaHostAlloc"))
+    result["cudaHostAlloc"] = measure(pinned)
+    cuda.check(rt.cudaFreeHost(pinned), "cudaFreeHost")
+    pageable = np.ones(size, np.uint8)
+    result["pageable"] = measure(pageable.ctypes.data)
+    cuda.check(rt.cudaFree(dev), "cudaFree")
+    return {k: {"h2d_GBps": round(v[0], 1), "d2h_GBps": round(v[1], 1)} for k, v in result.items()}
+
+
+def latency(server: Server, n: int) -> dict:
+    import torch
+
+    x = np.random.default_rng(0).standard_normal(1024, dtype=np.float32)  # 4 KiB
+    out = {}
+    with Client(server.socket, timeout=60) as c:
+        for mode in ("mapped", "copy"):
+            for path in ("inline", "zero-copy"):
+                samples = []
+                if path == "inline":
+                    for i in range(n + 200):
+                        t0 = time.perf_counter_ns()
+                        c.infer(f"scale_{mode}", {"x": x})
+                        if i >= 200:
+                            samples.append((time.perf_counter_ns() - t0) / 1e3)
+                else:
+                    with c.zero_copy(f"scale_{mode}", {"x": (x.shape, np.float32)}) as call:
+                        call.inputs["x"][...] = x
+                        for i in range(n + 200):
+                            t0 = time.perf_counter_ns()
+                            call.run()
+                            if i >= 200:
+                                samples.append((time.perf_counter_ns() - t0) / 1e3)
+                out[f"{mode} {path}"] = {"p50_us": round(pct(samples, 50), 1), "p99_us": round(pct(samples, 99), 1)}
+    # the bare model: pinned 4 KiB in, kernel, pinned out, synchronize
+    dev = torch.device("cuda:0")
+    host_in = torch.from_numpy(x).pin_memory()
+    host_out = torch.empty_like(host_in).pin_memory()
+    samples = []
+    with torch.inference_mode():
+        for i in range(n + 200):
+            t0 = time.perf_counter_ns()
+            y = host_in.to(dev, non_blocking=True) * 2
+            host_out.copy_(y, non_blocking=True)
+            torch.cuda.synchronize()
+            if i >= 200:
+                samples.append((time.perf_counter_ns() - t0) / 1e3)
+    out["bare model on the GPU (in-process)"] = {"p50_us": round(pct(samples, 50), 1),
+                                                  "p99_us": round(pct(samples, 99), 1)}
+    return out
+
+
+def throughput(server: Server, reps: int) -> dict:
+    x = np.random.default_rng(1).standard_normal(4 * MiB, dtype=np.float32)  # 16 MiB
+    out = {}
+    with Client(server.socket, timeout=120) as c:
+        for mode in ("mapped", "copy"):
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                y = c.infer(f"scale_{mode}", {"x": x})["y"]
+                times.append(time.perf_counter() - t0)
+            assert np.array_equal(y, x * 2)
+            out[f"{mode} inline"] = round(16 * MiB / statistics.median(times) / 1e9, 2)
+            times = []
+            with c.zero_copy(f"scale_{mode}", {"x": (x.shape, np.float32)}) as call:
+                call.inputs["x"][...] = x
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    y = call.run()["y"]
+                    times.append(time.perf_counter() - t0)
+                assert np.array_equal(y, x * 2)
+            out[f"{mode} zero-copy"] = round(16 * MiB / statistics.median(times) / 1e9, 2)
+    return out
+
+
+def two_workers(server: Server) -> dict:
+    with Client(server.socket) as c:
+        info = c.info()
+    x = np.zeros((2, 3, 32, 32), np.float32)
+
+    def hammer():
+        with Client(server.socket) as c:
+            name = next(m["inputs"][0]["name"] for m in c.models() if m["name"] == "conv_mapped")
+            for _ in range(40):
+                c.infer("conv_mapped", {name: x})
+
+    threads = [threading.Thread(target=hammer) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with Client(server.socket) as c:
+        after = c.info()
+    workers = [w for w in after["workers"] if w["model"] == "conv_mapped"]
+    return {"arena": info["arena"]["name"], "arena_bytes": info["arena"]["size"],
+            "workers": [{"pid": w["pid"], "gpu": w["gpu"], "requests": w["requests"]} for w in workers],
+            "both_registered": all(w["gpu"] and w["gpu"]["arena_bytes"] == info["arena"]["size"] for w in workers),
+            "both_served": all(w["requests"] > 0 for w in workers)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU visible to torch", file=sys.stderr)
+        return 2
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "python": sys.version.split()[0]}
+    print(f"GPU: {report['gpu']}  torch {report['torch']}", flush=True)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="gpucheck-") as tmp:
+        workdir = Path(tmp)
+        paths = build_models(workdir)
+        server = Server(workdir, paths)
+        try:
+            print("correctness (inline and zero-copy, random inputs, poisoned outputs):", flush=True)
+            try:
+                report["correctness"] = correctness(server, 2 if args.quick else 4)
+            except AssertionError as exc:
+                ok = False
+                report["correctness_failure"] = str(exc)[:2000]
+                print(f"  FAILED: {exc}", flush=True)
+            report["two_workers_one_gpu"] = two_workers(server)
+            print(f"two workers on one GPU: {report['two_workers_one_gpu']}", flush=True)
+            report["latency_4KiB"] = latency(server, 300 if args.quick else 2000)
+            report["throughput_16MiB_GBps"] = throughput(server, 5 if args.quick else 20)
+        finally:
+            report["server_exit"] = server.stop()
+            report["server_log_tail"] = (workdir / "server.log").read_text(errors="replace")[-3000:]
+    report["bandwidth_256MiB"] = bandwidth(reps=3 if args.quick else 10)
+    bw = report["bandwidth_256MiB"]
+    ratio = {d: round(bw["registered arena"][f"{d}_GBps"] / bw["cudaHostAlloc"][f"{d}_GBps"], 3) for d in ("h2d", "d2h")}
+    report["arena_vs_cudaHostAlloc"] = ratio
+    lat = report["latency_4KiB"]
+    bare = lat["bare model on the GPU (in-process)"]["p50_us"]
+    report["server_overhead_p50_us"] = {k: round(v["p50_us"] - bare, 1) for k, v in lat.items() if "bare" not in k}
+
+    print("\n| bandwidth, 256 MiB | H2D GB/s | D2H GB/s |\n| --- | ---: | ---: |")
+    for k, v in bw.items():
+        print(f"| {k} | {v['h2d_GBps']} | {v['d2h_GBps']} |")
+    print(f"\nregistered arena / cudaHostAlloc: H2D {ratio['h2d']:.1%}, D2H {ratio['d2h']:.1%} (goal >= 95%)")
+    print("\n| 4 KiB request | p50 µs | p99 µs | overhead vs bare p50 µs |\n| --- | ---: | ---: | ---: |")
+    for k, v in lat.items():
+        over = report["server_overhead_p50_us"].get(k, "")
+        print(f"| {k} | {v['p50_us']} | {v['p99_us']} | {over} |")
+    print("\n| 16 MiB request | GB/s |\n| --- | ---: |")
+    for k, v in report["throughput_16MiB_GBps"].items():
+        print(f"| {k} | {v} |")
+    ok = ok and report["server_exit"] == 0 and report["two_workers_one_gpu"]["both_registered"] \
+        and report["two_workers_one_gpu"]["both_served"]
+    report["ok"] = ok
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"\n{'PASS' if ok else 'FAIL'}; JSON in {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""torch backend: TorchScript files and ``torch.export`` programs (``.pt2``), on CPU or CUDA.
+
+Owns: loading a torch model, reading what it can of its tensor specs, and
+moving tensors between shared memory and the device in the model's I/O mode:
+
+* CPU: inputs are ``torch.from_numpy`` views of shared memory (no copy);
+  outputs are copied once into the output area.
+* CUDA, ``io_mode = "mapped"``: inputs are CUDA tensors over the device
+  address of the page-locked arena (``__cuda_array_interface__``, no copy on
+  the host: kernels read through the mapping); outputs are written by the GPU
+  straight into the output area the same way.
+* CUDA, ``io_mode = "copy"``: inputs are copied to device buffers with
+  asynchronous DMA from the page-locked arena, outputs copied back the same
+  way.
+
+All of it runs on the worker's own CUDA stream; ``synchronize`` waits for it
+before the worker publishes DONE.  Inputs are positional in the order of the
+model's declared inputs; outputs (a tensor, or a tuple/list of tensors) map to
+the declared outputs in order.  TorchScript carries no shapes, so declare
+``inputs``/``outputs`` in the config; ``.pt2`` programs report theirs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from shmserve.config import ModelConfig
+from shmserve.spec import TensorSpec
+
+
+class _CudaView:
+    """Just enough of ``__cuda_array_interface__`` for torch.as_tensor to wrap device memory."""
+
+    def __init__(self, pointer: int, shape: tuple, dtype: np.dtype):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dtype.str, "data": (pointer, False),
+                                         "version": 3, "strides": None}
+
+
+def _dim(d):
+    """A dimension of an exported program: an int, or the name of its symbol (int(SymInt) would
+    return the example's size and freeze a dynamic dimension)."""
+    return d if type(d) is int else str(d)
+
+
+class TorchBackend:
+    def __init__(self, config: ModelConfig):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(config.device)
+        self.io_mode = config.io_mode
+        self.memory = None  # DeviceMemory, bound by a GPU worker
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        self.inputs: tuple[TensorSpec, ...] = ()
+        self.outputs: tuple[TensorSpec, ...] = ()
+        if config.path.endswith(".pt2"):
+            program = torch.export.load(config.path)
+            self.inputs, self.outputs = self._export_specs(program)
+            self.module = program.module().to(self.device)
+        else:
+            self.module = torch.jit.load(config.path, map_location=self.device)
+            self.module.eval()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._input_names: list[str] | None = None
+        self._output_names: list[str] | None = None
+
+    def _export_specs(self, program) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        sig = program.graph_signature
+        user_inputs = list(sig.user_inputs)
+        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        inputs = []
+        for name in user_inputs:
+            val = placeholders[name].meta.get("val")
+            if val is None:
+                return (), ()
+            inputs.append(TensorSpec(name, str(val.dtype).removeprefix("torch."), tuple(_dim(d) for d in val.shape)))
+        outputs = []
+        (output_node,) = [n for n in program.graph.nodes if n.op == "output"]
+        results = output_node.args[0]
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for i, node in enumerate(results):
+            val = getattr(node, "meta", {}).get("val")
+            if val is None:
+                return tuple(inputs), ()
+            outputs.append(TensorSpec(f"output{i}", str(val.dtype).removeprefix("torch."),
+                                      tuple(_dim(d) for d in val.shape)))
+        return tuple(inputs), tuple(outputs)
+
+    def bind_memory(self, memory) -> None:
+        self.memory = memory
+
+    def declare(self, inputs, outputs) -> None:
+        """The worker tells the final (config-merged) specs: positional order of inputs/outputs."""
+        self._input_names = [t.name for t in inputs]
+        self._output_names = [t.name for t in outputs]
+
+    # -- running --------------------------------------------------------------------------
+
+    def _mapped(self, view: np.ndarray):
+        """A CUDA tensor over ``view``'s page-locked memory, or None if it is not registered
+        (warm-up inputs live in ordinary memory and take the copy path)."""
+        if self.io_mode != "mapped" or self.memory is None:
+            return None
+        try:
+            pointer = self.memory.device_pointer(view)
+        except ValueError:
+            return None
+        return self.torch.as_tensor(_CudaView(pointer, view.shape, view.dtype), device=self.device)
+
+    def _input(self, view: np.ndarray):
+        torch = self.torch
+        if self.device.type == "cpu":
+            return torch.from_numpy(view)
+        mapped = self._mapped(view)
+        if mapped is not None:
+            return mapped
+        return torch.from_numpy(view).to(self.device, non_blocking=True)  # DMA from page-locked memory
+
+    def _write(self, value, dst: np.ndarray) -> None:
+        torch = self.torch
+        if value.device.type == "cpu" or self.device.type == "cpu":
+            torch.from_numpy(dst).copy_(value)
+            return
+        mapped = self._mapped(dst)
+        if mapped is not None:
+            mapped.copy_(value)  # the GPU writes shared memory through the mapping
+        else:
+            torch.from_numpy(dst).copy_(value, non_blocking=True)  # DMA into page-locked memory
+
+    def _forward(self, inputs):
+        names = self._input_names or list(inputs)
+        out = self.module(*[self._input(inputs[n]) for n in names])
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        out_names = self._output_names or [f"output{i}" for i in range(len(out))]
+        if len(out) != len(out_names):
+            raise ValueError(f"model returned {len(out)} outputs, {len(out_names)} declared")
+        return dict(zip(out_names, out))
+
+    def run_into(self, inputs, allocate) -> None:
+        torch = self.torch
+        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream else _nothing():
+            results = self._forward(inputs)
+            for name, value in results.items():
+                value = value.contiguous()
+                dtype = np.dtype(str(value.dtype).removeprefix("torch."))
+                self._write(value, allocate(name, tuple(value.shape), dtype))
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        self.module = None
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def load(config: ModelConfig) -> TorchBackend:
+    return TorchBackend(config)
