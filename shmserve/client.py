@@ -29,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from shmserve import layout, protocol
-from shmserve.config import DEFAULT_INSTANCE, resolve_socket
+from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
@@ -255,9 +255,12 @@ class Client:
     grace period should the server not answer at all).
     """
 
-    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE):
+    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
+                 spin_us: int | None = None):
         self.path = resolve_socket(socket_path, None, instance)
         self.timeout = timeout
+        # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
+        self.spin_s = (spin_default_us() if spin_us is None else spin_us) / 1e6
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(self.path)
@@ -403,10 +406,14 @@ class Client:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
-        self._sock.settimeout(remaining)
         target = self._proto.payload_buffer()
+        buffers = [target if target is not None else self._view]
         try:
-            n, ancdata, _, _ = self._sock.recvmsg_into([target if target is not None else self._view], _FD_SPACE)
+            got = self._poll_read(buffers) if self.spin_s > 0 else None
+            if got is None:
+                self._sock.settimeout(remaining)
+                got = self._sock.recvmsg_into(buffers, _FD_SPACE)
+            n, ancdata, _, _ = got
         except socket.timeout:
             self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
         except OSError as exc:
@@ -418,6 +425,16 @@ class Client:
             self._proto.payload_received(n)
         else:
             self._proto.receive_data(self._view[:n])
+
+    def _poll_read(self, buffers):
+        """Non-blocking reads for up to spin_s; None if nothing came (then block)."""
+        end = time.perf_counter() + self.spin_s
+        while True:
+            try:
+                return self._sock.recvmsg_into(buffers, _FD_SPACE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    return None
 
     def _fail(self, message: str, code: ErrorCode | None = None):
         self._broken = message

@@ -99,12 +99,15 @@ class ServerConfig:
     arena_slots: int = 256
     size_classes: tuple[tuple[int, int], ...] | None = None
     drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight requests may finish
-    spin_us: int = 50  # bounded spin before sleeping (docs/performance.md); 0 to never spin
+    spin_us: int | None = None  # bounded spin before sleeping; None: auto (spin_default_us); 0: never
     max_waiting: int = 1024  # requests queued for arena space before 'overloaded'
     max_inflight_per_connection: int = 256
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
     socket_mode: int = 0o600
     socket_group: str | None = None
+
+    def effective_spin_us(self) -> int:
+        return spin_default_us() if self.spin_us is None else self.spin_us
 
     def arena_size_classes(self) -> tuple[tuple[int, int], ...]:
         """Explicit classes, or a default whose largest class holds a max_request_bytes request twice."""
@@ -114,6 +117,13 @@ class ServerConfig:
         classes = [(4096, 256), (64 * 1024, 128), (MiB, 16), (16 * MiB, 2)]
         classes = [c for c in classes if c[0] < big]
         return tuple(classes + [(big, 2)])
+
+
+def spin_default_us() -> int:
+    """How long a waiter spins before it sleeps, by default: a cross-core wake-up costs
+    20-100 us on the machines measured (docs/performance.md), so spinning pays when a core is
+    free to spin on, and hurts when every core is busy.  8+ CPUs: 500 us; fewer: 50 us."""
+    return 500 if (os.cpu_count() or 1) >= 8 else 50
 
 
 def resolve_socket(cli_value: str | None, config_value: str | None, instance: str) -> str:

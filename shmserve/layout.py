@@ -53,6 +53,7 @@ status word and ring indices are only touched through ``shmserve._atomics``.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import namedtuple
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ DTYPE_CODES: dict[str, int] = {
     "int64": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12,
 }
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+_ITEMSIZE = {code: np.dtype(name).itemsize for name, code in DTYPE_CODES.items()}
 
 
 class LayoutError(ValueError):
@@ -104,7 +106,10 @@ class LayoutError(ValueError):
 
 
 def dtype_code(dtype) -> int:
-    """Return the arena code of a numpy dtype; LayoutError if it has none."""
+    """Return the arena code of a numpy dtype (or dtype name); LayoutError if it has none."""
+    code = DTYPE_CODES.get(dtype) if isinstance(dtype, str) else None  # the hot path passes names
+    if code is not None:
+        return code
     name = np.dtype(dtype).name
     try:
         return DTYPE_CODES[name]
@@ -488,11 +493,11 @@ def encode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int, *
         raise LayoutError(f"rank {len(shape)} exceeds the maximum of {MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise LayoutError(f"negative dimension in shape {tuple(shape)}")
-    dt = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
+    code = dtype_code(dtype)
+    nbytes = math.prod(shape) * _ITEMSIZE[code]
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     TENSOR.pack(buf, geometry.tensor_off(slot_index, tensor_index),
-                dtype_code(dt), len(shape), role, name_index, region, offset, nbytes, *dims)
+                code, len(shape), role, name_index, region, offset, nbytes, *dims)
     return nbytes
 
 

@@ -133,6 +133,9 @@ class Frontend:
         self.stopping = False
         self.started = time.monotonic()
         self.allowed_uids = {os.getuid(), 0, *config.allow_uids}
+        self.spin_s = config.effective_spin_us() / 1e6
+        self._polling = False
+        self._poll_until = 0.0
         self.allowed_gids = set(config.allow_gids)
 
     # -- life -----------------------------------------------------------------------------
@@ -298,12 +301,39 @@ class Frontend:
 
     def _on_completions(self) -> None:
         drain_eventfd(self.efd)
+        self._drain_and_arm()
+
+    def _drain_and_arm(self) -> None:
         workers = self.supervisor.workers
         while True:
             for w in workers:
                 self._drain(w)
             if not any(w.completion_bell.arm() for w in workers):
                 return
+
+    def _start_polling(self) -> None:
+        """While requests are in flight, poll the completion rings from the loop (call_soon keeps
+        socket I/O flowing between polls) for up to spin_us after the last completion, instead of
+        paying a wake-up per completion.  Then fall back to the armed eventfd."""
+        self._poll_until = time.monotonic() + self.spin_s
+        if not self._polling and self.spin_s > 0:
+            self._polling = True
+            self.loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        got = False
+        for w in self.supervisor.workers:
+            if not w.completions.empty():
+                self._drain(w)
+                got = True
+        now = time.monotonic()
+        if got:
+            self._poll_until = now + self.spin_s
+        if self.pending and now < self._poll_until and not self.stopping:
+            self.loop.call_soon(self._poll)
+            return
+        self._polling = False
+        self._drain_and_arm()
 
     def _drain(self, w: WorkerHandle) -> None:
         for entry in w.completions.pop_all():
@@ -596,6 +626,7 @@ class Frontend:
         worker.inflight.add(index)
         worker.submissions.push(req.generation << 32 | index)
         worker.doorbell.notify()
+        self._start_polling()
         if req.timer is None:
             req.timer = self.loop.call_later(req.timeout_s, self._on_timeout, req)
 

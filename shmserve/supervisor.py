@@ -96,7 +96,7 @@ class Supervisor:
         argv = workerlink.worker_argv(instance=self.arena.instance, index=w.index,
                                       model_json=workerlink.encode(w.model.to_dict()),
                                       control_fd=child.fileno(), completion_fd=self.completion_fd,
-                                      spin_us=self.config.spin_us)
+                                      spin_us=self.config.effective_spin_us())
         base = self.arena.geometry.worker_off(w.index)
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
                             heartbeat_ns=time.monotonic_ns(), device=w.model.device.encode()[:16],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import signal
 import socket
@@ -168,7 +169,7 @@ class OutputPlacer:
         if name in self.placed:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
         shape = tuple(int(d) for d in shape)
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize * math.prod(shape)
         pos = (self.pos + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN
         if pos + nbytes > self.capacity:
             raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
