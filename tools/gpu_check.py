@@ -217,6 +217,39 @@ def bandwidth(size: int = 256 * MiB, reps: int = 10) -> dict:
     return {k: {"h2d_GBps": round(v[0], 1), "d2h_GBps": round(v[1], 1)} for k, v in result.items()}
 
 
+STAGES = (("client -> slot acquired", None, "t_acquired"), ("input received, published", "t_acquired", "t_ready"),
+          ("queued -> worker claimed", "t_ready", "t_claimed"), ("worker decode", "t_claimed", "t_compute_start"),
+          ("backend (torch + copies)", "t_compute_start", "t_compute_end"),
+          ("sync, descriptors, DONE", "t_compute_end", "t_done"), ("DONE -> client has result", "t_done", None))
+
+
+def stage_breakdown(server: Server, model: str, n: int) -> dict:
+    """Where a 4 KiB inline request's time goes, from the slot's own monotonic timestamps."""
+    from shmserve import layout
+    from shmserve.arena import Arena
+
+    arena = Arena.attach(server.instance, read_only=True)
+    g = arena.geometry
+    x = np.random.default_rng(0).standard_normal(1024, dtype=np.float32)
+    rows = []
+    try:
+        with Client(server.socket, timeout=60) as c:
+            for i in range(n + 100):
+                t0 = time.monotonic_ns()
+                c.infer(model, {"x": x})
+                t1 = time.monotonic_ns()
+                rid = c._next_id - 1
+                slot = next(s for s in (layout.SLOT.read(arena.buf, g.slot_off(k)) for k in range(g.slot_count))
+                            if s.request_id == rid)
+                if i >= 100:
+                    stamps = {**slot._asdict(), None: None}
+                    rows.append([((stamps[b] if b else t1) - (stamps[a] if a else t0)) / 1e3 for _, a, b in STAGES])
+    finally:
+        arena.close()
+    cols = np.asarray(rows).T
+    return {name: round(float(np.median(col)), 1) for (name, _, _), col in zip(STAGES, cols)}
+
+
 def latency(server: Server, n: int) -> dict:
     import torch
 
@@ -337,6 +370,8 @@ def main() -> int:
             report["two_workers_one_gpu"] = two_workers(server)
             print(f"two workers on one GPU: {report['two_workers_one_gpu']}", flush=True)
             report["latency_4KiB"] = latency(server, 300 if args.quick else 2000)
+            report["stages_4KiB_p50_us"] = {m: stage_breakdown(server, m, 300 if args.quick else 1000)
+                                            for m in ("scale_mapped", "scale_copy")}
             report["throughput_16MiB_GBps"] = throughput(server, 5 if args.quick else 20)
         finally:
             report["server_exit"] = server.stop()
@@ -357,6 +392,10 @@ def main() -> int:
     for k, v in lat.items():
         over = report["server_overhead_p50_us"].get(k, "")
         print(f"| {k} | {v['p50_us']} | {v['p99_us']} | {over} |")
+    stages = report["stages_4KiB_p50_us"]
+    print("\n| 4 KiB inline, stage p50 µs | " + " | ".join(stages) + " |\n| --- |" + " ---: |" * len(stages))
+    for name, _, _ in STAGES:
+        print(f"| {name} | " + " | ".join(str(stages[m][name]) for m in stages) + " |")
     print("\n| 16 MiB request | GB/s |\n| --- | ---: |")
     for k, v in report["throughput_16MiB_GBps"].items():
         print(f"| {k} | {v} |")

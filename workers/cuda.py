@@ -118,10 +118,18 @@ class DeviceMemory:
     def remove(self, host: int) -> None:
         self._ranges.pop(host, None)
 
-    def device_pointer(self, view: np.ndarray) -> int:
-        """Device address of a numpy view that lies inside a registered range; ValueError otherwise."""
+    def registrations(self) -> set[Registration]:
+        return set(self._ranges.values())
+
+    def locate(self, view: np.ndarray) -> tuple[Registration, int]:
+        """The registration holding a numpy view, and the view's offset in it; ValueError if none."""
         addr = view.__array_interface__["data"][0]
         for reg in self._ranges.values():
             if reg.host <= addr and addr + view.nbytes <= reg.host + reg.size:
-                return reg.device + (addr - reg.host)
+                return reg, addr - reg.host
         raise ValueError("buffer is not inside registered memory")
+
+    def device_pointer(self, view: np.ndarray) -> int:
+        """Device address of a numpy view that lies inside a registered range; ValueError otherwise."""
+        reg, offset = self.locate(view)
+        return reg.device + offset

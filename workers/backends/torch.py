@@ -30,6 +30,17 @@ from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
 
 
+_TORCH_DTYPES: dict = {}
+
+
+def _init_dtypes(torch) -> None:
+    if not _TORCH_DTYPES:
+        for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                     "float16", "float32", "float64"):
+            if hasattr(torch, name):
+                _TORCH_DTYPES[name] = getattr(torch, name)
+
+
 class _CudaView:
     """Just enough of ``__cuda_array_interface__`` for torch.as_tensor to wrap device memory."""
 
@@ -49,6 +60,7 @@ class TorchBackend:
         import torch
 
         self.torch = torch
+        _init_dtypes(torch)
         self.device = torch.device(config.device)
         self.io_mode = config.io_mode
         self.memory = None  # DeviceMemory, bound by a GPU worker
@@ -63,6 +75,7 @@ class TorchBackend:
             self.module = torch.jit.load(config.path, map_location=self.device)
             self.module.eval()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._bases: dict = {}  # Registration -> flat CUDA tensor over it (mapped mode)
         self._input_names: list[str] | None = None
         self._output_names: list[str] | None = None
 
@@ -100,14 +113,23 @@ class TorchBackend:
 
     def _mapped(self, view: np.ndarray):
         """A CUDA tensor over ``view``'s page-locked memory, or None if it is not registered
-        (warm-up inputs live in ordinary memory and take the copy path)."""
+        (warm-up inputs live in ordinary memory and take the copy path).
+
+        Each registered range is wrapped once as a flat uint8 CUDA tensor; a view is a slice of
+        it reinterpreted (no per-request __cuda_array_interface__ parsing)."""
         if self.io_mode != "mapped" or self.memory is None:
             return None
         try:
-            pointer = self.memory.device_pointer(view)
+            reg, offset = self.memory.locate(view)
         except ValueError:
             return None
-        return self.torch.as_tensor(_CudaView(pointer, view.shape, view.dtype), device=self.device)
+        base = self._bases.get(reg)
+        if base is None:
+            base = self.torch.as_tensor(_CudaView(reg.device, (reg.size,), np.dtype(np.uint8)), device=self.device)
+            self._bases = {r: t for r, t in self._bases.items() if r in self.memory.registrations()}
+            self._bases[reg] = base
+        flat = base[offset:offset + view.nbytes].view(_TORCH_DTYPES[view.dtype.name])
+        return flat.view(view.shape)
 
     def _input(self, view: np.ndarray):
         torch = self.torch
