@@ -34,7 +34,7 @@ def test_refuses_a_cpu_device(tmp_path):
 
 
 def test_says_how_to_install_when_missing():
-    code = ("import sys; sys.modules['tensorrt'] = None; sys.modules['tensorrt_lean'] = None\n"
+    code = ("import sys\nfor m in ('tensorrt', 'tensorrt_lean', 'tensorrt_lean_bindings'):\n    sys.modules[m] = None\n"
             "from workers.backends.tensorrt import import_tensorrt\n"
             "try:\n    import_tensorrt()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout

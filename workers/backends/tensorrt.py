@@ -36,6 +36,11 @@ def import_tensorrt():
         import tensorrt_lean as trt
         return trt
     except ImportError:
+        pass
+    try:  # the lean runtime's binding module itself (tensorrt_lean only re-exports it)
+        import tensorrt_lean_bindings as trt
+        return trt
+    except ImportError:
         raise ImportError("TensorRT is not installed: pip install 'shmserve[tensorrt]' (or the lean runtime, "
                           "tensorrt-lean-cu13, to run prebuilt engines)") from None
 
