@@ -57,6 +57,17 @@ def _prepare_inputs(inputs: Mapping[str, np.ndarray]) -> tuple[list[dict], list[
     return metas, arrays
 
 
+SOCKET_BUFFER = 4 * 1024 * 1024  # fewer, larger transfers for big inline tensors (capped by net.core.*mem_max)
+
+
+def _large_buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
 def _keep_fds(ancdata, into: deque) -> None:
     for level, typ, data in ancdata:
         if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
@@ -262,6 +273,7 @@ class Client:
         # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
         self.spin_s = (spin_default_us() if spin_us is None else spin_us) / 1e6
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _large_buffers(self._sock)
         try:
             self._sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:

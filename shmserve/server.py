@@ -49,6 +49,7 @@ from shmserve.supervisor import FAILED, READY, Supervisor, WorkerHandle
 log = logging.getLogger("shmserve.server")
 
 READ_BUFFER = 256 * 1024  # protocol bytes between payloads; payloads bypass it
+SOCKET_BUFFER = 4 * 1024 * 1024  # kernel socket buffers (capped by net.core.wmem_max/rmem_max)
 HEARTBEAT_S = 0.5
 STARTUP_TIMEOUT_S = 300.0  # loading large engines takes a while; a hung worker must not hang start-up
 MAX_REGIONS_PER_CONNECTION = 16
@@ -783,6 +784,11 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.frontend.connections.add(self)
         transport.set_write_buffer_limits(high=0, low=0)  # resume_writing == "all flushed"
         sock = transport.get_extra_info("socket")
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # big inline tensors: fewer, larger transfers
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+            except OSError:
+                pass
         try:
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
