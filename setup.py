@@ -22,6 +22,8 @@ setup(
         "uvloop>=0.19,<1",
         "orjson>=3.9,<4",
         "onnxruntime>=1.17,<2",  # the embedded demo model runs on it
+        "prometheus_client>=0.17,<1",
+        "rich>=13,<16",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2",

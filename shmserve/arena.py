@@ -124,7 +124,7 @@ class Arena:
     @classmethod
     def create(cls, instance: str, *, slot_count: int = 256, max_workers: int = 8,
                size_classes=DEFAULT_SIZE_CLASSES, ring_capacity: int | None = None,
-               group: str | int | None = None, prefault: bool = True) -> "Arena":
+               group: str | int | None = None, prefault: bool = True, socket_path: str = "") -> "Arena":
         """Create, size, prefault and map a new arena; the caller becomes its owner.
 
         Mode 0600, or 0660 owned by ``group`` (name or gid).  ``ring_capacity``
@@ -174,7 +174,7 @@ class Arena:
             pid = os.getpid()
             layout.encode_header(buf, geometry, instance=instance, boot_id=boot_id(),
                                  created_unix_ns=time.time_ns(), owner_pid=pid,
-                                 owner_start_ticks=process_start_ticks(pid) or 0)
+                                 owner_start_ticks=process_start_ticks(pid) or 0, socket_path=socket_path)
             # Order matters here: the header is complete before state turns LIVE,
             # and attachers load-acquire the state before they trust the header.
             atomics.store32(buf, layout.HEADER.offset("state"), layout.ARENA_LIVE)
@@ -312,6 +312,17 @@ class Arena:
                              layout.pack_status(new_generation, to)):
             raise SlotConflict(index, (generation, int(frm)), self.slot_status(index))
         return new_generation
+
+    def record_latencies(self, worker: int, index: int) -> None:
+        """Add a finished slot's stage durations to ``worker``'s histograms (the worker calls this)."""
+        slot = layout.SLOT.read(self.buf, self.geometry.slot_off(index))
+        for stage, (start, end) in layout.HIST_STAGE_BOUNDS.items():
+            t0, t1 = getattr(slot, start), getattr(slot, end)
+            if t0 and t1 >= t0:
+                micros = (t1 - t0) // 1000
+                base = self.geometry.hist_off(worker, stage)
+                atomics.fetch_add64(self.buf, base + 8 * layout.hist_bucket(micros), 1)
+                atomics.fetch_add64(self.buf, base + 8 * layout.HIST_BUCKETS, micros)
 
     def stamp(self, index: int, stage: str) -> None:
         """Record the monotonic time a slot reached ``stage`` (one of layout.STAGE_FIELDS)."""

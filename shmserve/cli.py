@@ -57,18 +57,35 @@ def _talks_to_server(func):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from shmserve import config as cfg
+    from shmserve import logs, systemd
     from shmserve.server import serve
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.verbose)
     try:
         config = cfg.load(args.config, instance=args.instance) if args.config else \
             cfg.demo_config(args.instance or cfg.DEFAULT_INSTANCE)
     except cfg.ConfigError as exc:
         print(f"shmserve: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    path = cfg.resolve_socket(args.socket, config.socket, config.instance)
-    return serve(config, path)
+    if args.metrics and "/" not in args.metrics:
+        from shmserve.metrics import check_loopback
+
+        try:
+            check_loopback(args.metrics.rpartition(":")[0].strip("[]") or "127.0.0.1")
+        except ValueError as exc:
+            print(f"shmserve: --metrics: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    listen_sock = None
+    activated = systemd.listen_sockets()  # socket activation: systemd made and bound the socket
+    if activated:
+        name, listen_sock = activated[0]
+        for _, extra in activated[1:]:
+            extra.close()
+        path = listen_sock.getsockname()
+        logging.getLogger("shmserve").info("socket activation: using %s (%s)", path, name)
+    else:
+        path = cfg.resolve_socket(args.socket, config.socket, config.instance)
+    return serve(config, path, listen_sock=listen_sock, config_path=args.config, metrics_address=args.metrics)
 
 
 @_talks_to_server
@@ -156,6 +173,69 @@ def _cmd_control(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from shmserve import inspection, stale
+    from shmserve.arena import ArenaError, ArenaNotFound
+    from shmserve.config import DEFAULT_INSTANCE
+
+    def instances() -> list[str]:
+        if args.all:
+            return sorted({r.instance for r in stale.list_arenas() if r.valid})
+        return [args.instance or DEFAULT_INSTANCE]
+
+    def take() -> dict:
+        snaps, errors = [], []
+        for name in instances():
+            try:
+                snaps.append(inspection.snapshot(name, stuck_after_s=args.stuck_after))
+            except ArenaNotFound as exc:
+                errors.append((EXIT_NO_SERVER, str(exc)))
+            except ArenaError as exc:
+                errors.append((EXIT_USAGE, str(exc)))
+        return {"instances": snaps, "leftovers": inspection.leftovers(), "errors": errors}
+
+    state = take()
+    if args.watch:
+        from rich.console import Group
+        from rich.live import Live
+
+        import time as _time
+        try:
+            with Live(Group(*[inspection.render(s) for s in state["instances"]]), refresh_per_second=4) as live:
+                while True:
+                    _time.sleep(args.watch)
+                    state = take()
+                    live.update(Group(*[inspection.render(s) for s in state["instances"]]))
+        except KeyboardInterrupt:
+            return EXIT_OK
+    for code, message in state["errors"]:
+        print(f"shmserve inspect: {message}", file=sys.stderr)
+    if args.json:
+        if args.all:
+            print(json.dumps({"instances": state["instances"], "leftovers": state["leftovers"]}))
+        elif state["instances"]:
+            print(json.dumps({**state["instances"][0], "leftovers": state["leftovers"]}))
+    elif not args.check:
+        from rich.console import Console
+
+        console = Console()
+        for snap in state["instances"]:
+            console.print(inspection.render(snap))
+        for left in state["leftovers"]:
+            console.print(f"leftover: /dev/shm/{left['name']} ({left['reason']}); 'shmserve cleanup' removes it")
+    if state["errors"] and not state["instances"]:
+        return state["errors"][0][0]
+    if args.check:
+        found = [p for snap in state["instances"] for p in snap["problems"]]
+        found += [message for _, message in state["errors"]]
+        for p in found:
+            print(f"UNHEALTHY: {p}")
+        if not found:
+            print("OK: " + ", ".join(f"{s['instance']} ({len(s['workers'])} workers)" for s in state["instances"]))
+        return EXIT_FAILURE if found else EXIT_OK
+    return EXIT_OK
+
+
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     from shmserve import stale
 
@@ -163,6 +243,8 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for record in records:
         print(f"{verb} /dev/shm/{record.name} ({record.size} bytes): {record.reason}")
+        if record.socket_path and not record.region:
+            print(f"{verb} its socket {record.socket_path} if nobody listens there")
     if not records:
         print("no stale arenas")
     return EXIT_OK
@@ -179,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML configuration file")
     serve.add_argument("--socket", help="socket path (overrides the config and $SHMSERVE_SOCKET)")
     serve.add_argument("--instance", help="instance name (overrides the config)")
-    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    serve.add_argument("--metrics", metavar="ADDR", help="serve Prometheus metrics on a Unix socket path or a "
+                                                          "loopback host:port")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")
+    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (one line per request)")
     serve.set_defaults(func=_cmd_serve)
 
     infer = sub.add_parser("infer", help="run a model once and print its outputs' dtype, shape and checksum")
@@ -203,6 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="one line of JSON")
         _socket_arg(p)
         p.set_defaults(func=_cmd_control)
+
+    inspect = sub.add_parser("inspect", help="read-only view of a live or dead instance's arena")
+    which = inspect.add_mutually_exclusive_group()
+    which.add_argument("--instance", help="instance name (default: default)")
+    which.add_argument("--all", action="store_true", help="every instance found in /dev/shm")
+    inspect.add_argument("--json", action="store_true", help="JSON for scripts (includes owner_alive)")
+    inspect.add_argument("--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="live view")
+    inspect.add_argument("--check", action="store_true", help="exit 1 with the reasons if anything is unhealthy")
+    inspect.add_argument("--stuck-after", type=float, default=30.0, metavar="S",
+                         help="a slot RUNNING longer than this is stuck")
+    inspect.set_defaults(func=_cmd_inspect)
 
     cleanup = sub.add_parser("cleanup", help="remove arenas whose server is gone (never a live one)")
     cleanup.add_argument("--instance", help="only this instance's arena")

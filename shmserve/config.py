@@ -14,6 +14,7 @@ File format::
     max_request_bytes = 67108864    # arena space per request: inputs plus outputs
     allow_uids = [1000]             # SO_PEERCRED allow-list; the server's uid and root always
     allow_gids = []
+    allow_groups = ["shmserve-clients"]   # by name; members (primary or supplementary) may connect
     socket_mode = 0o600             # 0o660 with socket_group to let a group's members connect
     socket_group = "shmserve-clients"
 
@@ -105,6 +106,7 @@ class ServerConfig:
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
     socket_mode: int = 0o600
     socket_group: str | None = None
+    worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog); killed at twice that
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -162,7 +164,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     arena = _table(raw, "arena")
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
-                              "max_inflight_per_connection", "socket_mode", "socket_group"})
+                              "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
+                              "allow_groups"})
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -178,7 +181,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             raise ConfigError("server.socket_mode: must not grant access to other users (use socket_group)")
     if "socket_group" in server:
         kw["socket_group"] = _str(server["socket_group"], "server.socket_group")
-    for key, lo, hi in (("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600)):
+    for key, lo, hi in (("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600),
+                        ("worker_timeout_s", 0.5, 3600)):
         if key in server:
             kw[key] = float(_num(server[key], f"server.{key}", lo, hi))
     for key, lo, hi in (("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000),
@@ -191,6 +195,19 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             if not isinstance(values, list):
                 raise ConfigError(f"server.{key}: expected a list of ids")
             kw[key] = tuple(_int(v, f"server.{key}[{i}]", 0, 2**32 - 1) for i, v in enumerate(values))
+    if "allow_groups" in server:
+        import grp
+
+        names = server["allow_groups"]
+        if not isinstance(names, list):
+            raise ConfigError("server.allow_groups: expected a list of group names")
+        gids = list(kw.get("allow_gids", ()))
+        for i, name in enumerate(names):
+            try:
+                gids.append(grp.getgrnam(_str(name, f"server.allow_groups[{i}]")).gr_gid)
+            except KeyError:
+                raise ConfigError(f"server.allow_groups[{i}]: no group {name!r} on this machine") from None
+        kw["allow_gids"] = tuple(gids)
     if "slots" in arena:
         kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
     if "size_classes" in arena:

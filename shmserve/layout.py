@@ -23,6 +23,10 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
     worker_table_off  +-------------------------------------------------------+
                       | worker table: max_workers x WORKER (128 B)            |
                       |   pid, state, restarts, heartbeat, counters, device   |
+    hist_table_off    +-------------------------------------------------------+
+                      | latency histograms: max_workers x HIST_STAGES x       |
+                      |   (HIST_BUCKETS counters + 1 sum), u64, in us;        |
+                      |   bucket i counts [2**i, 2**(i+1)) us (0: < 2 us)     |
     ring_table_off    +-------------------------------------------------------+
                       | rings: 2 per worker, submission then completion;      |
                       | each ring_stride bytes:                               |
@@ -205,6 +209,8 @@ HEADER = Record("Header", 1024, [
     ("n_classes", "I"),
     ("data_off", "Q"),
     ("data_size", "Q"),
+    ("hist_table_off", "Q"),
+    ("socket_path", "108s"),  # where the owner listens (for cleanup of a dead instance's socket)
     # size-class table: (extent_size, extent_count, offset) x MAX_SIZE_CLASSES
     *[(f"class{i}_{what}", "Q") for i in range(MAX_SIZE_CLASSES) for what in ("size", "count", "offset")],
 ])
@@ -232,6 +238,23 @@ WORKER = Record("Worker", WORKER_SIZE, [
 # Worker states (worker table field `state`).
 WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4
 WORKER_STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "stopping", 4: "dead"}
+
+# Per-worker latency histograms, written by the worker after each request (fetch_add64).
+HIST_STAGES = ("queue", "copy_in", "compute", "copy_out", "total")
+HIST_STAGE_BOUNDS = {  # (from, to) slot timestamps of each stage
+    "queue": ("t_ready", "t_claimed"), "copy_in": ("t_claimed", "t_compute_start"),
+    "compute": ("t_compute_start", "t_compute_end"), "copy_out": ("t_compute_end", "t_done"),
+    "total": ("t_acquired", "t_done"),
+}
+HIST_BUCKETS = 32
+HIST_STAGE_SIZE = 8 * (HIST_BUCKETS + 1)  # buckets, then the sum in us
+HIST_WORKER_SIZE = HIST_STAGE_SIZE * len(HIST_STAGES)
+
+
+def hist_bucket(micros: int) -> int:
+    """The histogram bucket of a duration in microseconds."""
+    return min(max(micros, 1).bit_length() - 1, HIST_BUCKETS - 1)
+
 
 RING_TAIL, RING_HEAD, RING_SEQ, RING_WAITERS = 0, CACHE_LINE, 2 * CACHE_LINE, 2 * CACHE_LINE + 4
 
@@ -303,6 +326,7 @@ class Geometry:
     ring_capacity: int
     ring_stride: int
     worker_table_off: int
+    hist_table_off: int
     ring_table_off: int
     slot_table_off: int
     data_off: int
@@ -313,6 +337,12 @@ class Geometry:
         if not 0 <= index < self.max_workers:
             raise LayoutError(f"worker index {index} out of range 0..{self.max_workers - 1}")
         return self.worker_table_off + index * WORKER_SIZE
+
+    def hist_off(self, worker: int, stage: str) -> int:
+        """Offset of a worker's histogram for ``stage`` (one of HIST_STAGES)."""
+        if not 0 <= worker < self.max_workers:
+            raise LayoutError(f"worker index {worker} out of range 0..{self.max_workers - 1}")
+        return self.hist_table_off + worker * HIST_WORKER_SIZE + HIST_STAGES.index(stage) * HIST_STAGE_SIZE
 
     def ring_off(self, worker: int, completion: bool) -> int:
         if not 0 <= worker < self.max_workers:
@@ -362,7 +392,8 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
         raise ValueError(f"between 1 and {MAX_SIZE_CLASSES} size classes")
     ring_stride = _align(RING_ENTRIES_OFFSET + 8 * ring_capacity, CACHE_LINE)
     worker_table_off = HEADER_SIZE
-    ring_table_off = _align(worker_table_off + max_workers * WORKER_SIZE, CACHE_LINE)
+    hist_table_off = _align(worker_table_off + max_workers * WORKER_SIZE, CACHE_LINE)
+    ring_table_off = _align(hist_table_off + max_workers * HIST_WORKER_SIZE, CACHE_LINE)
     slot_table_off = _align(ring_table_off + 2 * max_workers * ring_stride, PAGE)
     data_off = _align(slot_table_off + slot_count * SLOT_SIZE, HUGE_PAGE)
     for size, count in size_classes:
@@ -374,22 +405,26 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
         classes.append(SizeClass(size, count, pos))
         pos += size * count
     total = _align(pos, PAGE)
-    return Geometry(total, max_workers, slot_count, ring_capacity, ring_stride, worker_table_off,
+    return Geometry(total, max_workers, slot_count, ring_capacity, ring_stride, worker_table_off, hist_table_off,
                     ring_table_off, slot_table_off, data_off, total - data_off, tuple(classes))
 
 
 def encode_header(buf, geometry: Geometry, *, instance: str, boot_id: bytes, created_unix_ns: int,
-                  owner_pid: int, owner_start_ticks: int) -> None:
+                  owner_pid: int, owner_start_ticks: int, socket_path: str = "") -> None:
     """Write a fresh header (state INITIALIZING) for ``geometry`` into ``buf``."""
     name = instance.encode()
     if len(name) > INSTANCE_MAX:
         raise ValueError(f"instance name longer than {INSTANCE_MAX} bytes")
+    sock = socket_path.encode()
+    if len(sock) > 107:
+        raise ValueError("socket path longer than 107 bytes (the AF_UNIX limit)")
     fields = dict(
         magic=MAGIC, version=LAYOUT_VERSION, header_size=HEADER_SIZE, total_size=geometry.total_size,
         instance=name, boot_id=boot_id, created_unix_ns=created_unix_ns, owner_pid=owner_pid,
         state=ARENA_INITIALIZING, owner_start_ticks=owner_start_ticks, owner_heartbeat_ns=0,
         max_workers=geometry.max_workers, slot_count=geometry.slot_count,
-        worker_table_off=geometry.worker_table_off, ring_table_off=geometry.ring_table_off,
+        worker_table_off=geometry.worker_table_off, hist_table_off=geometry.hist_table_off,
+        ring_table_off=geometry.ring_table_off, socket_path=sock,
         ring_capacity=geometry.ring_capacity, ring_stride=geometry.ring_stride,
         slot_table_off=geometry.slot_table_off, slot_size=SLOT_SIZE, n_classes=len(geometry.classes),
         data_off=geometry.data_off, data_size=geometry.data_size,
@@ -413,6 +448,7 @@ class HeaderInfo:
     owner_heartbeat_ns: int
     state: int
     geometry: Geometry
+    socket_path: str = ""
 
 
 def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
@@ -451,13 +487,14 @@ def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
         raise LayoutError(f"impossible geometry: {exc}") from None
     actual = Geometry(
         h.total_size, h.max_workers, h.slot_count, h.ring_capacity, h.ring_stride, h.worker_table_off,
-        h.ring_table_off, h.slot_table_off, h.data_off, h.data_size,
+        h.hist_table_off, h.ring_table_off, h.slot_table_off, h.data_off, h.data_size,
         tuple(SizeClass(getattr(h, f"class{i}_size"), getattr(h, f"class{i}_count"),
                         getattr(h, f"class{i}_offset")) for i in range(h.n_classes)))
     if actual != expected:
         raise LayoutError("region offsets do not match the layout computed from the header's sizes")
+    socket_path = h.socket_path.rstrip(b"\0").decode("utf-8", "replace")
     return HeaderInfo(instance, h.boot_id, h.created_unix_ns, h.owner_pid, h.owner_start_ticks,
-                      h.owner_heartbeat_ns, h.state, actual)
+                      h.owner_heartbeat_ns, h.state, actual, socket_path)
 
 
 # ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import posix_ipc
 
-from shmserve import __version__, layout, protocol, stale
+from shmserve import __version__, layout, protocol, stale, systemd
 from shmserve.allocator import Extent, ExtentAllocator, SlotPool
 from shmserve.arena import Arena, SlotConflict
 from shmserve.config import ServerConfig
@@ -121,10 +121,14 @@ class ModelState:
 
 
 class Frontend:
-    def __init__(self, config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None):
+    def __init__(self, config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
+                 config_path: str | None = None, metrics_address: str | None = None):
         self.config = config
         self.socket_path = socket_path
-        self.listen_sock = listen_sock
+        self.listen_sock = listen_sock  # passed by systemd socket activation: not ours to unlink
+        self.config_path = config_path
+        self.metrics_address = metrics_address
+        self.outcomes: collections.Counter = collections.Counter()  # (model, outcome) -> requests answered
         self.models = {m.name: ModelState(i, m.name, m) for i, m in enumerate(config.models)}
         self.pending: dict[int, Request] = {}  # slot -> request handed to a worker
         self.waiting: collections.deque[Request] = collections.deque()
@@ -148,8 +152,10 @@ class Frontend:
             log.warning("removed stale arena /dev/shm/%s (%s)", removed.name, removed.reason)
         self._sweep_regions()
         n_workers = sum(m.instances for m in self.config.models)
+        systemd.notify("STATUS=creating the arena")
         self.arena = Arena.create(self.config.instance, slot_count=self.config.arena_slots,
-                                  max_workers=n_workers, size_classes=self.config.arena_size_classes())
+                                  max_workers=n_workers, size_classes=self.config.arena_size_classes(),
+                                  socket_path=self.socket_path if len(self.socket_path.encode()) < 108 else "")
         self.view = memoryview(self.arena.buf)
         self.slots = SlotPool(self.arena.geometry.slot_count)
         self.extents = ExtentAllocator(self.arena.geometry)
@@ -158,7 +164,8 @@ class Frontend:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        server = heartbeat = None
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        server = heartbeat = watchdog = metrics = None
         try:
             loop.add_reader(self.efd, self._on_completions)
             self.supervisor = Supervisor(self.arena, self.config, self.efd, self._worker_ready, self._worker_exited)
@@ -167,6 +174,7 @@ class Frontend:
                 w.completion_bell.arm()  # the loop is idle: the first completion must wake it
             log.info("instance %s: arena %s (%d MiB, %d slots), %d worker(s)", self.config.instance,
                      self.arena.name, self.arena.geometry.total_size >> 20, self.arena.geometry.slot_count, n_workers)
+            systemd.notify(f"STATUS=loading {n_workers} worker(s)")
             await self.supervisor.start_all(STARTUP_TIMEOUT_S)
             for m in self.models.values():
                 if m.state != "ready":
@@ -174,15 +182,129 @@ class Frontend:
             sock = self.listen_sock or self._bind_socket()
             server = await loop.create_unix_server(lambda: ClientConnection(self), sock=sock)
             heartbeat = loop.create_task(self._heartbeat())
-            log.info("ready: listening on %s", self.socket_path)
+            if self.metrics_address:
+                from shmserve.metrics import MetricsServer
+
+                metrics = await MetricsServer(self).start(self.metrics_address)
+            ready = sum(m.state == "ready" for m in self.models.values())
+            log.info("ready: listening on %s (%d of %d models ready)", self.socket_path, ready, len(self.models))
+            systemd.notify("READY=1", f"STATUS=serving {ready} of {len(self.models)} models on {self.socket_path}")
+            interval = systemd.watchdog_interval()
+            if interval:
+                watchdog = loop.create_task(self._watchdog(interval))
             await stop.wait()
             log.info("shutting down: draining up to %.1f s", self.config.drain_timeout_s)
+            systemd.notify("STOPPING=1", "STATUS=draining in-flight requests")
         finally:
+            for task in (watchdog, heartbeat):
+                if task is not None:
+                    task.cancel()
+            if metrics is not None:
+                await metrics.stop()
             await self._shutdown(server)
-            if heartbeat is not None:
-                heartbeat.cancel()
         log.info("stopped")
         return 0
+
+    # -- health, watchdog, reload ---------------------------------------------------------
+
+    def wedged_workers(self) -> list[WorkerHandle]:
+        """Ready workers whose heartbeat (a thread in each worker, every 0.5 s) is older than
+        worker_timeout_s: stopped (SIGSTOP), hung in the kernel, or dead without an exit yet."""
+        now = time.monotonic_ns()
+        out = []
+        for w in self.supervisor.workers:
+            if w.state != READY:
+                continue
+            beat = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index)).heartbeat_ns
+            if now - beat > self.config.worker_timeout_s * 1e9:
+                out.append(w)
+        return out
+
+    async def _watchdog(self, interval: float) -> None:
+        """Feed systemd's watchdog only while the loop runs on time and no worker is wedged.
+
+        A wedged worker is killed (and so restarted) after 2 x worker_timeout_s; feeding
+        resumes once it is healthy again.
+        """
+        expected = time.monotonic() + interval
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            late = now - expected
+            expected = now + interval
+            wedged = self.wedged_workers()
+            if wedged:
+                names = ", ".join(f"{w.index} ({w.model.name}, pid {w.pid})" for w in wedged)
+                log.error("not feeding the watchdog: worker(s) %s have not beaten for %.0f s", names,
+                          self.config.worker_timeout_s)
+                systemd.notify(f"STATUS=worker(s) {names} not responding")
+                for w in wedged:
+                    self._kill_if_still_wedged(w)
+                continue
+            if late > interval:
+                log.warning("event loop ran %.2f s late", late)
+            systemd.notify("WATCHDOG=1")
+
+    def _kill_if_still_wedged(self, w: WorkerHandle) -> None:
+        beat = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index)).heartbeat_ns
+        if time.monotonic_ns() - beat > 2 * self.config.worker_timeout_s * 1e9:
+            log.error("killing wedged worker %d (pid %s)", w.index, w.pid)
+            self.supervisor.kill(w)
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the config file; apply what can change while serving.
+
+        Applied: request and queue limits, the allow-lists, and any model whose
+        settings changed (its workers restart with the new settings).  Not
+        applied (logged; needs a restart): instance, socket, arena, spin, added
+        or removed models, a model's instance count.
+        """
+        if self.config_path is None:
+            log.warning("reload: started without --config; nothing to reload")
+            return
+        from shmserve import config as cfgmod
+
+        systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
+        try:
+            new = cfgmod.load(self.config_path, instance=self.config.instance)
+        except cfgmod.ConfigError as exc:
+            log.error("reload: %s; keeping the running configuration", exc)
+            systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")
+            return
+        old = self.config
+        fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us",
+                             "socket_mode", "socket_group") if getattr(new, k) != getattr(old, k)]
+        old_models = {m.name: m for m in old.models}
+        new_models = {m.name: m for m in new.models}
+        if set(old_models) != set(new_models):
+            fixed.append("the set of models")
+        changed = []
+        for name, model in new_models.items():
+            before = old_models.get(name)
+            if before is None or before == model:
+                continue
+            if before.instances != model.instances:
+                fixed.append(f"models.{name}.instances")
+                continue
+            changed.append(model)
+        import dataclasses
+
+        changed_names = {m.name for m in changed}
+        self.config = dataclasses.replace(
+            old, request_timeout_s=new.request_timeout_s, drain_timeout_s=new.drain_timeout_s,
+            max_waiting=new.max_waiting, max_inflight_per_connection=new.max_inflight_per_connection,
+            allow_uids=new.allow_uids, allow_gids=new.allow_gids, worker_timeout_s=new.worker_timeout_s,
+            models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
+        self.allowed_uids = {os.getuid(), 0, *self.config.allow_uids}
+        self.allowed_gids = set(self.config.allow_gids)
+        for model in changed:
+            self.models[model.name].config = model
+            self.supervisor.replace_model(model)
+            log.info("reload: model %s changed; restarting its workers", model.name)
+        if fixed:
+            log.warning("reload: not applied (needs a restart): %s", ", ".join(sorted(set(fixed))))
+        log.info("reload: done (%d model(s) restarted)", len(changed))
+        systemd.notify("READY=1", f"STATUS=serving on {self.socket_path} (reloaded)")
 
     def _bind_socket(self) -> socket.socket:
         path = Path(self.socket_path)
@@ -375,6 +497,7 @@ class Frontend:
         req.response = frame_parts
         req.holds_slot_until_flushed = not req.zero_copy
         req.state = "answered"
+        self.outcomes[(req.model.name, "ok")] += 1
         if req.zero_copy:
             self._release(req)
         req.conn.flush()
@@ -413,6 +536,7 @@ class Frontend:
         if req.state == "answered":
             return
         log.debug("request %d on model %s: %s: %s", req.id, req.model.name, code.wire, message)
+        self.outcomes[(req.model.name, code.wire)] += 1
         req.response = [protocol.error_frame(req.id, code, message)]
         req.holds_slot_until_flushed = False
         in_worker = req.slot is not None and req.slot in self.pending
@@ -503,14 +627,13 @@ class Frontend:
                     raise ShmserveError(ErrorCode.BAD_REGION, "no such region on this connection")
                 self._drop_region(region)
                 conn.reply(rid, {"closed": region.id})
-        except ProtocolViolation as exc:
+        except (ProtocolViolation, ShmserveError) as exc:
             conn.send_now(protocol.error_frame(rid, exc.code, exc.message))
             if frame.data_len and conn.proto.state is protocol.State.AWAIT:
                 conn.proto.discard_payload()
-        except ShmserveError as exc:
-            conn.send_now(protocol.error_frame(rid, exc.code, exc.message))
-            if frame.data_len and conn.proto.state is protocol.State.AWAIT:
-                conn.proto.discard_payload()
+            if kind in (Kind.INFER, Kind.INFER_REGION):
+                model = meta.get("model")  # a label only for real models: clients must not mint series
+                self.outcomes[(model if model in self.models else "_unknown", exc.code.wire)] += 1
 
     def _on_infer(self, conn: "ClientConnection", parsed: protocol.InferRequest, data_len: int) -> None:
         model = self.models.get(parsed.model)
@@ -761,6 +884,20 @@ class Frontend:
                             for w in self.supervisor.workers]}
 
 
+def _peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's primary gid (SO_PEERCRED) and its supplementary groups (from /proc)."""
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    except (OSError, ValueError):
+        pass
+    return groups
+
+
 class ClientConnection(asyncio.BufferedProtocol):
     """One client: pumps bytes between the socket and the sans-I/O protocol, keeps responses in order."""
 
@@ -793,7 +930,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
             pid = uid = gid = -1
-        if uid not in self.frontend.allowed_uids and gid not in self.frontend.allowed_gids:
+        if uid not in self.frontend.allowed_uids and not (_peer_groups(pid, gid) & self.frontend.allowed_gids):
             log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
             transport.write(protocol.error_frame(None, ErrorCode.PERMISSION_DENIED,
                                                  f"uid {uid} is not allowed to use this server"))
@@ -946,8 +1083,10 @@ class ClientConnection(asyncio.BufferedProtocol):
                 os.close(fd)
 
 
-def serve(config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None) -> int:
+def serve(config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
+          config_path: str | None = None, metrics_address: str | None = None) -> int:
     """Run the front-end until SIGTERM/SIGINT; returns the exit status (0 after a clean stop)."""
     import uvloop
 
-    return uvloop.run(Frontend(config, socket_path, listen_sock=listen_sock).run())
+    return uvloop.run(Frontend(config, socket_path, listen_sock=listen_sock, config_path=config_path,
+                               metrics_address=metrics_address).run())

@@ -43,9 +43,13 @@ class ArenaRecord:
     same_boot: bool
     valid: bool  # header decoded
     reason: str  # why it is (or is not) stale, in words
+    socket_path: str = ""  # where its owner listened (from the header)
+    region: bool = False  # a client region (shmserve.<instance>.r<N>), alive exactly while its instance is
 
     @property
     def stale(self) -> bool:
+        if self.region:
+            return not self.owner_alive
         return not self.owner_alive and (self.valid or self.reason.startswith("unreadable"))
 
 
@@ -55,14 +59,29 @@ def list_arenas(instance: str | None = None) -> list[ArenaRecord]:
         names = sorted(os.listdir(SHM_DIR))
     except OSError:
         return []
-    wanted = None if instance is None else NAME_PREFIX + instance
-    records = []
+    records, regions = [], []
     for name in names:
-        if not name.startswith(NAME_PREFIX) or (wanted is not None and name != wanted):
+        if not name.startswith(NAME_PREFIX):
+            continue
+        owner, dot, _ = name[len(NAME_PREFIX):].partition(".")
+        if instance is not None and owner != instance:
+            continue
+        if dot:
+            regions.append((name, owner))
             continue
         record = _examine(name)
         if record is not None:
             records.append(record)
+    live = {r.instance for r in records if r.owner_alive}
+    for name, owner in regions:
+        try:
+            size = os.stat(os.path.join(SHM_DIR, name)).st_size
+        except OSError:
+            continue
+        alive = owner in live
+        records.append(ArenaRecord(name, owner, size, None, alive, False, True, False,
+                                   f"client region of instance {owner} ({'live' if alive else 'its server is gone'})",
+                                   region=True))
     return records
 
 
@@ -70,12 +89,51 @@ def sweep(instance: str | None = None, *, dry_run: bool = False) -> list[ArenaRe
     """Remove stale arenas (of ``instance`` only, if given); returns the records removed (or,
     with ``dry_run``, that would be).  A live arena is never removed."""
     removed = []
-    for record in list_arenas(instance):
+    records = list_arenas(instance)
+    for record in sorted(records, key=lambda r: r.region):  # arenas first: their regions follow them
         if not record.stale:
             continue
-        if dry_run or _remove_if_still_stale(record.name):
+        if record.region:
+            ok = dry_run or _unlink(record.name)
+        else:
+            ok = dry_run or _remove_if_still_stale(record.name)
+            if ok and not dry_run and record.socket_path:
+                _remove_dead_socket(record.socket_path)
+        if ok:
             removed.append(record)
     return removed
+
+
+def _unlink(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+        return True
+    except posix_ipc.Error:
+        return False
+
+
+def _remove_dead_socket(path: str) -> None:
+    """Remove a dead instance's socket file if it is a socket nobody listens on."""
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    except OSError:
+        pass
+    finally:
+        probe.close()
 
 
 def _examine(name: str) -> ArenaRecord | None:
@@ -115,7 +173,7 @@ def _examine_fd(name: str, fd: int, locked: bool) -> ArenaRecord:
     else:
         reason = f"owner pid {info.owner_pid} is gone"
     return ArenaRecord(name, info.instance, st.st_size, info.owner_pid, owner_alive, pid_alive,
-                       same_boot, True, reason)
+                       same_boot, True, reason, info.socket_path)
 
 
 def _lock_held(fd: int) -> bool:

@@ -55,6 +55,7 @@ class WorkerHandle:
     inflight: set[int] = field(default_factory=set)  # slot indices handed to it
     started_at: float = 0.0
     gpu: dict | None = None  # what a GPU worker registered (device, arena addresses)
+    replacing: bool = False  # stopped on purpose to come back with a new config (reload)
     ready_future: asyncio.Future | None = None
 
     @property
@@ -155,6 +156,15 @@ class Supervisor:
         how = workerlink.describe_exit(status)
         layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(w.index), state=layout.WORKER_DEAD)
         was_ready = w.state == READY
+        if w.replacing and not self.stopping:
+            w.replacing = False
+            w.state = RESTARTING
+            log.info("worker %d (%s) stopped for reload; starting it with the new settings", w.index, w.model.name)
+            self.on_exit(w, how)
+            if not w.ready_future.done():
+                w.ready_future.set_result(False)
+            self.loop.call_soon(self._respawn, w)
+            return
         if self.stopping:
             w.state = STOPPED
         elif code in workerlink.NO_RESTART:
@@ -200,6 +210,21 @@ class Supervisor:
     def _respawn(self, w: WorkerHandle) -> None:
         if not self.stopping and w.state == RESTARTING:
             self._spawn(w)
+
+    def replace_model(self, model: ModelConfig) -> None:
+        """Restart ``model``'s workers with new settings: each finishes what it has queued first."""
+        for w in self.workers:
+            if w.model.name != model.name:
+                continue
+            w.model = model
+            if w.proc is not None and w.proc.poll() is None:
+                w.replacing = True
+                w.submissions.push(workerlink.STOP_ENTRY)
+                w.doorbell.notify()
+
+    def kill(self, w: WorkerHandle) -> None:
+        """SIGKILL a worker (wedged); its exit is handled like any other death."""
+        self._kill(w, signal.SIGKILL)
 
     def _kill(self, w: WorkerHandle, sig: int = signal.SIGKILL) -> None:
         if w.proc is not None and w.proc.poll() is None:

@@ -255,12 +255,24 @@ class Worker:
         if got != len(outputs):
             raise ValueError(f"model {cfg.name!r}: warm-up run produced {got} of {len(outputs)} outputs")
 
+    def start_heartbeat(self) -> None:
+        """Beat from a thread every IDLE_TICK_S, busy or idle: the front-end's watchdog reads it.
+        It stops only when the whole process stops (SIGSTOP, a hang in the kernel, death)."""
+        import threading
+
+        def beat():
+            while not self._stop_beating.wait(IDLE_TICK_S):
+                self._beat()
+
+        self._stop_beating = threading.Event()
+        self._beat()
+        self._beater = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        self._beater.start()
+
     def serve(self) -> int:
         self._set_state(layout.WORKER_READY)
-        self._beat()
         while True:
             if not self.inbox.wait(timeout=IDLE_TICK_S, spin=self.spin_s):
-                self._beat()
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
                 self.regions.collect()
@@ -270,7 +282,6 @@ class Worker:
                     self._set_state(layout.WORKER_STOPPING)
                     return workerlink.EXIT_OK
                 self.process(entry)
-            self._beat()
 
     # -- one request ----------------------------------------------------------------------
 
@@ -305,6 +316,7 @@ class Worker:
             # Order matters here: outputs and descriptors are written before DONE is published.
             arena.transition(index, generation, SlotState.RUNNING, SlotState.DONE, Actor.WORKER)
         self._count("requests")
+        arena.record_latencies(self.index, index)
         self.completions.push(entry)
         self.outbox.notify()
 
@@ -363,6 +375,9 @@ class Worker:
 
     def close(self) -> None:
         """Unregister before unmapping: regions, the backend, then the arena's registration."""
+        if getattr(self, "_stop_beating", None) is not None:
+            self._stop_beating.set()
+            self._beater.join(2.0)  # it writes into the arena: done before the arena is unmapped
         self.regions.close()
         if self.backend is not None:
             self.backend.close()
@@ -410,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     f"model {config.name!r}: {exc}"}))
         arena.close()
         return workerlink.EXIT_ARENA_FAILED
+    worker.start_heartbeat()  # loading a large model takes a while: the front-end sees us alive
     try:
         try:
             worker.load()

@@ -70,8 +70,10 @@ def standard_models(identity_instances: int = 2) -> str:
 class ServerProcess:
     """A `shmserve serve` child.  ``start()`` returns once it answers health checks."""
 
-    def __init__(self, workdir: Path, config_text: str, *, server_section: str = "", socket_dir: Path | None = None):
+    def __init__(self, workdir: Path, config_text: str, *, server_section: str = "", socket_dir: Path | None = None,
+                 extra_args: list[str] = ()):
         self.workdir = workdir
+        self.extra_args = list(extra_args)
         self.instance = f"t-{uuid.uuid4().hex[:10]}"
         self.socket_dir = socket_dir or (workdir / "run")
         self.socket = str(self.socket_dir / "s.sock")
@@ -84,7 +86,8 @@ class ServerProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(self.config_path),
-                                      "--socket", self.socket], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+                                      "--socket", self.socket, *self.extra_args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

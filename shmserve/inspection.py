@@ -1,0 +1,204 @@
+"""`shmserve inspect`: a read-only look inside a live or dead instance.
+
+Owns: turning an arena (mapped read-only, decoded only through
+``shmserve.layout``) into a snapshot (header, owner liveness, workers, slots by
+state, stuck slots, per-model stage latencies, occupancy, leftover arenas),
+its health verdict for ``--check``, and its rendering as a rich table or JSON.
+
+Must not: write to the arena, or trust it: a corrupt or foreign segment is
+refused with the layout error; values are read as they are (a live arena
+changes while it is read, so counts are a moment's approximation).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from shmserve import layout, stale
+from shmserve.arena import Arena
+from shmserve.slotstate import SlotState, state_name
+
+STUCK_AFTER_S = 30.0
+WORKER_SILENT_S = 10.0
+_SLOT_AGE_FIELD = {SlotState.WRITING: "t_acquired", SlotState.READY: "t_ready", SlotState.RUNNING: "t_claimed",
+                   SlotState.DONE: "t_done", SlotState.ERROR: "t_done"}
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _percentile(counts: list[int], q: float) -> float | None:
+    total = sum(counts)
+    if not total:
+        return None
+    target, running = q * total, 0
+    for i, n in enumerate(counts):
+        running += n
+        if running >= target:
+            return float(2 ** (i + 1))  # the bucket's upper bound, in microseconds
+    return float(2 ** len(counts))
+
+
+def snapshot(instance: str, *, stuck_after_s: float = STUCK_AFTER_S) -> dict:
+    """Everything ``inspect`` shows about one instance.  Raises ArenaError/ArenaNotFound."""
+    arena = Arena.attach(instance, read_only=True, prefault=False)
+    try:
+        return _read(arena, stuck_after_s)
+    finally:
+        arena.close()
+
+
+def _read(arena: Arena, stuck_after_s: float) -> dict:
+    buf, g, info = arena.buf, arena.geometry, arena.info
+    now_mono, now_wall = time.monotonic_ns(), time.time_ns()
+    records = stale.list_arenas(arena.instance)
+    owner_alive = bool(records) and records[0].owner_alive
+    heartbeat = arena.heartbeat_ns()
+    out = {
+        "instance": arena.instance, "arena": arena.name, "size": g.total_size, "layout_version": layout.LAYOUT_VERSION,
+        "state": layout.ARENA_STATE_NAMES.get(arena.state(), str(arena.state())),
+        "owner_pid": info.owner_pid, "owner_alive": owner_alive, "socket": info.socket_path,
+        "created_unix": info.created_unix_ns / 1e9, "uptime_s": round((now_wall - info.created_unix_ns) / 1e9, 1),
+        "owner_heartbeat_age_s": round((now_mono - heartbeat) / 1e9, 3) if heartbeat else None,
+    }
+    workers = []
+    names: dict[int, str] = {}
+    for i in range(g.max_workers):
+        w = layout.WORKER.read(buf, g.worker_off(i))
+        if w.state == layout.WORKER_EMPTY:
+            continue
+        name = w.name.rstrip(b"\0").decode("utf-8", "replace")
+        names[i] = name
+        workers.append({
+            "index": i, "model": name, "device": w.device.rstrip(b"\0").decode("utf-8", "replace"), "pid": w.pid,
+            "state": layout.WORKER_STATE_NAMES.get(w.state, str(w.state)), "alive": _pid_alive(w.pid),
+            "heartbeat_age_s": round((now_mono - w.heartbeat_ns) / 1e9, 3) if w.heartbeat_ns else None,
+            "requests": w.requests, "errors": w.errors, "restarts": w.restarts,
+        })
+    out["workers"] = workers
+    counts: dict[str, int] = {s.name: 0 for s in SlotState}
+    oldest: dict[str, float] = {}
+    stuck = []
+    for i in range(g.slot_count):
+        _, state = arena.slot_status(i)
+        sname = state_name(state)
+        counts[sname] = counts.get(sname, 0) + 1
+        field = _SLOT_AGE_FIELD.get(state) if state in SlotState._value2member_map_ else None
+        if field is None:
+            continue
+        slot = layout.SLOT.read(buf, g.slot_off(i))
+        stamp = getattr(slot, field)
+        if not stamp:
+            continue
+        age = (now_mono - stamp) / 1e9
+        oldest[sname] = round(max(oldest.get(sname, 0.0), age), 3)
+        if state == SlotState.RUNNING and age > stuck_after_s:
+            stuck.append({"slot": i, "request_id": slot.request_id, "worker": slot.worker,
+                          "model": names.get(slot.worker, "?"), "running_s": round(age, 1)})
+    out["slots"] = {"total": g.slot_count, "by_state": counts, "oldest_age_s": oldest}
+    out["stuck"] = stuck
+    latency: dict[str, dict] = {}
+    for model in sorted(set(names.values())):
+        per_stage = {}
+        for stage in layout.HIST_STAGES:
+            buckets = [0] * layout.HIST_BUCKETS
+            total_us = 0
+            for i, name in names.items():
+                if name != model:
+                    continue
+                base = g.hist_off(i, stage)
+                for b in range(layout.HIST_BUCKETS):
+                    buckets[b] += int.from_bytes(buf[base + 8 * b:base + 8 * b + 8], "little")
+                total_us += int.from_bytes(buf[base + 8 * layout.HIST_BUCKETS:base + 8 * layout.HIST_BUCKETS + 8],
+                                           "little")
+            n = sum(buckets)
+            per_stage[stage] = {"count": n, "mean_us": round(total_us / n, 1) if n else None,
+                                "p50_us": _percentile(buckets, 0.5), "p90_us": _percentile(buckets, 0.9),
+                                "p99_us": _percentile(buckets, 0.99)}
+        latency[model] = per_stage
+    out["latency_us"] = latency
+    out["occupancy"] = {"slots_in_use": arena.stat("slots_in_use"), "slots": g.slot_count,
+                        "bytes_in_use": arena.stat("extent_bytes_in_use"), "data_bytes": g.data_size}
+    out["stats"] = {name: arena.stat(name) for name in layout.STAT_NAMES}
+    out["problems"] = problems(out)
+    return out
+
+
+def problems(snap: dict) -> list[str]:
+    """Why an instance is unhealthy (empty if it is healthy)."""
+    found = []
+    if not snap["owner_alive"]:
+        found.append(f"front-end pid {snap['owner_pid']} is gone (run 'shmserve cleanup')")
+    for w in snap["workers"]:
+        if w["state"] == "ready" and not w["alive"]:
+            found.append(f"worker {w['index']} ({w['model']}) pid {w['pid']} is gone")
+        elif w["state"] == "ready" and (w["heartbeat_age_s"] or 0) > WORKER_SILENT_S:
+            found.append(f"worker {w['index']} ({w['model']}) silent for {w['heartbeat_age_s']:.0f} s")
+    for s in snap["stuck"]:
+        found.append(f"slot {s['slot']} (request {s['request_id']}, model {s['model']}) running for {s['running_s']} s")
+    return found
+
+
+def leftovers() -> list[dict]:
+    """Arenas of instances whose owner is gone."""
+    return [{"name": r.name, "instance": r.instance, "size": r.size, "owner_pid": r.owner_pid, "reason": r.reason}
+            for r in stale.list_arenas() if r.stale]
+
+
+def render(snap: dict):
+    """A rich renderable of one snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    alive = "[green]alive[/]" if snap["owner_alive"] else "[red]DEAD[/]"
+    head = Text.from_markup(
+        f"[bold]{snap['instance']}[/]  {snap['arena']}  {snap['size'] >> 20} MiB  state {snap['state']}  "
+        f"owner pid {snap['owner_pid']} {alive}  up {snap['uptime_s']:.0f} s  socket {snap['socket'] or '?'}")
+    workers = Table(title="workers", title_justify="left")
+    for col in ("#", "model", "device", "pid", "state", "heartbeat", "requests", "errors", "restarts"):
+        workers.add_column(col, justify="right" if col in ("#", "pid", "requests", "errors", "restarts") else "left")
+    for w in snap["workers"]:
+        age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']:.1f} s ago"
+        state = w["state"] if w["alive"] or w["state"] == "dead" else f"{w['state']} (gone)"
+        workers.add_row(str(w["index"]), w["model"], w["device"], str(w["pid"]), state, age, str(w["requests"]),
+                        str(w["errors"]), str(w["restarts"]))
+    slots = Table(title="slots", title_justify="left")
+    slots.add_column("state")
+    slots.add_column("count", justify="right")
+    slots.add_column("oldest", justify="right")
+    for state, n in snap["slots"]["by_state"].items():
+        age = snap["slots"]["oldest_age_s"].get(state)
+        slots.add_row(state, str(n), "-" if age is None else f"{age:.2f} s")
+    lat = Table(title="latency per stage (µs, bucket upper bounds)", title_justify="left")
+    for col in ("model", "stage", "count", "mean", "p50", "p90", "p99"):
+        lat.add_column(col, justify="left" if col in ("model", "stage") else "right")
+    for model, stages in snap["latency_us"].items():
+        for stage, v in stages.items():
+            if v["count"]:
+                lat.add_row(model, stage, str(v["count"]), f"{v['mean_us']:.0f}", f"{v['p50_us']:.0f}",
+                            f"{v['p90_us']:.0f}", f"{v['p99_us']:.0f}")
+    occ = snap["occupancy"]
+    parts = [head, workers, slots, lat,
+             Text(f"arena occupancy: {occ['slots_in_use']}/{occ['slots']} slots, "
+                  f"{occ['bytes_in_use'] >> 20}/{occ['data_bytes'] >> 20} MiB of data")]
+    if snap["stuck"]:
+        stuck = Table(title="stuck slots", title_justify="left")
+        for col in ("slot", "request", "model", "worker", "running"):
+            stuck.add_column(col)
+        for s in snap["stuck"]:
+            stuck.add_row(str(s["slot"]), str(s["request_id"]), s["model"], str(s["worker"]), f"{s['running_s']} s")
+        parts.append(stuck)
+    for p in snap["problems"]:
+        parts.append(Text.from_markup(f"[red]problem:[/] {p}"))
+    return Group(*parts)

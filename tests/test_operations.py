@@ -1,0 +1,302 @@
+"""Operations, for real: systemd units, socket activation, the notify protocol and watchdog,
+inspect and cleanup of live and crashed instances, metrics, JSON logs, reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from shmserve import Client
+from shmserve.errors import ConnectionClosed
+
+from conftest import shm_names
+from helpers.server import TESTS_DIR, ServerProcess
+
+ROOT = TESTS_DIR.parent
+IDENTITY = """
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+"""
+
+
+def cli(*args, timeout=60, env=None):
+    return subprocess.run([sys.executable, "-m", "shmserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- systemd units ------------------------------------------------------------------------
+
+def test_units_verify(tmp_path):
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed on this machine")
+    exe = shutil.which("shmserve") or str(Path(sys.executable).parent / "shmserve")
+    for unit in ("shmserve.service", "shmserve.socket"):
+        text = (ROOT / "systemd" / unit).read_text().replace("/usr/local/bin/shmserve", exe)
+        (tmp_path / unit).write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "shmserve.service"),
+                        str(tmp_path / "shmserve.socket")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    service = (ROOT / "systemd" / "shmserve.service").read_text()
+    for line in ("Type=notify", "WatchdogSec=", "LimitMEMLOCK=infinity", "KillMode=mixed", "ExecReload=",
+                 "RuntimeDirectory=shmserve", "DevicePolicy=closed", "ProtectSystem=strict", "NoNewPrivileges=yes"):
+        assert line in service
+    assert "PrivateDevices" not in service.replace("no PrivateDevices=", "")
+
+
+def test_socket_activation(tmp_path):
+    if not shutil.which("systemd-socket-activate"):
+        pytest.skip("systemd-socket-activate is not installed on this machine")
+    before = shm_names()
+    sock = str(tmp_path / "activated.sock")
+    cfg = tmp_path / "act.toml"
+    instance = f"t-{uuid.uuid4().hex[:10]}"
+    cfg.write_text(f'[server]\ninstance = "{instance}"\n{IDENTITY}')
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    proc = subprocess.Popen(["systemd-socket-activate", "-l", sock, sys.executable, "-m", "shmserve.cli", "serve",
+                             "--config", str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: os.path.exists(sock), what="the activation socket")
+        with Client(sock, timeout=60) as c:  # connects to systemd's socket; the server starts on demand
+            assert c.infer("identity", {"x": np.arange(5, dtype=np.uint8)})["y"].tolist() == [0, 1, 2, 3, 4]
+            assert c.info()["socket"] == sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    assert b"socket activation: using" in out
+    assert shm_names() == before
+
+
+# -- sd_notify and the watchdog -----------------------------------------------------------
+
+class NotifyListener:
+    """Plays systemd: a datagram socket as $NOTIFY_SOCKET, collecting every message."""
+
+    def __init__(self, path: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.running:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            for line in data.decode().splitlines():
+                self.messages.append((time.monotonic(), line))
+
+    def lines(self) -> list[str]:
+        return [m for _, m in self.messages]
+
+    def close(self):
+        self.running = False
+        self.thread.join(2)
+        self.sock.close()
+
+
+def test_notify_ready_watchdog_wedged_worker_and_stopping(tmp_path, monkeypatch):
+    listener = NotifyListener(tmp_path / "notify.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s
+    srv = ServerProcess(tmp_path, IDENTITY, server_section="worker_timeout_s = 1.0")
+    stopped_pid = None
+    try:
+        srv.start()
+        wait_for(lambda: "READY=1" in listener.lines(), what="READY=1")
+        ready_at = listener.lines().index("READY=1")
+        assert any(m.startswith("STATUS=loading") for m in listener.lines()[:ready_at])
+        wait_for(lambda: listener.lines().count("WATCHDOG=1") >= 3, what="watchdog pings")
+        (worker,) = srv.info()["workers"]
+        stopped_pid = worker["pid"]
+        os.kill(stopped_pid, signal.SIGSTOP)  # wedged: alive, but its heartbeat stops
+        mark = len(listener.messages)
+        wait_for(lambda: any("not responding" in m for m in listener.lines()[mark:]), what="the wedged status")
+        first_bad = next(i for i, m in enumerate(listener.lines()) if i >= mark and "not responding" in m)
+        # The front-end kills the wedged worker, restarts it, and feeds the watchdog again.
+        wait_for(lambda: "WATCHDOG=1" in listener.lines()[first_bad:], timeout=30, what="feeding to resume")
+        resumed = first_bad + listener.lines()[first_bad:].index("WATCHDOG=1")
+        assert all("WATCHDOG=1" != m for m in listener.lines()[first_bad:resumed])
+        info = wait_for(lambda: (i := srv.info())["workers"][0]["state"] == "ready" and i, what="the restart")
+        assert info["workers"][0]["pid"] != stopped_pid and info["workers"][0]["restarts"] == 1
+        with srv.client() as c:
+            assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].sum() == 3
+    finally:
+        if stopped_pid is not None:
+            try:
+                os.kill(stopped_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        code = srv.stop()
+        listener.close()
+    assert code == 0, srv.log()
+    assert "STOPPING=1" in listener.lines()
+    assert listener.lines().index("STOPPING=1") > listener.lines().index("READY=1")
+
+
+# -- inspect and cleanup --------------------------------------------------------------------
+
+def test_inspect_live_then_crashed_then_cleanup(tmp_path):
+    before = shm_names()
+    srv = ServerProcess(tmp_path, IDENTITY + "instances = 2\n").start()
+    try:
+        def load():
+            with srv.client() as c:
+                for _ in range(50):
+                    c.infer("identity", {"x": np.ones(100, np.uint8)})
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        r = cli("inspect", "--instance", srv.instance, "--json")  # while it is under load
+        for t in threads:
+            t.join(60)
+        assert r.returncode == 0, r.stderr
+        live = json.loads(r.stdout)
+        assert live["owner_alive"] is True and live["state"] == "live" and live["socket"] == srv.socket
+        assert [w["model"] for w in live["workers"]] == ["identity", "identity"]
+        assert all(w["state"] == "ready" and w["alive"] for w in live["workers"])
+        r = cli("inspect", "--instance", srv.instance, "--json")
+        after = json.loads(r.stdout)
+        assert sum(w["requests"] for w in after["workers"]) == 150
+        assert after["latency_us"]["identity"]["total"]["count"] == 150
+        assert after["slots"]["by_state"]["FREE"] == after["slots"]["total"]
+        assert cli("inspect", "--instance", srv.instance, "--check").returncode == 0
+        table = cli("inspect", "--instance", srv.instance)
+        assert table.returncode == 0 and "identity" in table.stdout and "latency" in table.stdout
+    finally:
+        srv.kill()  # SIGKILL the front-end: a crash
+    dead = json.loads(cli("inspect", "--instance", srv.instance, "--json").stdout)
+    assert dead["owner_alive"] is False and dead["workers"]
+    check = cli("inspect", "--instance", srv.instance, "--check")
+    assert check.returncode == 1 and "front-end pid" in check.stdout
+    assert any(left["instance"] == srv.instance for left in dead["leftovers"])
+    r = cli("cleanup", "--instance", srv.instance)
+    assert r.returncode == 0 and f"removed /dev/shm/shmserve.{srv.instance}" in r.stdout
+    assert not os.path.exists(srv.socket)  # the dead instance's socket went too
+    assert shm_names() == before
+    r = cli("inspect", "--instance", srv.instance)
+    assert r.returncode == 3 and "no arena" in r.stderr
+
+
+def test_inspect_refuses_corrupt_and_foreign_segments(instance_name):
+    name = instance_name()
+    shm = posix_ipc.SharedMemory(f"/shmserve.{name}", posix_ipc.O_CREX, size=8192)
+    try:
+        os.pwrite(shm.fd, b"\x01" * 8192, 0)
+        r = cli("inspect", "--instance", name)
+        assert r.returncode == 2 and "corrupt or foreign" in r.stderr
+        r = cli("inspect", "--instance", name, "--check")
+        assert r.returncode != 0 and "corrupt or foreign" in (r.stdout + r.stderr)
+    finally:
+        shm.close_fd()
+        shm.unlink()
+
+
+def test_cleanup_never_touches_a_live_instance_or_its_regions(tmp_path):
+    srv = ServerProcess(tmp_path, IDENTITY).start()
+    try:
+        with srv.client() as c:
+            c.open_region(1 << 20)
+            r = cli("cleanup")
+            assert r.returncode == 0 and srv.instance not in r.stdout
+            assert any(n.startswith(f"shmserve.{srv.instance}.r") for n in os.listdir("/dev/shm"))
+    finally:
+        assert srv.stop() == 0
+
+
+# -- metrics, logs, reload ----------------------------------------------------------------
+
+def scrape(path: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics_json_logs_and_reload(tmp_path):
+    metrics = str(tmp_path / "metrics.sock")
+    srv = ServerProcess(tmp_path, IDENTITY + "max_output_bytes = 1048576\n",
+                        extra_args=["--metrics", metrics, "--log-format", "json"]).start()
+    try:
+        m0 = scrape(metrics)
+        key = ("shmserve_requests_total", (("model", "identity"), ("outcome", "ok")))
+        with srv.client() as c:
+            for _ in range(7):
+                c.infer("identity", {"x": np.ones(10, np.uint8)})
+            with pytest.raises(Exception):
+                c.infer("identity", {"x": np.ones(10, np.float32)})
+        m1 = scrape(metrics)
+        assert m1[key] - m0.get(key, 0) == 7
+        assert m1[("shmserve_requests_total", (("model", "identity"), ("outcome", "bad_dtype")))] == 1
+        count = ("shmserve_request_stage_seconds_count", (("model", "identity"), ("stage", "total")))
+        assert m1[count] - m0.get(count, 0) == 7
+        assert m1[("shmserve_slots", ())] > 0 and ("shmserve_arena_bytes_in_use", ()) in m1
+        # reload: a bad config keeps the old one; a good one restarts the changed model
+        config = srv.config_path.read_text()
+        srv.config_path.write_text(config + "bogus_key = 1\n")
+        srv.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "keeping the running configuration" in srv.log(), what="the rejected reload")
+        srv.config_path.write_text(config.replace("max_output_bytes = 1048576", "max_output_bytes = 2097152"))
+        old_pid = srv.info()["workers"][0]["pid"]
+        srv.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload: done (1 model(s) restarted)" in srv.log(), what="the reload")
+        wait_for(lambda: (w := srv.info()["workers"][0])["state"] == "ready" and w["pid"] != old_pid,
+                 what="the restarted worker")
+        with srv.client() as c:
+            assert c.infer("identity", {"x": np.ones(4, np.uint8)})["y"].sum() == 4
+    finally:
+        assert srv.stop() == 0, srv.log()
+    lines = [json.loads(line) for line in srv.log().splitlines() if line.strip()]
+    assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+    assert any(line["msg"].startswith("ready: listening on") for line in lines)
+    assert not os.path.exists(metrics)
+
+
+def test_metrics_refuses_non_loopback(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(IDENTITY)
+    r = cli("serve", "--config", str(cfg), "--metrics", "0.0.0.0:9464", "--socket", str(tmp_path / "s.sock"))
+    assert r.returncode == 2 and "loopback" in r.stderr
