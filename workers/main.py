@@ -445,4 +445,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == workerlink.EXIT_LOAD_FAILED:
+        # A runtime that failed half-way (TensorRT 11.4 lean without CUDA, for one) can crash in
+        # its destructor at interpreter exit, which would turn this named exit code into a
+        # SIGSEGV and a restart loop.  Everything of ours is closed: leave without finalizers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
