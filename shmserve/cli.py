@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a slot RUNNING longer than this is stuck")
     inspect.set_defaults(func=_cmd_inspect)
 
+    sub.add_parser("bench", help="latency and throughput against floors measured in the same run "
+                                 "(see 'shmserve bench --help')")
+
     cleanup = sub.add_parser("cleanup", help="remove arenas whose server is gone (never a live one)")
     cleanup.add_argument("--instance", help="only this instance's arena")
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
@@ -308,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # its own parser: `shmserve bench --help`
+        from shmserve import bench
+
+        return bench.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -66,6 +66,7 @@ class ModelConfig:
     instances: int = 1
     max_batch_size: int = 0
     max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()  # run at once when a batch reaches one of these
     max_output_bytes: int = MiB  # reserved per output whose size the inputs do not determine
     io_mode: str = "copy"  # GPU: "copy" (DMA to device buffers) or "mapped" (kernels read shared memory); docs/gpu.md
     inputs: tuple[TensorSpec, ...] = ()
@@ -76,6 +77,7 @@ class ModelConfig:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
+                "preferred_batch_sizes": list(self.preferred_batch_sizes),
                 "io_mode": self.io_mode,
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "options": self.options}
@@ -85,6 +87,7 @@ class ModelConfig:
         d = dict(d)
         d["inputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("inputs", ()))
         d["outputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("outputs", ()))
+        d["preferred_batch_sizes"] = tuple(d.get("preferred_batch_sizes", ()))
         return cls(**d)
 
 
@@ -235,7 +238,8 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
-                           "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options"})
+                           "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
+                           "preferred_batch_sizes"})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -275,6 +279,12 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
                 except (TypeError, ValueError) as exc:
                     raise ConfigError(f"{where}.{key}[{j}]: {exc}") from None
             kw[key] = tuple(specs)
+    if "preferred_batch_sizes" in m:
+        sizes = m["preferred_batch_sizes"]
+        if not isinstance(sizes, list):
+            raise ConfigError(f"{where}.preferred_batch_sizes: expected a list of batch sizes")
+        kw["preferred_batch_sizes"] = tuple(_int(v, f"{where}.preferred_batch_sizes[{j}]", 1, 1 << 16)
+                                            for j, v in enumerate(sizes))
     if "options" in m:
         if not isinstance(m["options"], dict):
             raise ConfigError(f"{where}.options: expected a table")

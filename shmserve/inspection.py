@@ -110,7 +110,7 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
     latency: dict[str, dict] = {}
     for model in sorted(set(names.values())):
         per_stage = {}
-        for stage in layout.HIST_STAGES:
+        for stage in layout.HIST_STAGES:  # stage times in us; "batch_size" in requests per run
             buckets = [0] * layout.HIST_BUCKETS
             total_us = 0
             for i, name in names.items():
@@ -180,7 +180,8 @@ def render(snap: dict):
     for state, n in snap["slots"]["by_state"].items():
         age = snap["slots"]["oldest_age_s"].get(state)
         slots.add_row(state, str(n), "-" if age is None else f"{age:.2f} s")
-    lat = Table(title="latency per stage (µs, bucket upper bounds)", title_justify="left")
+    lat = Table(title="latency per stage (µs, bucket upper bounds; batch_size: requests per run)",
+                title_justify="left")
     for col in ("model", "stage", "count", "mean", "p50", "p90", "p99"):
         lat.add_column(col, justify="left" if col in ("model", "stage") else "right")
     for model, stages in snap["latency_us"].items():

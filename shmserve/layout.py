@@ -24,9 +24,10 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
                       | worker table: max_workers x WORKER (128 B)            |
                       |   pid, state, restarts, heartbeat, counters, device   |
     hist_table_off    +-------------------------------------------------------+
-                      | latency histograms: max_workers x HIST_STAGES x       |
-                      |   (HIST_BUCKETS counters + 1 sum), u64, in us;        |
-                      |   bucket i counts [2**i, 2**(i+1)) us (0: < 2 us)     |
+                      | histograms: max_workers x HIST_STAGES x               |
+                      |   (HIST_BUCKETS counters + 1 sum), u64: stage times   |
+                      |   in us, bucket i counts [2**i, 2**(i+1)) (0: < 2),   |
+                      |   and batch sizes (requests per run) the same way     |
     ring_table_off    +-------------------------------------------------------+
                       | rings: 2 per worker, submission then completion;      |
                       | each ring_stride bytes:                               |
@@ -240,7 +241,7 @@ WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1
 WORKER_STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "stopping", 4: "dead"}
 
 # Per-worker latency histograms, written by the worker after each request (fetch_add64).
-HIST_STAGES = ("queue", "copy_in", "compute", "copy_out", "total")
+HIST_STAGES = ("queue", "copy_in", "compute", "copy_out", "total", "batch_size")  # batch_size: requests per run
 HIST_STAGE_BOUNDS = {  # (from, to) slot timestamps of each stage
     "queue": ("t_ready", "t_claimed"), "copy_in": ("t_claimed", "t_compute_start"),
     "compute": ("t_compute_start", "t_compute_end"), "copy_out": ("t_compute_end", "t_done"),

@@ -43,28 +43,15 @@ class FrontendCollector:
         stages = HistogramMetricFamily("shmserve_request_stage_seconds",
                                        "Time per request stage in the worker: queue, copy_in, compute, "
                                        "copy_out, and total (slot acquired to done)", labels=["model", "stage"])
+        batch = HistogramMetricFamily("shmserve_batch_size", "Requests per model execution (dynamic batching)",
+                                      labels=["model"])
         for name, state in fe.models.items():
-            for stage in layout.HIST_STAGES:
-                counts = [0] * layout.HIST_BUCKETS
-                total_us = 0
-                for w in state.workers:
-                    base = g.hist_off(w.index, stage)
-                    for i in range(layout.HIST_BUCKETS):
-                        counts[i] += atomics.load64(arena.buf, base + 8 * i)
-                    total_us += atomics.load64(arena.buf, base + 8 * layout.HIST_BUCKETS)
-                buckets, running = [], 0
-                for i, n in enumerate(counts[:-1]):
-                    running += n
-                    buckets.append((repr((2 ** (i + 1)) / 1e6), running))
-                buckets.append(("+Inf", running + counts[-1]))
-                stages.add_metric([name, stage], buckets, total_us / 1e6)
+            for stage in layout.HIST_STAGE_BOUNDS:
+                buckets, total = _histogram(arena, g, state.workers, stage, scale=1e6)
+                stages.add_metric([name, stage], buckets, total / 1e6)
+            buckets, total = _histogram(arena, g, state.workers, "batch_size", scale=1)
+            batch.add_metric([name], buckets, total)
         yield stages
-
-        batch = HistogramMetricFamily("shmserve_batch_size", "Requests per model execution (no dynamic "
-                                      "batching yet: every execution runs one request)", labels=["model"])
-        for name, state in fe.models.items():
-            n = sum(layout.WORKER.read(arena.buf, g.worker_off(w.index)).requests for w in state.workers)
-            batch.add_metric([name], [("1.0", n), ("+Inf", n)], float(n))
         yield batch
 
         queued = GaugeMetricFamily("shmserve_queue_depth", "Requests admitted but not yet claimed by a worker, "
@@ -96,6 +83,23 @@ class FrontendCollector:
         yield GaugeMetricFamily("shmserve_arena_data_bytes", "Arena data region size", value=g.data_size)
         yield GaugeMetricFamily("shmserve_slots_in_use", "Arena slots held by requests", value=arena.stat("slots_in_use"))
         yield GaugeMetricFamily("shmserve_slots", "Arena slots", value=g.slot_count)
+
+
+def _histogram(arena, g, workers, stage: str, scale: float) -> tuple[list, int]:
+    """Cumulative Prometheus buckets (upper bound 2**(i+1) / scale) summed over ``workers``."""
+    counts = [0] * layout.HIST_BUCKETS
+    total = 0
+    for w in workers:
+        base = g.hist_off(w.index, stage)
+        for i in range(layout.HIST_BUCKETS):
+            counts[i] += atomics.load64(arena.buf, base + 8 * i)
+        total += atomics.load64(arena.buf, base + 8 * layout.HIST_BUCKETS)
+    buckets, running = [], 0
+    for i, n in enumerate(counts[:-1]):
+        running += n
+        buckets.append((repr((2 ** (i + 1)) / scale), running))
+    buckets.append(("+Inf", running + counts[-1]))
+    return buckets, total
 
 
 class MetricsServer:

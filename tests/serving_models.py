@@ -45,3 +45,12 @@ def grow(inputs):
 
 grow.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
 grow.outputs = [{"name": "y", "dtype": "float32", "shape": [None]}]
+
+
+def double_rows(inputs):
+    """2x, row by row: batching must hand each request back exactly its own rows."""
+    return {"y": inputs["x"] * 2}
+
+
+double_rows.inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", None]}]
+double_rows.outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", None]}]

@@ -271,39 +271,62 @@ class Worker:
 
     def serve(self) -> int:
         self._set_state(layout.WORKER_READY)
+        batching = self.config.max_batch_size > 1 and self._batchable()
+        backlog: list[int] = []  # popped but not yet run (a batch was full)
         while True:
-            if not self.inbox.wait(timeout=IDLE_TICK_S, spin=self.spin_s):
+            if not backlog and not self.inbox.wait(timeout=IDLE_TICK_S, spin=self.spin_s):
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
                 self.regions.collect()
                 continue
-            for entry in self.submissions.pop_all():
-                if entry == workerlink.STOP_ENTRY:
-                    self._set_state(layout.WORKER_STOPPING)
-                    return workerlink.EXIT_OK
-                self.process(entry)
+            entries = backlog + self.submissions.pop_all()
+            backlog = []
+            stop = workerlink.STOP_ENTRY in entries
+            if stop:
+                entries = entries[:entries.index(workerlink.STOP_ENTRY)]
+            if batching and not stop:
+                backlog = self._run_batched(entries)
+            else:
+                for entry in entries:
+                    claimed = self._claim(entry)
+                    if claimed is not None:
+                        self._finish(entry, claimed, self._attempt(lambda: self._run(claimed)))
+                        self._record_batch(1)
+            if stop:
+                self._set_state(layout.WORKER_STOPPING)
+                return workerlink.EXIT_OK
 
     # -- one request ----------------------------------------------------------------------
 
-    def process(self, entry: int) -> None:
+    def _claim(self, entry: int) -> int | None:
+        """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run."""
         index, generation = entry & 0xFFFFFFFF, entry >> 32
         arena = self.arena
         if not 0 <= index < self.geometry.slot_count:
-            return  # hostile or corrupt entry: nothing to answer
+            return None  # hostile or corrupt entry: nothing to answer
         if arena.slot_status(index) != (generation, SlotState.READY):
-            return  # failed or reused by the front-end meanwhile (timeout, shutdown)
+            return None  # failed or reused by the front-end meanwhile (timeout, shutdown)
         try:
             arena.transition(index, generation, SlotState.READY, SlotState.RUNNING, Actor.WORKER)
         except SlotConflict:
-            return
+            return None
         arena.stamp(index, "t_claimed")
+        return index
+
+    @staticmethod
+    def _attempt(run):
+        """Run ``run()``; (n_outputs, None) or (None, (code, message))."""
         try:
-            n_outputs = self._run(index)
-            failure = None
+            return run(), None
         except RequestFailed as exc:
-            failure = (exc.code, exc.message)
+            return None, (exc.code, exc.message)
         except Exception as exc:  # a bug here must fail one request, not kill the worker
-            failure = (ErrorCode.INTERNAL, f"worker: {type(exc).__name__}: {exc}")
+            return None, (ErrorCode.INTERNAL, f"worker: {type(exc).__name__}: {exc}")
+
+    def _finish(self, entry: int, index: int, outcome) -> None:
+        """Publish DONE or ERROR, count it, and hand the slot back through the completion ring."""
+        arena, generation = self.arena, entry >> 32
+        n_outputs, failure = outcome
         if failure is not None:
             layout.encode_error(self.buf, self.geometry, index, *failure)
             layout.SLOT.write(self.buf, self.geometry.slot_off(index), n_outputs=0)
@@ -320,24 +343,13 @@ class Worker:
         self.completions.push(entry)
         self.outbox.notify()
 
+    def _record_batch(self, size: int) -> None:
+        base = self.geometry.hist_off(self.index, "batch_size")
+        atomics.fetch_add64(self.buf, base + 8 * layout.hist_bucket(size), 1)
+        atomics.fetch_add64(self.buf, base + 8 * layout.HIST_BUCKETS, size)
+
     def _run(self, index: int) -> int:
-        g, buf, spec = self.geometry, self.buf, self.spec
-        slot = layout.SLOT.read(buf, g.slot_off(index))
-        if not 0 < slot.n_inputs <= len(spec.inputs) or slot.n_inputs >= layout.MAX_TENSORS:
-            raise RequestFailed(ErrorCode.INTERNAL, f"slot has {slot.n_inputs} inputs")
-        inputs = {}
-        try:
-            for t in range(slot.n_inputs):
-                self.regions.ensure(layout.region_of_tensor(buf, g, index, t))
-                desc = layout.decode_tensor(buf, g, index, t, self.regions.sizes)
-                if desc.role != layout.ROLE_INPUT or desc.name_index >= len(spec.inputs):
-                    raise RequestFailed(ErrorCode.INTERNAL, f"tensor {t} is not an input of this model")
-                view = np.ndarray(desc.shape, desc.dtype, buffer=self.regions.buffer(desc.region, buf),
-                                  offset=desc.offset)
-                view.flags.writeable = False
-                inputs[spec.inputs[desc.name_index].name] = view
-        except layout.LayoutError as exc:
-            raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        slot, inputs = self._decode(index)
         placer = self._output_placer(index, slot)
         self.arena.stamp(index, "t_compute_start")
         try:
@@ -359,6 +371,124 @@ class Worker:
             del inputs
         self.arena.stamp(index, "t_compute_end")
         return placer.finish()
+
+    def _decode(self, index: int):
+        """The slot's record and numpy views of its inputs (validated against their space)."""
+        g, buf, spec = self.geometry, self.buf, self.spec
+        slot = layout.SLOT.read(buf, g.slot_off(index))
+        if not 0 < slot.n_inputs <= len(spec.inputs) or slot.n_inputs >= layout.MAX_TENSORS:
+            raise RequestFailed(ErrorCode.INTERNAL, f"slot has {slot.n_inputs} inputs")
+        inputs = {}
+        try:
+            for t in range(slot.n_inputs):
+                self.regions.ensure(layout.region_of_tensor(buf, g, index, t))
+                desc = layout.decode_tensor(buf, g, index, t, self.regions.sizes)
+                if desc.role != layout.ROLE_INPUT or desc.name_index >= len(spec.inputs):
+                    raise RequestFailed(ErrorCode.INTERNAL, f"tensor {t} is not an input of this model")
+                view = np.ndarray(desc.shape, desc.dtype, buffer=self.regions.buffer(desc.region, buf),
+                                  offset=desc.offset)
+                view.flags.writeable = False
+                inputs[spec.inputs[desc.name_index].name] = view
+        except layout.LayoutError as exc:
+            raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        return slot, inputs
+
+    # -- dynamic batching -----------------------------------------------------------------
+
+    def _batchable(self) -> bool:
+        """Every input and output of the model has a dynamic leading (batch) dimension."""
+        tensors = self.spec.inputs + self.spec.outputs
+        return all(t.shape and not isinstance(t.shape[0], int) for t in tensors)
+
+    def _run_batched(self, entries: list[int]) -> list[int]:
+        """Claim up to max_batch_size requests (waiting at most max_queue_delay_us for more), run
+        compatible ones as one batch, answer each.  Returns entries left for the next batch."""
+        cfg = self.config
+        preferred = set(cfg.preferred_batch_sizes)
+        claimed: list[tuple[int, int]] = []
+        pending = list(entries)
+        deadline = time.monotonic() + cfg.max_queue_delay_us / 1e6
+        while True:
+            while pending and len(claimed) < cfg.max_batch_size:
+                entry = pending.pop(0)
+                index = self._claim(entry)
+                if index is not None:
+                    claimed.append((entry, index))
+            full = len(claimed) >= cfg.max_batch_size
+            remaining = deadline - time.monotonic()
+            if full or remaining <= 0 or (len(claimed) in preferred and self.submissions.empty()):
+                break
+            if self.inbox.wait(timeout=remaining, spin=min(remaining, self.spin_s)):
+                pending += self.submissions.pop_all()
+                if workerlink.STOP_ENTRY in pending:  # stop: run what we have, keep the rest
+                    break
+        groups: dict[tuple, list] = {}
+        for entry, index in claimed:
+            try:
+                slot, inputs = self._decode(index)
+            except RequestFailed as exc:
+                self._finish(entry, index, (None, (exc.code, exc.message)))
+                continue
+            key = tuple(sorted((n, v.dtype.name, v.shape[1:]) for n, v in inputs.items()))
+            groups.setdefault(key, []).append((entry, index, slot, inputs))
+        for members in groups.values():
+            self._execute_batch(members)
+        return pending
+
+    def _execute_batch(self, members: list) -> None:
+        """One backend run for compatible requests: inputs concatenated along the batch dimension
+        (one copy), outputs split back into each request's own output area."""
+        rows = [next(iter(m[3].values())).shape[0] for m in members]
+        names = [t.name for t in self.spec.inputs]
+        now = time.monotonic_ns()
+        for _, index, _, _ in members:
+            layout.SLOT.write(self.buf, self.geometry.slot_off(index), t_compute_start=now)
+        try:
+            batch = {n: np.concatenate([m[3][n] for m in members], axis=0) if len(members) > 1 else members[0][3][n]
+                     for n in names}
+            if hasattr(self.backend, "run_into"):
+                scratch: dict[str, np.ndarray] = {}
+
+                def allocate(name, shape, dtype):
+                    scratch[name] = np.empty(shape, dtype)
+                    return scratch[name]
+
+                self.backend.run_into(batch, allocate)
+                sync = getattr(self.backend, "synchronize", None)
+                if sync is not None:
+                    sync()
+                results = scratch
+            else:
+                results = self.backend.run(batch)
+            del batch
+            total = sum(rows)
+            for t in self.spec.outputs:
+                if t.name not in results:
+                    raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {t.name!r}")
+                if np.ndim(results[t.name]) == 0 or np.shape(results[t.name])[0] != total:
+                    raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {t.name!r} does not have the batch's "
+                                                               f"{total} rows; this model cannot be batched")
+        except Exception as exc:
+            failure = (exc.code, exc.message) if isinstance(exc, RequestFailed) else \
+                (ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}")
+            for entry, index, _, _ in members:
+                self._finish(entry, index, (None, failure))
+            return
+        now = time.monotonic_ns()
+        start = 0
+        for (entry, index, slot, inputs), n in zip(members, rows):
+            layout.SLOT.write(self.buf, self.geometry.slot_off(index), t_compute_end=now)
+
+            def place(index=index, slot=slot, start=start, n=n):
+                placer = self._output_placer(index, slot)
+                for t in self.spec.outputs:
+                    part = np.asarray(results[t.name][start:start + n])
+                    np.copyto(placer.allocate(t.name, part.shape, part.dtype), part, casting="no")
+                return placer.finish()
+
+            self._finish(entry, index, self._attempt(place))
+            start += n
+        self._record_batch(len(members))
 
     def _output_placer(self, index: int, slot) -> "OutputPlacer":
         g = self.geometry

@@ -1,0 +1,298 @@
+"""`shmserve bench`: request latency and throughput next to floors measured in the same run.
+
+Owns: the benchmark.  For each payload size and mode it runs N client
+processes against a server (its own with ``--spawn-server``, else the one at
+``--socket``) and reports p50/p90/p99/max latency, requests/s and GB/s, with
+the ratio to the floor measured in the same run on the same machine:
+
+* the floor for a round trip: a uvloop Unix-socket echo of the same payload
+  (a server process echoing, a client sending and reading it back);
+* for payloads of 1 MiB and more, also one memcpy of the payload into POSIX
+  shared memory (the unavoidable copy of the inline path), added to the echo.
+
+GB/s counts request payload bytes (the same amount comes back).  Machines here
+are shared and noisy: compare ratios within one run, not numbers across runs.
+
+Must not: start anything it does not own (``--spawn-server`` starts and stops
+its own server on a temporary socket), or leave segments in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+MODEL = "identity"  # uint8 vector in, the same vector out (shmserve.models:identity)
+UNITS = {"": 1, "B": 1, "KIB": 1024, "KB": 1000, "MIB": 1 << 20, "MB": 1000 ** 2, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    num = text.rstrip("KMGIB")
+    unit = text[len(num):]
+    if unit not in UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 64, 4KiB, 16MiB)")
+    return int(float(num) * UNITS[unit])
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+# -- client processes -------------------------------------------------------------------------
+
+def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str) -> None:
+    """One benchmark client (a child process): prints its latencies in microseconds as JSON."""
+    from shmserve import Client
+
+    x = np.random.default_rng(os.getpid()).integers(0, 256, size, dtype=np.uint8)
+    samples = []
+    with Client(path, timeout=120) as c:
+        deadline = time.monotonic() + duration if duration else None
+        if mode == "inline":
+            run = lambda: c.infer(model, {"x": x})  # noqa: E731
+            call = None
+        else:
+            call = c.zero_copy(model, {"x": ((size,), np.uint8)})
+            call.inputs["x"][...] = x
+            run = call.run
+        for i in range(requests + 20):
+            t0 = time.perf_counter_ns()
+            run()
+            if i >= 20:  # warm-up
+                samples.append((time.perf_counter_ns() - t0) / 1e3)
+            if deadline and time.monotonic() > deadline and i >= 20 + 10:
+                break
+        if call is not None:
+            call.release()
+    print(json.dumps(samples))
+
+
+def run_case(path: str, mode: str, size: int, clients: int, requests: int, duration: float,
+             model: str) -> dict:
+    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
+                               str(requests), str(duration), model], stdout=subprocess.PIPE, text=True)
+             for _ in range(clients)]
+    t0 = time.perf_counter()
+    samples = []
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
+        samples += json.loads(out)
+    wall = time.perf_counter() - t0
+    return summarize(samples, wall, size)
+
+
+def summarize(samples: list[float], wall: float, size: int) -> dict:
+    arr = np.asarray(samples)
+    rps = len(samples) / wall if wall else 0.0
+    return {"n": len(samples), "p50_us": round(float(np.percentile(arr, 50)), 1),
+            "p90_us": round(float(np.percentile(arr, 90)), 1), "p99_us": round(float(np.percentile(arr, 99)), 1),
+            "max_us": round(float(arr.max()), 1), "rps": round(rps, 1), "GBps": round(rps * size / 1e9, 3)}
+
+
+# -- floors -----------------------------------------------------------------------------------
+
+ECHO_SERVER = """
+import asyncio, sys, uvloop
+class Echo(asyncio.Protocol):
+    def connection_made(self, t): self.t = t
+    def data_received(self, d): self.t.write(d)
+async def main():
+    server = await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[1])
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+
+def echo_floor(size: int, reps: int) -> float:
+    """p50 microseconds of a uvloop Unix-socket echo of ``size`` bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "echo.sock")
+        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+        try:
+            server.stdout.readline()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+            data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+            back = bytearray(size)
+            view = memoryview(back)
+            samples = []
+            for i in range(reps + 10):
+                t0 = time.perf_counter_ns()
+                sock.sendall(data)
+                got = 0
+                while got < size:
+                    got += sock.recv_into(view[got:])
+                if i >= 10:
+                    samples.append((time.perf_counter_ns() - t0) / 1e3)
+            sock.close()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(10)
+    return float(statistics.median(samples))
+
+
+def memcpy_floor(size: int, reps: int) -> float:
+    """p50 microseconds of one copy of ``size`` bytes into POSIX shared memory (already touched)."""
+    import posix_ipc
+
+    name = f"/shmserve-bench-{uuid.uuid4().hex[:8]}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=size)
+    try:
+        buf = mmap.mmap(shm.fd, size)
+        shm.close_fd()
+        dst = np.frombuffer(buf, np.uint8)
+        src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+        dst[:] = 0
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            np.copyto(dst, src)
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+        del dst
+        buf.close()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+    return float(statistics.median(samples))
+
+
+# -- the server it may own ---------------------------------------------------------------------
+
+def spawn_server(workdir: Path) -> tuple[subprocess.Popen, str]:
+    from shmserve import Client
+    from shmserve.errors import ConnectionClosed
+
+    instance = f"bench-{uuid.uuid4().hex[:8]}"
+    sock = str(workdir / "bench.sock")
+    cfg = workdir / "bench.toml"
+    cfg.write_text(f"""[server]
+instance = "{instance}"
+max_request_bytes = {200 << 20}
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+instances = 2
+[[models]]
+name = "identity_batched"
+backend = "python"
+path = "shmserve.models:identity"
+instances = 2
+max_batch_size = 64
+max_queue_delay_us = 500
+[[models]]
+name = "demo"
+backend = "onnxruntime"
+path = "{_demo_path()}"
+""")
+    log = open(workdir / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"shmserve bench: the server exited ({proc.returncode}); log: {workdir / 'server.log'}")
+        try:
+            with Client(sock) as c:
+                c.health()
+            return proc, sock
+        except ConnectionClosed:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("shmserve bench: the server did not start in 120 s")
+
+
+def _demo_path() -> str:
+    from shmserve.config import demo_config
+
+    return demo_config().models[0].path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
+                                                                   "measured in the same run.")
+    p.add_argument("--socket", help="server to measure (default: as for the other commands)")
+    p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
+    p.add_argument("--model", default=MODEL, help="a model taking and returning one uint8 vector 'x' -> 'y' "
+                                                  "(--spawn-server has identity and identity_batched)")
+    p.add_argument("--payload", default="64,4KiB,1MiB,16MiB", help="comma-separated sizes")
+    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both")
+    p.add_argument("--clients", type=int, default=1, help="client processes per case")
+    p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
+    p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args(argv)
+    sizes = [parse_size(s) for s in args.payload.split(",")]
+    modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
+    tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
+    proc = None
+    if args.spawn_server:
+        proc, path = spawn_server(Path(tmp.name))
+    else:
+        from shmserve.config import DEFAULT_INSTANCE, resolve_socket
+
+        path = resolve_socket(args.socket, None, DEFAULT_INSTANCE)
+    results = []
+    try:
+        total = len(sizes) * (len(modes) + 1)
+        step = 0
+        for size in sizes:
+            reps = max(20, min(2000, (256 << 20) // max(size, 1)))
+            step += 1
+            print(f"[{step}/{total}] floor for {human(size)}", file=sys.stderr, flush=True)
+            floor = echo_floor(size, reps)
+            copy = memcpy_floor(size, min(reps, 50)) if size >= (1 << 20) else 0.0
+            for mode in modes:
+                step += 1
+                print(f"[{step}/{total}] {mode} {human(size)} x {args.clients} client(s)", file=sys.stderr, flush=True)
+                r = run_case(path, mode, size, args.clients, args.requests, args.duration, args.model)
+                r.update(payload=size, mode=mode, clients=args.clients, echo_floor_p50_us=round(floor, 1),
+                         memcpy_p50_us=round(copy, 1),
+                         ratio_to_floor=round(r["p50_us"] / (floor + copy), 2))
+                results.append(r)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        tmp.cleanup()
+    print(f"\nshmserve bench, model {args.model}, {args.clients} client process(es), {os.cpu_count()} CPUs, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print("| payload | mode | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs | p50 / floor |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        floor = r["echo_floor_p50_us"] + r["memcpy_p50_us"]
+        print(f"| {human(r['payload'])} | {r['mode']} | {r['p50_us']} | {r['p90_us']} | {r['p99_us']} | "
+              f"{r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | {r['ratio_to_floor']} |")
+    print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+                                               "model": args.model, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
+    else:
+        sys.exit(main())
