@@ -509,3 +509,40 @@ def test_peer_credentials_refuse_other_users(tmp_path):
     finally:
         assert srv.stop() == 0, srv.log()
         os.rmdir(sockdir)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_no_descriptor_leaks_in_server_or_workers(server):
+    info = server.info()
+    pids = [server.proc.pid] + [w["pid"] for w in info["workers"] if w["state"] == "ready"]
+    for _ in range(3):  # warm: lazily opened descriptors (logging, region maps) exist before we count
+        _exercise_everything(server)
+    server.wait_idle()
+    time.sleep(1.2)  # workers unmap closed regions (each mapping holds a descriptor) on their idle tick
+    before = {pid: _fds(pid) for pid in pids}
+    for _ in range(5):
+        _exercise_everything(server)
+    server.wait_idle()
+    time.sleep(1.2)
+    after = {pid: _fds(pid) for pid in pids}
+    assert after == before
+
+
+def _exercise_everything(server):
+    """Connections, inline and zero-copy requests, regions, errors, abrupt disconnects."""
+    with server.client() as c:
+        c.infer("identity", {"x": np.arange(100, dtype=np.uint8)})
+        with c.zero_copy("identity", {"x": ((100,), np.uint8)}) as call:
+            call.inputs["x"][...] = 1
+            call.run()
+        with pytest.raises(ShmserveError):
+            c.infer("nope", {"x": np.ones(1, np.uint8)})
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.socket)
+    s.sendall(protocol.encode_frame(Kind.OPEN_REGION, {"id": 1, "size": 4096}))
+    s.recv(4096)  # the region's descriptor arrives with this; closing drops it
+    s.close()
+    raw_exchange(server.socket, b"garbage that is not a frame")
