@@ -85,7 +85,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("shmserve").info("socket activation: using %s (%s)", path, name)
     else:
         path = cfg.resolve_socket(args.socket, config.socket, config.instance)
-    return serve(config, path, listen_sock=listen_sock, config_path=args.config, metrics_address=args.metrics)
+    from shmserve.arena import ArenaError
+
+    try:
+        return serve(config, path, listen_sock=listen_sock, config_path=args.config, metrics_address=args.metrics)
+    except ArenaError as exc:  # e.g. the instance is already being served
+        print(f"shmserve serve: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 @_talks_to_server

@@ -148,6 +148,9 @@ class Frontend:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self.loop = loop
+        if self.listen_sock is None and len(os.fsencode(self.socket_path)) > 107:
+            raise SystemExit(f"shmserve: socket path {self.socket_path!r} is longer than the 107 bytes a Unix "
+                             f"socket address holds; choose a shorter --socket")
         for removed in stale.sweep(self.config.instance):
             log.warning("removed stale arena /dev/shm/%s (%s)", removed.name, removed.reason)
         self._sweep_regions()
@@ -155,7 +158,7 @@ class Frontend:
         systemd.notify("STATUS=creating the arena")
         self.arena = Arena.create(self.config.instance, slot_count=self.config.arena_slots,
                                   max_workers=n_workers, size_classes=self.config.arena_size_classes(),
-                                  socket_path=self.socket_path if len(self.socket_path.encode()) < 108 else "")
+                                  socket_path=self.socket_path)
         self.view = memoryview(self.arena.buf)
         self.slots = SlotPool(self.arena.geometry.slot_count)
         self.extents = ExtentAllocator(self.arena.geometry)

@@ -99,6 +99,9 @@ class Supervisor:
                                       control_fd=child.fileno(), completion_fd=self.completion_fd,
                                       spin_us=self.config.effective_spin_us())
         base = self.arena.geometry.worker_off(w.index)
+        # A worker that died inside FutexDoorbell.wait left its waiter count raised: reset it so
+        # the new one does not cost every push a futex_wake.  Nobody else touches it now.
+        atomics.store32(self.arena.buf, w.submissions.waiters_offset, 0)
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
                             heartbeat_ns=time.monotonic_ns(), device=w.model.device.encode()[:16],
                             name=w.model.name.encode()[:48])

@@ -546,3 +546,16 @@ def _exercise_everything(server):
     s.recv(4096)  # the region's descriptor arrives with this; closing drops it
     s.close()
     raw_exchange(server.socket, b"garbage that is not a frame")
+
+
+def test_a_second_server_for_the_same_instance_refuses_cleanly(server, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
+                        "--socket", str(tmp_path / "second.sock")], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+    assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    with server.client() as c:  # the first one is untouched
+        assert c.infer("identity", {"x": np.ones(2, np.uint8)})["y"].sum() == 2
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
+                        "--instance", "other-" + server.instance[-8:], "--socket", "/tmp/" + "s" * 120],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+    assert r.returncode != 0 and "107 bytes" in r.stderr
