@@ -47,6 +47,16 @@ def gpu_server(tmp_path_factory):
         {spec}
 
         [[models]]
+        name = "batched"
+        backend = "torch"
+        path = "{paths['torchscript']}"
+        device = "cuda:0"
+        io_mode = "mapped"
+        max_batch_size = 16
+        max_queue_delay_us = 200000
+        {spec}
+
+        [[models]]
         name = "copy"
         backend = "torch"
         path = "{paths['torchscript']}"
@@ -59,7 +69,7 @@ def gpu_server(tmp_path_factory):
     assert shm_names() == before
 
 
-@pytest.mark.parametrize("model", ["mapped", "copy"])
+@pytest.mark.parametrize("model", ["mapped", "copy", "batched"])
 def test_outputs_match_the_cpu_reference(gpu_server, model):
     rng = np.random.default_rng()
     net = convnet()
@@ -98,3 +108,26 @@ def test_two_workers_on_one_gpu_registered_the_arena_and_both_serve(gpu_server):
         t.join(120)
     counts = [w["requests"] for w in gpu_server.info()["workers"] if w["model"] == "mapped"]
     assert sum(counts) >= 120 and all(n > 0 for n in counts), counts
+
+
+def test_batching_on_the_gpu_path(gpu_server):
+    rng = np.random.default_rng()
+    net = convnet()
+    inputs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(8)]
+    results = [None] * len(inputs)
+    barrier = threading.Barrier(len(inputs))
+
+    def call(i):
+        with gpu_server.client() as c:
+            barrier.wait()
+            results[i] = c.infer("batched", {"image": inputs[i]})["scores"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for x, y in zip(inputs, results):
+        with torch.inference_mode():
+            ref = net(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(y, ref, **TOLERANCE)

@@ -31,6 +31,15 @@ def torch_server(tmp_path_factory):
         outputs = [{{name = "scores", dtype = "float32", shape = ["batch", 10]}}]
 
         [[models]]
+        name = "convnet_batched"
+        backend = "torch"
+        path = "{paths['torchscript']}"
+        max_batch_size = 16
+        max_queue_delay_us = 200000
+        inputs = [{{name = "image", dtype = "float32", shape = ["batch", 3, 32, 32]}}]
+        outputs = [{{name = "scores", dtype = "float32", shape = ["batch", 10]}}]
+
+        [[models]]
         name = "convnet_pt2"
         backend = "torch"
         path = "{paths['export']}"
@@ -87,3 +96,29 @@ def test_a_gpu_model_without_a_gpu_fails_clearly_and_others_keep_serving(torch_s
             c.infer("on_gpu", {"image": np.zeros((1, 3, 32, 32), np.float32)})
         assert info.value.code is ErrorCode.MODEL_UNAVAILABLE
         assert c.infer("convnet_ts", {"image": np.zeros((1, 3, 32, 32), np.float32)})["scores"].shape == (1, 10)
+
+
+def test_batching_through_the_torch_backend(torch_server):
+    import threading
+
+    srv, paths = torch_server
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(6)]
+    results = [None] * len(inputs)
+    barrier = threading.Barrier(len(inputs))
+
+    def call(i):
+        with srv.client() as c:
+            barrier.wait()
+            results[i] = c.infer("convnet_batched", {"image": inputs[i]})["scores"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for x, y in zip(inputs, results):
+        np.testing.assert_allclose(y, reference(paths["torchscript"], x), rtol=1e-5, atol=1e-6)
+    info = srv.info()
+    (worker,) = [w for w in info["workers"] if w["model"] == "convnet_batched"]
+    assert worker["requests"] == len(inputs)
