@@ -285,6 +285,25 @@ SLOT = Record("Slot", TENSORS_OFFSET, [
 ])
 STAGE_FIELDS = ("t_acquired", "t_ready", "t_claimed", "t_compute_start", "t_compute_end", "t_done")
 
+# The request part of a slot (request_id .. error_len) and its stage times, each written with
+# one pack_into on the hot path; the asserts keep them in step with SLOT above.
+_SLOT_REQUEST = struct.Struct("<QIIHHII4xQQII")  # 4x: out_off is 8-aligned
+_SLOT_STAGES = struct.Struct("<6Q")
+assert SLOT.offset("request_id") + _SLOT_REQUEST.size == SLOT.offset("error_len") + 4
+assert [SLOT.offset(f) for f in STAGE_FIELDS] == [SLOT.offset("t_acquired") + 8 * i for i in range(6)]
+
+
+def encode_slot_request(buf, geometry: "Geometry", index: int, *, request_id: int, model_id: int, worker: int,
+                        n_inputs: int, out_region: int, out_off: int, out_capacity: int) -> None:
+    """Write what a worker needs to run slot ``index`` (outputs and error cleared), in one store."""
+    _SLOT_REQUEST.pack_into(buf, geometry.slot_off(index) + SLOT.offset("request_id"), request_id, model_id,
+                            worker, n_inputs, 0, 0, out_region, out_off, out_capacity, 0, 0)
+
+
+def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int) -> None:
+    """Clear a slot's stage times and set when it was acquired, in one store."""
+    _SLOT_STAGES.pack_into(buf, geometry.slot_off(index) + SLOT.offset("t_acquired"), t_acquired, 0, 0, 0, 0, 0)
+
 TENSOR = Record("Tensor", TENSOR_SIZE, [
     ("dtype", "B"),
     ("ndim", "B"),

@@ -586,9 +586,7 @@ class Frontend:
         generation = self.arena.slot_status(index)[0]
         req.generation = self.arena.transition(index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
         req.slot, req.extent = index, extent
-        g = self.arena.geometry
-        layout.SLOT.write(self.arena.buf, g.slot_off(index), **{f: 0 for f in layout.STAGE_FIELDS})
-        self.arena.stamp(index, "t_acquired")
+        layout.reset_stages(self.arena.buf, self.arena.geometry, index, time.monotonic_ns())
         return True
 
     def _admit_waiting(self) -> None:
@@ -741,10 +739,10 @@ class Frontend:
                                else req.model.unavailable_reason())
             return
         g, buf, index = self.arena.geometry, self.arena.buf, req.slot
-        layout.SLOT.write(buf, g.slot_off(index), request_id=req.id, model_id=req.model.index,
-                          worker=worker.index, n_inputs=len(req.inputs), n_outputs=0, flags=0,
-                          out_region=req.region.id if req.zero_copy else 0, out_off=req.out_offset,
-                          out_capacity=req.out_capacity, error_code=0, error_len=0)
+        layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
+                                   worker=worker.index, n_inputs=len(req.inputs),
+                                   out_region=req.region.id if req.zero_copy else 0, out_off=req.out_offset,
+                                   out_capacity=req.out_capacity)
         self.arena.stamp(index, "t_ready")
         # Order matters here: descriptors and (inline) input bytes are complete before READY.
         self.arena.transition(index, req.generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)

@@ -72,8 +72,13 @@ del S, A
 FINISHED = frozenset({SlotState.DONE, SlotState.ERROR})
 
 
+_ALLOWED = frozenset((int(frm), int(to), actor) for (frm, to), actors in TRANSITIONS.items() for actor in actors)
+
+
 def check_transition(frm: int, to: int, actor: Actor) -> None:
     """Raise IllegalTransition unless ``actor`` may move a slot from ``frm`` to ``to``."""
+    if (frm, to, actor) in _ALLOWED:  # the hot path: no enum construction
+        return
     try:
         edge = (SlotState(frm), SlotState(to))
     except ValueError:
