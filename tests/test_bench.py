@@ -1,0 +1,35 @@
+"""`shmserve bench` runs from the installed command, owns its server, and reports every case."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import shm_names
+
+
+def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
+    before = shm_names()
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64,1MiB",
+                        "--mode", "both", "--clients", "2", "--requests", "20", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    cases = {(c["payload"], c["mode"]) for c in report["results"]}
+    assert cases == {(64, "inline"), (64, "zero-copy"), (1 << 20, "inline"), (1 << 20, "zero-copy")}
+    for c in report["results"]:
+        assert c["n"] == 2 * 20 and 0 < c["p50_us"] <= c["p90_us"] <= c["p99_us"] <= c["max_us"]
+        assert c["echo_floor_p50_us"] > 0 and c["rps"] > 0
+        assert (c["memcpy_p50_us"] > 0) == (c["payload"] >= 1 << 20)
+    assert "| 64 B |" in r.stdout and "p50 / floor" in r.stdout
+    assert shm_names() == before  # its server, its floors' segments: all gone
+
+
+def test_bench_on_the_demo_model(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--model", "demo",
+                        "--payload", "4KiB", "--mode", "zero-copy", "--requests", "10"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 4 KiB | 12 KiB | zero-copy |" in r.stdout  # one 3x32x32 float32 image
