@@ -629,12 +629,15 @@ class Frontend:
                 self._drop_region(region)
                 conn.reply(rid, {"closed": region.id})
         except (ProtocolViolation, ShmserveError) as exc:
-            conn.send_now(protocol.error_frame(rid, exc.code, exc.message))
+            answer = protocol.error_frame(rid, exc.code, exc.message)
             if frame.data_len and conn.proto.state is protocol.State.AWAIT:
                 conn.proto.discard_payload()
             if kind in (Kind.INFER, Kind.INFER_REGION):
+                conn.answer_in_order(answer)  # after the results of earlier requests on this connection
                 model = meta.get("model")  # a label only for real models: clients must not mint series
                 self.outcomes[(model if model in self.models else "_unknown", exc.code.wire)] += 1
+            else:
+                conn.send_now(answer)
 
     def _on_infer(self, conn: "ClientConnection", parsed: protocol.InferRequest, data_len: int) -> None:
         model = self.models.get(parsed.model)
@@ -885,6 +888,18 @@ class Frontend:
                             for w in self.supervisor.workers]}
 
 
+class _Answered:
+    """A place in a connection's answer order for a request refused before it held anything."""
+
+    state = "answered"
+    slot = None
+    timer = None
+    holds_slot_until_flushed = False
+
+    def __init__(self, response: list):
+        self.response = response
+
+
 def _peer_groups(pid: int, gid: int) -> set[int]:
     """The peer's primary gid (SO_PEERCRED) and its supplementary groups (from /proc)."""
     groups = {gid}
@@ -1027,6 +1042,14 @@ class ClientConnection(asyncio.BufferedProtocol):
     def send_now(self, data: bytes) -> None:
         if not self.transport.is_closing():
             self.transport.write(data)
+
+    def answer_in_order(self, data: bytes) -> None:
+        """Send an answer that holds nothing, but only after every earlier request's answer."""
+        if not self.order:
+            self.send_now(data)
+            return
+        self.order.append(_Answered([data]))
+        self.flush()
 
     def flush(self) -> None:
         """Write answered requests from the head of this connection's order."""

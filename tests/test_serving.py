@@ -559,3 +559,25 @@ def test_a_second_server_for_the_same_instance_refuses_cleanly(server, tmp_path)
                         "--instance", "other-" + server.instance[-8:], "--socket", "/tmp/" + "s" * 120],
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
     assert r.returncode != 0 and "107 bytes" in r.stderr
+
+
+def test_a_refused_request_is_answered_after_earlier_ones_on_its_connection(server):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.socket)
+    s.settimeout(30)
+    slow = np.array([0.3], np.float32)
+    s.sendall(protocol.encode_frame(Kind.INFER, {"id": 1, "model": "slow", "inputs": [
+        {"name": "x", "dtype": "float32", "shape": [1]}]}, 4) + slow.tobytes()
+        + protocol.encode_frame(Kind.INFER, {"id": 2, "model": "no-such-model", "inputs": [
+            {"name": "x", "dtype": "float32", "shape": [1]}]}, 4) + slow.tobytes())
+    conn = protocol.Connection(protocol.Role.CLIENT)
+    answers = []
+    while len(answers) < 2:
+        conn.receive_data(s.recv(65536))
+        while (ev := conn.next_event()) is not protocol.NEED_DATA:
+            if isinstance(ev, protocol.Frame):
+                answers.append((ev.kind, ev.meta["id"]))
+                if ev.data_len:
+                    conn.discard_payload()
+    s.close()
+    assert answers == [(Kind.RESULT, 1), (Kind.ERROR, 2)]
