@@ -10,7 +10,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from shmserve import protocol
 from shmserve.protocol import Kind
 
-from helpers.server import ServerProcess
+from helpers.server import ServerProcess, concurrent_infer
 
 CONFIG = """
 [[models]]
@@ -64,20 +63,7 @@ def batch_stats(srv, model: str) -> tuple[int, int]:
 
 
 def concurrent(srv, model: str, inputs: list[np.ndarray]) -> list:
-    barrier = threading.Barrier(len(inputs))
-    results: list = [None] * len(inputs)
-
-    def call(i):
-        with srv.client() as c:
-            barrier.wait()
-            results[i] = c.infer(model, {"x": inputs[i]})["y"]
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
+    return concurrent_infer(srv, model, "x", "y", inputs)
 
 
 def test_concurrent_requests_run_as_batches_and_each_gets_its_own_rows(server):

@@ -23,7 +23,7 @@ if _cuda is None or _cuda.available() is not None:
     pytest.skip("cuda-python is not installed", allow_module_level=True)
 
 from conftest import shm_names  # noqa: E402
-from helpers.server import ServerProcess  # noqa: E402
+from helpers.server import ServerProcess, concurrent_infer  # noqa: E402
 from shmserve.models.torchnets import convnet, save_models  # noqa: E402
 
 TOLERANCE = dict(rtol=2e-3, atol=2e-4)  # GPU convolutions may use TF32; the CPU reference does not
@@ -114,19 +114,7 @@ def test_batching_on_the_gpu_path(gpu_server):
     rng = np.random.default_rng()
     net = convnet()
     inputs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(8)]
-    results = [None] * len(inputs)
-    barrier = threading.Barrier(len(inputs))
-
-    def call(i):
-        with gpu_server.client() as c:
-            barrier.wait()
-            results[i] = c.infer("batched", {"image": inputs[i]})["scores"]
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = concurrent_infer(gpu_server, "batched", "image", "scores", inputs)
     for x, y in zip(inputs, results):
         with torch.inference_mode():
             ref = net(torch.from_numpy(x)).numpy()

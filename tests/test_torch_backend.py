@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from shmserve import ErrorCode, ShmserveError  # noqa: E402
 
 from conftest import shm_names  # noqa: E402
-from helpers.server import ServerProcess  # noqa: E402
+from helpers.server import ServerProcess, concurrent_infer  # noqa: E402
 from helpers.torch_models import save_models  # noqa: E402
 
 
@@ -99,24 +99,10 @@ def test_a_gpu_model_without_a_gpu_fails_clearly_and_others_keep_serving(torch_s
 
 
 def test_batching_through_the_torch_backend(torch_server):
-    import threading
-
     srv, paths = torch_server
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(6)]
-    results = [None] * len(inputs)
-    barrier = threading.Barrier(len(inputs))
-
-    def call(i):
-        with srv.client() as c:
-            barrier.wait()
-            results[i] = c.infer("convnet_batched", {"image": inputs[i]})["scores"]
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = concurrent_infer(srv, "convnet_batched", "image", "scores", inputs)
     for x, y in zip(inputs, results):
         np.testing.assert_allclose(y, reference(paths["torchscript"], x), rtol=1e-5, atol=1e-6)
     info = srv.info()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -145,3 +146,21 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_name: str, inputs: list) -> list:
+    """One client per input, released together by a barrier; returns each one's output."""
+    barrier = threading.Barrier(len(inputs))
+    results: list = [None] * len(inputs)
+
+    def call(i):
+        with server.client() as c:
+            barrier.wait()
+            results[i] = c.infer(model, {input_name: inputs[i]})[output_name]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
