@@ -275,7 +275,7 @@ class Client:
         self.path = resolve_socket(socket_path, None, instance)
         self.timeout = timeout
         # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
-        self.spin_s = (spin_default_us() if spin_us is None else spin_us) / 1e6
+        self.spin_s = (spin_default_us(client=True) if spin_us is None else spin_us) / 1e6
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         _large_buffers(self._sock)
         try:
