@@ -189,14 +189,11 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             raise ConfigError("server.socket_mode: must not grant access to other users (use socket_group)")
     if "socket_group" in server:
         kw["socket_group"] = _str(server["socket_group"], "server.socket_group")
-    for key, lo, hi in (("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600),
-                        ("worker_timeout_s", 0.5, 3600)):
-        if key in server:
-            kw[key] = float(_num(server[key], f"server.{key}", lo, hi))
-    for key, lo, hi in (("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000),
-                        ("max_waiting", 0, 1 << 20), ("max_inflight_per_connection", 1, 1 << 16)):
-        if key in server:
-            kw[key] = _int(server[key], f"server.{key}", lo, hi)
+    kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
+        ("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600), ("worker_timeout_s", 0.5, 3600))))
+    kw.update(_bounded(server, "server.", _int, (
+        ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20),
+        ("max_inflight_per_connection", 1, 1 << 16))))
     for key in ("allow_uids", "allow_gids"):
         if key in server:
             values = server[key]
@@ -266,10 +263,9 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
         if kw["io_mode"] not in ("copy", "mapped"):
             raise ConfigError(f"{where}.io_mode: expected 'copy' or 'mapped', got {kw['io_mode']!r}")
-    for key, lo, hi in (("instances", 1, 64), ("max_batch_size", 0, 1 << 16), ("max_queue_delay_us", 0, 10_000_000),
-                        ("max_output_bytes", 0, 1 << 36)):
-        if key in m:
-            kw[key] = _int(m[key], f"{where}.{key}", lo, hi)
+    kw.update(_bounded(m, f"{where}.", _int, (
+        ("instances", 1, 64), ("max_batch_size", 0, 1 << 16), ("max_queue_delay_us", 0, 10_000_000),
+        ("max_output_bytes", 0, 1 << 36))))
     for key in ("inputs", "outputs"):
         if key in m:
             tensors = m[key]
@@ -295,6 +291,11 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
             raise ConfigError(f"{where}.options: expected a table")
         kw["options"] = dict(m["options"])
     return ModelConfig(**kw)
+
+
+def _bounded(table: dict, prefix: str, convert, bounds) -> dict:
+    """The keys of ``bounds`` (key, lo, hi) present in ``table``, each checked by ``convert``."""
+    return {key: convert(table[key], f"{prefix}{key}", lo, hi) for key, lo, hi in bounds if key in table}
 
 
 def _keys(table: dict, prefix: str, allowed: set[str]) -> None:

@@ -24,6 +24,12 @@ from conftest import shm_names
 from helpers.server import DEMO_PATH, TESTS_DIR, ServerProcess, standard_models
 
 MiB = 1024 * 1024
+SLOW_MODEL = """
+[[models]]
+name = "slow"
+backend = "python"
+path = "serving_models:slow"
+"""
 
 
 @pytest.fixture(scope="module")
@@ -342,11 +348,7 @@ def test_sixteen_concurrent_clients_threads_and_processes(server):
 
 def test_worker_killed_mid_request(tmp_path):
     before = shm_names()
-    srv = ServerProcess(tmp_path, """
-        [[models]]
-        name = "slow"
-        backend = "python"
-        path = "serving_models:slow"
+    srv = ServerProcess(tmp_path, SLOW_MODEL + """
         [[models]]
         name = "identity"
         backend = "python"
@@ -397,14 +399,7 @@ def test_worker_killed_mid_request(tmp_path):
 
 
 def test_overloaded_when_arena_and_queue_are_full(tmp_path):
-    srv = ServerProcess(tmp_path, """
-        [arena]
-        slots = 2
-        [[models]]
-        name = "slow"
-        backend = "python"
-        path = "serving_models:slow"
-    """, server_section="max_waiting = 0").start()
+    srv = ServerProcess(tmp_path, "[arena]\nslots = 2\n" + SLOW_MODEL, server_section="max_waiting = 0").start()
     try:
         done = []
 
@@ -430,12 +425,7 @@ def test_overloaded_when_arena_and_queue_are_full(tmp_path):
 
 def test_sigterm_drains_in_flight_requests(tmp_path):
     before = shm_names()
-    srv = ServerProcess(tmp_path, """
-        [[models]]
-        name = "slow"
-        backend = "python"
-        path = "serving_models:slow"
-    """).start()
+    srv = ServerProcess(tmp_path, SLOW_MODEL).start()
     results = []
 
     def call():
