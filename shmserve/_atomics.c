@@ -15,6 +15,9 @@
  *   fence()                                -> None   full (seq-cst) fence
  *   futex_wait(buf, off, expected, timeout=None) -> WOKEN | TIMED_OUT | CHANGED
  *   futex_wake(buf, off, n=1)              -> int    number of waiters woken
+ *   futex_waitv([(buf, off, expected), ...], timeout=None) -> WOKEN | TIMED_OUT | CHANGED
+ *                                          sleep on up to 128 words at once (Linux >= 5.16;
+ *                                          OSError(ENOSYS) on older kernels)
  *
  * Contract: every call checks that `off` is a non-negative int, that the word
  * lies wholly inside the buffer and that its absolute address is naturally
@@ -333,6 +336,97 @@ futex_wake(PyObject *self, PyObject *args, PyObject *kwargs)
     return PyLong_FromLong(rc);
 }
 
+/* futex_waitv(2) (Linux 5.16): the struct and number are spelled out so that older headers build. */
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+#define WAITV_MAX 128
+#define WAITV_SIZE_U32 0x02
+struct waitv_entry {
+    uint64_t val;
+    uint64_t uaddr;
+    uint32_t flags;
+    uint32_t reserved;
+};
+
+static PyObject *
+futex_waitv(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"words", "timeout", NULL};
+    PyObject *words_obj, *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:futex_waitv", kwlist, &words_obj, &timeout_obj)) {
+        return NULL;
+    }
+    struct timespec ts, *tsp = NULL;
+    if (timeout_obj != Py_None) {
+        double t = PyFloat_AsDouble(timeout_obj);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (!(t >= 0.0) || t > 1e9) {
+            PyErr_SetString(PyExc_ValueError, "timeout must be None or a number of seconds in [0, 1e9]");
+            return NULL;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* futex_waitv takes an absolute deadline */
+        time_t whole = (time_t)t;
+        ts.tv_sec += whole;
+        ts.tv_nsec += (long)((t - (double)whole) * 1e9);
+        while (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec += 1;
+            ts.tv_nsec -= 1000000000L;
+        }
+        tsp = &ts;
+    }
+    PyObject *seq = PySequence_Fast(words_obj, "words must be a sequence of (buffer, offset, expected)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > WAITV_MAX) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "futex_waitv takes 1 to %d words, not %zd", WAITV_MAX, n);
+        return NULL;
+    }
+    struct waitv_entry entries[WAITV_MAX];
+    Py_buffer views[WAITV_MAX];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "each word must be a (buffer, offset, expected) tuple");
+            goto done;
+        }
+        uint32_t expected;
+        if (as_u32(PyTuple_GET_ITEM(item, 2), &expected) != 0) goto done;
+        uint32_t *p = word_at(PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1), 4, 0, &views[held]);
+        if (p == NULL) goto done;
+        held++;
+        entries[i].val = expected;
+        entries[i].uaddr = (uint64_t)(uintptr_t)p;
+        entries[i].flags = WAITV_SIZE_U32; /* shared: no FUTEX_PRIVATE_FLAG */
+        entries[i].reserved = 0;
+    }
+    long rc;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    rc = syscall(SYS_futex_waitv, entries, (unsigned int)n, 0, tsp, CLOCK_MONOTONIC);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (rc >= 0) {
+        result = PyLong_FromLong(WAIT_WOKEN);
+    } else if (err == EAGAIN) {
+        result = PyLong_FromLong(WAIT_CHANGED);
+    } else if (err == ETIMEDOUT) {
+        result = PyLong_FromLong(WAIT_TIMED_OUT);
+    } else if (err == EINTR) {
+        if (PyErr_CheckSignals() == 0) result = PyLong_FromLong(WAIT_WOKEN);
+    } else {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load32", (PyCFunction)(void (*)(void))load32, METH_FASTCALL,
      "load32(buffer, offset) -> int\n\nLoad-acquire the uint32 at byte `offset`."},
@@ -363,6 +457,11 @@ static PyMethodDef methods[] = {
      "TIMED_OUT, or CHANGED (the word already differed).  Wake-ups may be spurious."},
     {"futex_wake", (PyCFunction)(void (*)(void))futex_wake, METH_VARARGS | METH_KEYWORDS,
      "futex_wake(buffer, offset, n=1) -> int\n\nWake up to `n` waiters; returns how many woke."},
+    {"futex_waitv", (PyCFunction)(void (*)(void))futex_waitv, METH_VARARGS | METH_KEYWORDS,
+     "futex_waitv(words, timeout=None) -> int\n\n"
+     "Sleep until any of up to 128 (buffer, offset, expected) uint32 words is woken (shared "
+     "futexes).  Returns WOKEN, TIMED_OUT, or CHANGED (a word already differed).  OSError(ENOSYS) "
+     "before Linux 5.16."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -298,35 +298,61 @@ class Arena:
     def transition(self, index: int, generation: int, frm: SlotState, to: SlotState, actor: Actor) -> int:
         """Move slot ``index`` from ``frm`` to ``to`` if it still is (``generation``, ``frm``).
 
-        FREE -> WRITING starts a new generation: pass the generation the slot
-        was freed with; the new one is returned (otherwise ``generation`` is).
-        The CAS is sequentially consistent, so everything this process wrote
-        to the slot before is visible to whoever load-acquires the new status.
-        Raises IllegalTransition for an edge the table forbids, SlotConflict
-        if the slot was not in the expected generation and state.
+        See ``transition_slot``; this is it for the arena's slot table.
         """
-        check_transition(frm, to, actor)
-        new_generation = (generation + 1) & 0xFFFFFFFF if to == SlotState.WRITING else generation
-        offset = self.geometry.slot_off(index)
-        if not atomics.cas64(self.buf, offset, layout.pack_status(generation, frm),
-                             layout.pack_status(new_generation, to)):
-            raise SlotConflict(index, (generation, int(frm)), self.slot_status(index))
-        return new_generation
+        return transition_slot(self.buf, self.geometry, index, generation, frm, to, actor)
 
     def record_latencies(self, worker: int, index: int) -> None:
         """Add a finished slot's stage durations to ``worker``'s histograms (the worker calls this)."""
-        slot = layout.SLOT.read(self.buf, self.geometry.slot_off(index))
-        for stage, (start, end) in layout.HIST_STAGE_BOUNDS.items():
-            t0, t1 = getattr(slot, start), getattr(slot, end)
-            if t0 and t1 >= t0:
-                micros = (t1 - t0) // 1000
-                base = self.geometry.hist_off(worker, stage)
-                atomics.fetch_add64(self.buf, base + 8 * layout.hist_bucket(micros), 1)
-                atomics.fetch_add64(self.buf, base + 8 * layout.HIST_BUCKETS, micros)
+        record_latencies(self.buf, self.geometry, worker, self.buf, self.geometry.slot_off(index))
 
     def stamp(self, index: int, stage: str) -> None:
         """Record the monotonic time a slot reached ``stage`` (one of layout.STAGE_FIELDS)."""
-        layout.SLOT.write(self.buf, self.geometry.slot_off(index), **{stage: time.monotonic_ns()})
+        layout.stamp(self.buf, self.geometry, index, stage, time.monotonic_ns())
+
+
+_WRITING = int(SlotState.WRITING)
+
+
+def transition_slot(buf, geometry, index: int, generation: int, frm: SlotState, to: SlotState,
+                    actor: Actor) -> int:
+    """Move slot ``index`` of a slot table (the arena's or a lane's: ``geometry``) from ``frm`` to
+    ``to`` if it still is (``generation``, ``frm``).
+
+    FREE -> WRITING starts a new generation: pass the generation the slot
+    was freed with; the new one is returned (otherwise ``generation`` is).
+    The CAS is sequentially consistent, so everything this process wrote
+    to the slot before is visible to whoever load-acquires the new status.
+    Raises IllegalTransition for an edge the table forbids, SlotConflict
+    if the slot was not in the expected generation and state.
+    """
+    check_transition(frm, to, actor)
+    new_generation = (generation + 1) & 0xFFFFFFFF if to == _WRITING else generation
+    offset = geometry.slot_off(index)
+    if not atomics.cas64(buf, offset, (generation & 0xFFFFFFFF) << 32 | frm, new_generation << 32 | to):
+        raise SlotConflict(index, (generation, int(frm)), layout.unpack_status(atomics.load64(buf, offset)))
+    return new_generation
+
+
+_HIST_PAIRS = tuple((layout.HIST_STAGES.index(stage) * layout.HIST_STAGE_SIZE,
+                     layout.STAGE_FIELDS.index(start), layout.STAGE_FIELDS.index(end))
+                    for stage, (start, end) in layout.HIST_STAGE_BOUNDS.items())
+
+
+def record_latencies(arena_buf, geometry, worker: int, slot_buf, slot_off: int) -> None:
+    """Add the stage durations of the finished slot at ``slot_off`` in ``slot_buf`` (the arena or a
+    lane) to ``worker``'s histograms in the arena.  Times come from the slot: a lane's are written
+    by its client, so nonsense (end before start) is skipped and huge values land in the top bucket."""
+    times = layout.read_stages(slot_buf, slot_off)
+    base = geometry.hist_off(worker, layout.HIST_STAGES[0])
+    add, top, sum_off = atomics.fetch_add64, layout.HIST_BUCKETS - 1, 8 * layout.HIST_BUCKETS
+    for stage_off, start, end in _HIST_PAIRS:
+        t0, t1 = times[start], times[end]
+        if t0 and t1 >= t0:
+            micros = (t1 - t0) // 1000
+            off = base + stage_off
+            add(arena_buf, off + 8 * min(max(micros, 1).bit_length() - 1, top), 1)  # layout.hist_bucket
+            add(arena_buf, off + sum_off, micros)
 
 
 def _map(fd: int, size: int, *, read_only: bool, prefault: bool) -> mmap.mmap:

@@ -76,15 +76,19 @@ def make_input(spec: dict, size: int, rng) -> tuple[str, np.ndarray]:
     return tensor["name"], x
 
 
+WARMUP = 20  # requests per client before it reports ready
+
+
 def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str) -> None:
-    """One benchmark client (a child process): prints its latencies in microseconds as JSON."""
+    """One benchmark client (a child process): connects and warms up, says "ready", waits for
+    "go" on stdin (so that every client measures the same window, not its neighbours' start-up),
+    then prints its latencies in microseconds and its measuring window as JSON."""
     from shmserve import Client
 
     samples = []
     with Client(path, timeout=120) as c:
         spec = next(m for m in c.models() if m["name"] == model)
         name, x = make_input(spec, size, np.random.default_rng(os.getpid()))
-        deadline = time.monotonic() + duration if duration else None
         if mode == "inline":
             run = lambda: c.infer(model, {name: x})  # noqa: E731
             call = None
@@ -92,35 +96,53 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
             call = c.zero_copy(model, {name: (x.shape, x.dtype)})
             call.inputs[name][...] = x
             run = call.run
-        for i in range(requests + 20):
+        for _ in range(WARMUP):
+            run()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        start = time.monotonic()
+        deadline = start + duration if duration else None
+        for i in range(requests):
             t0 = time.perf_counter_ns()
             run()
-            if i >= 20:  # warm-up
-                samples.append((time.perf_counter_ns() - t0) / 1e3)
-            if deadline and time.monotonic() > deadline and i >= 20 + 10:
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            if deadline and time.monotonic() > deadline and i >= 10:
                 break
+        end = time.monotonic()
         if call is not None:
             call.release()
-    print(json.dumps({"samples": samples, "nbytes": int(x.nbytes)}))
+    print(json.dumps({"samples": samples, "nbytes": int(x.nbytes), "start": start, "end": end}), flush=True)
 
 
 def run_case(path: str, mode: str, size: int, clients: int, requests: int, duration: float,
              model: str) -> dict:
+    """Run ``clients`` client processes over one common window; requests/s counts that window only."""
     procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
-                               str(requests), str(duration), model], stdout=subprocess.PIPE, text=True)
+                               str(requests if not duration else 1 << 62), str(duration), model],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
-    t0 = time.perf_counter()
-    samples, nbytes = [], size
-    for p in procs:
-        out, _ = p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
-        report = json.loads(out)
-        samples += report["samples"]
-        nbytes = report["nbytes"]
-    wall = time.perf_counter() - t0
-    result = summarize(samples, wall, nbytes)
-    result["tensor_bytes"] = nbytes
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a benchmark client failed to start (exit {p.wait()})")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        reports = []
+        for p in procs:
+            out, _ = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
+            reports.append(json.loads(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    samples = [s for r in reports for s in r["samples"]]
+    wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    result = summarize(samples, wall, reports[0]["nbytes"])
+    result["tensor_bytes"] = reports[0]["nbytes"]
     return result
 
 
@@ -222,9 +244,9 @@ instances = 2
 name = "identity_batched"
 backend = "python"
 path = "shmserve.models:identity"
-instances = 2
+instances = 1
 max_batch_size = 64
-max_queue_delay_us = 500
+max_queue_delay_us = 50
 [[models]]
 name = "demo"
 backend = "onnxruntime"

@@ -28,10 +28,14 @@ from typing import Mapping
 
 import numpy as np
 
+from shmserve import _atomics as atomics
 from shmserve import layout, protocol
+from shmserve.arena import transition_slot
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
+from shmserve.rings import FutexDoorbell, Ring
+from shmserve.slotstate import FINISHED, Actor, SlotState, state_name
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
 READ_BUFFER = 256 * 1024
@@ -95,11 +99,11 @@ def _output_sinks(frame: Frame) -> tuple[dict[str, np.ndarray], list]:
 
 
 class RegionAllocator:
-    """First-fit allocation of 64-byte aligned ranges in one region (client side)."""
+    """First-fit allocation of 64-byte aligned ranges in [start, size) of one region (client side)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, start: int = 0):
         self.size = size
-        self.free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+        self.free: list[tuple[int, int]] = [(start, size - start)] if size > start else []  # sorted (offset, length)
 
     def allocate(self, nbytes: int) -> int | None:
         need = max(layout.TENSOR_ALIGN, (nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
@@ -126,21 +130,146 @@ class RegionAllocator:
 
 
 class Region:
-    """Shared memory the server made for this connection; ``buf`` is its mapping."""
+    """Shared memory the server made for this connection; ``buf`` is its mapping.
 
-    def __init__(self, region_id: int, size: int, fd: int):
+    A lane region (``lane`` set) also holds, below ``data_offset``, a queue to one
+    worker of its model: calls placed in it skip the socket altogether.
+    """
+
+    def __init__(self, region_id: int, size: int, fd: int, lane: dict | None = None):
         self.id, self.size = region_id, size
         try:
             self.buf = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.allocator = RegionAllocator(size)
+        self.lane = LaneQueue(self, lane["model"]) if lane else None
+        self.allocator = RegionAllocator(size, layout.LANE_BYTES if lane else 0)
 
     def close(self) -> None:
+        self.lane = None
         try:
             self.buf.close()
         except BufferError:
             pass  # views still alive: the mapping goes when they do
+
+
+class LaneQueue:
+    """The client's end of a lane: its slots, submission ring and completion ring.
+
+    A slot goes FREE -> WRITING -> READY here (the client plays the front-end's part
+    of the slot state machine), RUNNING -> DONE or ERROR in the worker, and back to
+    FREE once its answer is read.  A call that times out leaves its slot with the
+    worker; the slot is recycled when its completion arrives.
+    """
+
+    def __init__(self, region: Region, model: str):
+        g = layout.LANE
+        self.region, self.model, self.buf = region, model, region.buf
+        self.submissions = Ring(self.buf, g.submission_off, g.ring_capacity)
+        self.completions = Ring(self.buf, g.completion_off, g.ring_capacity)
+        self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
+        self.free = list(range(g.slot_count - 1, -1, -1))
+        self.finished: set[int] = set()  # slot indices whose completion arrived
+        self.abandoned: set[int] = set()  # timed out: free them when they finish
+
+    def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
+               out_offset: int, out_capacity: int) -> tuple[int, int]:
+        """Publish one request (``inputs``: (name index, offset, view)); returns (slot, generation)."""
+        g, buf = layout.LANE, self.buf
+        if not self.free:
+            self._drain()
+            if not self.free:
+                raise ShmserveError(ErrorCode.OVERLOADED, f"all {g.slot_count} slots of this lane are busy "
+                                                          f"(calls that timed out still run)")
+        index = self.free.pop()
+        generation, _ = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
+        generation = transition_slot(buf, g, index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
+        for t, (name_index, offset, view) in enumerate(inputs):
+            layout.encode_tensor(buf, g, index, t, role=layout.ROLE_INPUT, name_index=name_index,
+                                 dtype=view.dtype, shape=view.shape, offset=offset, region=self.region.id)
+        layout.encode_slot_request(buf, g, index, request_id=request_id, model_id=model_id, worker=0,
+                                   n_inputs=len(inputs), out_region=self.region.id, out_off=out_offset,
+                                   out_capacity=out_capacity)
+        now = time.monotonic_ns()
+        layout.reset_stages(buf, g, index, now, now)
+        # Order matters here: descriptors (and the caller's input bytes) are complete before READY.
+        transition_slot(buf, g, index, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
+        self.submissions.push(generation << 32 | index)  # cannot be full: one entry per slot
+        self.bell.notify()
+        return index, generation
+
+    def wait(self, index: int, deadline: float, spin_s: float | None, alive) -> None:
+        """Block until slot ``index`` finished, spinning ``spin_s`` first (None: as long as the
+        server's hint in the lane header says); ``alive()`` is asked every WAIT_SLICE_S whether
+        the server is still there (ConnectionClosed if not).  TIMEOUT at ``deadline``."""
+        if spin_s is None:
+            spin_s = atomics.load32(self.buf, layout.LANE_SPIN_OFFSET) / 1e6
+        while True:
+            self._drain()
+            if index in self.finished:
+                self.finished.discard(index)
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.abandoned.add(index)
+                raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
+            if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
+                alive()
+            spin_s = 0.0
+
+    def read(self, index: int, generation: int, out_offset: int, out_capacity: int) -> dict[str, tuple]:
+        """The finished slot's outputs as name index -> (dtype, shape, offset); raises its error.
+        Frees the slot either way."""
+        g, buf = layout.LANE, self.buf
+        got_generation, state = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
+        try:
+            if got_generation != generation or state not in FINISHED:
+                raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} finished in state {state_name(state)}")
+            if state == SlotState.ERROR:
+                code, message = layout.decode_error(buf, g, index)
+                raise ShmserveError(ErrorCode.from_wire(_wire(code)), message)
+            slot = layout.decode_slot_request(buf, g, index)
+            outputs = {}
+            try:
+                for t in range(slot.n_inputs, slot.n_inputs + slot.n_outputs):
+                    d = layout.decode_tensor(buf, g, index, t, {self.region.id: self.region.size})
+                    if d.region != self.region.id or not (out_offset <= d.offset and
+                                                          d.offset + d.nbytes <= out_offset + out_capacity):
+                        raise layout.LayoutError("an output lies outside the output area")
+                    outputs[d.name_index] = (d.dtype, d.shape, d.offset)
+            except layout.LayoutError as exc:
+                raise ShmserveError(ErrorCode.INTERNAL, f"the worker wrote a bad output descriptor: {exc}") from None
+            return outputs
+        finally:
+            self._free(index, got_generation, state)
+
+    def _drain(self) -> None:
+        for entry in self.completions.pop_all():
+            index = entry & 0xFFFFFFFF
+            if index >= layout.LANE.slot_count:
+                continue
+            if index in self.abandoned:
+                self.abandoned.discard(index)
+                generation, state = layout.unpack_status(atomics.load64(self.buf, layout.LANE.slot_off(index)))
+                self._free(index, generation, state)
+            else:
+                self.finished.add(index)
+
+    def _free(self, index: int, generation: int, state: int) -> None:
+        if state in FINISHED:
+            transition_slot(self.buf, layout.LANE, index, generation, SlotState(state), SlotState.FREE,
+                            Actor.FRONTEND)
+            self.free.append(index)
+
+
+WAIT_SLICE_S = 0.05  # a lane call checks that the server is alive this often while it waits
+
+
+def _wire(code: int) -> str:
+    try:
+        return ErrorCode(code).wire
+    except ValueError:
+        return "internal"
 
 
 class ZeroCopyCall:
@@ -158,7 +287,31 @@ class ZeroCopyCall:
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release."""
+        if self.region.lane is not None:
+            return self._lane_run(timeout)
         return self._collect(self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
+
+    def _lane_run(self, timeout: float | None) -> dict[str, np.ndarray]:
+        """Through the region's own queue: the worker is woken directly, no frame is sent."""
+        client, lane, spec = self.client, self.region.lane, self.client._specs[self.model]
+        names = [t.name for t in spec.inputs]
+        try:
+            inputs = [(names.index(n), off, v) for n, (off, v) in self._inputs.items()]
+        except ValueError:
+            raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
+                                                     f"got {list(self._inputs)}") from None
+        rid = client._next_id
+        client._next_id += 1
+        index, generation = lane.submit(rid, 0, inputs, self.out_offset, self.out_capacity)
+        lane.wait(index, time.monotonic() + (timeout or client.timeout), client._lane_spin_s, client._check_alive)
+        placed = lane.read(index, generation, self.out_offset, self.out_capacity)
+        outputs = {}
+        for name_index, (dtype, shape, offset) in sorted(placed.items()):
+            view = np.ndarray(shape, dtype, buffer=self.region.buf, offset=offset)
+            view.flags.writeable = False
+            outputs[spec.outputs[name_index].name] = view
+        self.outputs = outputs
+        return outputs
 
     def _meta(self, timeout: float | None) -> dict:
         metas = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape), "offset": off}
@@ -271,11 +424,16 @@ class Client:
     """
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
-                 spin_us: int | None = None):
+                 spin_us: int | None = None, lanes: bool = True):
         self.path = resolve_socket(socket_path, None, instance)
         self.timeout = timeout
+        # Zero-copy calls go through a lane (a region with its own queue to a worker: no socket
+        # round trip) unless this is False (then each call is a descriptor over the socket).
+        self.lanes = lanes
         # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
+        # Lane calls follow the server's hint instead unless spin_us is given.
         self.spin_s = (spin_default_us(client=True) if spin_us is None else spin_us) / 1e6
+        self._lane_spin_s = None if spin_us is None else spin_us / 1e6
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         _large_buffers(self._sock)
         try:
@@ -315,12 +473,15 @@ class Client:
         meta.pop("id", None)
         return meta
 
-    def open_region(self, size: int) -> Region:
-        """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection."""
-        frame = self._call(Kind.OPEN_REGION, {"size": size})
+    def open_region(self, size: int, *, lane: str | None = None) -> Region:
+        """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection.
+
+        ``lane``: a model name; the region then also carries a queue to one of that model's
+        workers, and zero-copy calls placed in it do not touch the socket."""
+        frame = self._call(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
         if not self._fds:
             raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
-        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft())
+        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft(), frame.meta.get("lane"))
         self._regions.append(region)
         return region
 
@@ -330,15 +491,18 @@ class Client:
         ``inputs`` maps input names to ``(shape, dtype)``; the returned call's
         ``inputs`` are writable numpy views of that space.  Outputs get
         ``output_capacity`` bytes (default: computed from the model's spec
-        where its output shapes follow from the inputs, else 16 MiB).
+        where its output shapes follow from the inputs, else 16 MiB).  With
+        ``lanes`` (the default) the space is in a lane of ``model``.
         """
         specs, sizes = _normalize(inputs)
+        if model not in self._specs:
+            self._specs[model] = _spec_of(self.models(), model)
         if output_capacity is None:
-            if model not in self._specs:
-                self._specs[model] = _spec_of(self.models(), model)
             output_capacity = _estimate(self._specs[model], specs)
         wanted = list(sizes.values()) + [output_capacity]
-        region = _find_region(self._regions, wanted) or self.open_region(_region_size(sizes, output_capacity))
+        lane = model if self.lanes and self._specs[model] is not None else None
+        candidates = [r for r in self._regions if (r.lane.model if r.lane else None) == lane]
+        region = _find_region(candidates, wanted) or self.open_region(_region_size(sizes, output_capacity), lane=lane)
         placed, out_off = _place(region, specs, sizes, output_capacity)
         return ZeroCopyCall(self, model, region, placed, out_off, output_capacity)
 
@@ -451,6 +615,16 @@ class Client:
             except BlockingIOError:
                 if time.perf_counter() >= end:
                     return None
+
+    def _check_alive(self) -> None:
+        """ConnectionClosed if the server closed this connection (lane calls wait off the socket)."""
+        try:
+            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                self._fail(f"the server at {self.path} closed the connection")
+        except (BlockingIOError, TimeoutError):  # nothing to read: still connected
+            pass
+        except OSError as exc:
+            self._fail(f"connection to {self.path} lost: {exc}")
 
     def _fail(self, message: str, code: ErrorCode | None = None):
         self._broken = message

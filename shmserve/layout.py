@@ -110,9 +110,17 @@ class LayoutError(ValueError):
     """Arena bytes that do not describe a valid arena of this layout version."""
 
 
+_DTYPES = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPES.items()}
+_NAME_OF_DTYPE = {dtype: name for name, dtype in ((n, np.dtype(n)) for n in DTYPE_CODES)}
+
+
 def dtype_code(dtype) -> int:
     """Return the arena code of a numpy dtype (or dtype name); LayoutError if it has none."""
-    code = DTYPE_CODES.get(dtype) if isinstance(dtype, str) else None  # the hot path passes names
+    try:  # the hot path passes names or native dtypes: a dict lookup (dtype.name is slow)
+        code = DTYPE_CODES.get(dtype) if isinstance(dtype, str) else _CODE_OF_DTYPE.get(dtype)
+    except TypeError:  # unhashable: let numpy say what it is
+        code = None
     if code is not None:
         return code
     name = np.dtype(dtype).name
@@ -125,9 +133,14 @@ def dtype_code(dtype) -> int:
 def dtype_from_code(code: int) -> np.dtype:
     """Return the numpy dtype of an arena dtype code; LayoutError if unknown."""
     try:
-        return np.dtype(DTYPE_NAMES[code])
+        return _DTYPES[code]
     except KeyError:
         raise LayoutError(f"unknown dtype code {code}") from None
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name`` without its cost for the supported dtypes."""
+    return _NAME_OF_DTYPE.get(dtype) or dtype.name
 
 
 class Record:
@@ -300,9 +313,36 @@ def encode_slot_request(buf, geometry: "Geometry", index: int, *, request_id: in
                             worker, n_inputs, 0, 0, out_region, out_off, out_capacity, 0, 0)
 
 
-def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int) -> None:
-    """Clear a slot's stage times and set when it was acquired, in one store."""
-    _SLOT_STAGES.pack_into(buf, geometry.slot_off(index) + SLOT.offset("t_acquired"), t_acquired, 0, 0, 0, 0, 0)
+def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready: int = 0) -> None:
+    """Clear a slot's stage times and set when it was acquired (and made ready), in one store."""
+    _SLOT_STAGES.pack_into(buf, geometry.slot_off(index) + SLOT.offset("t_acquired"), t_acquired, t_ready, 0, 0, 0, 0)
+
+
+_U64 = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
+_STAGE_OFFSETS = {stage: SLOT.offset(stage) for stage in STAGE_FIELDS}
+SlotRequest = namedtuple("SlotRequest", "request_id model_id worker n_inputs n_outputs flags out_region out_off "
+                                        "out_capacity")
+
+
+def stamp(buf, geometry, index: int, stage: str, ns: int) -> None:
+    """Record that slot ``index`` reached ``stage`` (one of STAGE_FIELDS) at monotonic ``ns``."""
+    _U64.pack_into(buf, geometry.slot_off(index) + _STAGE_OFFSETS[stage], ns)
+
+
+def set_n_outputs(buf, geometry, index: int, n_outputs: int) -> None:
+    _U16.pack_into(buf, geometry.slot_off(index) + SLOT.offset("n_outputs"), n_outputs)
+
+
+def decode_slot_request(buf, geometry, index: int) -> SlotRequest:
+    """What a worker needs of slot ``index`` (counts and output area), in one read."""
+    return SlotRequest._make(_SLOT_REQUEST.unpack_from(buf, geometry.slot_off(index) + SLOT.offset("request_id"))[:9])
+
+
+def read_stages(buf, slot_off: int) -> tuple:
+    """The six stage times of the slot at ``slot_off``, in STAGE_FIELDS order."""
+    return _SLOT_STAGES.unpack_from(buf, slot_off + SLOT.offset("t_acquired"))
+
 
 TENSOR = Record("Tensor", TENSOR_SIZE, [
     ("dtype", "B"),
@@ -336,8 +376,26 @@ class SizeClass:
         return self.offset + self.extent_size * self.extent_count
 
 
+class SlotTable:
+    """Offsets of slots and their tensor descriptors: the arena's slot table or a lane's.
+    Subclasses provide ``slot_count`` and ``slot_table_off``."""
+
+    slot_count: int
+    slot_table_off: int
+
+    def slot_off(self, index: int) -> int:
+        if not 0 <= index < self.slot_count:
+            raise LayoutError(f"slot index {index} out of range 0..{self.slot_count - 1}")
+        return self.slot_table_off + index * SLOT_SIZE
+
+    def tensor_off(self, slot_index: int, tensor_index: int) -> int:
+        if not 0 <= tensor_index < MAX_TENSORS:
+            raise LayoutError(f"tensor index {tensor_index} out of range 0..{MAX_TENSORS - 1}")
+        return self.slot_off(slot_index) + TENSORS_OFFSET + tensor_index * TENSOR_SIZE
+
+
 @dataclass(frozen=True)
-class Geometry:
+class Geometry(SlotTable):
     """Where every region of an arena lives.  Built by ``plan`` or ``decode_header``."""
 
     total_size: int
@@ -368,16 +426,6 @@ class Geometry:
         if not 0 <= worker < self.max_workers:
             raise LayoutError(f"worker index {worker} out of range 0..{self.max_workers - 1}")
         return self.ring_table_off + (2 * worker + int(completion)) * self.ring_stride
-
-    def slot_off(self, index: int) -> int:
-        if not 0 <= index < self.slot_count:
-            raise LayoutError(f"slot index {index} out of range 0..{self.slot_count - 1}")
-        return self.slot_table_off + index * SLOT_SIZE
-
-    def tensor_off(self, slot_index: int, tensor_index: int) -> int:
-        if not 0 <= tensor_index < MAX_TENSORS:
-            raise LayoutError(f"tensor index {tensor_index} out of range 0..{MAX_TENSORS - 1}")
-        return self.slot_off(slot_index) + TENSORS_OFFSET + tensor_index * TENSOR_SIZE
 
     def contains_data(self, offset: int, nbytes: int) -> bool:
         """True if [offset, offset+nbytes) lies inside the data region."""
@@ -516,6 +564,61 @@ def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
     return HeaderInfo(instance, h.boot_id, h.created_unix_ns, h.owner_pid, h.owner_start_ticks,
                       h.owner_heartbeat_ns, h.state, actual, socket_path)
 
+
+
+# ---------------------------------------------------------------------------
+# Lanes: a client region whose first LANE_BYTES are a private queue to one worker.
+#
+#   0      lane header (LANE_HEADER): magic "SHMLANE1", version, model id, worker, spin hint
+#   256    submission ring (client -> worker), LANE_SLOTS entries, same format as the arena's
+#   +      completion ring (worker -> client)
+#   1024   LANE_SLOTS slots, each the arena's SLOT + TENSOR records (SLOT_SIZE bytes)
+#   65536  the client's data space (tensors the slots point at: region = this region's id)
+#
+# The geometry is fixed, never read from the lane: a client writes all of it and the
+# worker decodes every slot and descriptor through the same validating decoders as the
+# arena's, against this region only (region 0, the arena, is never reachable from a lane).
+
+LANE_MAGIC = b"SHMLANE1"
+LANE_VERSION = 1
+LANE_SLOTS = 16
+LANE_BYTES = 64 * 1024
+LANE_HEADER = Record("LaneHeader", 64, [
+    ("magic", "8s"),
+    ("version", "I"),
+    ("slot_count", "I"),
+    ("model_id", "I"),
+    ("worker", "I"),
+    ("data_off", "Q"),
+    ("spin_us", "I"),  # how long the client should spin for a completion before it sleeps (front-end's hint)
+])
+
+
+class LaneGeometry(SlotTable):
+    """Where the rings and slots of a lane lie (the same for every lane)."""
+
+    slot_count = LANE_SLOTS
+    ring_capacity = LANE_SLOTS
+    submission_off = 256
+    completion_off = submission_off + _align(RING_ENTRIES_OFFSET + 8 * LANE_SLOTS, CACHE_LINE)
+    slot_table_off = 1024
+    data_off = LANE_BYTES
+
+    def contains_data(self, offset: int, nbytes: int) -> bool:
+        return False  # region 0 (the arena's data) is never named from a lane
+
+
+LANE = LaneGeometry()
+assert 2 * LANE.completion_off - LANE.submission_off <= LANE.slot_table_off  # both rings fit
+assert LANE.slot_table_off + LANE_SLOTS * SLOT_SIZE <= LANE_BYTES
+
+
+def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int) -> None:
+    LANE_HEADER.write(buf, 0, magic=LANE_MAGIC, version=LANE_VERSION, slot_count=LANE_SLOTS,
+                      model_id=model_id, worker=worker, data_off=LANE_BYTES, spin_us=spin_us)
+
+
+LANE_SPIN_OFFSET = LANE_HEADER.offset("spin_us")
 
 # ---------------------------------------------------------------------------
 # Slot status word: generation << 32 | state.  One 64-bit word so that a CAS

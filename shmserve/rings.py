@@ -27,6 +27,10 @@ flag instead: the consumer arms it before its final check, and the producer
 swaps it back to 0 and writes the eventfd only if it was armed, so a burst of
 completions costs one write(2) and one loop wake-up.
 
+A worker consumes its own ring and the rings of the lanes attached to it
+(client regions with a private queue, ``layout.LANE``): ``wait_any`` runs the
+same protocol on all of them and sleeps in one futex_waitv(2).
+
 Why futex for workers and eventfd for the front-end: measured by
 ``tools/bench_handoff.py`` (docs/performance.md).  A futex wait is one
 syscall on a word already in the arena, needs no descriptor passing, and was
@@ -38,6 +42,7 @@ Must not: know what a slot holds or allocate anything per operation.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import time
@@ -163,6 +168,77 @@ class FutexDoorbell:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+
+
+def wait_any(rings: list[Ring], timeout: float, spin: float = 0.0) -> bool:
+    """Consumer of several rings with futex doorbells (a worker's own ring and its lanes'): block
+    until any is non-empty or ``timeout`` seconds pass; True if one is non-empty.
+
+    The FutexDoorbell protocol on every ring at once, sleeping in one futex_waitv(2).
+    A lane's doorbell lies in its client's memory: a client that scribbles on it can only
+    cost wake-ups on its own lane or a spurious wake-up here, never a lost one elsewhere.
+    On kernels without futex_waitv (before 5.16) this sleeps on the first ring only, in
+    slices of ``FALLBACK_SLICE_S``, and polls the others between slices.
+    """
+    if len(rings) == 1:
+        return FutexDoorbell(rings[0]).wait(timeout, spin)
+    if _any_nonempty(rings):
+        return True
+    if spin > 0 and _spin_until(rings, min(spin, timeout)):
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        words = [(r.buf, r.seq_offset, atomics.load32(r.buf, r.seq_offset)) for r in rings]
+        if _any_nonempty(rings):
+            return True
+        for r in rings:
+            atomics.fetch_add32(r.buf, r.waiters_offset, 1)
+        try:
+            if _any_nonempty(rings):
+                return True
+            remaining = max(0.0, deadline - time.monotonic())
+            if _HAVE_WAITV:
+                _waitv(words, remaining)
+            else:
+                atomics.futex_wait(*words[0], min(remaining, FALLBACK_SLICE_S))
+        finally:
+            for r in rings:
+                atomics.fetch_add32(r.buf, r.waiters_offset, -1)
+        if _any_nonempty(rings):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+FALLBACK_SLICE_S = 0.001
+_HAVE_WAITV = True
+
+
+def _waitv(words, timeout: float) -> None:
+    global _HAVE_WAITV
+    try:
+        atomics.futex_waitv(words, timeout)
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        _HAVE_WAITV = False
+
+
+def _any_nonempty(rings: list[Ring]) -> bool:
+    for r in rings:
+        if not r.empty():
+            return True
+    return False
+
+
+def _spin_until(rings: list[Ring], seconds: float) -> bool:
+    deadline = time.perf_counter() + seconds
+    while True:
+        for _ in range(16):
+            if _any_nonempty(rings):
+                return True
+        if time.perf_counter() >= deadline:
+            return False
 
 
 class EventfdDoorbell:

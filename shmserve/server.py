@@ -12,7 +12,11 @@ received by the kernel straight into arena space (``BufferedProtocol``
 returns views of the arena from ``get_buffer``); results are written from
 views of the arena (``writelines``), and a slot is freed only once the
 transport has flushed them.  A zero-copy request carries only descriptors of
-tensors already in the client's own region.
+tensors already in the client's own region.  A lane (a region opened for one
+model) takes the front-end off the data path altogether: its first
+``layout.LANE_BYTES`` are a queue the client and one worker share, and the
+front-end only attaches it to a worker, moves it when that worker dies
+(failing what it was running) and detaches it when the client goes.
 
 Must not: block the loop, parse bytes (``shmserve.protocol`` does), or
 compute offsets (``shmserve.layout`` does).
@@ -33,18 +37,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mmap
+
 import posix_ipc
 
-from shmserve import __version__, layout, protocol, stale, systemd
+from shmserve import _atomics as atomics
+from shmserve import __version__, layout, protocol, stale, systemd, workerlink
 from shmserve.allocator import Extent, ExtentAllocator, SlotPool
-from shmserve.arena import Arena, SlotConflict
-from shmserve.config import ServerConfig
+from shmserve.arena import Arena, SlotConflict, transition_slot
+from shmserve.config import ServerConfig, spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError, ProtocolViolation
-from shmserve.rings import drain_eventfd, new_eventfd
+from shmserve.rings import FutexDoorbell, Ring, drain_eventfd, new_eventfd
 from shmserve.slotstate import Actor, SlotState
 from shmserve.spec import bind_inputs, estimate_output_bytes
-from shmserve.supervisor import FAILED, READY, Supervisor, WorkerHandle
+from shmserve.supervisor import FAILED, READY, STARTING, Supervisor, WorkerHandle
 
 log = logging.getLogger("shmserve.server")
 
@@ -62,6 +69,9 @@ class Region:
     id: int
     name: str  # posix shm name, with the leading slash
     size: int
+    lane_model: "ModelState | None" = None  # set for a lane: the model its queue serves
+    lane_worker: WorkerHandle | None = None  # the worker it is attached to (None: waiting for one)
+    lane_buf: mmap.mmap | None = None  # the front-end's mapping of the lane's queue (LANE_BYTES)
 
 
 @dataclass(eq=False)
@@ -403,6 +413,10 @@ class Frontend:
     # -- workers --------------------------------------------------------------------------
 
     def _worker_ready(self, w: WorkerHandle) -> None:
+        for region in list(self.regions.values()):
+            if region.lane_model is not None and region.lane_worker is None and \
+                    region.lane_model.name == w.model.name:
+                self._attach_lane(region)
         self._admit_waiting()
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
@@ -422,6 +436,7 @@ class Frontend:
             self._complete(w, index, generation)
         w.inflight.clear()
         w.submissions.discard()
+        self._lanes_lost(w, how)
 
     # -- completions ----------------------------------------------------------------------
 
@@ -801,6 +816,12 @@ class Frontend:
         if type(size) is not int or not 0 < size <= limit:
             raise ShmserveError(ErrorCode.TOO_LARGE if type(size) is int and size > 0 else ErrorCode.BAD_FRAME,
                                 f"'size' must be an integer in [1, {limit}]")
+        lane_model = None
+        if "lane" in meta:
+            lane_model = self.models.get(meta["lane"]) if isinstance(meta["lane"], str) else None
+            if lane_model is None:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {meta['lane']!r} is none")
+            size += layout.LANE_BYTES
         if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
             raise ShmserveError(ErrorCode.OVERLOADED, f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection")
         size = (size + layout.PAGE - 1) // layout.PAGE * layout.PAGE
@@ -813,26 +834,84 @@ class Frontend:
             raise ShmserveError(ErrorCode.INTERNAL, f"cannot create a region: {exc}") from None
         try:
             os.posix_fallocate(shm.fd, 0, size)
+            lane_buf = mmap.mmap(shm.fd, layout.LANE_BYTES) if lane_model is not None else None
         except OSError as exc:
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
             raise ShmserveError(ErrorCode.OVERLOADED, f"no shared memory for a {size}-byte region: "
                                                       f"{exc.strerror}") from None
-        region = Region(region_id, name, size)
+        region = Region(region_id, name, size, lane_model, None, lane_buf)
         self.regions[region_id] = region
         conn.regions[region_id] = region
+        answer = {"id": rid, "region": region_id, "size": size}
+        if lane_model is not None:
+            layout.encode_lane_header(lane_buf, model_id=lane_model.index, worker=0xFFFFFFFF, spin_us=0)
+            self._attach_lane(region)
+            self._tune_lane_spin()
+            answer["lane"] = {"model": lane_model.name, "data_offset": layout.LANE_BYTES,
+                              "slots": layout.LANE_SLOTS}
         try:
-            conn.send_with_fd(protocol.encode_frame(Kind.REGION, {"id": rid, "region": region_id, "size": size}),
-                              shm.fd)
+            conn.send_with_fd(protocol.encode_frame(Kind.REGION, answer), shm.fd)
         finally:
             shm.close_fd()
 
     def _drop_region(self, region: Region) -> None:
         self.regions.pop(region.id, None)
+        if region.lane_buf is not None:
+            if region.lane_worker is not None:
+                self._command(region.lane_worker, workerlink.command(workerlink.DETACH_LANE, region.id))
+                region.lane_worker = None
+            region.lane_buf.close()
+            region.lane_buf = None
+            self._tune_lane_spin()
         try:
             posix_ipc.unlink_shared_memory(region.name)
         except posix_ipc.ExistentialError:
             pass
+
+    # -- lanes ----------------------------------------------------------------------------
+
+    def _attach_lane(self, region: Region) -> None:
+        """Give a lane to the ready worker of its model that has the fewest (none ready: it waits
+        for ``_worker_ready``; requests queued meanwhile run once it is attached)."""
+        ready = [w for w in region.lane_model.workers if w.state == READY]
+        if not ready or self.stopping:
+            region.lane_worker = None
+            return
+        load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
+        worker = min(ready, key=lambda w: load[w])
+        region.lane_worker = worker
+        layout.LANE_HEADER.write(region.lane_buf, 0, worker=worker.index)
+        self._command(worker, workerlink.command(workerlink.ATTACH_LANE, region.id))
+
+    def _tune_lane_spin(self) -> None:
+        """Tell lane clients whether to spin for completions: only while there are at most half as
+        many lanes as CPUs.  A spinning client needs a core of its own, and its worker another;
+        past that, spinners steal the CPU the workers need (measured in docs/performance.md:
+        8 lane clients on 2 vCPUs served 11,000 req/s spinning 50 us, 17,500 not spinning)."""
+        lanes = [r for r in self.regions.values() if r.lane_buf is not None]
+        spin = spin_default_us(client=True) if len(lanes) <= max(1, (os.cpu_count() or 1) // 2) else 0
+        for region in lanes:
+            atomics.store32(region.lane_buf, layout.LANE_SPIN_OFFSET, spin)
+
+    def _command(self, worker: WorkerHandle, entry: int) -> None:
+        """Push a command on a worker's submission ring (retried shortly if the ring is full)."""
+        if worker.state not in (READY, STARTING):
+            return  # a dead worker's ring is discarded; its successor starts with no lanes
+        if worker.submissions.push(entry):
+            worker.doorbell.notify()
+        else:
+            self.loop.call_later(0.001, self._command, worker, entry)
+
+    def _lanes_lost(self, worker: WorkerHandle, how: str) -> None:
+        """A worker died: fail what its lanes had queued or running, and move them on."""
+        for region in list(self.regions.values()):
+            if region.lane_worker is not worker:
+                continue
+            region.lane_worker = None
+            _fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
+                       f"worker {worker.index} for model {worker.model.name!r} {how} while running this request")
+            self._attach_lane(region)
 
     def _sweep_regions(self) -> None:
         prefix = f"shmserve.{self.config.instance}.r"
@@ -886,6 +965,26 @@ class Frontend:
                              "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight),
                              "io_mode": w.model.io_mode if w.model.device != "cpu" else None, "gpu": w.gpu}
                             for w in self.supervisor.workers]}
+
+
+def _fail_lane(buf, code: ErrorCode, message: str) -> None:
+    """Fail every request queued or running in a lane whose worker is dead: ERROR, pushed on its
+    completion ring (the front-end is its only producer until another worker attaches)."""
+    g = layout.LANE
+    completions = Ring(buf, g.completion_off, g.ring_capacity)
+    failed = False
+    for index in range(g.slot_count):
+        generation, state = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
+        if state not in (SlotState.READY, SlotState.RUNNING):
+            continue
+        layout.encode_error(buf, g, index, code, message)
+        try:
+            transition_slot(buf, g, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
+        except SlotConflict:
+            continue  # the client rewrote it meanwhile
+        failed |= completions.push(generation << 32 | index)
+    if failed:
+        FutexDoorbell(completions).notify()
 
 
 class _Answered:

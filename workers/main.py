@@ -30,14 +30,16 @@ import posix_ipc
 
 from shmserve import _atomics as atomics
 from shmserve import layout, workerlink
-from shmserve.arena import Arena, ArenaError, SlotConflict
+from shmserve.arena import Arena, ArenaError, SlotConflict, record_latencies, transition_slot
 from shmserve.config import ModelConfig
-from shmserve.errors import ErrorCode
-from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.protocol import TensorMeta
+from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, wait_any
 from shmserve.slotstate import Actor, SlotState
-from shmserve.spec import ModelSpec, merge_overrides
+from shmserve.spec import ModelSpec, bind_inputs, merge_overrides
 from workers.backends import find, warmup_inputs
 
+CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period while idle, and how often an orphan notices
 PR_SET_PDEATHSIG = 1
 
@@ -87,13 +89,16 @@ class RegionCache:
     def buffer(self, region: int, arena_buf):
         return arena_buf if region == 0 else self.maps[region]
 
-    def collect(self) -> None:
-        """Unmap regions whose name is gone (their client disconnected or closed them)."""
-        for region in list(self.maps):
-            if not os.path.exists(f"/dev/shm/shmserve.{self.instance}.r{region}"):
-                self._drop(region)
+    def collect(self) -> list[int]:
+        """Unmap regions whose name is gone (their client disconnected or closed them); their ids."""
+        gone = [r for r in self.maps if not os.path.exists(f"/dev/shm/shmserve.{self.instance}.r{r}")]
+        for region in gone:
+            self._drop(region)
+        return gone
 
     def _drop(self, region: int) -> None:
+        if region not in self.maps:
+            return
         if self.gpu is not None:
             self.gpu.unregister(("region", region))
         m = self.maps.pop(region)
@@ -146,12 +151,42 @@ class GpuMemory:
             self.unregister(key)
 
 
+class Space:
+    """A slot table this worker serves: the arena's, or a lane's (a client region's own queue).
+
+    ``buf``/``geometry`` hold the slots and ``submissions``/``completions`` their rings;
+    ``outbox`` wakes whoever collects completions (the front-end's eventfd, or the lane
+    client's futex).  A lane's tensors may only lie in its own region (``region``), above its
+    queue (``data_floor``): the client wrote every byte of it and is trusted with none.
+    """
+
+    def __init__(self, buf, geometry, submissions: Ring, completions: Ring, outbox, *, region: int = 0,
+                 data_floor: int = 0):
+        self.buf, self.geometry = buf, geometry
+        self.submissions, self.completions, self.outbox = submissions, completions, outbox
+        self.region, self.data_floor = region, data_floor
+
+    @property
+    def is_lane(self) -> bool:
+        return self.region != 0
+
+    def stamp(self, index: int, stage: str) -> None:
+        layout.stamp(self.buf, self.geometry, index, stage, time.monotonic_ns())
+
+    def check_region(self, region: int, offset: int, what: str) -> None:
+        """RequestFailed(BAD_REGION) unless a lane's tensor lies in its own data space."""
+        if self.is_lane and (region != self.region or offset < self.data_floor):
+            raise RequestFailed(ErrorCode.BAD_REGION, f"{what} must lie in this lane's region {self.region} "
+                                                      f"at offset {self.data_floor} or above")
+
+
 class OutputPlacer:
     """Lays a request's outputs out in its output area, 64-byte aligned, in the order they come,
     and writes their descriptors once the backend is done (after its stream is synchronized)."""
 
-    def __init__(self, worker: "Worker", index: int, first_tensor: int, region: int, base: int, capacity: int):
-        self.worker, self.index, self.first = worker, index, first_tensor
+    def __init__(self, worker: "Worker", space: Space, index: int, first_tensor: int, region: int, base: int,
+                 capacity: int):
+        self.worker, self.space, self.index, self.first = worker, space, index, first_tensor
         self.region, self.base, self.capacity = region, base, capacity
         self.target = worker.regions.buffer(region, worker.buf)
         self.pos = 0
@@ -159,13 +194,12 @@ class OutputPlacer:
 
     def allocate(self, name: str, shape, dtype) -> np.ndarray:
         """A writable view of the output area for output ``name``; RequestFailed if it does not fit."""
-        spec = self.worker.spec
-        declared = next((t for t in spec.outputs if t.name == name), None)
+        declared = self.worker.output_dtypes.get(name)
         if declared is None:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
         dtype = np.dtype(dtype)
-        if dtype.name != declared.dtype:
-            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {dtype.name}, declared {declared.dtype}")
+        if dtype != declared:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {dtype.name}, declared {declared.name}")
         if name in self.placed:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
         shape = tuple(int(d) for d in shape)
@@ -189,8 +223,9 @@ class OutputPlacer:
             sync()  # a GPU backend's writes must land before DONE is published
         for i, t in enumerate(spec.outputs):
             offset, shape, dtype = self.placed[t.name]
-            layout.encode_tensor(w.buf, w.geometry, self.index, self.first + i, role=layout.ROLE_OUTPUT,
-                                 name_index=i, dtype=dtype, shape=shape, offset=offset, region=self.region)
+            layout.encode_tensor(self.space.buf, self.space.geometry, self.index, self.first + i,
+                                 role=layout.ROLE_OUTPUT, name_index=i, dtype=dtype, shape=shape, offset=offset,
+                                 region=self.region)
         return len(spec.outputs)
 
 
@@ -200,10 +235,12 @@ class Worker:
         self.arena, self.index, self.config, self.control = arena, index, config, control
         self.buf, self.geometry = arena.buf, arena.geometry
         self.entry_off = self.geometry.worker_off(index)
-        self.submissions = Ring.of_worker(arena, index, completion=False)
-        self.completions = Ring.of_worker(arena, index, completion=True)
-        self.inbox = FutexDoorbell(self.submissions)
-        self.outbox = EventfdDoorbell(self.completions, completion_fd)
+        completions = Ring.of_worker(arena, index, completion=True)
+        self.main = Space(arena.buf, arena.geometry, Ring.of_worker(arena, index, completion=False), completions,
+                          EventfdDoorbell(completions, completion_fd))
+        self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
+        self._rings = [self.main.submissions]
+        self._stopping = False  # a stop command arrived while a batch was being gathered
         self.spin_s = spin_s
         self.gpu: GpuMemory | None = None
         if config.device.startswith("cuda"):
@@ -213,6 +250,8 @@ class Worker:
         self.regions = RegionCache(arena.instance, self.gpu)
         self.backend = None
         self.spec: ModelSpec | None = None
+        self.output_dtypes: dict[str, np.dtype] = {}
+        self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
         self.ppid = os.getppid()
 
     # -- worker table ---------------------------------------------------------------------
@@ -241,6 +280,7 @@ class Worker:
                              f"declare them in the config")
         self.spec = ModelSpec(cfg.name, cfg.backend, inputs, outputs,
                               {"path": cfg.path, "device": cfg.device})
+        self.output_dtypes = {t.name: np.dtype(t.dtype) for t in outputs}
         declare = getattr(self.backend, "declare", None)
         if declare is not None:
             declare(inputs, outputs)
@@ -272,45 +312,96 @@ class Worker:
     def serve(self) -> int:
         self._set_state(layout.WORKER_READY)
         batching = self.config.max_batch_size > 1 and self._batchable()
-        backlog: list[int] = []  # popped but not yet run (a batch was full)
+        backlog: list[tuple[Space, int]] = []  # popped but not yet run (a batch was full)
         while True:
-            if not backlog and not self.inbox.wait(timeout=IDLE_TICK_S, spin=self.spin_s):
+            if not backlog and not self._wait(IDLE_TICK_S, self.spin_s):
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
-                self.regions.collect()
+                for region in self.regions.collect():
+                    self._detach_lane(region)
                 continue
-            entries = backlog + self.submissions.pop_all()
+            work, stop = self._gather()
+            work = backlog + work
             backlog = []
-            stop = workerlink.STOP_ENTRY in entries
-            if stop:
-                entries = entries[:entries.index(workerlink.STOP_ENTRY)]
             if batching and not stop:
-                backlog = self._run_batched(entries)
-            else:
-                for entry in entries:
-                    claimed = self._claim(entry)
-                    if claimed is not None:
-                        self._finish(entry, claimed, self._attempt(lambda: self._run(claimed)))
-                        self._record_batch(1)
+                backlog = self._run_batched(work)
+                if not self._stopping:
+                    continue
+                work, backlog, stop = backlog, [], True  # a stop came while a batch gathered
+            for space, entry in work:
+                claimed = self._claim(space, entry)
+                if claimed is not None:
+                    self._finish(space, entry, claimed, self._attempt(lambda: self._run(space, claimed)))
+                    self._record_batch(1)
             if stop:
                 self._set_state(layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
 
+    # -- submissions: the arena's ring and the lanes' -------------------------------------
+
+    def _wait(self, timeout: float, spin: float) -> bool:
+        return wait_any(self._rings, timeout, spin)
+
+    def _gather(self) -> tuple[list[tuple[Space, int]], bool]:
+        """Everything submitted now, in arrival order per ring: (work, stop).  Commands on the
+        worker's own ring are carried out here; entries after a stop are dropped (the front-end
+        fails them)."""
+        work: list[tuple[Space, int]] = []
+        stop = False
+        for entry in self.main.submissions.pop_all():
+            if not workerlink.is_command(entry):
+                work.append((self.main, entry))
+                continue
+            op, argument = entry & 0xFFFFFFFF, entry >> 32
+            if op == workerlink.STOP:
+                stop = True
+                break
+            if op == workerlink.ATTACH_LANE:
+                self._attach_lane(argument)
+            elif op == workerlink.DETACH_LANE:
+                self._detach_lane(argument)
+        for lane in self.lanes.values():
+            try:
+                work.extend((lane, entry) for entry in lane.submissions.pop_all())
+            except RuntimeError:  # the client corrupted its ring indices: resynchronize, drop them
+                lane.submissions.discard()
+        return work, stop
+
+    def _attach_lane(self, region: int) -> None:
+        """Serve the queue at the start of client region ``region`` (front-end command)."""
+        if region in self.lanes:
+            return
+        try:
+            self.regions.ensure(region)
+        except RequestFailed:
+            return  # the client left before we got here
+        buf = self.regions.maps[region]
+        if buf is None or self.regions.sizes[region] < layout.LANE_BYTES:
+            return
+        g = layout.LANE
+        completions = Ring(buf, g.completion_off, g.ring_capacity)
+        self.lanes[region] = Space(buf, g, Ring(buf, g.submission_off, g.ring_capacity), completions,
+                                   FutexDoorbell(completions), region=region, data_floor=g.data_off)
+        self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
+
+    def _detach_lane(self, region: int) -> None:
+        if self.lanes.pop(region, None) is not None:
+            self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
+        self.regions._drop(region)
+
     # -- one request ----------------------------------------------------------------------
 
-    def _claim(self, entry: int) -> int | None:
+    def _claim(self, space: Space, entry: int) -> int | None:
         """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run."""
         index, generation = entry & 0xFFFFFFFF, entry >> 32
-        arena = self.arena
-        if not 0 <= index < self.geometry.slot_count:
+        if not 0 <= index < space.geometry.slot_count:
             return None  # hostile or corrupt entry: nothing to answer
-        if arena.slot_status(index) != (generation, SlotState.READY):
-            return None  # failed or reused by the front-end meanwhile (timeout, shutdown)
         try:
-            arena.transition(index, generation, SlotState.READY, SlotState.RUNNING, Actor.WORKER)
+            transition_slot(space.buf, space.geometry, index, generation, SlotState.READY, SlotState.RUNNING,
+                            Actor.WORKER)
         except SlotConflict:
-            return None
-        arena.stamp(index, "t_claimed")
+            return None  # failed or reused meanwhile (timeout, shutdown, a lane client's second thoughts)
+        space.stamp(index, "t_claimed")
         return index
 
     @staticmethod
@@ -323,35 +414,39 @@ class Worker:
         except Exception as exc:  # a bug here must fail one request, not kill the worker
             return None, (ErrorCode.INTERNAL, f"worker: {type(exc).__name__}: {exc}")
 
-    def _finish(self, entry: int, index: int, outcome) -> None:
+    def _finish(self, space: Space, entry: int, index: int, outcome) -> None:
         """Publish DONE or ERROR, count it, and hand the slot back through the completion ring."""
-        arena, generation = self.arena, entry >> 32
+        generation = entry >> 32
+        buf, g, slot_off = space.buf, space.geometry, space.geometry.slot_off(index)
         n_outputs, failure = outcome
         if failure is not None:
-            layout.encode_error(self.buf, self.geometry, index, *failure)
-            layout.SLOT.write(self.buf, self.geometry.slot_off(index), n_outputs=0)
-            arena.stamp(index, "t_done")
-            arena.transition(index, generation, SlotState.RUNNING, SlotState.ERROR, Actor.WORKER)
-            self._count("errors")
-        else:
-            layout.SLOT.write(self.buf, self.geometry.slot_off(index), n_outputs=n_outputs)
-            arena.stamp(index, "t_done")
+            layout.encode_error(buf, g, index, *failure)
+        layout.set_n_outputs(buf, g, index, 0 if failure is not None else n_outputs)
+        space.stamp(index, "t_done")
+        try:
             # Order matters here: outputs and descriptors are written before DONE is published.
-            arena.transition(index, generation, SlotState.RUNNING, SlotState.DONE, Actor.WORKER)
+            transition_slot(buf, g, index, generation, SlotState.RUNNING,
+                            SlotState.ERROR if failure is not None else SlotState.DONE, Actor.WORKER)
+        except SlotConflict:
+            if not space.is_lane:
+                raise
+            return  # the lane's client rewrote a running slot: nothing to publish
         self._count("requests")
-        arena.record_latencies(self.index, index)
-        self.completions.push(entry)
-        self.outbox.notify()
+        if failure is not None:
+            self._count("errors")
+        record_latencies(self.buf, self.geometry, self.index, buf, slot_off)
+        if space.completions.push(entry):
+            space.outbox.notify()
 
     def _record_batch(self, size: int) -> None:
         base = self.geometry.hist_off(self.index, "batch_size")
         atomics.fetch_add64(self.buf, base + 8 * layout.hist_bucket(size), 1)
         atomics.fetch_add64(self.buf, base + 8 * layout.HIST_BUCKETS, size)
 
-    def _run(self, index: int) -> int:
-        slot, inputs = self._decode(index)
-        placer = self._output_placer(index, slot)
-        self.arena.stamp(index, "t_compute_start")
+    def _run(self, space: Space, index: int) -> int:
+        slot, inputs = self._decode(space, index)
+        placer = self._output_placer(space, index, slot)
+        space.stamp(index, "t_compute_start")
         try:
             if hasattr(self.backend, "run_into"):  # writes outputs itself (GPU: straight into shared memory)
                 self.backend.run_into(inputs, placer.allocate)
@@ -369,28 +464,43 @@ class Worker:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}") from None
         finally:
             del inputs
-        self.arena.stamp(index, "t_compute_end")
+        space.stamp(index, "t_compute_end")
         return placer.finish()
 
-    def _decode(self, index: int):
+    def _decode(self, space: Space, index: int):
         """The slot's record and numpy views of its inputs (validated against their space)."""
-        g, buf, spec = self.geometry, self.buf, self.spec
-        slot = layout.SLOT.read(buf, g.slot_off(index))
+        g, buf, spec = space.geometry, space.buf, self.spec
+        slot = layout.decode_slot_request(buf, g, index)
         if not 0 < slot.n_inputs <= len(spec.inputs) or slot.n_inputs >= layout.MAX_TENSORS:
-            raise RequestFailed(ErrorCode.INTERNAL, f"slot has {slot.n_inputs} inputs")
+            raise RequestFailed(ErrorCode.BAD_INPUT if space.is_lane else ErrorCode.INTERNAL,
+                                f"slot has {slot.n_inputs} inputs")
         inputs = {}
         try:
             for t in range(slot.n_inputs):
-                self.regions.ensure(layout.region_of_tensor(buf, g, index, t))
+                region = layout.region_of_tensor(buf, g, index, t)
+                space.check_region(region, space.data_floor, f"input {t}")
+                self.regions.ensure(region)
                 desc = layout.decode_tensor(buf, g, index, t, self.regions.sizes)
+                space.check_region(desc.region, desc.offset, f"input {t}")
                 if desc.role != layout.ROLE_INPUT or desc.name_index >= len(spec.inputs):
-                    raise RequestFailed(ErrorCode.INTERNAL, f"tensor {t} is not an input of this model")
-                view = np.ndarray(desc.shape, desc.dtype, buffer=self.regions.buffer(desc.region, buf),
+                    raise RequestFailed(ErrorCode.BAD_INPUT if space.is_lane else ErrorCode.INTERNAL,
+                                        f"tensor {t} is not an input of this model")
+                view = np.ndarray(desc.shape, desc.dtype, buffer=self.regions.buffer(desc.region, self.buf),
                                   offset=desc.offset)
                 view.flags.writeable = False
                 inputs[spec.inputs[desc.name_index].name] = view
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        if space.is_lane:  # the front-end checked the arena's requests; nobody checked a lane's
+            signature = tuple((n, v.dtype, v.shape) for n, v in inputs.items())
+            if signature not in self._checked_lane_inputs:
+                try:
+                    bind_inputs(spec, [TensorMeta(n, layout.dtype_name(v.dtype), v.shape) for n, v in inputs.items()])
+                except ShmserveError as exc:
+                    raise RequestFailed(exc.code, exc.message) from None
+                if len(self._checked_lane_inputs) >= 1024:
+                    self._checked_lane_inputs.clear()
+                self._checked_lane_inputs.add(signature)
         return slot, inputs
 
     # -- dynamic batching -----------------------------------------------------------------
@@ -400,37 +510,42 @@ class Worker:
         tensors = self.spec.inputs + self.spec.outputs
         return all(t.shape and not isinstance(t.shape[0], int) for t in tensors)
 
-    def _run_batched(self, entries: list[int]) -> list[int]:
+    def _run_batched(self, work: list[tuple[Space, int]]) -> list[tuple[Space, int]]:
         """Claim up to max_batch_size requests (waiting at most max_queue_delay_us for more), run
-        compatible ones as one batch, answer each.  Returns entries left for the next batch."""
+        compatible ones as one batch, answer each.  Returns work left for the next batch."""
         cfg = self.config
         preferred = set(cfg.preferred_batch_sizes)
-        claimed: list[tuple[int, int]] = []
-        pending = list(entries)
+        claimed: list[tuple[Space, int, int]] = []
+        pending = list(work)
         deadline = time.monotonic() + cfg.max_queue_delay_us / 1e6
         while True:
             while pending and len(claimed) < cfg.max_batch_size:
-                entry = pending.pop(0)
-                index = self._claim(entry)
+                space, entry = pending.pop(0)
+                index = self._claim(space, entry)
                 if index is not None:
-                    claimed.append((entry, index))
+                    claimed.append((space, entry, index))
             full = len(claimed) >= cfg.max_batch_size
             remaining = deadline - time.monotonic()
-            if full or remaining <= 0 or (len(claimed) in preferred and self.submissions.empty()):
+            if full or remaining <= 0 or (len(claimed) in preferred and not _any_submitted(self._rings)):
                 break
-            if self.inbox.wait(timeout=remaining, spin=min(remaining, self.spin_s)):
-                pending += self.submissions.pop_all()
-                if workerlink.STOP_ENTRY in pending:  # stop: run what we have, keep the rest
+            # Spinning here would take the CPU from the very clients whose requests we wait for
+            # once they outnumber the cores: then sleep (futex) until one arrives.
+            spin = min(remaining, self.spin_s) if len(self.lanes) <= CPUS // 2 else 0.0
+            if self._wait(remaining, spin):
+                more, stop = self._gather()
+                pending += more
+                if stop:  # run what we have, then stop: the front-end fails what is left
+                    self._stopping = True
                     break
         groups: dict[tuple, list] = {}
-        for entry, index in claimed:
+        for space, entry, index in claimed:
             try:
-                slot, inputs = self._decode(index)
+                slot, inputs = self._decode(space, index)
             except RequestFailed as exc:
-                self._finish(entry, index, (None, (exc.code, exc.message)))
+                self._finish(space, entry, index, (None, (exc.code, exc.message)))
                 continue
             key = tuple(sorted((n, v.dtype.name, v.shape[1:]) for n, v in inputs.items()))
-            groups.setdefault(key, []).append((entry, index, slot, inputs))
+            groups.setdefault(key, []).append((space, entry, index, slot, inputs))
         for members in groups.values():
             self._execute_batch(members)
         return pending
@@ -438,13 +553,13 @@ class Worker:
     def _execute_batch(self, members: list) -> None:
         """One backend run for compatible requests: inputs concatenated along the batch dimension
         (one copy), outputs split back into each request's own output area."""
-        rows = [next(iter(m[3].values())).shape[0] for m in members]
+        rows = [next(iter(m[4].values())).shape[0] for m in members]
         names = [t.name for t in self.spec.inputs]
         now = time.monotonic_ns()
-        for _, index, _, _ in members:
-            layout.SLOT.write(self.buf, self.geometry.slot_off(index), t_compute_start=now)
+        for space, _, index, _, _ in members:
+            layout.stamp(space.buf, space.geometry, index, "t_compute_start", now)
         try:
-            batch = {n: np.concatenate([m[3][n] for m in members], axis=0) if len(members) > 1 else members[0][3][n]
+            batch = {n: np.concatenate([m[4][n] for m in members], axis=0) if len(members) > 1 else members[0][4][n]
                      for n in names}
             if hasattr(self.backend, "run_into"):
                 scratch: dict[str, np.ndarray] = {}
@@ -471,37 +586,37 @@ class Worker:
         except Exception as exc:
             failure = (exc.code, exc.message) if isinstance(exc, RequestFailed) else \
                 (ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}")
-            for entry, index, _, _ in members:
-                self._finish(entry, index, (None, failure))
+            for space, entry, index, _, _ in members:
+                self._finish(space, entry, index, (None, failure))
             return
         now = time.monotonic_ns()
         start = 0
-        for (entry, index, slot, inputs), n in zip(members, rows):
-            layout.SLOT.write(self.buf, self.geometry.slot_off(index), t_compute_end=now)
+        for (space, entry, index, slot, inputs), n in zip(members, rows):
+            layout.stamp(space.buf, space.geometry, index, "t_compute_end", now)
 
-            def place(index=index, slot=slot, start=start, n=n):
-                placer = self._output_placer(index, slot)
+            def place(space=space, index=index, slot=slot, start=start, n=n):
+                placer = self._output_placer(space, index, slot)
                 for t in self.spec.outputs:
                     part = np.asarray(results[t.name][start:start + n])
                     np.copyto(placer.allocate(t.name, part.shape, part.dtype), part, casting="no")
                 return placer.finish()
 
-            self._finish(entry, index, self._attempt(place))
+            self._finish(space, entry, index, self._attempt(place))
             start += n
         self._record_batch(len(members))
 
-    def _output_placer(self, index: int, slot) -> "OutputPlacer":
-        g = self.geometry
+    def _output_placer(self, space: Space, index: int, slot) -> "OutputPlacer":
         region = slot.out_region
+        space.check_region(region, slot.out_off, "the output area")
         self.regions.ensure(region)
         base, capacity = slot.out_off, slot.out_capacity
-        if region == 0 and not g.contains_data(base, capacity):
+        if region == 0 and not space.geometry.contains_data(base, capacity):
             raise RequestFailed(ErrorCode.INTERNAL, "output area lies outside the data region")
         if region and base + capacity > self.regions.sizes[region]:
             raise RequestFailed(ErrorCode.BAD_REGION, "output area lies outside the region")
         if slot.n_inputs + len(self.spec.outputs) > layout.MAX_TENSORS:
             raise RequestFailed(ErrorCode.INTERNAL, "too many tensors for one slot")
-        return OutputPlacer(self, index, slot.n_inputs, region, base, capacity)
+        return OutputPlacer(self, space, index, slot.n_inputs, region, base, capacity)
 
     def close(self) -> None:
         """Unregister before unmapping: regions, the backend, then the arena's registration."""
@@ -514,6 +629,10 @@ class Worker:
             self.backend = None
         if self.gpu is not None:
             self.gpu.close()
+
+
+def _any_submitted(rings: list[Ring]) -> bool:
+    return any(not ring.empty() for ring in rings)
 
 
 def _die_with_parent() -> None:
