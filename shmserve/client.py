@@ -21,6 +21,7 @@ import asyncio
 import bisect
 import mmap
 import os
+import select
 import socket
 import time
 from collections import deque
@@ -617,12 +618,12 @@ class Client:
                     return None
 
     def _check_alive(self) -> None:
-        """ConnectionClosed if the server closed this connection (lane calls wait off the socket)."""
+        """ConnectionClosed if the server closed this connection (lane calls wait off the socket).
+        Never blocks: the socket's own timeout would make a peek wait (CPython polls first)."""
         try:
-            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
                 self._fail(f"the server at {self.path} closed the connection")
-        except (BlockingIOError, TimeoutError):  # nothing to read: still connected
-            pass
         except OSError as exc:
             self._fail(f"connection to {self.path} lost: {exc}")
 

@@ -960,9 +960,11 @@ class Frontend:
                           "largest_extent": self.extents.largest},
                 "max_request_bytes": self.max_request, "request_timeout_s": self.config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
+                "lanes": sum(r.lane_buf is not None for r in self.regions.values()),
                 "workers": [{**self._worker_counters(w), "index": w.index, "model": w.model.name,
                              "device": w.model.device, "pid": w.pid,
                              "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight),
+                             "lanes": sum(r.lane_worker is w for r in self.regions.values()),
                              "io_mode": w.model.io_mode if w.model.device != "cpu" else None, "gpu": w.gpu}
                             for w in self.supervisor.workers]}
 

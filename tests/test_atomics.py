@@ -244,3 +244,49 @@ def test_futex_wake_across_processes(instance_name):
     finally:
         m.close()
         posix_ipc.unlink_shared_memory(name)
+
+
+def test_futex_waitv_outcomes(buf):
+    atomics.store32(buf, 0, 3)
+    atomics.store32(buf, 64, 5)
+    assert atomics.futex_waitv([(buf, 0, 3), (buf, 64, 6)], 1.0) == atomics.CHANGED
+    t0 = time.monotonic()
+    assert atomics.futex_waitv([(buf, 0, 3), (buf, 64, 5)], 0.05) == atomics.TIMED_OUT
+    assert time.monotonic() - t0 >= 0.04
+
+
+def test_futex_waitv_wakes_on_any_word(buf):
+    import threading
+
+    def wake_second():
+        time.sleep(0.05)
+        atomics.store32(buf, 64, 1)
+        atomics.futex_wake(buf, 64)
+
+    t = threading.Thread(target=wake_second)
+    t.start()
+    t0 = time.monotonic()
+    assert atomics.futex_waitv([(buf, 0, 0), (buf, 64, 0)], 10.0) in (atomics.WOKEN, atomics.CHANGED)
+    assert time.monotonic() - t0 < 5
+    t.join()
+
+
+def test_futex_waitv_checks_its_arguments(buf):
+    ro = memoryview(bytes(64))
+    assert atomics.futex_waitv([(ro, 0, 1)], 0.0) == atomics.CHANGED  # read-only buffers are fine
+    with pytest.raises(ValueError):
+        atomics.futex_waitv([], 0.0)
+    with pytest.raises(ValueError):
+        atomics.futex_waitv([(buf, 0, 0)] * 129, 0.0)
+    with pytest.raises(ValueError):
+        atomics.futex_waitv([(buf, 2, 0)], 0.0)  # misaligned
+    with pytest.raises(ValueError):
+        atomics.futex_waitv([(buf, 4096, 0)], 0.0)  # out of range
+    with pytest.raises(TypeError):
+        atomics.futex_waitv([(buf, 0)], 0.0)
+    with pytest.raises(TypeError):
+        atomics.futex_waitv(5, 0.0)
+    with pytest.raises(OverflowError):
+        atomics.futex_waitv([(buf, 0, 2**32)], 0.0)
+    with pytest.raises(ValueError):
+        atomics.futex_waitv([(buf, 0, 0)], -1.0)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shmserve.arena import Arena
-from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, drain_eventfd, new_eventfd
+from shmserve import rings
+from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, drain_eventfd, new_eventfd, wait_any
 
 PEER = str(Path(__file__).parent / "helpers" / "ring_peer.py")
 ARENA = dict(slot_count=16, max_workers=1, size_classes=[(4096, 1)])
@@ -87,6 +88,33 @@ def test_futex_round_trips_across_processes(arena, spin):
             assert completions.pop() == i + 1
         submissions.push(0)
         to_peer.notify()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
+@pytest.mark.parametrize("waitv", [True, False], ids=["futex_waitv", "fallback"])
+def test_wait_any_wakes_for_whichever_ring_gets_an_entry(arena, monkeypatch, waitv):
+    """A worker waits on its own ring and its lanes' at once; here the peer answers on the second
+    of two rings, 500 times, with no lost wake-up (futex_waitv, and the pre-5.16 fallback)."""
+    monkeypatch.setattr(rings, "_HAVE_WAITV", waitv)
+    submissions = Ring.of_worker(arena, 0, completion=False)
+    completions = Ring.of_worker(arena, 0, completion=True)
+    idle = Ring(bytearray(4096), 0, 16)  # a second ring nobody writes to
+    t0 = time.monotonic()
+    assert wait_any([idle, completions], timeout=0.05) is False
+    assert time.monotonic() - t0 >= 0.04
+    peer = _start_peer(arena.instance, "futex")
+    try:
+        for i in range(1, 501):
+            assert submissions.push(i)
+            FutexDoorbell(submissions).notify()
+            assert wait_any([idle, completions], timeout=10), f"lost wake-up at round {i}"
+            assert completions.pop() == i + 1
+        submissions.push(0)
+        FutexDoorbell(submissions).notify()
         assert peer.wait(timeout=30) == 0
     finally:
         if peer.poll() is None:
