@@ -17,16 +17,9 @@ import pytest
 from shmserve import protocol
 from shmserve.protocol import Kind
 
-from helpers.server import ServerProcess, concurrent_infer
+from helpers.server import DOUBLE_BATCHED, ServerProcess, concurrent_infer
 
-CONFIG = """
-[[models]]
-name = "double"
-backend = "python"
-path = "serving_models:double_rows"
-max_batch_size = 8
-max_queue_delay_us = 300000
-
+CONFIG = DOUBLE_BATCHED + """
 [[models]]
 name = "fixed"
 backend = "python"

@@ -24,7 +24,7 @@ from shmserve import _atomics as atomics
 from shmserve.slotstate import SlotState
 
 from conftest import shm_names
-from helpers.server import ServerProcess
+from helpers.server import DOUBLE_BATCHED, ServerProcess
 
 CONFIG = """
 [[models]]
@@ -37,13 +37,7 @@ name = "slow"
 backend = "python"
 path = "serving_models:slow"
 
-[[models]]
-name = "double"
-backend = "python"
-path = "serving_models:double_rows"
-max_batch_size = 8
-max_queue_delay_us = 300000
-"""
+""" + DOUBLE_BATCHED
 
 
 @pytest.fixture(scope="module")

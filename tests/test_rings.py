@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -69,9 +70,22 @@ def test_waits_time_out_and_return_at_once_when_non_empty(arena):
             os.close(bell.fd)
 
 
-def _start_peer(instance, kind, fd=None, spin=0.0):
-    args = [sys.executable, PEER, instance, kind, str(fd if fd is not None else -1), str(spin)]
-    return subprocess.Popen(args, pass_fds=() if fd is None else (fd,))
+@contextlib.contextmanager
+def running_peer(arena, kind, fd=None, spin=0.0):
+    """The ring peer process (it answers entry i with i + 1); told to stop with entry 0 and
+    reaped when the block ends, killed if it fails."""
+    args = [sys.executable, PEER, arena.instance, kind, str(fd if fd is not None else -1), str(spin)]
+    peer = subprocess.Popen(args, pass_fds=() if fd is None else (fd,))
+    submissions = Ring.of_worker(arena, 0, completion=False)
+    try:
+        yield peer
+        submissions.push(0)
+        FutexDoorbell(submissions).notify()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
 
 
 @pytest.mark.parametrize("spin", [0.0, 0.0005])
@@ -79,20 +93,12 @@ def test_futex_round_trips_across_processes(arena, spin):
     submissions = Ring.of_worker(arena, 0, completion=False)
     completions = Ring.of_worker(arena, 0, completion=True)
     to_peer, from_peer = FutexDoorbell(submissions), FutexDoorbell(completions)
-    peer = _start_peer(arena.instance, "futex", spin=spin)
-    try:
+    with running_peer(arena, "futex", spin=spin):
         for i in range(1, 2001):
             assert submissions.push(i)
             to_peer.notify()
             assert from_peer.wait(timeout=10, spin=spin), f"lost wake-up at round {i}"
             assert completions.pop() == i + 1
-        submissions.push(0)
-        to_peer.notify()
-        assert peer.wait(timeout=30) == 0
-    finally:
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
 
 
 @pytest.mark.parametrize("waitv", [True, False], ids=["futex_waitv", "fallback"])
@@ -106,20 +112,12 @@ def test_wait_any_wakes_for_whichever_ring_gets_an_entry(arena, monkeypatch, wai
     t0 = time.monotonic()
     assert wait_any([idle, completions], timeout=0.05) is False
     assert time.monotonic() - t0 >= 0.04
-    peer = _start_peer(arena.instance, "futex")
-    try:
+    with running_peer(arena, "futex"):
         for i in range(1, 501):
             assert submissions.push(i)
             FutexDoorbell(submissions).notify()
             assert wait_any([idle, completions], timeout=10), f"lost wake-up at round {i}"
             assert completions.pop() == i + 1
-        submissions.push(0)
-        FutexDoorbell(submissions).notify()
-        assert peer.wait(timeout=30) == 0
-    finally:
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
 
 
 def test_eventfd_completions_wake_an_asyncio_loop(arena):
@@ -127,7 +125,6 @@ def test_eventfd_completions_wake_an_asyncio_loop(arena):
     completions = Ring.of_worker(arena, 0, completion=True)
     fd = new_eventfd()
     bell = EventfdDoorbell(completions, fd)
-    peer = _start_peer(arena.instance, "eventfd", fd=fd)
     received: list[int] = []
 
     async def main():
@@ -156,13 +153,8 @@ def test_eventfd_completions_wake_an_asyncio_loop(arena):
             loop.remove_reader(fd)
 
     try:
-        asyncio.run(main())
-        submissions.push(0)
-        FutexDoorbell(submissions).notify()
-        assert peer.wait(timeout=30) == 0
+        with running_peer(arena, "eventfd", fd=fd):
+            asyncio.run(main())
     finally:
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
         os.close(fd)
     assert received == [i + 1 for i in range(1, 501)]

@@ -20,6 +20,16 @@ TESTS_DIR = Path(__file__).resolve().parent.parent
 DEMO_PATH = demo_config().models[0].path
 
 
+DOUBLE_BATCHED = """
+[[models]]
+name = "double"
+backend = "python"
+path = "serving_models:double_rows"
+max_batch_size = 8
+max_queue_delay_us = 300000
+"""  # concurrent requests within 300 ms share a run
+
+
 def standard_models(identity_instances: int = 2) -> str:
     return textwrap.dedent(f"""
         [[models]]
