@@ -34,8 +34,9 @@ class FrontendCollector:
     def collect(self):
         fe = self.fe
         arena, g = fe.arena, fe.arena.geometry
-        requests = CounterMetricFamily("shmserve_requests", "Requests answered, by model and outcome "
-                                       "(ok or the error code)", labels=["model", "outcome"])
+        requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model and "
+                                       "outcome (ok or the error code); lane calls are in shmserve_worker_requests",
+                                       labels=["model", "outcome"])
         for (model, outcome), n in sorted(fe.outcomes.items()):
             requests.add_metric([model, outcome], n)
         yield requests
@@ -66,6 +67,19 @@ class FrontendCollector:
             inflight.add_metric([name], len(mine))
         yield queued
         yield inflight
+
+        served = CounterMetricFamily("shmserve_worker_requests", "Requests a worker finished, socket and lane "
+                                     "calls alike (outcome ok or error), since the worker started",
+                                     labels=["model", "worker", "outcome"])
+        lanes = GaugeMetricFamily("shmserve_lanes", "Lanes (client regions with their own queue) attached, by "
+                                  "model and worker", labels=["model", "worker"])
+        for w in fe.supervisor.workers:
+            counters = fe.worker_counters(w)
+            served.add_metric([w.model.name, str(w.index), "ok"], counters["requests"] - counters["errors"])
+            served.add_metric([w.model.name, str(w.index), "error"], counters["errors"])
+            lanes.add_metric([w.model.name, str(w.index)], counters["lanes"])
+        yield served
+        yield lanes
 
         restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts", labels=["model", "worker"])
         workers = GaugeMetricFamily("shmserve_workers", "Workers by model and state", labels=["model", "state"])

@@ -948,9 +948,11 @@ class Frontend:
                      "workers_ready": sum(w.state == READY for w in m.workers),
                      "restarts": sum(w.restarts for w in m.workers)} for m in self.models.values()}}
 
-    def _worker_counters(self, w: WorkerHandle) -> dict:
+    def worker_counters(self, w: WorkerHandle) -> dict:
+        """What worker ``w`` has finished (socket and lane calls) and how many lanes it serves."""
         entry = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index))
-        return {"requests": entry.requests, "errors": entry.errors}
+        return {"requests": entry.requests, "errors": entry.errors,
+                "lanes": sum(r.lane_worker is w for r in self.regions.values())}
 
     def info(self) -> dict:
         g = self.arena.geometry
@@ -961,10 +963,9 @@ class Frontend:
                 "max_request_bytes": self.max_request, "request_timeout_s": self.config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
                 "lanes": sum(r.lane_buf is not None for r in self.regions.values()),
-                "workers": [{**self._worker_counters(w), "index": w.index, "model": w.model.name,
+                "workers": [{**self.worker_counters(w), "index": w.index, "model": w.model.name,
                              "device": w.model.device, "pid": w.pid,
                              "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight),
-                             "lanes": sum(r.lane_worker is w for r in self.regions.values()),
                              "io_mode": w.model.io_mode if w.model.device != "cpu" else None, "gpu": w.gpu}
                             for w in self.supervisor.workers]}
 

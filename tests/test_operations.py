@@ -274,6 +274,19 @@ def test_metrics_json_logs_and_reload(tmp_path):
         count = ("shmserve_request_stage_seconds_count", (("model", "identity"), ("stage", "total")))
         assert m1[count] - m0.get(count, 0) == 7
         assert m1[("shmserve_slots", ())] > 0 and ("shmserve_arena_bytes_in_use", ()) in m1
+        with srv.client() as c:  # lane calls skip the front-end: the workers' counters see them
+            with c.zero_copy("identity", {"x": ((10,), np.uint8)}) as call:
+                for _ in range(5):
+                    call.run()
+                m2 = scrape(metrics)
+
+        def total(m, name, **labels):
+            return sum(v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items())
+
+        assert total(m2, "shmserve_worker_requests_total", outcome="ok") - \
+            total(m1, "shmserve_worker_requests_total", outcome="ok") == 5
+        assert total(m2, "shmserve_lanes", model="identity") == 1
+        assert m2[key] == m1[key]
         # reload: a bad config keeps the old one; a good one restarts the changed model
         config = srv.config_path.read_text()
         srv.config_path.write_text(config + "bogus_key = 1\n")
