@@ -502,8 +502,16 @@ class Client:
             output_capacity = _estimate(self._specs[model], specs)
         wanted = list(sizes.values()) + [output_capacity]
         lane = model if self.lanes and self._specs[model] is not None else None
-        candidates = [r for r in self._regions if (r.lane.model if r.lane else None) == lane]
-        region = _find_region(candidates, wanted) or self.open_region(_region_size(sizes, output_capacity), lane=lane)
+        region = _find_region([r for r in self._regions if (r.lane.model if r.lane else None) == lane], wanted)
+        if region is None and lane is not None:
+            try:
+                region = self.open_region(_region_size(sizes, output_capacity), lane=lane)
+            except ShmserveError as exc:
+                if exc.code is not ErrorCode.OVERLOADED:
+                    raise
+                lane = None  # the model's workers serve all the lanes they can: use the socket
+                region = _find_region([r for r in self._regions if r.lane is None], wanted)
+        region = region or self.open_region(_region_size(sizes, output_capacity))
         placed, out_off = _place(region, specs, sizes, output_capacity)
         return ZeroCopyCall(self, model, region, placed, out_off, output_capacity)
 

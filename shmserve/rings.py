@@ -177,8 +177,8 @@ def wait_any(rings: list[Ring], timeout: float, spin: float = 0.0) -> bool:
     The FutexDoorbell protocol on every ring at once, sleeping in one futex_waitv(2).
     A lane's doorbell lies in its client's memory: a client that scribbles on it can only
     cost wake-ups on its own lane or a spurious wake-up here, never a lost one elsewhere.
-    On kernels without futex_waitv (before 5.16) this sleeps on the first ring only, in
-    slices of ``FALLBACK_SLICE_S``, and polls the others between slices.
+    On kernels without futex_waitv (before 5.16), or past WAITV_MAX rings, this sleeps on
+    the first ring only, in slices of ``FALLBACK_SLICE_S``, and polls the others between slices.
     """
     if len(rings) == 1:
         return FutexDoorbell(rings[0]).wait(timeout, spin)
@@ -197,7 +197,7 @@ def wait_any(rings: list[Ring], timeout: float, spin: float = 0.0) -> bool:
             if _any_nonempty(rings):
                 return True
             remaining = max(0.0, deadline - time.monotonic())
-            if _HAVE_WAITV:
+            if _HAVE_WAITV and len(words) <= WAITV_MAX:
                 _waitv(words, remaining)
             else:
                 atomics.futex_wait(*words[0], min(remaining, FALLBACK_SLICE_S))
@@ -211,6 +211,7 @@ def wait_any(rings: list[Ring], timeout: float, spin: float = 0.0) -> bool:
 
 
 FALLBACK_SLICE_S = 0.001
+WAITV_MAX = 128  # the kernel's limit on words per futex_waitv
 _HAVE_WAITV = True
 
 

@@ -413,10 +413,7 @@ class Frontend:
     # -- workers --------------------------------------------------------------------------
 
     def _worker_ready(self, w: WorkerHandle) -> None:
-        for region in list(self.regions.values()):
-            if region.lane_model is not None and region.lane_worker is None and \
-                    region.lane_model.name == w.model.name:
-                self._attach_lane(region)
+        self._attach_waiting_lanes(self.models[w.model.name])
         self._admit_waiting()
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
@@ -821,6 +818,10 @@ class Frontend:
             lane_model = self.models.get(meta["lane"]) if isinstance(meta["lane"], str) else None
             if lane_model is None:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {meta['lane']!r} is none")
+            lanes = sum(r.lane_model is lane_model for r in self.regions.values())
+            if lanes >= workerlink.MAX_LANES * len(lane_model.workers):
+                raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {lanes} lanes, its "
+                                                          f"most; use a region without a lane")
             size += layout.LANE_BYTES
         if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
             raise ShmserveError(ErrorCode.OVERLOADED, f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection")
@@ -861,6 +862,7 @@ class Frontend:
             if region.lane_worker is not None:
                 self._command(region.lane_worker, workerlink.command(workerlink.DETACH_LANE, region.id))
                 region.lane_worker = None
+                self._attach_waiting_lanes(region.lane_model)  # a worker has room again
             region.lane_buf.close()
             region.lane_buf = None
             self._tune_lane_spin()
@@ -874,15 +876,21 @@ class Frontend:
     def _attach_lane(self, region: Region) -> None:
         """Give a lane to the ready worker of its model that has the fewest (none ready: it waits
         for ``_worker_ready``; requests queued meanwhile run once it is attached)."""
-        ready = [w for w in region.lane_model.workers if w.state == READY]
+        load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
+        ready = [w for w in region.lane_model.workers if w.state == READY and load[w] < workerlink.MAX_LANES]
         if not ready or self.stopping:
             region.lane_worker = None
             return
-        load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
         worker = min(ready, key=lambda w: load[w])
         region.lane_worker = worker
         layout.LANE_HEADER.write(region.lane_buf, 0, worker=worker.index)
         self._command(worker, workerlink.command(workerlink.ATTACH_LANE, region.id))
+
+    def _attach_waiting_lanes(self, model: ModelState) -> None:
+        """Attach the lanes of ``model`` that have no worker (none was ready, or all were full)."""
+        for region in list(self.regions.values()):
+            if region.lane_model is model and region.lane_worker is None and region.lane_buf is not None:
+                self._attach_lane(region)
 
     def _tune_lane_spin(self) -> None:
         """Tell lane clients whether to spin for completions: only while there are at most half as

@@ -40,6 +40,9 @@ STOP, ATTACH_LANE, DETACH_LANE = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
 STOP_ENTRY = 2**64 - 1  # finish what you have, then exit (STOP with argument 0xFFFFFFFF)
 
 
+MAX_LANES = 127  # per worker: it sleeps on its own ring and its lanes' in one futex_waitv (128 words)
+
+
 def command(op: int, argument: int) -> int:
     """A command entry: ATTACH_LANE/DETACH_LANE take the lane's region id."""
     return (argument & 0xFFFFFFFF) << 32 | op

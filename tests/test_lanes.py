@@ -318,3 +318,35 @@ def test_a_lane_call_ends_when_the_server_dies(tmp_path):
         subprocess.run([sys.executable, "-m", "shmserve.cli", "cleanup", "--instance", srv.instance],
                        capture_output=True, timeout=60)
     assert shm_names() == before
+
+
+def test_a_worker_serves_at_most_max_lanes_then_calls_use_the_socket(server):
+    from shmserve import workerlink
+
+    clients = [server.client() for _ in range(workerlink.MAX_LANES // 16 + 1)]
+    try:
+        lanes = []
+        for c in clients:
+            while len(lanes) < workerlink.MAX_LANES and len(c._regions) < 16:
+                lanes.append(c.open_region(4096, lane="identity"))
+        assert len(lanes) == workerlink.MAX_LANES
+        with pytest.raises(ShmserveError) as info:
+            clients[-1].open_region(4096, lane="identity")
+        assert info.value.code is ErrorCode.OVERLOADED
+        wait_for(lambda: [w["lanes"] for w in server.info()["workers"] if w["model"] == "identity"]
+                 == [workerlink.MAX_LANES], "every lane to be attached")
+        x = np.arange(100, dtype=np.uint8)
+        with server.client() as late:  # no lane to be had: zero-copy calls go over the socket
+            with late.zero_copy("identity", {"x": (x.shape, x.dtype)}) as call:
+                assert call.region.lane is None
+                call.inputs["x"][...] = x
+                assert call.run()["y"].tolist() == x.tolist()
+        owner = next(c for c in clients if lanes[-1] in c._regions)  # the last lane still answers
+        with owner.zero_copy("identity", {"x": (x.shape, x.dtype)}) as call:
+            assert call.region.lane is not None
+            call.inputs["x"][...] = x
+            assert call.run()["y"].tolist() == x.tolist()
+    finally:
+        for c in clients:
+            c.close()
+    wait_for(lambda: all(w["lanes"] == 0 for w in server.info()["workers"]), "the lanes to be dropped")

@@ -158,3 +158,16 @@ def test_eventfd_completions_wake_an_asyncio_loop(arena):
     finally:
         os.close(fd)
     assert received == [i + 1 for i in range(1, 501)]
+
+
+def test_wait_any_past_the_futex_waitv_limit_polls_the_rest():
+    many = [Ring(bytearray(1024), 0, 16) for _ in range(rings.WAITV_MAX + 2)]
+    assert wait_any(many, timeout=0.01) is False
+    import threading
+
+    late = threading.Timer(0.05, many[-1].push, args=(5,))  # no doorbell rung: found by polling
+    late.start()
+    t0 = time.monotonic()
+    assert wait_any(many, timeout=5) is True
+    assert time.monotonic() - t0 < 4
+    late.join()
