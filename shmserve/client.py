@@ -5,7 +5,9 @@ caller's arrays with one vectored ``sendmsg`` and receive results straight
 into freshly allocated arrays (``recvmsg_into``); zero-copy calls work in a
 region of shared memory the server created for this connection and passed as
 a file descriptor: inputs are written into it by the caller, outputs are read
-from it, and only small descriptors cross the socket.
+from it, and only small descriptors cross the socket, or nothing at all: a
+lane region carries its own queue to a worker (``LaneQueue``), which the
+blocking client uses for zero-copy calls by default.
 
 Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
 ``ConnectionClosed`` when no server answers.  Neither client is thread-safe;
@@ -31,7 +33,7 @@ import numpy as np
 
 from shmserve import _atomics as atomics
 from shmserve import layout, protocol
-from shmserve.arena import transition_slot
+from shmserve.arena import SlotConflict, transition_slot
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
@@ -159,8 +161,10 @@ class LaneQueue:
 
     A slot goes FREE -> WRITING -> READY here (the client plays the front-end's part
     of the slot state machine), RUNNING -> DONE or ERROR in the worker, and back to
-    FREE once its answer is read.  A call that times out leaves its slot with the
-    worker; the slot is recycled when its completion arrives.
+    FREE once its answer is read.  The slot's status word is what says a call has
+    finished; completion entries only wake the client (so a worker that dies between
+    publishing DONE and pushing the entry loses nothing).  A call that times out
+    leaves its slot with the worker; the slot is recycled once it has finished.
     """
 
     def __init__(self, region: Region, model: str):
@@ -170,21 +174,24 @@ class LaneQueue:
         self.completions = Ring(self.buf, g.completion_off, g.ring_capacity)
         self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
         self.free = list(range(g.slot_count - 1, -1, -1))
-        self.finished: set[int] = set()  # slot indices whose completion arrived
-        self.abandoned: set[int] = set()  # timed out: free them when they finish
+        self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
                out_offset: int, out_capacity: int) -> tuple[int, int]:
         """Publish one request (``inputs``: (name index, offset, view)); returns (slot, generation)."""
         g, buf = layout.LANE, self.buf
         if not self.free:
-            self._drain()
+            self._reclaim()
             if not self.free:
                 raise ShmserveError(ErrorCode.OVERLOADED, f"all {g.slot_count} slots of this lane are busy "
                                                           f"(calls that timed out still run)")
         index = self.free.pop()
         generation, _ = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
-        generation = transition_slot(buf, g, index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
+        try:
+            generation = transition_slot(buf, g, index, generation, SlotState.FREE, SlotState.WRITING,
+                                         Actor.FRONTEND)
+        except SlotConflict:  # only this client writes a free slot: its lane was overwritten
+            raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} is not free") from None
         for t, (name_index, offset, view) in enumerate(inputs):
             layout.encode_tensor(buf, g, index, t, role=layout.ROLE_INPUT, name_index=name_index,
                                  dtype=view.dtype, shape=view.shape, offset=offset, region=self.region.id)
@@ -199,20 +206,19 @@ class LaneQueue:
         self.bell.notify()
         return index, generation
 
-    def wait(self, index: int, deadline: float, spin_s: float | None, alive) -> None:
+    def wait(self, index: int, generation: int, deadline: float, spin_s: float | None, alive) -> None:
         """Block until slot ``index`` finished, spinning ``spin_s`` first (None: as long as the
         server's hint in the lane header says); ``alive()`` is asked every WAIT_SLICE_S whether
         the server is still there (ConnectionClosed if not).  TIMEOUT at ``deadline``."""
         if spin_s is None:
             spin_s = atomics.load32(self.buf, layout.LANE_SPIN_OFFSET) / 1e6
         while True:
-            self._drain()
-            if index in self.finished:
-                self.finished.discard(index)
+            self.completions.discard()  # wake-up hints: the status word decides
+            if self._finished(index, generation):
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.abandoned.add(index)
+                self.abandoned[index] = generation
                 raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
             if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
                 alive()
@@ -244,17 +250,17 @@ class LaneQueue:
         finally:
             self._free(index, got_generation, state)
 
-    def _drain(self) -> None:
-        for entry in self.completions.pop_all():
-            index = entry & 0xFFFFFFFF
-            if index >= layout.LANE.slot_count:
-                continue
-            if index in self.abandoned:
-                self.abandoned.discard(index)
-                generation, state = layout.unpack_status(atomics.load64(self.buf, layout.LANE.slot_off(index)))
-                self._free(index, generation, state)
-            else:
-                self.finished.add(index)
+    def _finished(self, index: int, generation: int) -> bool:
+        word = atomics.load64(self.buf, layout.LANE.slot_off(index))
+        return word >> 32 == generation and word & 0xFFFFFFFF in FINISHED
+
+    def _reclaim(self) -> None:
+        """Free the slots of timed-out calls that have finished since."""
+        for index, generation in list(self.abandoned.items()):
+            if self._finished(index, generation):
+                del self.abandoned[index]
+                word = atomics.load64(self.buf, layout.LANE.slot_off(index))
+                self._free(index, generation, word & 0xFFFFFFFF)
 
     def _free(self, index: int, generation: int, state: int) -> None:
         if state in FINISHED:
@@ -304,7 +310,8 @@ class ZeroCopyCall:
         rid = client._next_id
         client._next_id += 1
         index, generation = lane.submit(rid, 0, inputs, self.out_offset, self.out_capacity)
-        lane.wait(index, time.monotonic() + (timeout or client.timeout), client._lane_spin_s, client._check_alive)
+        lane.wait(index, generation, time.monotonic() + (timeout or client.timeout), client._lane_spin_s,
+                  client._check_alive)
         placed = lane.read(index, generation, self.out_offset, self.out_capacity)
         outputs = {}
         for name_index, (dtype, shape, offset) in sorted(placed.items()):

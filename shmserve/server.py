@@ -980,10 +980,10 @@ class Frontend:
 
 def _fail_lane(buf, code: ErrorCode, message: str) -> None:
     """Fail every request queued or running in a lane whose worker is dead: ERROR, pushed on its
-    completion ring (the front-end is its only producer until another worker attaches)."""
+    completion ring (the front-end is its only producer until another worker attaches), and wake
+    the client (also for a call the worker finished but did not get to push)."""
     g = layout.LANE
     completions = Ring(buf, g.completion_off, g.ring_capacity)
-    failed = False
     for index in range(g.slot_count):
         generation, state = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
         if state not in (SlotState.READY, SlotState.RUNNING):
@@ -993,9 +993,8 @@ def _fail_lane(buf, code: ErrorCode, message: str) -> None:
             transition_slot(buf, g, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
         except SlotConflict:
             continue  # the client rewrote it meanwhile
-        failed |= completions.push(generation << 32 | index)
-    if failed:
-        FutexDoorbell(completions).notify()
+        completions.push(generation << 32 | index)
+    FutexDoorbell(completions).notify()
 
 
 class _Answered:

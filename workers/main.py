@@ -3,7 +3,10 @@
 Owns: the worker's life (attach the arena, load and warm the model, report
 its spec, serve, stop) and the request step: claim a READY slot, hand the
 backend numpy views of its inputs, write the outputs into the slot's output
-area, publish DONE or ERROR, push the completion and ring the front-end.
+area, publish DONE or ERROR, push the completion and ring whoever waits.
+Slots come from the arena (queued by the front-end) or from lanes the
+front-end attached (client regions with their own queue, ``layout.LANE``):
+one ``Space`` each, all waited on at once.
 
 Started by the front-end as ``python -m workers.main`` (argv in
 ``shmserve.workerlink``), never forked from a process that touched CUDA.  It
@@ -93,10 +96,11 @@ class RegionCache:
         """Unmap regions whose name is gone (their client disconnected or closed them); their ids."""
         gone = [r for r in self.maps if not os.path.exists(f"/dev/shm/shmserve.{self.instance}.r{r}")]
         for region in gone:
-            self._drop(region)
+            self.drop(region)
         return gone
 
-    def _drop(self, region: int) -> None:
+    def drop(self, region: int) -> None:
+        """Unmap ``region`` (after unregistering it from the GPU); nothing if it is not mapped."""
         if region not in self.maps:
             return
         if self.gpu is not None:
@@ -108,7 +112,7 @@ class RegionCache:
 
     def close(self) -> None:
         for region in list(self.maps):
-            self._drop(region)
+            self.drop(region)
 
 
 class GpuMemory:
@@ -387,7 +391,7 @@ class Worker:
     def _detach_lane(self, region: int) -> None:
         if self.lanes.pop(region, None) is not None:
             self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
-        self.regions._drop(region)
+        self.regions.drop(region)
 
     # -- one request ----------------------------------------------------------------------
 
@@ -435,8 +439,8 @@ class Worker:
         if failure is not None:
             self._count("errors")
         record_latencies(self.buf, self.geometry, self.index, buf, slot_off)
-        if space.completions.push(entry):
-            space.outbox.notify()
+        space.completions.push(entry)  # a lane's ring may be full if its client does not drain it: the
+        space.outbox.notify()           # entry is only a wake-up there, the status word is the answer
 
     def _record_batch(self, size: int) -> None:
         base = self.geometry.hist_off(self.index, "batch_size")
