@@ -288,6 +288,9 @@ def test_metrics_json_logs_and_reload(tmp_path):
         assert total(m2, "shmserve_lanes", model="identity") == 1
         assert m2[key] == m1[key]
         # reload: a bad config keeps the old one; a good one restarts the changed model
+        keeper = srv.client()  # a lane open across the reload moves to the restarted worker
+        kept = keeper.zero_copy("identity", {"x": ((3,), np.uint8)})
+        kept.inputs["x"][...] = 2
         config = srv.config_path.read_text()
         srv.config_path.write_text(config + "bogus_key = 1\n")
         srv.proc.send_signal(signal.SIGHUP)
@@ -300,6 +303,10 @@ def test_metrics_json_logs_and_reload(tmp_path):
                  what="the restarted worker")
         with srv.client() as c:
             assert c.infer("identity", {"x": np.ones(4, np.uint8)})["y"].sum() == 4
+        wait_for(lambda: srv.info()["workers"][0]["lanes"] == 1, what="the lane to be attached again")
+        assert kept.run()["y"].tolist() == [2, 2, 2]
+        kept.release()
+        keeper.close()
     finally:
         assert srv.stop() == 0, srv.log()
     lines = [json.loads(line) for line in srv.log().splitlines() if line.strip()]
