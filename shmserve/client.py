@@ -25,6 +25,7 @@ import mmap
 import os
 import select
 import socket
+import threading
 import time
 from collections import deque
 from typing import Mapping
@@ -250,6 +251,11 @@ class LaneQueue:
         finally:
             self._free(index, got_generation, state)
 
+    def has_free_slot(self) -> bool:
+        if not self.free:
+            self._reclaim()
+        return bool(self.free)
+
     def _finished(self, index: int, generation: int) -> bool:
         word = atomics.load64(self.buf, layout.LANE.slot_off(index))
         return word >> 32 == generation and word & 0xFFFFFFFF in FINISHED
@@ -270,6 +276,59 @@ class LaneQueue:
 
 
 WAIT_SLICE_S = 0.05  # a lane call checks that the server is alive this often while it waits
+
+
+class LaneWatcher:
+    """Wakes an asyncio loop for a lane's completions.  A loop cannot wait on a futex, so a
+    thread sleeps on the lane's completion doorbell and hands over with call_soon_threadsafe;
+    every WAIT_SLICE_S it also has the loop look at the slots (the status word is the answer,
+    an entry only a wake-up)."""
+
+    def __init__(self, lane: LaneQueue, loop: asyncio.AbstractEventLoop):
+        self.lane, self.loop = lane, loop
+        self.waiting: dict[int, tuple[int, asyncio.Future]] = {}  # slot -> (generation, its caller)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"shmserve-lane-{lane.region.id}", daemon=True)
+        self._thread.start()
+
+    async def wait(self, index: int, generation: int, timeout: float) -> None:
+        """Until slot ``index`` finished; TIMEOUT after ``timeout`` s (the slot is reclaimed later)."""
+        future = self.loop.create_future()
+        self.waiting[index] = (generation, future)
+        self._settle()
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            self.lane.abandoned[index] = generation
+            raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time") from None
+        finally:
+            self.waiting.pop(index, None)
+
+    def fail(self, exc: Exception) -> None:
+        for _, future in self.waiting.values():
+            if not future.done():
+                future.set_exception(exc)
+
+    def stop(self) -> None:
+        """Stop the thread (before the lane's memory is unmapped)."""
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if self.lane.inbox.wait(timeout=WAIT_SLICE_S):
+                self.lane.completions.discard()
+            elif not self.waiting:
+                continue
+            try:
+                self.loop.call_soon_threadsafe(self._settle)
+            except RuntimeError:  # the loop is closed
+                return
+
+    def _settle(self) -> None:
+        for index, (generation, future) in list(self.waiting.items()):
+            if not future.done() and self.lane._finished(index, generation):
+                future.set_result(None)
 
 
 def _wire(code: int) -> str:
@@ -294,25 +353,34 @@ class ZeroCopyCall:
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release."""
-        if self.region.lane is not None:
-            return self._lane_run(timeout)
+        if self._lane_usable():
+            index, generation = self._lane_submit()
+            lane, client = self.region.lane, self.client
+            lane.wait(index, generation, time.monotonic() + (timeout or client.timeout), client._lane_spin_s,
+                      client._check_alive)
+            return self._lane_collect(index, generation)
         return self._collect(self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
 
-    def _lane_run(self, timeout: float | None) -> dict[str, np.ndarray]:
-        """Through the region's own queue: the worker is woken directly, no frame is sent."""
-        client, lane, spec = self.client, self.region.lane, self.client._specs[self.model]
+    def _lane_usable(self) -> bool:
+        """Through the region's own queue if it has one with a free slot (all 16 busy: this call
+        goes over the socket instead, as a descriptor naming the same region)."""
+        return self.region.lane is not None and self.region.lane.has_free_slot()
+
+    def _lane_submit(self) -> tuple[int, int]:
+        spec = self.client._specs[self.model]
         names = [t.name for t in spec.inputs]
         try:
             inputs = [(names.index(n), off, v) for n, (off, v) in self._inputs.items()]
         except ValueError:
             raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
                                                      f"got {list(self._inputs)}") from None
-        rid = client._next_id
-        client._next_id += 1
-        index, generation = lane.submit(rid, 0, inputs, self.out_offset, self.out_capacity)
-        lane.wait(index, generation, time.monotonic() + (timeout or client.timeout), client._lane_spin_s,
-                  client._check_alive)
-        placed = lane.read(index, generation, self.out_offset, self.out_capacity)
+        rid = self.client._next_id
+        self.client._next_id += 1
+        return self.region.lane.submit(rid, 0, inputs, self.out_offset, self.out_capacity)
+
+    def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
+        spec = self.client._specs[self.model]
+        placed = self.region.lane.read(index, generation, self.out_offset, self.out_capacity)
         outputs = {}
         for name_index, (dtype, shape, offset) in sorted(placed.items()):
             view = np.ndarray(shape, dtype, buffer=self.region.buf, offset=offset)
@@ -361,6 +429,10 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        if self._lane_usable():
+            index, generation = self._lane_submit()
+            await self.client._lane_watcher(self.region).wait(index, generation, timeout or self.client.timeout)
+            return self._lane_collect(index, generation)
         return self._collect(await self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
 
     async def __aenter__(self) -> "AsyncZeroCopyCall":
@@ -656,9 +728,12 @@ class AsyncClient:
     matched by id.  ``zero_copy`` works as in ``Client`` (``await call.run()``).
     """
 
-    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE):
+    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
+                 lanes: bool = True):
         self.path = resolve_socket(socket_path, None, instance)
         self.timeout = timeout
+        self.lanes = lanes  # zero-copy calls through lanes (see Client)
+        self._watchers: dict[int, LaneWatcher] = {}  # lane region id -> its completion watcher
         self._next_id = 1
         self._waiters: dict[int, asyncio.Future] = {}
         self._lock = asyncio.Lock()
@@ -699,12 +774,15 @@ class AsyncClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._fail_all("client closed")
+        for watcher in self._watchers.values():
+            watcher.stop()  # before the lanes' memory is unmapped
+        self._watchers.clear()
         for region in self._regions:
             region.close()
         self._regions.clear()
         while self._fds:
             os.close(self._fds.popleft())
-        self._fail_all("client closed")
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
         metas, arrays = _prepare_inputs(inputs)
@@ -721,26 +799,45 @@ class AsyncClient:
     async def info(self) -> dict:
         return {k: v for k, v in (await self._call(Kind.INFO, {})).meta.items() if k != "id"}
 
-    async def open_region(self, size: int) -> Region:
-        frame = await self._call(Kind.OPEN_REGION, {"size": size})
+    async def open_region(self, size: int, *, lane: str | None = None) -> Region:
+        """As ``Client.open_region``."""
+        frame = await self._call(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
         if not self._fds:
             raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
-        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft())
+        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft(), frame.meta.get("lane"))
         self._regions.append(region)
         return region
 
     async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *,
                         output_capacity: int | None = None) -> AsyncZeroCopyCall:
-        """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``."""
+        """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``.
+        Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
         specs, sizes = _normalize(inputs)
+        if model not in self._specs:
+            self._specs[model] = _spec_of(await self.models(), model)
         if output_capacity is None:
-            if model not in self._specs:
-                self._specs[model] = _spec_of(await self.models(), model)
             output_capacity = _estimate(self._specs[model], specs)
         wanted = list(sizes.values()) + [output_capacity]
-        region = _find_region(self._regions, wanted) or await self.open_region(_region_size(sizes, output_capacity))
+        lane = model if self.lanes and self._specs[model] is not None else None
+        region = _find_region([r for r in self._regions if (r.lane.model if r.lane else None) == lane], wanted)
+        if region is None and lane is not None:
+            try:
+                region = await self.open_region(_region_size(sizes, output_capacity), lane=lane)
+            except ShmserveError as exc:
+                if exc.code is not ErrorCode.OVERLOADED:
+                    raise
+                region = _find_region([r for r in self._regions if r.lane is None], wanted)
+        region = region or await self.open_region(_region_size(sizes, output_capacity))
         placed, out_off = _place(region, specs, sizes, output_capacity)
         return AsyncZeroCopyCall(self, model, region, placed, out_off, output_capacity)
+
+    def _lane_watcher(self, region: Region) -> LaneWatcher:
+        if self._closed_reason:
+            raise ConnectionClosed(self._closed_reason)
+        watcher = self._watchers.get(region.id)
+        if watcher is None:
+            watcher = self._watchers[region.id] = LaneWatcher(region.lane, asyncio.get_running_loop())
+        return watcher
 
     async def _call(self, kind: Kind, meta: dict, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
         if self._closed_reason:
@@ -835,6 +932,8 @@ class AsyncClient:
 
     def _fail_all(self, reason: str, frame: Frame | None = None) -> None:
         self._closed_reason = self._closed_reason or reason
+        for watcher in self._watchers.values():  # lane calls in flight: the server is gone
+            watcher.fail(ConnectionClosed(reason))
         for fut in self._waiters.values():
             if not fut.done():
                 if frame is not None:

@@ -7,6 +7,7 @@ death, timeouts, batching across lanes, and nothing left behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -350,3 +351,63 @@ def test_a_worker_serves_at_most_max_lanes_then_calls_use_the_socket(server):
         for c in clients:
             c.close()
     wait_for(lambda: all(w["lanes"] == 0 for w in server.info()["workers"]), "the lanes to be dropped")
+
+
+# -- asyncio --------------------------------------------------------------------------------------
+
+def test_async_lane_calls_run_concurrently_and_fall_back_to_the_socket_when_slots_run_out(server):
+    from shmserve import AsyncClient
+
+    async def main():
+        async with AsyncClient(server.socket, timeout=30) as c:
+            calls = []
+            for i in range(3 * layout.LANE_SLOTS):  # more calls in flight than a lane has slots
+                call = await c.zero_copy("identity", {"x": ((100,), np.uint8)})
+                call.inputs["x"][...] = i
+                calls.append(call)
+            assert {call.region.lane is not None for call in calls} == {True}
+            for _ in range(3):
+                results = await asyncio.gather(*(call.run() for call in calls))
+                assert [r["y"][0] for r in results] == [i for i in range(len(calls))]
+            assert (await c.info())["lanes"] == 1
+            for call in calls:
+                call.release()
+            slow = await c.zero_copy("slow", {"x": ((1,), np.float32)})
+            slow.inputs["x"][...] = 1.0
+            with pytest.raises(ShmserveError) as info:
+                await slow.run(timeout=0.2)
+            assert info.value.code is ErrorCode.TIMEOUT
+            slow.inputs["x"][...] = 0.0
+            assert (await slow.run())["y"].tolist() == [0.0]
+            slow.release()
+
+    asyncio.run(main())
+    assert not [t for t in threading.enumerate() if t.name.startswith("shmserve-lane-")]
+
+
+def test_an_async_lane_call_ends_when_the_server_dies(tmp_path):
+    from shmserve import AsyncClient
+
+    before = shm_names()
+    srv = ServerProcess(tmp_path, CONFIG).start()
+
+    async def main():
+        async with AsyncClient(srv.socket, timeout=60) as c:
+            call = await c.zero_copy("slow", {"x": ((1,), np.float32)})
+            call.inputs["x"][...] = 30.0
+            task = asyncio.ensure_future(call.run())
+            await asyncio.sleep(0.5)
+            srv.kill()
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(task, 20)
+            assert time.monotonic() - t0 < 10
+            call.release()
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.kill()
+        subprocess.run([sys.executable, "-m", "shmserve.cli", "cleanup", "--instance", srv.instance],
+                       capture_output=True, timeout=60)
+    assert shm_names() == before
