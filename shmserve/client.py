@@ -494,6 +494,37 @@ def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
     return ModelSpec.from_dict(entry) if entry else None
 
 
+class _ZeroCopyPlan:
+    """Where a zero-copy call of ``model`` goes, shared by both clients (they differ only in how
+    they ask the server for a region): a lane of the model when ``lane`` is set and the model
+    is known, else a region without one; output capacity from the spec unless given."""
+
+    def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
+                 output_capacity: int | None):
+        self.specs, self.sizes = _normalize(inputs)
+        self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
+        self.wanted = list(self.sizes.values()) + [self.output_capacity]
+        self.lane = lane if spec is not None else None
+        self.region_size = _region_size(self.sizes, self.output_capacity)
+
+    def region_in(self, regions: list[Region]) -> Region | None:
+        """An open region of the planned kind with room for the call."""
+        return _find_region([r for r in regions if (r.lane.model if r.lane else None) == self.lane], self.wanted)
+
+    def after_lane_refused(self, exc: ShmserveError, regions: list[Region]) -> Region | None:
+        """The server refused a lane: if its workers serve all they can (overloaded), plan for a
+        region without one (None: open it); any other refusal is raised."""
+        if exc.code is not ErrorCode.OVERLOADED:
+            raise exc
+        self.lane = None
+        return self.region_in(regions)
+
+    def place(self, region: Region) -> tuple:
+        """(region, inputs placed, output offset, output capacity): ZeroCopyCall's arguments."""
+        placed, out_off = _place(region, self.specs, self.sizes, self.output_capacity)
+        return region, placed, out_off, self.output_capacity
+
+
 class Client:
     """A blocking connection to a shmserve server.
 
@@ -574,25 +605,16 @@ class Client:
         where its output shapes follow from the inputs, else 16 MiB).  With
         ``lanes`` (the default) the space is in a lane of ``model``.
         """
-        specs, sizes = _normalize(inputs)
         if model not in self._specs:
             self._specs[model] = _spec_of(self.models(), model)
-        if output_capacity is None:
-            output_capacity = _estimate(self._specs[model], specs)
-        wanted = list(sizes.values()) + [output_capacity]
-        lane = model if self.lanes and self._specs[model] is not None else None
-        region = _find_region([r for r in self._regions if (r.lane.model if r.lane else None) == lane], wanted)
-        if region is None and lane is not None:
+        plan = _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity)
+        region = plan.region_in(self._regions)
+        if region is None and plan.lane is not None:
             try:
-                region = self.open_region(_region_size(sizes, output_capacity), lane=lane)
+                region = self.open_region(plan.region_size, lane=plan.lane)
             except ShmserveError as exc:
-                if exc.code is not ErrorCode.OVERLOADED:
-                    raise
-                lane = None  # the model's workers serve all the lanes they can: use the socket
-                region = _find_region([r for r in self._regions if r.lane is None], wanted)
-        region = region or self.open_region(_region_size(sizes, output_capacity))
-        placed, out_off = _place(region, specs, sizes, output_capacity)
-        return ZeroCopyCall(self, model, region, placed, out_off, output_capacity)
+                region = plan.after_lane_refused(exc, self._regions)
+        return ZeroCopyCall(self, model, *plan.place(region or self.open_region(plan.region_size)))
 
     def close(self) -> None:
         for region in self._regions:
@@ -812,24 +834,16 @@ class AsyncClient:
                         output_capacity: int | None = None) -> AsyncZeroCopyCall:
         """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``.
         Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
-        specs, sizes = _normalize(inputs)
         if model not in self._specs:
             self._specs[model] = _spec_of(await self.models(), model)
-        if output_capacity is None:
-            output_capacity = _estimate(self._specs[model], specs)
-        wanted = list(sizes.values()) + [output_capacity]
-        lane = model if self.lanes and self._specs[model] is not None else None
-        region = _find_region([r for r in self._regions if (r.lane.model if r.lane else None) == lane], wanted)
-        if region is None and lane is not None:
+        plan = _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity)
+        region = plan.region_in(self._regions)
+        if region is None and plan.lane is not None:
             try:
-                region = await self.open_region(_region_size(sizes, output_capacity), lane=lane)
+                region = await self.open_region(plan.region_size, lane=plan.lane)
             except ShmserveError as exc:
-                if exc.code is not ErrorCode.OVERLOADED:
-                    raise
-                region = _find_region([r for r in self._regions if r.lane is None], wanted)
-        region = region or await self.open_region(_region_size(sizes, output_capacity))
-        placed, out_off = _place(region, specs, sizes, output_capacity)
-        return AsyncZeroCopyCall(self, model, region, placed, out_off, output_capacity)
+                region = plan.after_lane_refused(exc, self._regions)
+        return AsyncZeroCopyCall(self, model, *plan.place(region or await self.open_region(plan.region_size)))
 
     def _lane_watcher(self, region: Region) -> LaneWatcher:
         if self._closed_reason:

@@ -25,29 +25,20 @@ from shmserve import _atomics as atomics
 from shmserve.slotstate import SlotState
 
 from conftest import shm_names
-from helpers.server import DOUBLE_BATCHED, ServerProcess
+from helpers.server import DOUBLE_BATCHED, SLOW_MODEL, ServerProcess, serving
 
 CONFIG = """
 [[models]]
 name = "identity"
 backend = "python"
 path = "shmserve.models:identity"
-
-[[models]]
-name = "slow"
-backend = "python"
-path = "serving_models:slow"
-
-""" + DOUBLE_BATCHED
+""" + SLOW_MODEL + DOUBLE_BATCHED
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    before = shm_names()
-    srv = ServerProcess(tmp_path_factory.mktemp("lanes"), CONFIG, server_section="request_timeout_s = 20").start()
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert shm_names() == before, "the server left segments in /dev/shm"
+    with serving(tmp_path_factory.mktemp("lanes"), CONFIG, server_section="request_timeout_s = 20") as srv:
+        yield srv
 
 
 def lane_regions(srv) -> set[str]:

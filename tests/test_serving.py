@@ -21,27 +21,14 @@ from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, protocol
 from shmserve.protocol import Kind
 
 from conftest import shm_names
-from helpers.server import DEMO_PATH, TESTS_DIR, ServerProcess, standard_models
+from helpers.server import DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
 
 MiB = 1024 * 1024
-SLOW_MODEL = """
-[[models]]
-name = "slow"
-backend = "python"
-path = "serving_models:slow"
-"""
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    before = shm_names()
-    srv = ServerProcess(tmp_path_factory.mktemp("srv"), standard_models(),
-                        server_section="request_timeout_s = 20\nmax_request_bytes = 140000000").start()
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.log()
-    assert shm_names() == before, "the server left segments in /dev/shm"
-    assert not os.path.exists(srv.socket_dir), "the socket directory it created is still there"
+    with serving(tmp_path_factory.mktemp("srv"), standard_models(),
+                 server_section="request_timeout_s = 20\nmax_request_bytes = 140000000") as srv:
+        yield srv
 
 
 def demo_reference(x: np.ndarray) -> np.ndarray:

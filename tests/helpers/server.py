@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,13 @@ from shmserve.errors import ConnectionClosed
 TESTS_DIR = Path(__file__).resolve().parent.parent
 DEMO_PATH = demo_config().models[0].path
 
+
+SLOW_MODEL = """
+[[models]]
+name = "slow"
+backend = "python"
+path = "serving_models:slow"
+"""  # sleeps x[0] seconds, returns 2x
 
 DOUBLE_BATCHED = """
 [[models]]
@@ -156,6 +164,21 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+@contextlib.contextmanager
+def serving(workdir: Path, config_text: str, **options):
+    """A started ServerProcess for a module's tests; on the way out it must stop with exit 0 and
+    leave /dev/shm and its socket directory as they were."""
+    from conftest import shm_names
+
+    before = shm_names()
+    srv = ServerProcess(workdir, config_text, **options).start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log()
+    assert shm_names() == before, "the server left segments in /dev/shm"
+    assert not os.path.exists(srv.socket_dir), "the socket directory it created is still there"
 
 
 def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_name: str, inputs: list) -> list:
