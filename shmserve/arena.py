@@ -302,10 +302,6 @@ class Arena:
         """
         return transition_slot(self.buf, self.geometry, index, generation, frm, to, actor)
 
-    def record_latencies(self, worker: int, index: int) -> None:
-        """Add a finished slot's stage durations to ``worker``'s histograms (the worker calls this)."""
-        record_latencies(self.buf, self.geometry, worker, self.buf, self.geometry.slot_off(index))
-
     def stamp(self, index: int, stage: str) -> None:
         """Record the monotonic time a slot reached ``stage`` (one of layout.STAGE_FIELDS)."""
         layout.stamp(self.buf, self.geometry, index, stage, time.monotonic_ns())

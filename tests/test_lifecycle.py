@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import posix_ipc
-import pytest
 
 from shmserve import layout, stale
 from shmserve.arena import Arena, segment_name

@@ -20,7 +20,6 @@ import posix_ipc
 import pytest
 
 from shmserve import Client
-from shmserve.errors import ConnectionClosed
 
 from conftest import shm_names
 from helpers.server import TESTS_DIR, ServerProcess

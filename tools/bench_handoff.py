@@ -29,7 +29,6 @@ import sys
 import time
 import uuid
 
-from shmserve import layout
 from shmserve.arena import Arena
 from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, new_eventfd
 from shmserve.slotstate import Actor, SlotState

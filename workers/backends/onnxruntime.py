@@ -11,7 +11,6 @@ per model instance should not fight the others for cores),
 
 from __future__ import annotations
 
-import numpy as np
 
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
