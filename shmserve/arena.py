@@ -25,7 +25,6 @@ import fcntl
 import grp
 import mmap
 import os
-import re
 import time
 
 import posix_ipc
@@ -34,9 +33,7 @@ from shmserve import _atomics as atomics
 from shmserve import layout
 from shmserve.slotstate import Actor, SlotState, check_transition
 
-NAME_PREFIX = "shmserve."
 SHM_DIR = "/dev/shm"  # where Linux exposes POSIX shared memory; only used to list and stat names
-_INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 DEFAULT_SIZE_CLASSES = (  # (extent size, count): ~150 MiB in all, enough for the demo and tests
     (4096, 256), (64 * 1024, 64), (1024 * 1024, 16), (16 * 1024 * 1024, 4), (64 * 1024 * 1024, 1),
@@ -62,18 +59,6 @@ class SlotConflict(ArenaError):
         self.index, self.expected, self.actual = index, expected, actual
         super().__init__(f"slot {index}: expected generation {expected[0]} state "
                          f"{SlotState(expected[1]).name}, found generation {actual[0]} state {actual[1]}")
-
-
-def validate_instance(instance: str) -> str:
-    """Return ``instance`` if it is a valid instance name, else raise ValueError."""
-    if not isinstance(instance, str) or not _INSTANCE_RE.match(instance):
-        raise ValueError(f"invalid instance name {instance!r}: use 1-64 of A-Z a-z 0-9 _ -")
-    return instance
-
-
-def segment_name(instance: str) -> str:
-    """The POSIX shared-memory name of an instance's arena (leading slash included)."""
-    return "/" + NAME_PREFIX + validate_instance(instance)
 
 
 def boot_id() -> bytes:
@@ -110,7 +95,7 @@ class Arena:
     def __init__(self, instance: str, shm: posix_ipc.SharedMemory | None, buf: mmap.mmap,
                  info: layout.HeaderInfo, *, owner: bool, read_only: bool):
         self.instance = instance
-        self.name = segment_name(instance)
+        self.name = layout.arena_name(instance)
         self.buf = buf
         self.info = info
         self.geometry = info.geometry
@@ -134,7 +119,7 @@ class Arena:
         too small or the parameters are impossible.  On any failure nothing is
         left behind in /dev/shm.
         """
-        name = segment_name(instance)
+        name = layout.arena_name(instance)
         if ring_capacity is None:
             ring_capacity = 1 << max(0, (slot_count - 1).bit_length())
         try:
@@ -195,7 +180,7 @@ class Arena:
         still being created, is not a shmserve arena, or is corrupt (the
         message carries the layout error).  Read-only attaches never write.
         """
-        name = segment_name(instance)
+        name = layout.arena_name(instance)
         try:
             shm = posix_ipc.SharedMemory(name, read_only=read_only)
         except posix_ipc.ExistentialError:
@@ -323,32 +308,11 @@ def transition_slot(buf, geometry, index: int, generation: int, frm: SlotState, 
     if the slot was not in the expected generation and state.
     """
     check_transition(frm, to, actor)
-    new_generation = (generation + 1) & 0xFFFFFFFF if to == _WRITING else generation
+    new_generation = layout.next_generation(generation) if to == _WRITING else generation
     offset = geometry.slot_off(index)
-    if not atomics.cas64(buf, offset, (generation & 0xFFFFFFFF) << 32 | frm, new_generation << 32 | to):
+    if not atomics.cas64(buf, offset, layout.pack_status(generation, frm), layout.pack_status(new_generation, to)):
         raise SlotConflict(index, (generation, int(frm)), layout.unpack_status(atomics.load64(buf, offset)))
     return new_generation
-
-
-_HIST_PAIRS = tuple((layout.HIST_STAGES.index(stage) * layout.HIST_STAGE_SIZE,
-                     layout.STAGE_FIELDS.index(start), layout.STAGE_FIELDS.index(end))
-                    for stage, (start, end) in layout.HIST_STAGE_BOUNDS.items())
-
-
-def record_latencies(arena_buf, geometry, worker: int, slot_buf, slot_off: int) -> None:
-    """Add the stage durations of the finished slot at ``slot_off`` in ``slot_buf`` (the arena or a
-    lane) to ``worker``'s histograms in the arena.  Times come from the slot: a lane's are written
-    by its client, so nonsense (end before start) is skipped and huge values land in the top bucket."""
-    times = layout.read_stages(slot_buf, slot_off)
-    base = geometry.hist_off(worker, layout.HIST_STAGES[0])
-    add, top, sum_off = atomics.fetch_add64, layout.HIST_BUCKETS - 1, 8 * layout.HIST_BUCKETS
-    for stage_off, start, end in _HIST_PAIRS:
-        t0, t1 = times[start], times[end]
-        if t0 and t1 >= t0:
-            micros = (t1 - t0) // 1000
-            off = base + stage_off
-            add(arena_buf, off + 8 * min(max(micros, 1).bit_length() - 1, top), 1)  # layout.hist_bucket
-            add(arena_buf, off + sum_off, micros)
 
 
 def _map(fd: int, size: int, *, read_only: bool, prefault: bool) -> mmap.mmap:

@@ -6,7 +6,7 @@ into freshly allocated arrays (``recvmsg_into``); zero-copy calls work in a
 region of shared memory the server created for this connection and passed as
 a file descriptor: inputs are written into it by the caller, outputs are read
 from it, and only small descriptors cross the socket, or nothing at all: a
-lane region carries its own queue to a worker (``LaneQueue``), which the
+lane region carries its own queue to a worker (``shmserve.lanes``), which the
 blocking client uses for zero-copy calls by default.
 
 Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
@@ -32,14 +32,11 @@ from typing import Mapping
 
 import numpy as np
 
-from shmserve import _atomics as atomics
 from shmserve import layout, protocol
-from shmserve.arena import SlotConflict, transition_slot
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
-from shmserve.rings import FutexDoorbell, Ring
-from shmserve.slotstate import FINISHED, Actor, SlotState, state_name
+from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
 READ_BUFFER = 256 * 1024
@@ -110,7 +107,7 @@ class RegionAllocator:
         self.free: list[tuple[int, int]] = [(start, size - start)] if size > start else []  # sorted (offset, length)
 
     def allocate(self, nbytes: int) -> int | None:
-        need = max(layout.TENSOR_ALIGN, (nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+        need = layout.tensor_span(nbytes)
         for i, (off, length) in enumerate(self.free):
             if length >= need:
                 if length == need:
@@ -121,7 +118,7 @@ class RegionAllocator:
         return None
 
     def release(self, offset: int, nbytes: int) -> None:
-        need = max(layout.TENSOR_ALIGN, (nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
+        need = layout.tensor_span(nbytes)
         i = bisect.bisect(self.free, (offset, 0))
         self.free.insert(i, (offset, need))
         merged: list[tuple[int, int]] = []
@@ -146,7 +143,7 @@ class Region:
             self.buf = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.lane = LaneQueue(self, lane["model"]) if lane else None
+        self.lane = ClientLane(self.buf, region_id, lane["model"]) if lane else None
         self.allocator = RegionAllocator(size, layout.LANE_BYTES if lane else 0)
 
     def close(self) -> None:
@@ -157,138 +154,17 @@ class Region:
             pass  # views still alive: the mapping goes when they do
 
 
-class LaneQueue:
-    """The client's end of a lane: its slots, submission ring and completion ring.
-
-    A slot goes FREE -> WRITING -> READY here (the client plays the front-end's part
-    of the slot state machine), RUNNING -> DONE or ERROR in the worker, and back to
-    FREE once its answer is read.  The slot's status word is what says a call has
-    finished; completion entries only wake the client (so a worker that dies between
-    publishing DONE and pushing the entry loses nothing).  A call that times out
-    leaves its slot with the worker; the slot is recycled once it has finished.
-    """
-
-    def __init__(self, region: Region, model: str):
-        g = layout.LANE
-        self.region, self.model, self.buf = region, model, region.buf
-        self.submissions = Ring(self.buf, g.submission_off, g.ring_capacity)
-        self.completions = Ring(self.buf, g.completion_off, g.ring_capacity)
-        self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
-        self.free = list(range(g.slot_count - 1, -1, -1))
-        self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
-
-    def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
-               out_offset: int, out_capacity: int) -> tuple[int, int]:
-        """Publish one request (``inputs``: (name index, offset, view)); returns (slot, generation)."""
-        g, buf = layout.LANE, self.buf
-        if not self.free:
-            self._reclaim()
-            if not self.free:
-                raise ShmserveError(ErrorCode.OVERLOADED, f"all {g.slot_count} slots of this lane are busy "
-                                                          f"(calls that timed out still run)")
-        index = self.free.pop()
-        generation, _ = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
-        try:
-            generation = transition_slot(buf, g, index, generation, SlotState.FREE, SlotState.WRITING,
-                                         Actor.FRONTEND)
-        except SlotConflict:  # only this client writes a free slot: its lane was overwritten
-            raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} is not free") from None
-        for t, (name_index, offset, view) in enumerate(inputs):
-            layout.encode_tensor(buf, g, index, t, role=layout.ROLE_INPUT, name_index=name_index,
-                                 dtype=view.dtype, shape=view.shape, offset=offset, region=self.region.id)
-        layout.encode_slot_request(buf, g, index, request_id=request_id, model_id=model_id, worker=0,
-                                   n_inputs=len(inputs), out_region=self.region.id, out_off=out_offset,
-                                   out_capacity=out_capacity)
-        now = time.monotonic_ns()
-        layout.reset_stages(buf, g, index, now, now)
-        # Order matters here: descriptors (and the caller's input bytes) are complete before READY.
-        transition_slot(buf, g, index, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
-        self.submissions.push(generation << 32 | index)  # cannot be full: one entry per slot
-        self.bell.notify()
-        return index, generation
-
-    def wait(self, index: int, generation: int, deadline: float, spin_s: float | None, alive) -> None:
-        """Block until slot ``index`` finished, spinning ``spin_s`` first (None: as long as the
-        server's hint in the lane header says); ``alive()`` is asked every WAIT_SLICE_S whether
-        the server is still there (ConnectionClosed if not).  TIMEOUT at ``deadline``."""
-        if spin_s is None:
-            spin_s = atomics.load32(self.buf, layout.LANE_SPIN_OFFSET) / 1e6
-        while True:
-            self.completions.discard()  # wake-up hints: the status word decides
-            if self._finished(index, generation):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.abandoned[index] = generation
-                raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
-            if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
-                alive()
-            spin_s = 0.0
-
-    def read(self, index: int, generation: int, out_offset: int, out_capacity: int) -> dict[str, tuple]:
-        """The finished slot's outputs as name index -> (dtype, shape, offset); raises its error.
-        Frees the slot either way."""
-        g, buf = layout.LANE, self.buf
-        got_generation, state = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
-        try:
-            if got_generation != generation or state not in FINISHED:
-                raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} finished in state {state_name(state)}")
-            if state == SlotState.ERROR:
-                code, message = layout.decode_error(buf, g, index)
-                raise ShmserveError(ErrorCode.from_wire(_wire(code)), message)
-            slot = layout.decode_slot_request(buf, g, index)
-            outputs = {}
-            try:
-                for t in range(slot.n_inputs, slot.n_inputs + slot.n_outputs):
-                    d = layout.decode_tensor(buf, g, index, t, {self.region.id: self.region.size})
-                    if d.region != self.region.id or not (out_offset <= d.offset and
-                                                          d.offset + d.nbytes <= out_offset + out_capacity):
-                        raise layout.LayoutError("an output lies outside the output area")
-                    outputs[d.name_index] = (d.dtype, d.shape, d.offset)
-            except layout.LayoutError as exc:
-                raise ShmserveError(ErrorCode.INTERNAL, f"the worker wrote a bad output descriptor: {exc}") from None
-            return outputs
-        finally:
-            self._free(index, got_generation, state)
-
-    def has_free_slot(self) -> bool:
-        if not self.free:
-            self._reclaim()
-        return bool(self.free)
-
-    def _finished(self, index: int, generation: int) -> bool:
-        word = atomics.load64(self.buf, layout.LANE.slot_off(index))
-        return word >> 32 == generation and word & 0xFFFFFFFF in FINISHED
-
-    def _reclaim(self) -> None:
-        """Free the slots of timed-out calls that have finished since."""
-        for index, generation in list(self.abandoned.items()):
-            if self._finished(index, generation):
-                del self.abandoned[index]
-                word = atomics.load64(self.buf, layout.LANE.slot_off(index))
-                self._free(index, generation, word & 0xFFFFFFFF)
-
-    def _free(self, index: int, generation: int, state: int) -> None:
-        if state in FINISHED:
-            transition_slot(self.buf, layout.LANE, index, generation, SlotState(state), SlotState.FREE,
-                            Actor.FRONTEND)
-            self.free.append(index)
-
-
-WAIT_SLICE_S = 0.05  # a lane call checks that the server is alive this often while it waits
-
-
 class LaneWatcher:
     """Wakes an asyncio loop for a lane's completions.  A loop cannot wait on a futex, so a
     thread sleeps on the lane's completion doorbell and hands over with call_soon_threadsafe;
     every WAIT_SLICE_S it also has the loop look at the slots (the status word is the answer,
     an entry only a wake-up)."""
 
-    def __init__(self, lane: LaneQueue, loop: asyncio.AbstractEventLoop):
+    def __init__(self, lane: ClientLane, loop: asyncio.AbstractEventLoop):
         self.lane, self.loop = lane, loop
         self.waiting: dict[int, tuple[int, asyncio.Future]] = {}  # slot -> (generation, its caller)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"shmserve-lane-{lane.region.id}", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=f"shmserve-lane-{lane.region_id}", daemon=True)
         self._thread.start()
 
     async def wait(self, index: int, generation: int, timeout: float) -> None:
@@ -299,7 +175,7 @@ class LaneWatcher:
         try:
             await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            self.lane.abandoned[index] = generation
+            self.lane.abandon(index, generation)
             raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time") from None
         finally:
             self.waiting.pop(index, None)
@@ -316,9 +192,7 @@ class LaneWatcher:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            if self.lane.inbox.wait(timeout=WAIT_SLICE_S):
-                self.lane.completions.discard()
-            elif not self.waiting:
+            if not self.lane.wait_for_wakeup(WAIT_SLICE_S) and not self.waiting:
                 continue
             try:
                 self.loop.call_soon_threadsafe(self._settle)
@@ -327,15 +201,8 @@ class LaneWatcher:
 
     def _settle(self) -> None:
         for index, (generation, future) in list(self.waiting.items()):
-            if not future.done() and self.lane._finished(index, generation):
+            if not future.done() and self.lane.finished(index, generation):
                 future.set_result(None)
-
-
-def _wire(code: int) -> str:
-    try:
-        return ErrorCode(code).wire
-    except ValueError:
-        return "internal"
 
 
 class ZeroCopyCall:
@@ -442,10 +309,6 @@ class AsyncZeroCopyCall(ZeroCopyCall):
         self.release()
 
 
-def _align(n: int) -> int:
-    return max(layout.TENSOR_ALIGN, (n + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN)
-
-
 def _normalize(inputs: Mapping[str, tuple]) -> tuple[dict, dict]:
     specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
     return specs, {name: protocol.tensor_nbytes(dt.name, shape) for name, (shape, dt) in specs.items()}
@@ -454,7 +317,7 @@ def _normalize(inputs: Mapping[str, tuple]) -> tuple[dict, dict]:
 def _fits(region: Region, sizes: list[int]) -> bool:
     free = sorted((length for _, length in region.allocator.free), reverse=True)
     for size in sorted(sizes, reverse=True):
-        need = _align(size)
+        need = layout.tensor_span(size)
         if not free or free[0] < need:
             return False
         free[0] -= need
@@ -475,7 +338,8 @@ def _place(region: Region, specs: dict, sizes: dict, output_capacity: int) -> tu
 
 
 def _region_size(sizes: dict, output_capacity: int) -> int:
-    return max(DEFAULT_REGION_BYTES, sum(_align(s) for s in sizes.values()) + _align(output_capacity))
+    return max(DEFAULT_REGION_BYTES,
+               sum(layout.tensor_span(s) for s in sizes.values()) + layout.tensor_span(output_capacity))
 
 
 def _estimate(spec: ModelSpec | None, specs: dict) -> int:

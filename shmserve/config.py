@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from shmserve.arena import validate_instance
+from shmserve.layout import validate_instance
 from shmserve.spec import TensorSpec
 
 MiB = 1024 * 1024

@@ -53,6 +53,14 @@ class ErrorCode(enum.IntEnum):
         except KeyError:
             return cls.INTERNAL
 
+    @classmethod
+    def from_number(cls, number: int) -> "ErrorCode":
+        """The code a slot's ``error_code`` names (INTERNAL for a number that names none)."""
+        try:
+            return cls(number)
+        except ValueError:
+            return cls.INTERNAL
+
 
 class ShmserveError(Exception):
     """An error with a stable code and a human message; raised by the client library and

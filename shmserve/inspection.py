@@ -45,8 +45,8 @@ def _percentile(counts: list[int], q: float) -> float | None:
     for i, n in enumerate(counts):
         running += n
         if running >= target:
-            return float(2 ** (i + 1))  # the bucket's upper bound, in microseconds
-    return float(2 ** len(counts))
+            return float(layout.hist_upper_bound(i))  # in microseconds
+    return float(layout.hist_upper_bound(len(counts) - 1))
 
 
 def snapshot(instance: str, *, stuck_after_s: float = STUCK_AFTER_S) -> dict:
@@ -116,11 +116,9 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
             for i, name in names.items():
                 if name != model:
                     continue
-                base = g.hist_off(i, stage)
-                for b in range(layout.HIST_BUCKETS):
-                    buckets[b] += int.from_bytes(buf[base + 8 * b:base + 8 * b + 8], "little")
-                total_us += int.from_bytes(buf[base + 8 * layout.HIST_BUCKETS:base + 8 * layout.HIST_BUCKETS + 8],
-                                           "little")
+                counts, total = layout.read_histogram(buf, g, i, stage)
+                buckets = [a + b for a, b in zip(buckets, counts)]
+                total_us += total
             n = sum(buckets)
             per_stage[stage] = {"count": n, "mean_us": round(total_us / n, 1) if n else None,
                                 "p50_us": _percentile(buckets, 0.5), "p90_us": _percentile(buckets, 0.9),

@@ -59,12 +59,15 @@ status word and ring indices are only touched through ``shmserve._atomics``.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from shmserve import _atomics as atomics
 
 MAGIC = b"SHMSERVE"
 LAYOUT_VERSION = 1
@@ -108,6 +111,52 @@ _ITEMSIZE = {code: np.dtype(name).itemsize for name, code in DTYPE_CODES.items()
 
 class LayoutError(ValueError):
     """Arena bytes that do not describe a valid arena of this layout version."""
+
+
+# ---------------------------------------------------------------------------
+# Names in /dev/shm.  An instance's arena is ``/shmserve.<instance>``; the client
+# regions (and lanes) it creates are ``/shmserve.<instance>.r<id>``.  Everything that
+# names, lists or parses a segment goes through these.
+
+NAME_PREFIX = "shmserve."
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+REGION_ID_MAX = 0xFFFFFFFF  # region ids are u32 in a tensor descriptor; 0 is the arena itself
+
+
+def validate_instance(instance: str) -> str:
+    """Return ``instance`` if it is a valid instance name, else raise ValueError."""
+    if not isinstance(instance, str) or not _INSTANCE_RE.match(instance):
+        raise ValueError(f"invalid instance name {instance!r}: use 1-64 of A-Z a-z 0-9 _ -")
+    return instance
+
+
+def arena_name(instance: str) -> str:
+    """The POSIX shared-memory name of an instance's arena (leading slash included)."""
+    return "/" + NAME_PREFIX + validate_instance(instance)
+
+
+def region_name(instance: str, region: int) -> str:
+    """The POSIX shared-memory name of client region ``region`` (>= 1) of ``instance``."""
+    if not 0 < region <= REGION_ID_MAX:
+        raise LayoutError(f"region id {region} out of range 1..{REGION_ID_MAX}")
+    return f"/{NAME_PREFIX}{instance}.r{region}"
+
+
+def region_prefix(instance: str) -> str:
+    """What the /dev/shm listing names of ``instance``'s regions start with (no slash)."""
+    return f"{NAME_PREFIX}{instance}.r"
+
+
+def parse_segment_name(listed: str) -> tuple[str, int | None] | None:
+    """(instance, region id or None for the arena) of a /dev/shm listing name, or None if the
+    name is not one of ours.  A region name whose id does not parse yields (instance, 0)."""
+    if not listed.startswith(NAME_PREFIX):
+        return None
+    instance, dot, rest = listed[len(NAME_PREFIX):].partition(".")
+    if not dot:
+        return instance, None
+    region = rest[1:]
+    return instance, int(region) if rest[:1] == "r" and region.isdigit() and len(region) <= 10 else 0
 
 
 _DTYPES = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
@@ -265,9 +314,14 @@ HIST_STAGE_SIZE = 8 * (HIST_BUCKETS + 1)  # buckets, then the sum in us
 HIST_WORKER_SIZE = HIST_STAGE_SIZE * len(HIST_STAGES)
 
 
-def hist_bucket(micros: int) -> int:
-    """The histogram bucket of a duration in microseconds."""
-    return min(max(micros, 1).bit_length() - 1, HIST_BUCKETS - 1)
+def hist_bucket(value: int) -> int:
+    """The histogram bucket of a value (a duration in microseconds, or a batch size)."""
+    return min(max(value, 1).bit_length() - 1, HIST_BUCKETS - 1)
+
+
+def hist_upper_bound(bucket: int) -> int:
+    """The exclusive upper bound of ``bucket`` (the top bucket also holds everything above it)."""
+    return 2 ** (bucket + 1)
 
 
 RING_TAIL, RING_HEAD, RING_SEQ, RING_WAITERS = 0, CACHE_LINE, 2 * CACHE_LINE, 2 * CACHE_LINE + 4
@@ -619,18 +673,75 @@ def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int) -> None
 
 
 LANE_SPIN_OFFSET = LANE_HEADER.offset("spin_us")
+NO_WORKER = 0xFFFFFFFF  # a lane header's ``worker`` while no worker serves the lane
 
 # ---------------------------------------------------------------------------
 # Slot status word: generation << 32 | state.  One 64-bit word so that a CAS
 # checks both at once: a stale handle (old generation) can never move a slot.
 
+GENERATION_MASK = 0xFFFFFFFF
+
+
 def pack_status(generation: int, state: int) -> int:
-    return ((generation & 0xFFFFFFFF) << 32) | (state & 0xFFFFFFFF)
+    return ((generation & GENERATION_MASK) << 32) | (state & 0xFFFFFFFF)
 
 
 def unpack_status(word: int) -> tuple[int, int]:
     """Return (generation, state) of a status word."""
     return word >> 32, word & 0xFFFFFFFF
+
+
+def next_generation(generation: int) -> int:
+    """The generation a slot takes when it is acquired again (wraps at 2**32)."""
+    return (generation + 1) & GENERATION_MASK
+
+
+# ---------------------------------------------------------------------------
+# Ring entries (u64).  A slot entry is ``generation << 32 | slot index``; on a worker's own
+# submission ring an entry whose low 32 bits are COMMAND_BASE or more is a command from the
+# front-end, its argument in the high 32 bits.  Slot indices stay below MAX_SLOTS, far below
+# COMMAND_BASE, so the two can never be confused.
+
+COMMAND_BASE = 0xFFFFFF00
+CMD_STOP, CMD_ATTACH_LANE, CMD_DETACH_LANE = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
+STOP_ENTRY = 2**64 - 1  # CMD_STOP with argument 0xFFFFFFFF: finish what you have, then exit
+assert MAX_SLOTS < COMMAND_BASE
+
+
+def slot_entry(index: int, generation: int) -> int:
+    """The ring entry that hands over slot ``index`` of ``generation``."""
+    return (generation & GENERATION_MASK) << 32 | index
+
+
+def split_entry(entry: int) -> tuple[int, int]:
+    """(slot index, generation) of a slot entry (untrusted: the caller checks the index)."""
+    return entry & 0xFFFFFFFF, entry >> 32
+
+
+def command_entry(op: int, argument: int) -> int:
+    """A command entry: CMD_ATTACH_LANE/CMD_DETACH_LANE take the lane's region id."""
+    return (argument & 0xFFFFFFFF) << 32 | op
+
+
+def is_command(entry: int) -> bool:
+    return entry & 0xFFFFFFFF >= COMMAND_BASE
+
+
+# ---------------------------------------------------------------------------
+# Tensor alignment: every tensor starts on a TENSOR_ALIGN boundary of the space it lies in.
+
+def align_tensor(nbytes: int) -> int:
+    """``nbytes`` rounded up to the tensor alignment (the space one tensor takes when packed)."""
+    return (nbytes + TENSOR_ALIGN - 1) // TENSOR_ALIGN * TENSOR_ALIGN
+
+
+def tensor_span(nbytes: int) -> int:
+    """The space a tensor takes in an allocator that never hands out empty ranges."""
+    return max(TENSOR_ALIGN, align_tensor(nbytes))
+
+
+def is_tensor_aligned(offset: int) -> bool:
+    return offset % TENSOR_ALIGN == 0
 
 
 @dataclass(frozen=True)
@@ -719,3 +830,45 @@ def encode_error(buf, geometry: Geometry, slot_index: int, code: int, message: s
     """Write an error code and message (truncated to ERROR_MESSAGE_MAX bytes on a UTF-8 boundary)."""
     raw = message.encode()[:ERROR_MESSAGE_MAX].decode("utf-8", "ignore").encode()
     SLOT.write(buf, geometry.slot_off(slot_index), error_code=code, error_len=len(raw), error_msg=raw)
+
+
+# ---------------------------------------------------------------------------
+# Histograms: per worker and stage, HIST_BUCKETS u64 counters then the u64 sum, at
+# ``Geometry.hist_off``.  Workers add with fetch_add64; readers take a moment's copy.
+
+_HISTOGRAM = struct.Struct(f"<{HIST_BUCKETS + 1}Q")
+_HIST_SUM = 8 * HIST_BUCKETS
+_HIST_PAIRS = tuple((HIST_STAGES.index(stage) * HIST_STAGE_SIZE, STAGE_FIELDS.index(start), STAGE_FIELDS.index(end))
+                    for stage, (start, end) in HIST_STAGE_BOUNDS.items())
+
+
+def read_histogram(buf, geometry: Geometry, worker: int, stage: str) -> tuple[tuple[int, ...], int]:
+    """(bucket counts, sum) of one worker's histogram for ``stage``; LayoutError if out of range."""
+    try:
+        *buckets, total = _HISTOGRAM.unpack_from(buf, geometry.hist_off(worker, stage))
+    except struct.error as exc:
+        raise LayoutError(f"histogram of worker {worker}: {exc}") from None
+    return tuple(buckets), total
+
+
+def record_sample(buf, geometry: Geometry, worker: int, stage: str, value: int) -> None:
+    """Count ``value`` (>= 0) in one worker's histogram for ``stage``."""
+    base = geometry.hist_off(worker, stage)
+    atomics.fetch_add64(buf, base + 8 * hist_bucket(value), 1)
+    atomics.fetch_add64(buf, base + _HIST_SUM, value)
+
+
+def record_stages(arena_buf, geometry: Geometry, worker: int, slot_buf, slot_off: int) -> None:
+    """Add the stage durations of the finished slot at ``slot_off`` in ``slot_buf`` (the arena or a
+    lane) to ``worker``'s histograms in the arena.  Times come from the slot: a lane's are written
+    by its client, so nonsense (end before start) is skipped and huge values land in the top bucket."""
+    times = read_stages(slot_buf, slot_off)
+    base = geometry.hist_off(worker, HIST_STAGES[0])
+    add, top = atomics.fetch_add64, HIST_BUCKETS - 1
+    for stage_off, start, end in _HIST_PAIRS:
+        t0, t1 = times[start], times[end]
+        if t0 and t1 >= t0:
+            micros = (t1 - t0) // 1000
+            off = base + stage_off
+            add(arena_buf, off + 8 * min(max(micros, 1).bit_length() - 1, top), 1)  # hist_bucket, inlined
+            add(arena_buf, off + _HIST_SUM, micros)

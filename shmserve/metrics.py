@@ -20,7 +20,6 @@ import os
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from shmserve import _atomics as atomics
 from shmserve import layout
 
 log = logging.getLogger("shmserve.metrics")
@@ -100,18 +99,17 @@ class FrontendCollector:
 
 
 def _histogram(arena, g, workers, stage: str, scale: float) -> tuple[list, int]:
-    """Cumulative Prometheus buckets (upper bound 2**(i+1) / scale) summed over ``workers``."""
+    """Cumulative Prometheus buckets (upper bound hist_upper_bound(i) / scale) summed over ``workers``."""
     counts = [0] * layout.HIST_BUCKETS
     total = 0
     for w in workers:
-        base = g.hist_off(w.index, stage)
-        for i in range(layout.HIST_BUCKETS):
-            counts[i] += atomics.load64(arena.buf, base + 8 * i)
-        total += atomics.load64(arena.buf, base + 8 * layout.HIST_BUCKETS)
+        buckets, worker_total = layout.read_histogram(arena.buf, g, w.index, stage)
+        counts = [a + b for a, b in zip(counts, buckets)]
+        total += worker_total
     buckets, running = [], 0
     for i, n in enumerate(counts[:-1]):
         running += n
-        buckets.append((repr((2 ** (i + 1)) / scale), running))
+        buckets.append((repr(layout.hist_upper_bound(i) / scale), running))
     buckets.append(("+Inf", running + counts[-1]))
     return buckets, total
 

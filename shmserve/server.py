@@ -41,14 +41,13 @@ import mmap
 
 import posix_ipc
 
-from shmserve import _atomics as atomics
-from shmserve import __version__, layout, protocol, stale, systemd, workerlink
+from shmserve import __version__, lanes, layout, protocol, stale, systemd, workerlink
 from shmserve.allocator import Extent, ExtentAllocator, SlotPool
-from shmserve.arena import Arena, SlotConflict, transition_slot
+from shmserve.arena import Arena, SlotConflict
 from shmserve.config import ServerConfig, spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError, ProtocolViolation
-from shmserve.rings import FutexDoorbell, Ring, drain_eventfd, new_eventfd
+from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.slotstate import Actor, SlotState
 from shmserve.spec import bind_inputs, estimate_output_bytes
 from shmserve.supervisor import FAILED, READY, STARTING, Supervisor, WorkerHandle
@@ -475,7 +474,7 @@ class Frontend:
 
     def _drain(self, w: WorkerHandle) -> None:
         for entry in w.completions.pop_all():
-            index, generation = entry & 0xFFFFFFFF, entry >> 32
+            index, generation = layout.split_entry(entry)
             if index in w.inflight:
                 self._complete(w, index, generation)
 
@@ -670,8 +669,7 @@ class Frontend:
         else:
             if data_len != in_bytes:
                 raise ShmserveError(ErrorCode.BAD_FRAME, f"payload is {data_len} bytes, inputs need {in_bytes}")
-            align = layout.TENSOR_ALIGN
-            padded = sum((t.nbytes + align - 1) // align * align for t in parsed.inputs)
+            padded = sum(layout.align_tensor(t.nbytes) for t in parsed.inputs)
             req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
             if req.total_bytes > self.max_request:
                 raise ShmserveError(ErrorCode.TOO_LARGE, f"request needs {req.total_bytes} bytes of arena space "
@@ -697,12 +695,12 @@ class Frontend:
         if region is None:
             raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
         for t in parsed.inputs:
-            if t.offset % layout.TENSOR_ALIGN or t.offset + t.nbytes > region.size:
+            if not layout.is_tensor_aligned(t.offset) or t.offset + t.nbytes > region.size:
                 raise ShmserveError(ErrorCode.BAD_REGION, f"input {t.name!r} at [{t.offset}, +{t.nbytes}) is not "
                                                           f"{layout.TENSOR_ALIGN}-aligned inside region {region.id} "
                                                           f"({region.size} bytes)")
         end = parsed.output_offset + parsed.output_capacity
-        if parsed.output_offset % layout.TENSOR_ALIGN or end > region.size:
+        if not layout.is_tensor_aligned(parsed.output_offset) or end > region.size:
             raise ShmserveError(ErrorCode.BAD_REGION, f"output area [{parsed.output_offset}, +"
                                                       f"{parsed.output_capacity}) is not aligned inside region "
                                                       f"{region.id} ({region.size} bytes)")
@@ -718,7 +716,7 @@ class Frontend:
                 offset, region = t.offset, req.region.id
             else:
                 offset, region = pos, 0
-                pos += (t.nbytes + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN
+                pos += layout.align_tensor(t.nbytes)
                 sinks.append(self.view[offset:offset + t.nbytes])
             layout.encode_tensor(buf, g, req.slot, i, role=layout.ROLE_INPUT, name_index=spec.input_index(t.name),
                                  dtype=t.dtype, shape=t.shape, offset=offset, region=region)
@@ -764,7 +762,7 @@ class Frontend:
         req.state, req.worker = "queued", worker
         self.pending[index] = req
         worker.inflight.add(index)
-        worker.submissions.push(req.generation << 32 | index)
+        worker.submissions.push(layout.slot_entry(index, req.generation))
         worker.doorbell.notify()
         self._start_polling()
         if req.timer is None:
@@ -818,9 +816,9 @@ class Frontend:
             lane_model = self.models.get(meta["lane"]) if isinstance(meta["lane"], str) else None
             if lane_model is None:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {meta['lane']!r} is none")
-            lanes = sum(r.lane_model is lane_model for r in self.regions.values())
-            if lanes >= workerlink.MAX_LANES * len(lane_model.workers):
-                raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {lanes} lanes, its "
+            served = sum(r.lane_model is lane_model for r in self.regions.values())
+            if served >= workerlink.MAX_LANES * len(lane_model.workers):
+                raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {served} lanes, its "
                                                           f"most; use a region without a lane")
             size += layout.LANE_BYTES
         if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
@@ -828,7 +826,7 @@ class Frontend:
         size = (size + layout.PAGE - 1) // layout.PAGE * layout.PAGE
         region_id = self.next_region
         self.next_region += 1
-        name = f"/shmserve.{self.config.instance}.r{region_id}"
+        name = layout.region_name(self.config.instance, region_id)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         except posix_ipc.Error as exc:
@@ -846,7 +844,7 @@ class Frontend:
         conn.regions[region_id] = region
         answer = {"id": rid, "region": region_id, "size": size}
         if lane_model is not None:
-            layout.encode_lane_header(lane_buf, model_id=lane_model.index, worker=0xFFFFFFFF, spin_us=0)
+            lanes.init_header(lane_buf, lane_model.index)
             self._attach_lane(region)
             self._tune_lane_spin()
             answer["lane"] = {"model": lane_model.name, "data_offset": layout.LANE_BYTES,
@@ -860,7 +858,7 @@ class Frontend:
         self.regions.pop(region.id, None)
         if region.lane_buf is not None:
             if region.lane_worker is not None:
-                self._command(region.lane_worker, workerlink.command(workerlink.DETACH_LANE, region.id))
+                self._command(region.lane_worker, layout.command_entry(layout.CMD_DETACH_LANE, region.id))
                 region.lane_worker = None
                 self._attach_waiting_lanes(region.lane_model)  # a worker has room again
             region.lane_buf.close()
@@ -883,8 +881,8 @@ class Frontend:
             return
         worker = min(ready, key=lambda w: load[w])
         region.lane_worker = worker
-        layout.LANE_HEADER.write(region.lane_buf, 0, worker=worker.index)
-        self._command(worker, workerlink.command(workerlink.ATTACH_LANE, region.id))
+        lanes.assign_worker(region.lane_buf, worker.index)
+        self._command(worker, layout.command_entry(layout.CMD_ATTACH_LANE, region.id))
 
     def _attach_waiting_lanes(self, model: ModelState) -> None:
         """Attach the lanes of ``model`` that have no worker (none was ready, or all were full)."""
@@ -897,10 +895,10 @@ class Frontend:
         many lanes as CPUs.  A spinning client needs a core of its own, and its worker another;
         past that, spinners steal the CPU the workers need (measured in docs/performance.md:
         8 lane clients on 2 vCPUs served 11,000 req/s spinning 50 us, 17,500 not spinning)."""
-        lanes = [r for r in self.regions.values() if r.lane_buf is not None]
-        spin = spin_default_us(client=True) if len(lanes) <= max(1, (os.cpu_count() or 1) // 2) else 0
-        for region in lanes:
-            atomics.store32(region.lane_buf, layout.LANE_SPIN_OFFSET, spin)
+        lane_regions = [r for r in self.regions.values() if r.lane_buf is not None]
+        spin = spin_default_us(client=True) if len(lane_regions) <= max(1, (os.cpu_count() or 1) // 2) else 0
+        for region in lane_regions:
+            lanes.set_spin_hint(region.lane_buf, spin)
 
     def _command(self, worker: WorkerHandle, entry: int) -> None:
         """Push a command on a worker's submission ring (retried shortly if the ring is full)."""
@@ -917,12 +915,12 @@ class Frontend:
             if region.lane_worker is not worker:
                 continue
             region.lane_worker = None
-            _fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
+            lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
                        f"worker {worker.index} for model {worker.model.name!r} {how} while running this request")
             self._attach_lane(region)
 
     def _sweep_regions(self) -> None:
-        prefix = f"shmserve.{self.config.instance}.r"
+        prefix = layout.region_prefix(self.config.instance)
         for name in os.listdir("/dev/shm"):
             if name.startswith(prefix):
                 try:
@@ -976,25 +974,6 @@ class Frontend:
                              "state": w.state, "restarts": w.restarts, "inflight": len(w.inflight),
                              "io_mode": w.model.io_mode if w.model.device != "cpu" else None, "gpu": w.gpu}
                             for w in self.supervisor.workers]}
-
-
-def _fail_lane(buf, code: ErrorCode, message: str) -> None:
-    """Fail every request queued or running in a lane whose worker is dead: ERROR, pushed on its
-    completion ring (the front-end is its only producer until another worker attaches), and wake
-    the client (also for a call the worker finished but did not get to push)."""
-    g = layout.LANE
-    completions = Ring(buf, g.completion_off, g.ring_capacity)
-    for index in range(g.slot_count):
-        generation, state = layout.unpack_status(atomics.load64(buf, g.slot_off(index)))
-        if state not in (SlotState.READY, SlotState.RUNNING):
-            continue
-        layout.encode_error(buf, g, index, code, message)
-        try:
-            transition_slot(buf, g, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
-        except SlotConflict:
-            continue  # the client rewrote it meanwhile
-        completions.push(generation << 32 | index)
-    FutexDoorbell(completions).notify()
 
 
 class _Answered:

@@ -2,8 +2,12 @@
 
 Owns: the meaning of the ``state`` half of a slot's status word.  The arena
 module applies transitions with a compare-and-swap on the whole status word
-(generation and state), the front-end and workers request them, and the
-inspection tool names states through this table.
+(generation and state); the front-end, workers and lane clients request them,
+and the inspection tool names states through this table.
+
+Two kinds of slot table follow it: the arena's (the front-end plays the
+``front-end`` part) and each lane's (``shmserve.lanes``: the client plays
+the ``client`` part, and the front-end only fails what a dead worker left).
 
 Must not: touch memory.  It is pure data and a check.
 
@@ -13,9 +17,12 @@ Rules
 from -> to            actor       when
 ====================  ==========  ==========================================
 FREE    -> WRITING    front-end   acquire; the generation is incremented
+                      client      (a lane slot)
 WRITING -> READY      front-end   inputs written, queued on a worker's ring
+                      client      (a lane slot)
 WRITING -> FREE       front-end   abandoned before submission (bad input,
                                   client gone during upload)
+                      client      (a lane slot)
 READY   -> RUNNING    worker      claimed from the submission ring
 READY   -> ERROR      front-end   failed while queued (worker died, timeout,
                                   shutdown)
@@ -23,7 +30,9 @@ RUNNING -> DONE       worker      outputs written (GPU: stream synchronized)
 RUNNING -> ERROR      worker      the backend failed on this request
 RUNNING -> ERROR      front-end   only once the claiming worker is dead
 DONE    -> FREE       front-end   response delivered / client released it
+                      client      lane answer read
 ERROR   -> FREE       front-end   error delivered / nobody left to tell
+                      client      lane error read
 ====================  ==========  ==========================================
 
 A RUNNING slot is never taken away from a live worker: a request that times
@@ -48,6 +57,7 @@ class SlotState(enum.IntEnum):
 class Actor(enum.Enum):
     FRONTEND = "front-end"
     WORKER = "worker"
+    CLIENT = "client"  # a lane's own client, on the lane's slots
 
 
 class IllegalTransition(RuntimeError):
@@ -56,15 +66,15 @@ class IllegalTransition(RuntimeError):
 
 S, A = SlotState, Actor
 TRANSITIONS: dict[tuple[SlotState, SlotState], frozenset[Actor]] = {
-    (S.FREE, S.WRITING): frozenset({A.FRONTEND}),
-    (S.WRITING, S.READY): frozenset({A.FRONTEND}),
-    (S.WRITING, S.FREE): frozenset({A.FRONTEND}),
+    (S.FREE, S.WRITING): frozenset({A.FRONTEND, A.CLIENT}),
+    (S.WRITING, S.READY): frozenset({A.FRONTEND, A.CLIENT}),
+    (S.WRITING, S.FREE): frozenset({A.FRONTEND, A.CLIENT}),
     (S.READY, S.RUNNING): frozenset({A.WORKER}),
     (S.READY, S.ERROR): frozenset({A.FRONTEND}),
     (S.RUNNING, S.DONE): frozenset({A.WORKER}),
     (S.RUNNING, S.ERROR): frozenset({A.WORKER, A.FRONTEND}),
-    (S.DONE, S.FREE): frozenset({A.FRONTEND}),
-    (S.ERROR, S.FREE): frozenset({A.FRONTEND}),
+    (S.DONE, S.FREE): frozenset({A.FRONTEND, A.CLIENT}),
+    (S.ERROR, S.FREE): frozenset({A.FRONTEND, A.CLIENT}),
 }
 del S, A
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from shmserve import layout
-from shmserve.arena import NAME_PREFIX, SHM_DIR, boot_id, process_start_ticks
+from shmserve.arena import SHM_DIR, boot_id, process_start_ticks
 
 INIT_GRACE_S = 30.0  # a creator writes its header within microseconds; 30 s is generous
 
@@ -61,12 +61,13 @@ def list_arenas(instance: str | None = None) -> list[ArenaRecord]:
         return []
     records, regions = [], []
     for name in names:
-        if not name.startswith(NAME_PREFIX):
+        parsed = layout.parse_segment_name(name)
+        if parsed is None:
             continue
-        owner, dot, _ = name[len(NAME_PREFIX):].partition(".")
+        owner, region = parsed
         if instance is not None and owner != instance:
             continue
-        if dot:
+        if region is not None:
             regions.append((name, owner))
             continue
         record = _examine(name)
@@ -143,7 +144,7 @@ def _examine(name: str) -> ArenaRecord | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        instance = name[len(NAME_PREFIX):]
+        instance = layout.parse_segment_name(name)[0]
         return ArenaRecord(name, instance, 0, None, True, False, True, False, f"cannot open: {exc.strerror}")
     try:
         return _examine_fd(name, fd, _lock_held(fd))
@@ -152,7 +153,7 @@ def _examine(name: str) -> ArenaRecord | None:
 
 
 def _examine_fd(name: str, fd: int, locked: bool) -> ArenaRecord:
-    instance = name[len(NAME_PREFIX):]
+    instance = layout.parse_segment_name(name)[0]
     st = os.fstat(fd)
     try:
         info = layout.decode_header(os.pread(fd, layout.HEADER_SIZE, 0), st.st_size)

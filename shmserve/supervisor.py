@@ -222,7 +222,7 @@ class Supervisor:
             w.model = model
             if w.proc is not None and w.proc.poll() is None:
                 w.replacing = True
-                w.submissions.push(workerlink.STOP_ENTRY)
+                w.submissions.push(layout.STOP_ENTRY)
                 w.doorbell.notify()
 
     def kill(self, w: WorkerHandle) -> None:
@@ -243,7 +243,7 @@ class Supervisor:
         self.stopping = True
         alive = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
         for w in alive:
-            w.submissions.push(workerlink.STOP_ENTRY)
+            w.submissions.push(layout.STOP_ENTRY)
             w.doorbell.notify()
         for sig, wait in ((None, timeout), (signal.SIGKILL, 5.0)):  # workers ignore SIGTERM
             alive = [w for w in alive if w.proc.poll() is None]

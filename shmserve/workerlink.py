@@ -12,8 +12,9 @@ worker -> front-end only:
     {"event": "failed", "error": "..."}                        could not load
 
 Front-end -> worker goes through the worker's submission ring: slot entries,
-and commands (``command``): stop, attach or detach a client lane (a region
-whose first ``layout.LANE_BYTES`` hold a private queue to this worker).
+and commands (``layout.command_entry``): stop, attach or detach a client lane
+(a region whose first ``layout.LANE_BYTES`` hold a private queue to this
+worker).
 
 Exit codes (after gunicorn's arbiter: named codes stop crash loops):
 """
@@ -32,25 +33,9 @@ NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED})
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone"}
 
-# Commands on a worker's submission ring.  Slot entries are ``generation << 32 | index`` with
-# index < layout.MAX_SLOTS; an entry whose low 32 bits are COMMAND_BASE or more is a command,
-# with its argument in the high 32 bits.
-COMMAND_BASE = 0xFFFFFF00
-STOP, ATTACH_LANE, DETACH_LANE = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
-STOP_ENTRY = 2**64 - 1  # finish what you have, then exit (STOP with argument 0xFFFFFFFF)
-
-
+# Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
+# CMD_ATTACH_LANE and CMD_DETACH_LANE with the lane's region id, and ``layout.STOP_ENTRY``.
 MAX_LANES = 127  # per worker: it sleeps on its own ring and its lanes' in one futex_waitv (128 words)
-
-
-def command(op: int, argument: int) -> int:
-    """A command entry: ATTACH_LANE/DETACH_LANE take the lane's region id."""
-    return (argument & 0xFFFFFFFF) << 32 | op
-
-
-def is_command(entry: int) -> bool:
-    return entry & 0xFFFFFFFF >= COMMAND_BASE
-
 CONTROL_MAX = 1 << 20
 
 

@@ -15,7 +15,8 @@ import uuid
 import posix_ipc
 import pytest
 
-from shmserve.arena import NAME_PREFIX, SHM_DIR
+from shmserve.arena import SHM_DIR
+from shmserve.layout import arena_name
 
 
 def shm_names() -> set[str]:
@@ -43,6 +44,6 @@ def instance_name(request):
     yield make
     for name in made:
         try:
-            posix_ipc.unlink_shared_memory("/" + NAME_PREFIX + name)
+            posix_ipc.unlink_shared_memory(arena_name(name))
         except posix_ipc.ExistentialError:
             pass

@@ -13,8 +13,8 @@ import pytest
 
 from shmserve import layout
 from shmserve.allocator import AllocationError, ExtentAllocator, SlotPool
-from shmserve.arena import (SHM_DIR, Arena, ArenaError, ArenaExists, ArenaNotFound, SlotConflict,
-                            segment_name, validate_instance)
+from shmserve.arena import SHM_DIR, Arena, ArenaError, ArenaExists, ArenaNotFound, SlotConflict
+from shmserve.layout import arena_name, validate_instance
 from shmserve.slotstate import Actor, IllegalTransition, SlotState
 
 from conftest import shm_names
@@ -101,12 +101,12 @@ def test_invalid_instance_names():
     for bad in ["", "a/b", "../x", "a b", "x" * 65, "dot.ted", None]:
         with pytest.raises(ValueError):
             validate_instance(bad)
-    assert segment_name("demo_1-x") == "/shmserve.demo_1-x"
+    assert arena_name("demo_1-x") == "/shmserve.demo_1-x"
 
 
 def test_attach_refuses_foreign_and_corrupt_segments(instance_name):
     name = instance_name()
-    raw = posix_ipc.SharedMemory(segment_name(name), posix_ipc.O_CREX, size=3 * 4096)
+    raw = posix_ipc.SharedMemory(arena_name(name), posix_ipc.O_CREX, size=3 * 4096)
     try:
         os.pwrite(raw.fd, b"garbage!" * 64, 0)
         os.pwrite(raw.fd, b"\1\0\0\0", layout.HEADER.offset("state"))  # not "initializing"

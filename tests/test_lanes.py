@@ -56,7 +56,7 @@ def wait_for(predicate, what: str, timeout: float = 20.0):
 
 
 def submit_raw(call, *, offset=None, view=None, out_offset=None, out_capacity=None, name_index=0):
-    """Publish one lane request the way ``LaneQueue.submit`` does, with any field overridden
+    """Publish one lane request the way ``ClientLane.submit`` does, with any field overridden
     (a misbehaving client); returns what the worker answered (outputs or the ShmserveError)."""
     lane = call.region.lane
     off, good_view = next(iter(call._inputs.values()))
@@ -158,12 +158,12 @@ def test_a_lane_cannot_reach_outside_its_own_data_space(server):
             got = submit_raw(call, **patch)
             assert isinstance(got, ShmserveError) and got.code is ErrorCode.BAD_REGION, (what, got)
         # Another client's region, named by id.
-        real_id = region.id
-        region.id = other.region.id
+        real_id = region.lane.region_id
+        region.lane.region_id = other.region.id
         try:
             got = submit_raw(call)
         finally:
-            region.id = real_id
+            region.lane.region_id = real_id
         assert isinstance(got, ShmserveError) and got.code is ErrorCode.BAD_REGION, got
         # Inputs the model does not take.
         wrong = np.ndarray((16,), np.float32, buffer=region.buf, offset=next(iter(call._inputs.values()))[0])

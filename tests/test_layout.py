@@ -202,3 +202,65 @@ def test_unsupported_dtype():
         layout.dtype_code(np.complex64)
     with pytest.raises(LayoutError):
         layout.dtype_from_code(250)
+
+
+# -- the encodings every other module takes from here -------------------------------------------
+
+@given(st.integers(0, layout.MAX_SLOTS - 1), st.integers(0, 2**32 - 1))
+def test_slot_entries_round_trip_and_are_never_commands(index, generation):
+    entry = layout.slot_entry(index, generation)
+    assert layout.split_entry(entry) == (index, generation)
+    assert not layout.is_command(entry)
+    assert 0 <= entry < 2**64
+
+
+def test_command_entries():
+    for op in (layout.CMD_STOP, layout.CMD_ATTACH_LANE, layout.CMD_DETACH_LANE):
+        entry = layout.command_entry(op, 12345)
+        assert layout.is_command(entry) and layout.split_entry(entry) == (op, 12345)
+    assert layout.is_command(layout.STOP_ENTRY) and layout.split_entry(layout.STOP_ENTRY)[0] == layout.CMD_STOP
+
+
+def test_generations_wrap():
+    assert layout.next_generation(7) == 8
+    assert layout.next_generation(2**32 - 1) == 0
+    assert layout.unpack_status(layout.pack_status(2**32 + 5, 3)) == (5, 3)
+
+
+@pytest.mark.parametrize("nbytes,aligned,span", [(0, 0, 64), (1, 64, 64), (64, 64, 64), (65, 128, 128),
+                                                  (4097, 4160, 4160)])
+def test_tensor_alignment(nbytes, aligned, span):
+    assert layout.align_tensor(nbytes) == aligned and layout.tensor_span(nbytes) == span
+    assert layout.is_tensor_aligned(aligned) and not layout.is_tensor_aligned(aligned + 1)
+
+
+def test_segment_names_round_trip_and_foreign_names_are_not_ours():
+    assert layout.arena_name("vision") == "/shmserve.vision"
+    assert layout.region_name("vision", 7) == "/shmserve.vision.r7"
+    assert layout.region_name("vision", 7)[1:].startswith(layout.region_prefix("vision"))
+    assert layout.parse_segment_name("shmserve.vision") == ("vision", None)
+    assert layout.parse_segment_name("shmserve.vision.r7") == ("vision", 7)
+    assert layout.parse_segment_name("shmserve.vision.junk") == ("vision", 0)
+    assert layout.parse_segment_name("shmserve.vision.r99999999999") == ("vision", 0)
+    assert layout.parse_segment_name("other.vision") is None
+    for bad in (0, -1, 2**32):
+        with pytest.raises(LayoutError):
+            layout.region_name("vision", bad)
+    with pytest.raises(ValueError):
+        layout.arena_name("../etc")
+
+
+def test_histograms_record_and_read_through_one_encoding():
+    g = layout.plan(slot_count=4, size_classes=[(4096, 1)], max_workers=2, ring_capacity=4)
+    buf = bytearray(g.hist_table_off + 2 * layout.HIST_WORKER_SIZE)
+    for value in (0, 1, 3, 1000, 2**40):
+        layout.record_sample(buf, g, 1, "batch_size", value)
+    buckets, total = layout.read_histogram(buf, g, 1, "batch_size")
+    assert total == 0 + 1 + 3 + 1000 + 2**40 and sum(buckets) == 5
+    assert buckets[0] == 2 and buckets[1] == 1 and buckets[9] == 1 and buckets[-1] == 1
+    assert layout.read_histogram(buf, g, 0, "batch_size") == ((0,) * layout.HIST_BUCKETS, 0)  # the other worker
+    assert layout.hist_upper_bound(9) == 1024 and layout.hist_bucket(1023) == 9
+    with pytest.raises(LayoutError):
+        layout.read_histogram(buf, g, 2, "total")
+    with pytest.raises(LayoutError):
+        layout.read_histogram(bytearray(16), g, 0, "total")

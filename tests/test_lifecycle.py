@@ -10,7 +10,7 @@ from pathlib import Path
 import posix_ipc
 
 from shmserve import layout, stale
-from shmserve.arena import Arena, segment_name
+from shmserve.arena import Arena
 from shmserve.cli import main as cli_main
 
 from conftest import shm_names
@@ -94,7 +94,7 @@ def test_earlier_boot_is_stale_even_if_locked(instance_name):
 
 def test_unreadable_segments_are_removed_only_after_the_grace_period(instance_name, monkeypatch):
     name = instance_name()
-    shm = posix_ipc.SharedMemory(segment_name(name), posix_ipc.O_CREX, size=4096)
+    shm = posix_ipc.SharedMemory(layout.arena_name(name), posix_ipc.O_CREX, size=4096)
     shm.close_fd()
     try:
         assert not record(name).stale and record(name).reason == "being created"

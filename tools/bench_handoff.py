@@ -29,11 +29,12 @@ import sys
 import time
 import uuid
 
+from shmserve import layout
 from shmserve.arena import Arena
 from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, new_eventfd
 from shmserve.slotstate import Actor, SlotState
 
-STOP = 2**64 - 1
+STOP = layout.STOP_ENTRY
 PAYLOAD = bytes(range(64))
 SPIN_FOREVER = 3600.0
 
@@ -55,7 +56,7 @@ def peer_main(instance: str, kind: str, spin: float, efd_in: int, efd_out: int) 
             continue
         if entry == STOP:
             return
-        index, generation = entry & 0xFFFFFFFF, entry >> 32
+        index, generation = layout.split_entry(entry)
         arena.transition(index, generation, SlotState.READY, SlotState.RUNNING, Actor.WORKER)
         arena.transition(index, generation, SlotState.RUNNING, SlotState.DONE, Actor.WORKER)
         comp.push(entry)
@@ -107,7 +108,7 @@ def bench_handoff(kind: str, spin: float, rounds: int, warmup: int) -> list[floa
                 generation = arena.transition(0, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
                 buf[data_off:data_off + len(PAYLOAD)] = PAYLOAD
                 arena.transition(0, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
-                sub.push(generation << 32)
+                sub.push(layout.slot_entry(0, generation))
                 to_peer.notify()
                 entry = None
                 while entry is None:

@@ -32,12 +32,12 @@ import orjson
 import posix_ipc
 
 from shmserve import _atomics as atomics
-from shmserve import layout, workerlink
-from shmserve.arena import Arena, ArenaError, SlotConflict, record_latencies, transition_slot
+from shmserve import lanes, layout, workerlink
+from shmserve.arena import SHM_DIR, Arena, ArenaError, SlotConflict, transition_slot
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
-from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, wait_any
+from shmserve.rings import EventfdDoorbell, Ring, wait_any
 from shmserve.slotstate import Actor, SlotState
 from shmserve.spec import ModelSpec, bind_inputs, merge_overrides
 from workers.backends import find, warmup_inputs
@@ -72,7 +72,7 @@ class RegionCache:
         import mmap
 
         try:
-            shm = posix_ipc.SharedMemory(f"/shmserve.{self.instance}.r{region}")
+            shm = posix_ipc.SharedMemory(layout.region_name(self.instance, region))
         except posix_ipc.Error:
             raise RequestFailed(ErrorCode.BAD_REGION, f"region {region} does not exist") from None
         try:
@@ -94,7 +94,7 @@ class RegionCache:
 
     def collect(self) -> list[int]:
         """Unmap regions whose name is gone (their client disconnected or closed them); their ids."""
-        gone = [r for r in self.maps if not os.path.exists(f"/dev/shm/shmserve.{self.instance}.r{r}")]
+        gone = [r for r in self.maps if not os.path.exists(os.path.join(SHM_DIR, layout.region_name(self.instance, r)[1:]))]
         for region in gone:
             self.drop(region)
         return gone
@@ -208,7 +208,7 @@ class OutputPlacer:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
         shape = tuple(int(d) for d in shape)
         nbytes = dtype.itemsize * math.prod(shape)
-        pos = (self.pos + layout.TENSOR_ALIGN - 1) // layout.TENSOR_ALIGN * layout.TENSOR_ALIGN
+        pos = layout.align_tensor(self.pos)
         if pos + nbytes > self.capacity:
             raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
                                 f"outputs need more than the {self.capacity} bytes reserved for them "
@@ -353,16 +353,16 @@ class Worker:
         work: list[tuple[Space, int]] = []
         stop = False
         for entry in self.main.submissions.pop_all():
-            if not workerlink.is_command(entry):
+            if not layout.is_command(entry):
                 work.append((self.main, entry))
                 continue
-            op, argument = entry & 0xFFFFFFFF, entry >> 32
-            if op == workerlink.STOP:
+            op, argument = layout.split_entry(entry)
+            if op == layout.CMD_STOP:
                 stop = True
                 break
-            if op == workerlink.ATTACH_LANE:
+            if op == layout.CMD_ATTACH_LANE:
                 self._attach_lane(argument)
-            elif op == workerlink.DETACH_LANE:
+            elif op == layout.CMD_DETACH_LANE:
                 self._detach_lane(argument)
         for lane in self.lanes.values():
             try:
@@ -380,12 +380,11 @@ class Worker:
         except RequestFailed:
             return  # the client left before we got here
         buf = self.regions.maps[region]
-        if buf is None or self.regions.sizes[region] < layout.LANE_BYTES:
+        if buf is None or not lanes.usable(self.regions.sizes[region]):
             return
-        g = layout.LANE
-        completions = Ring(buf, g.completion_off, g.ring_capacity)
-        self.lanes[region] = Space(buf, g, Ring(buf, g.submission_off, g.ring_capacity), completions,
-                                   FutexDoorbell(completions), region=region, data_floor=g.data_off)
+        submissions, completions, doorbell = lanes.worker_rings(buf)
+        self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,
+                                   data_floor=lanes.DATA_FLOOR)
         self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
 
     def _detach_lane(self, region: int) -> None:
@@ -397,7 +396,7 @@ class Worker:
 
     def _claim(self, space: Space, entry: int) -> int | None:
         """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run."""
-        index, generation = entry & 0xFFFFFFFF, entry >> 32
+        index, generation = layout.split_entry(entry)
         if not 0 <= index < space.geometry.slot_count:
             return None  # hostile or corrupt entry: nothing to answer
         try:
@@ -420,7 +419,7 @@ class Worker:
 
     def _finish(self, space: Space, entry: int, index: int, outcome) -> None:
         """Publish DONE or ERROR, count it, and hand the slot back through the completion ring."""
-        generation = entry >> 32
+        _, generation = layout.split_entry(entry)
         buf, g, slot_off = space.buf, space.geometry, space.geometry.slot_off(index)
         n_outputs, failure = outcome
         if failure is not None:
@@ -438,14 +437,12 @@ class Worker:
         self._count("requests")
         if failure is not None:
             self._count("errors")
-        record_latencies(self.buf, self.geometry, self.index, buf, slot_off)
+        layout.record_stages(self.buf, self.geometry, self.index, buf, slot_off)
         space.completions.push(entry)  # a lane's ring may be full if its client does not drain it: the
         space.outbox.notify()           # entry is only a wake-up there, the status word is the answer
 
     def _record_batch(self, size: int) -> None:
-        base = self.geometry.hist_off(self.index, "batch_size")
-        atomics.fetch_add64(self.buf, base + 8 * layout.hist_bucket(size), 1)
-        atomics.fetch_add64(self.buf, base + 8 * layout.HIST_BUCKETS, size)
+        layout.record_sample(self.buf, self.geometry, self.index, "batch_size", size)
 
     def _run(self, space: Space, index: int) -> int:
         slot, inputs = self._decode(space, index)

@@ -54,7 +54,7 @@ def worker_main(instance: str, worker: int, spin: float) -> int:
             if entry == STOP:
                 print(f"ok {rounds}", flush=True)
                 return 0
-            index, generation = entry & 0xFFFFFFFF, entry >> 32
+            index, generation = layout.split_entry(entry)
             status = arena.slot_status(index)  # load-acquire before reading anything
             if status != (generation, SlotState.READY):
                 print(f"stale: slot {index} entry gen {generation}, status {status}", flush=True)
@@ -122,7 +122,7 @@ def run_front(arena: Arena, *, rounds: int, workers: int, seed: int, in_flight: 
                 # Order matters here: payload and descriptors are written before READY is published.
                 arena.transition(index, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
                 worker = sent % workers
-                assert subs[worker].push(generation << 32 | index)
+                assert subs[worker].push(layout.slot_entry(index, generation))
                 bells[worker].notify()
                 pending[index] = (generation, worker, payload, extent)
                 sent += 1
@@ -137,7 +137,7 @@ def run_front(arena: Arena, *, rounds: int, workers: int, seed: int, in_flight: 
                 drain_eventfd(efd)
                 continue
             for entry in got:
-                index, generation = entry & 0xFFFFFFFF, entry >> 32
+                index, generation = layout.split_entry(entry)
                 expected_gen, _, payload, extent = pending.pop(index)
                 status = arena.slot_status(index)  # load-acquire before reading outputs
                 if generation != expected_gen or status != (generation, SlotState.DONE):

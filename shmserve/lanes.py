@@ -1,0 +1,250 @@
+"""Lanes: a client region whose first ``layout.LANE_BYTES`` are a private queue to one worker.
+
+Owns: the lane protocol, for all three parties that touch a lane.
+
+* The client (``ClientLane``): take a free slot, write descriptors, publish
+  READY, push and ring; wait for the slot's status word; read the outputs
+  and free the slot; recycle the slots of calls that timed out once they
+  finish.  The client plays the ``client`` actor of ``shmserve.slotstate``.
+* The front-end (``init_header``, ``assign_worker``, ``set_spin_hint``,
+  ``fail_lane``): write the header, tell the lane which worker serves it,
+  hint whether to spin, and fail whatever a dead worker left queued or
+  running (it is then the completion ring's only producer).
+* The worker (``worker_rings``, ``DATA_FLOOR``): the lane's rings and the
+  doorbell that wakes its client; a lane's tensors may only lie in its own
+  region at ``DATA_FLOOR`` or above.
+
+A call (docs/protocol.md, "Lanes")::
+
+    client: FREE -> WRITING (new generation); descriptors, request, stage times;
+            WRITING -> READY; push slot_entry on the submission ring; ring the worker
+    worker: READY -> RUNNING; run; outputs and descriptors; RUNNING -> DONE | ERROR;
+            push the entry on the completion ring; ring the client
+    client: the status word says DONE | ERROR (the entry is only a wake-up);
+            read; DONE | ERROR -> FREE
+
+The status word, not a completion entry, says that a call finished: a
+worker that dies between publishing DONE and pushing its entry loses
+nothing, and a client that never drains its completion ring only costs
+itself wake-ups.  The client writes every byte of its lane, so the worker and
+front-end trust none of it (every index, generation and descriptor is
+checked where it is used).
+
+Must not: decide which worker serves a lane (the front-end's regions module
+does), run models, or touch a socket.  Offsets come from ``layout.LANE``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from shmserve import _atomics as atomics
+from shmserve import layout
+from shmserve.arena import SlotConflict, transition_slot
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.rings import FutexDoorbell, Ring
+from shmserve.slotstate import FINISHED, Actor, SlotState, state_name
+
+LANE = layout.LANE
+DATA_FLOOR = layout.LANE.data_off  # a lane's tensors lie at this offset of its region or above
+WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
+
+_READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)
+
+
+def _rings(buf) -> tuple[Ring, Ring]:
+    return (Ring(buf, LANE.submission_off, LANE.ring_capacity),
+            Ring(buf, LANE.completion_off, LANE.ring_capacity))
+
+
+# -- the front-end's part -----------------------------------------------------------------
+
+def init_header(buf, model_id: int) -> None:
+    """Write a new lane's header: served by no worker yet, no spinning."""
+    layout.encode_lane_header(buf, model_id=model_id, worker=layout.NO_WORKER, spin_us=0)
+
+
+def assign_worker(buf, worker: int) -> None:
+    """Record which worker serves the lane (``layout.NO_WORKER``: none)."""
+    layout.LANE_HEADER.write(buf, 0, worker=worker)
+
+
+def set_spin_hint(buf, spin_us: int) -> None:
+    """How long the lane's client should spin for a completion before it sleeps."""
+    atomics.store32(buf, layout.LANE_SPIN_OFFSET, spin_us)
+
+
+def fail_lane(buf, code: ErrorCode, message: str) -> int:
+    """Fail every call queued or running in a lane whose worker is dead: ERROR with ``code``,
+    pushed on its completion ring, and wake the client (also for a call the worker finished but
+    did not get to push).  Returns how many calls were failed.
+
+    Only the front-end calls this, once the lane's worker is known dead: it is then the
+    completion ring's only producer.
+    """
+    _, completions = _rings(buf)
+    failed = 0
+    for index in range(LANE.slot_count):
+        generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
+        if state not in (_READY, _RUNNING):
+            continue
+        layout.encode_error(buf, LANE, index, code, message)
+        try:
+            transition_slot(buf, LANE, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
+        except SlotConflict:
+            continue  # the client rewrote it meanwhile
+        completions.push(layout.slot_entry(index, generation))
+        failed += 1
+    FutexDoorbell(completions).notify()
+    return failed
+
+
+# -- the worker's part --------------------------------------------------------------------
+
+def usable(size: int) -> bool:
+    """Whether a region of ``size`` bytes can hold a lane."""
+    return size >= layout.LANE_BYTES
+
+
+def worker_rings(buf) -> tuple[Ring, Ring, FutexDoorbell]:
+    """The worker's end of a lane: (submissions to consume, completions to produce, the
+    doorbell that wakes the client after a completion is pushed)."""
+    submissions, completions = _rings(buf)
+    return submissions, completions, FutexDoorbell(completions)
+
+
+# -- the client's part --------------------------------------------------------------------
+
+class ClientLane:
+    """The client's end of a lane in ``buf`` (the mapping of region ``region_id``).
+
+    ``submit`` publishes one call and returns its (slot, generation); ``wait``
+    blocks until that slot finished; ``read`` returns its outputs (or raises
+    its error) and frees the slot.  A call that timed out is ``abandon``ed:
+    its slot stays with the worker and is recycled once it has finished.
+    Not thread-safe (one client, one thread, or one event loop).
+    """
+
+    def __init__(self, buf, region_id: int, model: str):
+        self.buf, self.region_id, self.model = buf, region_id, model
+        self.size = len(buf)
+        self.submissions, self.completions = _rings(buf)
+        self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
+        self.free = list(range(LANE.slot_count - 1, -1, -1))
+        self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
+
+    def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
+               out_offset: int, out_capacity: int) -> tuple[int, int]:
+        """Publish one call (``inputs``: (input index, offset in the region, view)); returns
+        (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first)."""
+        buf = self.buf
+        if not self.has_free_slot():
+            raise ShmserveError(ErrorCode.OVERLOADED, f"all {LANE.slot_count} slots of this lane are busy "
+                                                      f"(calls that timed out still run)")
+        index = self.free.pop()
+        generation, _ = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
+        try:
+            generation = transition_slot(buf, LANE, index, generation, SlotState.FREE, SlotState.WRITING,
+                                         Actor.CLIENT)
+        except SlotConflict:  # only this client writes a free slot: its lane was overwritten
+            raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} is not free") from None
+        for t, (name_index, offset, view) in enumerate(inputs):
+            layout.encode_tensor(buf, LANE, index, t, role=layout.ROLE_INPUT, name_index=name_index,
+                                 dtype=view.dtype, shape=view.shape, offset=offset, region=self.region_id)
+        layout.encode_slot_request(buf, LANE, index, request_id=request_id, model_id=model_id, worker=0,
+                                   n_inputs=len(inputs), out_region=self.region_id, out_off=out_offset,
+                                   out_capacity=out_capacity)
+        now = time.monotonic_ns()
+        layout.reset_stages(buf, LANE, index, now, now)
+        # Order matters here: descriptors (and the caller's input bytes) are complete before READY.
+        transition_slot(buf, LANE, index, generation, SlotState.WRITING, SlotState.READY, Actor.CLIENT)
+        self.submissions.push(layout.slot_entry(index, generation))  # never full: one entry per slot
+        self.bell.notify()
+        return index, generation
+
+    def spin_hint(self) -> float:
+        """Seconds the front-end suggests spinning for a completion before sleeping."""
+        return atomics.load32(self.buf, layout.LANE_SPIN_OFFSET) / 1e6
+
+    def wait(self, index: int, generation: int, deadline: float, spin_s: float | None,
+             alive: Callable[[], None]) -> None:
+        """Block until slot ``index`` finished, spinning ``spin_s`` first (None: the front-end's
+        hint); ``alive()`` is asked every WAIT_SLICE_S whether the server is still there (it
+        raises if not).  TIMEOUT at ``deadline`` (monotonic), after which the slot is abandoned."""
+        if spin_s is None:
+            spin_s = self.spin_hint()
+        while True:
+            self.completions.discard()  # wake-up hints: the status word decides
+            if self.finished(index, generation):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.abandon(index, generation)
+                raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
+            if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
+                alive()
+            spin_s = 0.0
+
+    def wait_for_wakeup(self, timeout: float) -> bool:
+        """Sleep until a completion is pushed or ``timeout`` passes (for a watcher thread)."""
+        if self.inbox.wait(timeout=timeout):
+            self.completions.discard()
+            return True
+        return False
+
+    def read(self, index: int, generation: int, out_offset: int,
+             out_capacity: int) -> dict[int, tuple[np.dtype, tuple, int]]:
+        """The finished slot's outputs as output index -> (dtype, shape, offset in the region);
+        raises its error as ShmserveError.  Frees the slot either way."""
+        buf = self.buf
+        got_generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
+        try:
+            if got_generation != generation or state not in FINISHED:
+                raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} finished in state {state_name(state)}")
+            if state == SlotState.ERROR:
+                code, message = layout.decode_error(buf, LANE, index)
+                raise ShmserveError(ErrorCode.from_number(code), message)
+            slot = layout.decode_slot_request(buf, LANE, index)
+            outputs = {}
+            try:
+                for t in range(slot.n_inputs, slot.n_inputs + slot.n_outputs):
+                    d = layout.decode_tensor(buf, LANE, index, t, {self.region_id: self.size})
+                    if d.region != self.region_id or not (out_offset <= d.offset and
+                                                          d.offset + d.nbytes <= out_offset + out_capacity):
+                        raise layout.LayoutError("an output lies outside the output area")
+                    outputs[d.name_index] = (d.dtype, d.shape, d.offset)
+            except layout.LayoutError as exc:
+                raise ShmserveError(ErrorCode.INTERNAL, f"the worker wrote a bad output descriptor: {exc}") from None
+            return outputs
+        finally:
+            self._free(index, got_generation, state)
+
+    def abandon(self, index: int, generation: int) -> None:
+        """Give up on a call (timed out): its slot is recycled once the worker has finished it."""
+        self.abandoned[index] = generation
+
+    def has_free_slot(self) -> bool:
+        if not self.free:
+            self._reclaim()
+        return bool(self.free)
+
+    def finished(self, index: int, generation: int) -> bool:
+        """Whether slot ``index`` of ``generation`` is DONE or ERROR (load-acquire)."""
+        got_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
+        return got_generation == generation and state in FINISHED
+
+    def _reclaim(self) -> None:
+        """Free the slots of timed-out calls that have finished since."""
+        for index, generation in list(self.abandoned.items()):
+            if self.finished(index, generation):
+                del self.abandoned[index]
+                _, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
+                self._free(index, generation, state)
+
+    def _free(self, index: int, generation: int, state: int) -> None:
+        if state in FINISHED:
+            transition_slot(self.buf, LANE, index, generation, SlotState(state), SlotState.FREE, Actor.CLIENT)
+            self.free.append(index)
