@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 
 from shmserve import Client
 
-from conftest import shm_names
+from conftest import new_instance, shm_names
 from helpers.server import TESTS_DIR, ServerProcess
 
 ROOT = TESTS_DIR.parent
@@ -73,7 +72,7 @@ def test_socket_activation(tmp_path):
     before = shm_names()
     sock = str(tmp_path / "activated.sock")
     cfg = tmp_path / "act.toml"
-    instance = f"t-{uuid.uuid4().hex[:10]}"
+    instance = new_instance("act")
     cfg.write_text(f'[server]\ninstance = "{instance}"\n{IDENTITY}')
     env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     proc = subprocess.Popen(["systemd-socket-activate", "-l", sock, sys.executable, "-m", "shmserve.cli", "serve",

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from shmserve import Client
@@ -93,7 +92,9 @@ class ServerProcess:
                  extra_args: list[str] = ()):
         self.workdir = workdir
         self.extra_args = list(extra_args)
-        self.instance = f"t-{uuid.uuid4().hex[:10]}"
+        from conftest import new_instance
+
+        self.instance = new_instance("srv")
         self.socket_dir = socket_dir or (workdir / "run")
         self.socket = str(self.socket_dir / "s.sock")
         self.config_path = workdir / f"{self.instance}.toml"
