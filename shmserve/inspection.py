@@ -111,14 +111,8 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
     for model in sorted(set(names.values())):
         per_stage = {}
         for stage in layout.HIST_STAGES:  # stage times in us; "batch_size" in requests per run
-            buckets = [0] * layout.HIST_BUCKETS
-            total_us = 0
-            for i, name in names.items():
-                if name != model:
-                    continue
-                counts, total = layout.read_histogram(buf, g, i, stage)
-                buckets = [a + b for a, b in zip(buckets, counts)]
-                total_us += total
+            buckets, total_us = layout.read_histograms(buf, g, [i for i, name in names.items() if name == model],
+                                                       stage)
             n = sum(buckets)
             per_stage[stage] = {"count": n, "mean_us": round(total_us / n, 1) if n else None,
                                 "p50_us": _percentile(buckets, 0.5), "p90_us": _percentile(buckets, 0.9),

@@ -851,6 +851,16 @@ def read_histogram(buf, geometry: Geometry, worker: int, stage: str) -> tuple[tu
     return tuple(buckets), total
 
 
+def read_histograms(buf, geometry: Geometry, workers, stage: str) -> tuple[tuple[int, ...], int]:
+    """(bucket counts, sum) of ``stage`` summed over the workers (indices) given."""
+    counts, total = [0] * HIST_BUCKETS, 0
+    for worker in workers:
+        buckets, worker_total = read_histogram(buf, geometry, worker, stage)
+        counts = [a + b for a, b in zip(counts, buckets)]
+        total += worker_total
+    return tuple(counts), total
+
+
 def record_sample(buf, geometry: Geometry, worker: int, stage: str, value: int) -> None:
     """Count ``value`` (>= 0) in one worker's histogram for ``stage``."""
     base = geometry.hist_off(worker, stage)

@@ -1,11 +1,11 @@
-"""Prometheus metrics: a collector over the front-end's live state, served over HTTP.
+"""Prometheus metrics: a collector over the front-end's status snapshot, served over HTTP.
 
 Owns: metric names and labels (Prometheus conventions: ``shmserve_`` prefix,
 base units, ``_total`` counters) and the small HTTP endpoint
 (``--metrics ADDR``: a Unix socket path, or a loopback ``host:port``).  Values
-are read at scrape time from the front-end and from the arena's counters and
-per-worker latency histograms, so nothing is double-counted and nothing costs
-anything between scrapes.
+are read at scrape time from one ``shmserve.frontend.status`` snapshot (which
+reads the arena's counters and per-worker latency histograms), so nothing is
+double-counted and nothing costs anything between scrapes.
 
 Must not: listen on a non-loopback address, or block the event loop.
 """
@@ -26,17 +26,18 @@ log = logging.getLogger("shmserve.metrics")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class FrontendCollector:
-    def __init__(self, frontend):
-        self.fe = frontend
+class StatusCollector:
+    """Prometheus families from one ``Status.snapshot()`` per scrape."""
+
+    def __init__(self, status):
+        self.status = status
 
     def collect(self):
-        fe = self.fe
-        arena, g = fe.arena, fe.arena.geometry
+        snap = self.status.snapshot()
         requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model and "
                                        "outcome (ok or the error code); lane calls are in shmserve_worker_requests",
                                        labels=["model", "outcome"])
-        for (model, outcome), n in sorted(fe.outcomes.items()):
+        for (model, outcome), n in sorted(snap.outcomes.items()):
             requests.add_metric([model, outcome], n)
         yield requests
 
@@ -45,12 +46,12 @@ class FrontendCollector:
                                        "copy_out, and total (slot acquired to done)", labels=["model", "stage"])
         batch = HistogramMetricFamily("shmserve_batch_size", "Requests per model execution (dynamic batching)",
                                       labels=["model"])
-        for name, state in fe.models.items():
+        for m in snap.models:
             for stage in layout.HIST_STAGE_BOUNDS:
-                buckets, total = _histogram(arena, g, state.workers, stage, scale=1e6)
-                stages.add_metric([name, stage], buckets, total / 1e6)
-            buckets, total = _histogram(arena, g, state.workers, "batch_size", scale=1)
-            batch.add_metric([name], buckets, total)
+                buckets, total = m.histograms[stage]
+                stages.add_metric([m.name, stage], _cumulative(buckets, scale=1e6), total / 1e6)
+            buckets, total = m.histograms["batch_size"]
+            batch.add_metric([m.name], _cumulative(buckets, scale=1), total)
         yield stages
         yield batch
 
@@ -58,12 +59,9 @@ class FrontendCollector:
                                    "plus requests waiting for arena space", labels=["model"])
         inflight = GaugeMetricFamily("shmserve_inflight_requests", "Requests handed to workers and not yet "
                                      "answered", labels=["model"])
-        for name, state in fe.models.items():
-            mine = [r for r in fe.pending.values() if r.model is state]
-            ready = sum(1 for r in mine if arena.slot_status(r.slot)[1] == 2)
-            waiting = sum(1 for r in fe.waiting if r.model is state)
-            queued.add_metric([name], ready + waiting)
-            inflight.add_metric([name], len(mine))
+        for m in snap.models:
+            queued.add_metric([m.name], m.queued)
+            inflight.add_metric([m.name], m.inflight)
         yield queued
         yield inflight
 
@@ -72,54 +70,46 @@ class FrontendCollector:
                                      labels=["model", "worker", "outcome"])
         lanes = GaugeMetricFamily("shmserve_lanes", "Lanes (client regions with their own queue) attached, by "
                                   "model and worker", labels=["model", "worker"])
-        for w in fe.supervisor.workers:
-            counters = fe.worker_counters(w)
-            served.add_metric([w.model.name, str(w.index), "ok"], counters["requests"] - counters["errors"])
-            served.add_metric([w.model.name, str(w.index), "error"], counters["errors"])
-            lanes.add_metric([w.model.name, str(w.index)], counters["lanes"])
-        yield served
-        yield lanes
-
         restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts", labels=["model", "worker"])
         workers = GaugeMetricFamily("shmserve_workers", "Workers by model and state", labels=["model", "state"])
         states: dict = {}
-        for w in fe.supervisor.workers:
-            restarts.add_metric([w.model.name, str(w.index)], w.restarts)
-            states[(w.model.name, w.state)] = states.get((w.model.name, w.state), 0) + 1
+        for m in snap.models:
+            for w in m.workers:
+                served.add_metric([w.model, str(w.index), "ok"], w.requests - w.errors)
+                served.add_metric([w.model, str(w.index), "error"], w.errors)
+                lanes.add_metric([w.model, str(w.index)], w.lanes)
+                restarts.add_metric([w.model, str(w.index)], w.restarts)
+                states[(w.model, w.state)] = states.get((w.model, w.state), 0) + 1
         for (model, state), n in sorted(states.items()):
             workers.add_metric([model, state], n)
+        yield served
+        yield lanes
         yield restarts
         yield workers
 
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",
-                                value=arena.stat("extent_bytes_in_use"))
-        yield GaugeMetricFamily("shmserve_arena_data_bytes", "Arena data region size", value=g.data_size)
-        yield GaugeMetricFamily("shmserve_slots_in_use", "Arena slots held by requests", value=arena.stat("slots_in_use"))
-        yield GaugeMetricFamily("shmserve_slots", "Arena slots", value=g.slot_count)
+                                value=snap.stats["extent_bytes_in_use"])
+        yield GaugeMetricFamily("shmserve_arena_data_bytes", "Arena data region size", value=snap.data_bytes)
+        yield GaugeMetricFamily("shmserve_slots_in_use", "Arena slots held by requests", value=snap.stats["slots_in_use"])
+        yield GaugeMetricFamily("shmserve_slots", "Arena slots", value=snap.slots)
 
 
-def _histogram(arena, g, workers, stage: str, scale: float) -> tuple[list, int]:
-    """Cumulative Prometheus buckets (upper bound hist_upper_bound(i) / scale) summed over ``workers``."""
-    counts = [0] * layout.HIST_BUCKETS
-    total = 0
-    for w in workers:
-        buckets, worker_total = layout.read_histogram(arena.buf, g, w.index, stage)
-        counts = [a + b for a, b in zip(counts, buckets)]
-        total += worker_total
+def _cumulative(counts, scale: float) -> list:
+    """Cumulative Prometheus buckets (upper bound hist_upper_bound(i) / scale) of bucket counts."""
     buckets, running = [], 0
     for i, n in enumerate(counts[:-1]):
         running += n
         buckets.append((repr(layout.hist_upper_bound(i) / scale), running))
     buckets.append(("+Inf", running + counts[-1]))
-    return buckets, total
+    return buckets
 
 
 class MetricsServer:
     """A minimal HTTP/1.1 endpoint for GET /metrics on the front-end's loop."""
 
-    def __init__(self, frontend):
+    def __init__(self, status):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(FrontendCollector(frontend))
+        self.registry.register(StatusCollector(status))
         self.server = None
         self.path = None
 

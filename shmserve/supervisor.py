@@ -1,13 +1,35 @@
-"""Worker processes: spawn, readiness, death, restart with back-off, ordered stop.
+"""Worker processes: spawn, readiness, health, death, restart with back-off, ordered stop.
 
-Owns: the worker processes of one front-end and their entries in the
-arena's worker table.  Learns of a worker's death through a pidfd watched by
-the event loop (no SIGCHLD handler, no polling), decodes its exit status,
-and restarts it with exponential back-off unless its exit code says a restart
-cannot help (``workerlink.NO_RESTART``: the model cannot be loaded).
+Owns: the worker processes of one front-end, their entries in the arena's
+worker table, their health, and the order of commands on their submission
+rings.  Learns of a worker's death through a pidfd watched by the event loop
+(no SIGCHLD handler, no polling), decodes its exit status, and restarts it
+with exponential back-off unless its exit code says a restart cannot help
+(``workerlink.NO_RESTART``: the model cannot be loaded).  A ready worker
+whose heartbeat (a thread in every worker) stops for ``worker_timeout_s`` is
+*wedged*; at twice that it is terminated (TERM, then KILL) and so restarted.
 
 Workers are spawned as fresh interpreters (``python -m workers.main``), never
 forked: a fork of a process that touched CUDA is unusable.
+
+A worker's life is one transition table (``WorkerState``):
+
+Rules
+-----
+==========  ==========  ===============================================
+from        to          when
+==========  ==========  ===============================================
+STARTING    READY       it reported its model loaded and warmed
+RESTARTING  READY       the same, after a restart
+STARTING    RESTARTING  it died before it was ready (restart after back-off)
+READY       RESTARTING  it died, was terminated as wedged, or stopped to
+                        take new settings (reload)
+RESTARTING  RESTARTING  it died again before it was ready
+STARTING    FAILED      its exit code says a restart cannot help
+READY       FAILED      (NO_RESTART): the model cannot be loaded, or the
+RESTARTING  FAILED      arena cannot be used
+any         STOPPED     the supervisor stopped it (shutdown)
+==========  ==========  ===============================================
 
 Must not: touch requests or slots; the front-end is told of every death
 (``on_exit``) and fails or recovers that worker's requests itself.
@@ -16,6 +38,7 @@ Must not: touch requests or slots; the front-end is told of every death
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import signal
@@ -34,7 +57,37 @@ from shmserve.spec import ModelSpec
 
 log = logging.getLogger("shmserve.supervisor")
 
-STARTING, READY, RESTARTING, FAILED, STOPPED = "starting", "ready", "restarting", "failed", "stopped"
+HEALTHY_RUN_S = 60.0  # a worker that served this long before dying is not crash-looping: back-off resets
+MAX_BACKOFF_DOUBLINGS = 16  # restart delay = first * 2**restarts, capped by the longest delay anyway
+HEALTH_CHECK_S = 0.25  # how often heartbeats are read (a fraction of any sensible worker_timeout_s)
+TERM_GRACE_S = 2.0  # after SIGTERM, how long a worker may take before SIGKILL
+COMMAND_RETRY_S = 0.001  # a full submission ring: try the command again this much later
+
+
+class WorkerState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class IllegalTransition(RuntimeError):
+    """A worker state change the table does not allow: a bug in the supervisor."""
+
+
+W = WorkerState
+TRANSITIONS: frozenset[tuple[WorkerState, WorkerState]] = frozenset({
+    (W.STARTING, W.READY), (W.RESTARTING, W.READY),
+    (W.STARTING, W.RESTARTING), (W.READY, W.RESTARTING), (W.RESTARTING, W.RESTARTING),
+    (W.STARTING, W.FAILED), (W.READY, W.FAILED), (W.RESTARTING, W.FAILED),
+    *((state, W.STOPPED) for state in W),
+})
+del W
+
+# The names other modules use for the states (``w.state == READY``).
+STARTING, READY, RESTARTING, FAILED, STOPPED = (WorkerState.STARTING, WorkerState.READY, WorkerState.RESTARTING,
+                                                WorkerState.FAILED, WorkerState.STOPPED)
 
 
 @dataclass(eq=False)
@@ -45,22 +98,33 @@ class WorkerHandle:
     completions: Ring
     doorbell: FutexDoorbell
     completion_bell: EventfdDoorbell
-    state: str = STARTING
+    state: WorkerState = WorkerState.STARTING
     proc: subprocess.Popen | None = None
     pidfd: int | None = None
     control: socket.socket | None = None
     spec: ModelSpec | None = None
     error: str | None = None
     restarts: int = 0
-    inflight: set[int] = field(default_factory=set)  # slot indices handed to it
+    inflight: set[int] = field(default_factory=set)  # the dispatcher's: arena slots handed to it
     started_at: float = 0.0
     gpu: dict | None = None  # what a GPU worker registered (device, arena addresses)
     replacing: bool = False  # stopped on purpose to come back with a new config (reload)
+    terminating: bool = False  # TERM sent (wedged or stopping); KILL follows unless it exits
     ready_future: asyncio.Future | None = None
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def set_state(self, state: WorkerState) -> None:
+        """Move to ``state``; IllegalTransition if the table forbids it (staying put is allowed)."""
+        if state != self.state and (self.state, state) not in TRANSITIONS:
+            raise IllegalTransition(f"worker {self.index}: {self.state.name} -> {state.name} is not allowed")
+        self.state = state
 
 
 class Supervisor:
@@ -88,7 +152,20 @@ class Supervisor:
             if w.ready_future in pending:
                 log.error("worker %d (%s) not ready after %.0f s; stopping it", w.index, w.model.name, timeout)
                 w.error = f"not ready after {timeout:.0f} s"
-                self._kill(w)
+                self._signal(w, signal.SIGKILL)
+
+    # -- commands -------------------------------------------------------------------------
+
+    def command(self, w: WorkerHandle, entry: int) -> None:
+        """Push a command entry (``layout.command_entry``) on a worker's submission ring and ring it;
+        retried shortly if the ring is full.  Dropped for a worker that is not running: a dead
+        worker's ring is discarded and its successor starts with no lanes."""
+        if w.state not in (STARTING, READY, RESTARTING) or not w.alive:
+            return
+        if w.submissions.push(entry):
+            w.doorbell.notify()
+        else:
+            self.loop.call_later(COMMAND_RETRY_S, self.command, w, entry)
 
     # -- spawning -------------------------------------------------------------------------
 
@@ -113,7 +190,8 @@ class Supervisor:
         layout.WORKER.write(self.arena.buf, base, pid=w.proc.pid)
         atomics.fetch_add32(self.arena.buf, base + layout.WORKER.offset("incarnation"), 1)
         w.control = parent
-        w.state = STARTING if w.restarts == 0 else RESTARTING
+        w.terminating = False
+        # A first start is STARTING; a restart (after a death or for new settings) stays RESTARTING.
         w.started_at = time.monotonic()
         w.ready_future = self.loop.create_future()
         w.pidfd = os.pidfd_open(w.proc.pid)
@@ -137,7 +215,8 @@ class Supervisor:
         if message["event"] == "ready":
             w.spec = ModelSpec.from_dict(message["spec"])
             w.gpu = message.get("gpu")
-            w.state, w.error = READY, None
+            w.set_state(READY)
+            w.error = None
             log.info("worker %d (%s) ready in %.2f s", w.index, w.model.name, time.monotonic() - w.started_at)
             self.on_ready(w)
             if not w.ready_future.done():
@@ -145,6 +224,44 @@ class Supervisor:
         elif message["event"] == "failed":
             w.error = str(message.get("error"))
             log.error("worker %d (%s): %s", w.index, w.model.name, w.error)
+
+    # -- health ---------------------------------------------------------------------------
+
+    def silent_for(self, w: WorkerHandle) -> float:
+        """Seconds since worker ``w`` last beat (its heartbeat thread beats every 0.5 s)."""
+        beat = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index)).heartbeat_ns
+        return (time.monotonic_ns() - beat) / 1e9
+
+    def wedged(self) -> list[WorkerHandle]:
+        """Ready workers silent for longer than worker_timeout_s: stopped (SIGSTOP), hung in the
+        kernel, or dead without an exit yet."""
+        return [w for w in self.workers if w.state == READY and self.silent_for(w) > self.config.worker_timeout_s]
+
+    async def watch_health(self) -> None:
+        """Run until cancelled: terminate workers wedged for twice worker_timeout_s (TERM, then KILL);
+        their exits are handled like any other death, so they are restarted."""
+        while True:
+            await asyncio.sleep(min(HEALTH_CHECK_S, self.config.worker_timeout_s / 4))
+            for w in self.wedged():
+                if not w.terminating and self.silent_for(w) > 2 * self.config.worker_timeout_s:
+                    log.error("worker %d (%s, pid %s) silent for %.1f s: terminating it", w.index, w.model.name,
+                              w.pid, self.silent_for(w))
+                    self.terminate(w)
+
+    def terminate(self, w: WorkerHandle) -> None:
+        """SIGTERM now and SIGKILL after TERM_GRACE_S unless it has exited (a stopped or hung
+        process ignores TERM); its exit is then handled like any other death."""
+        if not w.alive:
+            return
+        w.terminating = True
+        self._signal(w, signal.SIGTERM)
+        proc = w.proc
+        self.loop.call_later(TERM_GRACE_S, self._kill_if_still, w, proc)
+
+    def _kill_if_still(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
+        if w.proc is proc and proc.poll() is None:
+            log.error("worker %d (pid %d) did not exit on SIGTERM; killing it", w.index, proc.pid)
+            self._signal(w, signal.SIGKILL)
 
     # -- death ----------------------------------------------------------------------------
 
@@ -159,9 +276,10 @@ class Supervisor:
         how = workerlink.describe_exit(status)
         layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(w.index), state=layout.WORKER_DEAD)
         was_ready = w.state == READY
+        w.terminating = False
         if w.replacing and not self.stopping:
             w.replacing = False
-            w.state = RESTARTING
+            w.set_state(RESTARTING)
             log.info("worker %d (%s) stopped for reload; starting it with the new settings", w.index, w.model.name)
             self.on_exit(w, how)
             if not w.ready_future.done():
@@ -169,26 +287,31 @@ class Supervisor:
             self.loop.call_soon(self._respawn, w)
             return
         if self.stopping:
-            w.state = STOPPED
+            w.set_state(STOPPED)
         elif code in workerlink.NO_RESTART:
-            w.state = FAILED
+            w.set_state(FAILED)
         else:
-            w.state = RESTARTING
+            w.set_state(RESTARTING)
         log.log(logging.INFO if self.stopping else logging.ERROR, "worker %d (%s) pid %d %s",
                 w.index, w.model.name, w.proc.pid, how)
         self.on_exit(w, how)
         if not w.ready_future.done():
             w.ready_future.set_result(False)
         if w.state == RESTARTING:
-            first, longest = self.config.restart_backoff_s
-            delay = min(longest, first * 2 ** min(w.restarts, 16))
-            if was_ready and time.monotonic() - w.started_at > 60:
-                delay = first  # it ran fine for a while: not a crash loop
+            delay = self.restart_delay(w, was_ready)
             w.restarts += 1
             log.info("restarting worker %d in %.1f s (restart %d)", w.index, delay, w.restarts)
             self.loop.call_later(delay, self._respawn, w)
         elif w.state == FAILED:
             log.error("worker %d (%s) will not be restarted: %s", w.index, w.model.name, w.error or how)
+
+    def restart_delay(self, w: WorkerHandle, was_ready: bool) -> float:
+        """Exponential back-off from the first delay to the longest (config ``restart_backoff_s``),
+        reset to the first once a worker has served HEALTHY_RUN_S before dying."""
+        first, longest = self.config.restart_backoff_s
+        if was_ready and time.monotonic() - w.started_at > HEALTHY_RUN_S:
+            return first
+        return min(longest, first * 2 ** min(w.restarts, MAX_BACKOFF_DOUBLINGS))
 
     def _on_control_drain(self, w: WorkerHandle) -> None:
         """Read any last control message (e.g. 'failed'), then close the control socket."""
@@ -220,17 +343,12 @@ class Supervisor:
             if w.model.name != model.name:
                 continue
             w.model = model
-            if w.proc is not None and w.proc.poll() is None:
+            if w.alive:
                 w.replacing = True
-                w.submissions.push(layout.STOP_ENTRY)
-                w.doorbell.notify()
+                self.command(w, layout.STOP_ENTRY)
 
-    def kill(self, w: WorkerHandle) -> None:
-        """SIGKILL a worker (wedged); its exit is handled like any other death."""
-        self._kill(w, signal.SIGKILL)
-
-    def _kill(self, w: WorkerHandle, sig: int = signal.SIGKILL) -> None:
-        if w.proc is not None and w.proc.poll() is None:
+    def _signal(self, w: WorkerHandle, sig: int) -> None:
+        if w.alive:
             try:
                 w.proc.send_signal(sig)
             except ProcessLookupError:
@@ -239,21 +357,23 @@ class Supervisor:
     # -- stopping -------------------------------------------------------------------------
 
     async def stop_all(self, timeout: float = 5.0) -> None:
-        """Ask every worker to stop (STOP entry), then TERM, then KILL; reap them all."""
+        """Stop every worker in order and reap them all: a STOP entry (finish what you have, then
+        exit); after ``timeout`` SIGTERM; after TERM_GRACE_S more, SIGKILL."""
         self.stopping = True
-        alive = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        alive = [w for w in self.workers if w.alive]
         for w in alive:
             w.submissions.push(layout.STOP_ENTRY)
             w.doorbell.notify()
-        for sig, wait in ((None, timeout), (signal.SIGKILL, 5.0)):  # workers ignore SIGTERM
-            alive = [w for w in alive if w.proc.poll() is None]
+        for sig, wait in ((None, timeout), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+            alive = [w for w in alive if w.alive]
             if not alive:
                 break
             if sig is not None:
+                log.warning("%d worker(s) still running; sending %s", len(alive), signal.Signals(sig).name)
                 for w in alive:
-                    self._kill(w, sig)
+                    self._signal(w, sig)
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(w.proc.poll() is None for w in alive):
+            while time.monotonic() < deadline and any(w.alive for w in alive):
                 await asyncio.sleep(0.02)
         for w in self.workers:
             if w.pidfd is not None:
@@ -266,4 +386,4 @@ class Supervisor:
                 w.control = None
             if w.proc is not None:
                 w.proc.wait()
-            w.state = STOPPED
+            w.set_state(STOPPED)

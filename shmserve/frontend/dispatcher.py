@@ -1,0 +1,585 @@
+"""The dispatcher: every inference request from admission to release, whichever front door it came by.
+
+Owns: the arena's slots and data extents (``SlotPool``, ``ExtentAllocator``),
+admission (space now, or a bounded wait for it), the input descriptors and
+publication of a request to the least-loaded ready worker of its model,
+completions (an eventfd wake-up, then bounded polling while requests are in
+flight), deadlines, the one answer every request gets, and what an answer
+holds until its front door is done with it.  A request's life follows the
+table in ``shmserve.frontend.requests``.
+
+Front doors (the Unix socket's native protocol today; KServe v2 over HTTP and
+gRPC next) plug in through one small interface: per connection, an object
+with the ``Door`` methods, and five calls into the dispatcher — ``submit``
+(check), ``admit`` (take space), ``received`` (payload landed), ``release``
+(an answer's views written) and ``drop`` (the connection is gone).  The dispatcher knows nothing of sockets
+or wire formats: answers are typed values (``Outputs`` or ``Failure``).
+
+Data path (the copies are the product): an inline request's inputs are
+received by its door straight into arena space (``Door.admitted`` hands it
+views of the extent), and its outputs are answered as views of the arena
+(``Outputs.in_arena``) that the door writes out before it calls ``release``.
+
+Must not: touch a socket or parse bytes, block the loop (timers and polling go
+through a ``Clock``), compute an offset (``shmserve.layout``), or decide
+anything about lanes (``shmserve.frontend.regions``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from shmserve import layout
+from shmserve.allocator import ExtentAllocator, SlotPool
+from shmserve.arena import Arena, SlotConflict
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.frontend.models import ModelState
+from shmserve.frontend.regions import Region, check_request
+from shmserve.frontend.requests import Event, Request, RequestState
+from shmserve.protocol import InferRequest
+from shmserve.slotstate import FINISHED, Actor, SlotState
+from shmserve.spec import bind_inputs, estimate_output_bytes
+from shmserve.supervisor import WorkerHandle
+
+log = logging.getLogger("shmserve.dispatcher")
+
+_READY = int(SlotState.READY)
+_ERROR = int(SlotState.ERROR)
+_FREE = int(SlotState.FREE)
+
+
+# -- what front doors see -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Output:
+    """One output tensor of a result.  ``offset``: where it lies in the request's region
+    (zero-copy) or the arena (inline); ``view``: inline only, the bytes, a view of the arena."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    view: memoryview | None = None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """A request's result.  ``in_arena``: the outputs are views of the arena, held until the door
+    calls ``Dispatcher.release``; otherwise they lie in the client's own region."""
+
+    outputs: tuple[Output, ...]
+    in_arena: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request's error: a stable code and a message for people."""
+
+    code: ErrorCode
+    message: str
+
+
+Answer = Outputs | Failure
+
+
+class Door(Protocol):
+    """What a front door provides for each request it submits (one object per connection).
+
+    The dispatcher calls, for every request: at most one ``waiting``, at most one
+    ``admitted``, and exactly one ``answer`` (unless the door told it, with ``drop``, that
+    nobody is left to answer).
+    """
+
+    def in_flight(self) -> int:
+        """Requests submitted through this door and not yet written back (the per-door limit)."""
+
+    def waiting(self, req: Request) -> None:
+        """No arena space yet: stop reading (the request's payload stays in the socket) until
+        ``admitted`` or ``answer``."""
+
+    def admitted(self, req: Request, sinks: list | None) -> None:
+        """Arena space is held for ``req``.  With ``sinks`` (inline, with input bytes): receive its
+        payload into them, in order, then call ``Dispatcher.received``.  Without (zero-copy, or
+        empty inputs): it is already published.  The door may read again either way."""
+
+    def answer(self, req: Request, answer: Answer) -> None:
+        """``req``'s one answer.  If it is ``Outputs`` with ``in_arena``, call
+        ``Dispatcher.release(req)`` once its views are written (or never will be).  If ``req``'s
+        payload was never received, the door skips it."""
+
+
+class Clock(Protocol):
+    """Time and timers (the event loop in the server; a fake in tests)."""
+
+    def monotonic(self) -> float: ...
+
+    def call_later(self, delay: float, callback: Callable, *args): ...  # returns a handle with cancel()
+
+    def call_soon(self, callback: Callable, *args): ...
+
+
+class LoopClock:
+    """A ``Clock`` over an asyncio loop."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.call_later, self.call_soon = loop.call_later, loop.call_soon
+
+    @staticmethod
+    def monotonic() -> float:
+        return time.monotonic()
+
+
+@dataclass
+class Limits:
+    """What the dispatcher enforces; the server replaces it on reload."""
+
+    request_timeout_s: float  # the longest a request may take, whatever the client asks
+    max_waiting: int  # requests waiting for arena space before 'overloaded'
+    max_request_bytes: int  # arena bytes one inline request may take (inputs and outputs)
+    max_inflight_per_door: int  # requests one front-door connection may have in flight
+    spin_s: float = 0.0  # poll completion rings this long after the last completion before sleeping
+
+
+# -- the dispatcher -------------------------------------------------------------------------
+
+class Dispatcher:
+    """Requests of every front door, from ``submit`` to release.
+
+    ``models`` maps names to the served models; ``workers`` are all worker handles (their
+    rings and in-flight sets).  The server calls ``on_completions`` when the completion eventfd
+    is readable, ``worker_ready``/``worker_exited`` from the supervisor, and the shutdown
+    methods in order.
+    """
+
+    def __init__(self, arena: Arena, models: dict[str, ModelState], workers: list[WorkerHandle], limits: Limits,
+                 clock: Clock):
+        self.arena, self.models, self.workers, self.limits, self.clock = arena, models, workers, limits, clock
+        self.buf, self.geometry = arena.buf, arena.geometry
+        self.view = memoryview(arena.buf)
+        self.slots = SlotPool(self.geometry.slot_count)
+        self.extents = ExtentAllocator(self.geometry)
+        self.pending: dict[int, Request] = {}  # slot -> request a worker has or may still touch
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.outcomes: collections.Counter = collections.Counter()  # (model, "ok" | error code) -> answers
+        self.stopping = False
+        self._polling = False
+        self._poll_until = 0.0
+
+    @property
+    def max_request(self) -> int:
+        """The largest inline request (inputs and outputs) that is admitted."""
+        return min(self.limits.max_request_bytes, self.extents.largest)
+
+    # -- front doors ----------------------------------------------------------------------
+
+    def submit(self, door: Door, parsed: InferRequest, *, payload_bytes: int = 0,
+               region: Region | None = None) -> Request:
+        """Check a request from ``door`` against its model and the limits; returns it (NEW), to be
+        passed to ``admit`` once the door has noted it.
+
+        ``payload_bytes``: the inline payload the door holds for it.  ``region``: the door's
+        region named by a zero-copy request (``parsed.region``), None if it has none.  Raises
+        ShmserveError — the request is refused, holds nothing, and the door answers it — with
+        UNKNOWN_MODEL, SHUTTING_DOWN, MODEL_UNAVAILABLE, BAD_INPUT/BAD_DTYPE/BAD_SHAPE,
+        BAD_REGION, BAD_FRAME (payload size), TOO_LARGE, or OVERLOADED (the door's limit).
+        """
+        try:
+            return self._check(door, parsed, self.models.get(parsed.model), payload_bytes, region)
+        except ShmserveError as exc:
+            self.refused(parsed.model, exc.code)
+            raise
+
+    def admit(self, req: Request) -> None:
+        """Give a submitted request arena space now (``Door.admitted``) or queue it for space
+        (``Door.waiting``); past ``max_waiting`` it is answered OVERLOADED."""
+        self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
+        if not self.waiting and self._allocate(req):
+            self._admit(req)
+            return
+        if len(self.waiting) >= self.limits.max_waiting:
+            self._end(req, Failure(ErrorCode.OVERLOADED, f"arena full and {len(self.waiting)} requests waiting"))
+            return
+        req.advance(Event.WAIT)
+        req.timer = self.clock.call_later(req.timeout_s, self._on_timeout, req)
+        self.waiting.append(req)
+        req.door.waiting(req)
+
+    def _check(self, door: Door, parsed: InferRequest, model: ModelState | None, payload_bytes: int,
+               region: Region | None) -> Request:
+        if model is None:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {parsed.model!r} (models: "
+                                                         f"{', '.join(sorted(self.models))})")
+        limit = self.limits.request_timeout_s
+        timeout = min(parsed.timeout_s or limit, limit)
+        if self.stopping:
+            raise ShmserveError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        spec = model.spec
+        if spec is None or model.pick_worker() is None:
+            raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
+        symbols = bind_inputs(spec, parsed.inputs)
+        req = Request(door, parsed.id, model, parsed.inputs, timeout)
+        if parsed.region is not None:
+            if region is None:
+                raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
+            check_request(region, parsed.inputs, parsed.output_offset, parsed.output_capacity)
+            req.region, req.out_offset, req.out_capacity = region, parsed.output_offset, parsed.output_capacity
+        else:
+            in_bytes = sum(t.nbytes for t in parsed.inputs)
+            if payload_bytes != in_bytes:
+                raise ShmserveError(ErrorCode.BAD_FRAME, f"payload is {payload_bytes} bytes, inputs need {in_bytes}")
+            padded = sum(layout.align_tensor(t.nbytes) for t in parsed.inputs)
+            req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
+            if req.total_bytes > self.max_request:
+                raise ShmserveError(ErrorCode.TOO_LARGE, f"request needs {req.total_bytes} bytes of arena space "
+                                                         f"(inputs {in_bytes}); the limit is {self.max_request}")
+        if door.in_flight() >= self.limits.max_inflight_per_door:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"more than {self.limits.max_inflight_per_door} "
+                                                      f"requests in flight on this connection")
+        return req
+
+    def received(self, req: Request) -> None:
+        """The door has received ``req``'s payload into the sinks it was given: publish it."""
+        if req.state is RequestState.ADMITTED:
+            self._publish(req)
+
+    def release(self, req: Request) -> None:
+        """The door is done with the views of an ``in_arena`` answer (written, or its connection
+        is gone): free its slot and extent."""
+        if req.state is RequestState.FLUSHING:
+            req.advance(Event.RELEASE)
+            self._free(req)
+
+    def drop(self, req: Request) -> None:
+        """``req``'s door is gone: nobody is left to answer.  What it holds is freed now, or when
+        its worker finishes with it."""
+        self._cancel_timer(req)
+        state = req.state
+        if state is RequestState.WAITING:
+            self.waiting.remove(req)
+            req.advance(Event.END)
+        elif state is RequestState.ADMITTED:
+            req.advance(Event.END)
+            self._free(req)
+        elif state is RequestState.QUEUED:
+            req.advance(Event.ABANDON)  # the worker has it: freed on completion
+        elif state is RequestState.FLUSHING:
+            self.release(req)
+        elif state is RequestState.NEW:
+            req.advance(Event.END)
+
+    def refused(self, model_name, code: ErrorCode) -> None:
+        """Count a request refused before it was admitted (by the door or by ``submit``)."""
+        label = model_name if isinstance(model_name, str) and model_name in self.models else "_unknown"
+        self.outcomes[(label, code.wire)] += 1  # a label only for real models: clients must not mint series
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _allocate(self, req: Request) -> bool:
+        """Take a slot (and, inline, an extent) for ``req``; False if there is no space now."""
+        index = self.slots.acquire()
+        if index is None:
+            return False
+        extent = None
+        if not req.zero_copy:
+            extent = self.extents.allocate(req.total_bytes)
+            if extent is None:
+                self.slots.release(index)
+                return False
+            self.arena.add_stat("extent_bytes_in_use", extent.size)
+        self.arena.add_stat("slots_in_use", 1)
+        generation = self.arena.slot_status(index)[0]
+        req.generation = self.arena.transition(index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
+        req.slot, req.extent = index, extent
+        layout.reset_stages(self.buf, self.geometry, index, time.monotonic_ns())
+        return True
+
+    def _admit(self, req: Request) -> None:
+        """``req`` holds space: write its input descriptors; inline, have its door receive the
+        payload into the arena; zero-copy (or nothing to receive), publish it now."""
+        req.advance(Event.ADMIT)
+        buf, g, index = self.buf, self.geometry, req.slot
+        spec = req.model.spec
+        sinks, pos = [], req.extent.offset if req.extent else 0
+        for i, t in enumerate(req.inputs):
+            if req.zero_copy:
+                offset, region = t.offset, req.region.id
+            else:
+                offset, region = pos, 0
+                pos += layout.align_tensor(t.nbytes)
+                if t.nbytes:
+                    sinks.append(self.view[offset:offset + t.nbytes])
+            layout.encode_tensor(buf, g, index, i, role=layout.ROLE_INPUT, name_index=spec.input_index(t.name),
+                                 dtype=t.dtype, shape=t.shape, offset=offset, region=region)
+        if not req.zero_copy:
+            req.out_offset, req.out_capacity = pos, req.extent.offset + req.extent.size - pos
+        if sinks:
+            req.door.admitted(req, sinks)
+            return
+        self._publish(req)
+        req.door.admitted(req, None)
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and not self.stopping:
+            req = self.waiting[0]
+            if not self._allocate(req):
+                return
+            self.waiting.popleft()
+            self._admit(req)
+
+    def _publish(self, req: Request) -> None:
+        worker = req.model.pick_worker()
+        if worker is None or self.stopping:
+            if self.stopping:
+                self._end(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            else:
+                self._end(req, Failure(ErrorCode.MODEL_UNAVAILABLE, req.model.unavailable_reason()))
+            return
+        buf, g, index = self.buf, self.geometry, req.slot
+        layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
+                                   worker=worker.index, n_inputs=len(req.inputs),
+                                   out_region=req.region.id if req.zero_copy else 0, out_off=req.out_offset,
+                                   out_capacity=req.out_capacity)
+        self.arena.stamp(index, "t_ready")
+        # Order matters here: descriptors and (inline) input bytes are complete before READY.
+        self.arena.transition(index, req.generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
+        req.advance(Event.PUBLISH)
+        req.worker = worker
+        self.pending[index] = req
+        worker.inflight.add(index)
+        worker.submissions.push(layout.slot_entry(index, req.generation))
+        worker.doorbell.notify()
+        self._start_polling()
+        if req.timer is None:
+            req.timer = self.clock.call_later(req.timeout_s, self._on_timeout, req)
+
+    # -- completions ----------------------------------------------------------------------
+
+    def on_completions(self) -> None:
+        """The completion eventfd fired (the caller has drained it): collect every completion,
+        then arm the doorbells again (draining once more if one was pushed meanwhile)."""
+        workers = self.workers
+        while True:
+            for w in workers:
+                self._drain(w)
+            if not any(w.completion_bell.arm() for w in workers):
+                return
+
+    def _start_polling(self) -> None:
+        """While requests are in flight, poll the completion rings from the loop (call_soon keeps
+        socket I/O flowing between polls) for up to spin_s after the last completion, instead of
+        paying a wake-up per completion.  Then fall back to the armed eventfd."""
+        spin_s = self.limits.spin_s
+        self._poll_until = self.clock.monotonic() + spin_s
+        if not self._polling and spin_s > 0:
+            self._polling = True
+            self.clock.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        got = False
+        for w in self.workers:
+            if not w.completions.empty():
+                self._drain(w)
+                got = True
+        now = self.clock.monotonic()
+        if got:
+            self._poll_until = now + self.limits.spin_s
+        if self.pending and now < self._poll_until and not self.stopping:
+            self.clock.call_soon(self._poll)
+            return
+        self._polling = False
+        self.on_completions()
+
+    def _drain(self, w: WorkerHandle) -> None:
+        for entry in w.completions.pop_all():
+            index, generation = layout.split_entry(entry)
+            if index in w.inflight:
+                self._complete(w, index, generation)
+
+    def _complete(self, w: WorkerHandle, index: int, generation: int) -> None:
+        req = self.pending.get(index)
+        if req is None or req.generation != generation:
+            return
+        status_gen, state = self.arena.slot_status(index)  # load-acquire before reading outputs
+        if status_gen != generation or state not in FINISHED:
+            log.error("slot %d completed in state %s; ignoring", index, state)
+            return
+        del self.pending[index]
+        w.inflight.discard(index)
+        self._cancel_timer(req)
+        self.arena.add_stat("requests_total", 1)
+        if req.state is RequestState.ABANDONED:
+            req.advance(Event.RELEASE)
+            self._free(req)
+            return
+        if state == _ERROR:
+            code, message = layout.decode_error(self.buf, self.geometry, index)
+            self.arena.add_stat("errors_total", 1)
+            self._end(req, Failure(ErrorCode.from_number(code), message))
+            return
+        try:
+            outputs = self._outputs(req, index)
+        except layout.LayoutError as exc:
+            self._end(req, Failure(ErrorCode.INTERNAL, f"worker wrote invalid outputs: {exc}"))
+            return
+        self.outcomes[(req.model.name, "ok")] += 1
+        if req.zero_copy:
+            self._end(req, outputs)
+            return
+        req.advance(Event.HOLD)
+        req.door.answer(req, outputs)
+
+    def _outputs(self, req: Request, index: int) -> Outputs:
+        """The outputs the worker wrote, validated against the space they must lie in."""
+        g, buf = self.geometry, self.buf
+        slot = layout.decode_slot_request(buf, g, index)
+        spec = req.model.spec
+        sizes = {req.region.id: req.region.size} if req.zero_copy else None
+        outputs, total = [], 0
+        for i in range(slot.n_outputs):
+            d = layout.decode_tensor(buf, g, index, slot.n_inputs + i, sizes)
+            if d.role != layout.ROLE_OUTPUT or d.name_index >= len(spec.outputs):
+                raise layout.LayoutError("descriptor is not an output of this model")
+            if req.zero_copy:
+                if d.region != req.region.id:
+                    raise layout.LayoutError("output outside the client's region")
+                view = None
+            elif d.region != 0:
+                raise layout.LayoutError("inline output outside the arena")
+            else:
+                view = self.view[d.offset:d.offset + d.nbytes]
+                total += d.nbytes
+            outputs.append(Output(spec.outputs[d.name_index].name, layout.dtype_name(d.dtype), d.shape, d.offset,
+                                  d.nbytes, view))
+        if total:
+            self.arena.add_stat("bytes_out", total)
+        return Outputs(tuple(outputs), in_arena=not req.zero_copy)
+
+    # -- answers and space ----------------------------------------------------------------
+
+    def _end(self, req: Request, answer: Answer) -> None:
+        """Answer ``req`` now and free what it holds (END)."""
+        self._cancel_timer(req)
+        if isinstance(answer, Failure):
+            log.debug("request %d on model %s: %s: %s", req.id, req.model.name, answer.code.wire, answer.message)
+            self.outcomes[(req.model.name, answer.code.wire)] += 1
+        held = req.state in (RequestState.ADMITTED, RequestState.QUEUED)
+        req.advance(Event.END)
+        if held:
+            self._free(req)
+        req.door.answer(req, answer)
+
+    def _abandon(self, req: Request, failure: Failure) -> None:
+        """Answer ``req`` with ``failure`` while a worker may still touch its slot (ABANDON):
+        the slot is freed when the worker finishes."""
+        self._cancel_timer(req)
+        self.outcomes[(req.model.name, failure.code.wire)] += 1
+        req.advance(Event.ABANDON)
+        req.door.answer(req, failure)
+
+    def _free(self, req: Request) -> None:
+        """Return a request's slot and extent (whatever state the slot reached) and admit waiters."""
+        if req.slot is None:
+            return
+        index, generation = req.slot, req.generation
+        status_gen, state = self.arena.slot_status(index)
+        if status_gen == generation and state != _FREE:
+            if state == _READY:
+                self.arena.transition(index, generation, SlotState.READY, SlotState.ERROR, Actor.FRONTEND)
+                state = _ERROR
+            self.arena.transition(index, generation, SlotState(state), SlotState.FREE, Actor.FRONTEND)
+        self.slots.release(index)
+        self.arena.add_stat("slots_in_use", -1)
+        if req.extent is not None:
+            self.extents.free(req.extent)
+            self.arena.add_stat("extent_bytes_in_use", -req.extent.size)
+        req.slot = req.extent = None
+        self._admit_waiting()
+
+    def _cancel_timer(self, req: Request) -> None:
+        if req.timer is not None:
+            req.timer.cancel()
+            req.timer = None
+
+    def _on_timeout(self, req: Request) -> None:
+        req.timer = None
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+            self._end(req, Failure(ErrorCode.TIMEOUT, f"no arena space within {req.timeout_s:g} s"))
+        elif req.state is RequestState.QUEUED:
+            self._time_out_queued(req)
+
+    def _time_out_queued(self, req: Request) -> None:
+        index = req.slot
+        failure = Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s")
+        try:  # not claimed yet: take it back now rather than when the worker gets to it
+            self.arena.transition(index, req.generation, SlotState.READY, SlotState.ERROR, Actor.FRONTEND)
+        except SlotConflict:
+            self._abandon(req, failure)  # running: the worker keeps it; freed when it finishes
+            return
+        del self.pending[index]
+        req.worker.inflight.discard(index)
+        self._end(req, failure)
+
+    # -- workers --------------------------------------------------------------------------
+
+    def worker_ready(self, w: WorkerHandle) -> None:
+        self._admit_waiting()
+
+    def worker_exited(self, w: WorkerHandle, how: str) -> None:
+        """Deliver what a dead worker finished, fail what it did not, and forget its queue."""
+        self._drain(w)
+        for index in sorted(w.inflight):
+            req = self.pending.get(index)
+            generation, state = self.arena.slot_status(index)
+            if req is None or generation != req.generation:
+                continue
+            if state not in FINISHED:
+                layout.encode_error(self.buf, self.geometry, index, ErrorCode.WORKER_CRASHED,
+                                    f"worker {w.index} for model {w.model.name!r} {how} while running this request")
+                self.arena.transition(index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
+            self._complete(w, index, generation)
+        w.inflight.clear()
+        w.submissions.discard()
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests and answer every waiting one with SHUTTING_DOWN."""
+        self.stopping = True
+        while self.waiting:
+            req = self.waiting.popleft()
+            self._end(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests a worker has or may still touch."""
+        return len(self.pending)
+
+    def fail_in_flight(self) -> None:
+        """Answer every request still with a worker with SHUTTING_DOWN (the drain timed out); their
+        slots are freed as their workers stop."""
+        for req in list(self.pending.values()):
+            if req.state is RequestState.QUEUED:
+                self._abandon(req, Failure(ErrorCode.SHUTTING_DOWN,
+                                           "the server stopped before this request finished"))
+
+    # -- status ---------------------------------------------------------------------------
+
+    def queue_depths(self) -> dict[str, tuple[int, int]]:
+        """Per model: (requests waiting for space or not yet claimed by a worker, requests
+        handed to workers and not yet finished)."""
+        depths = {name: [0, 0] for name in self.models}
+        for req in self.pending.values():
+            counts = depths[req.model.name]
+            counts[1] += 1
+            if self.arena.slot_status(req.slot)[1] == _READY:
+                counts[0] += 1
+        for req in self.waiting:
+            depths[req.model.name][0] += 1
+        return {name: (queued, inflight) for name, (queued, inflight) in depths.items()}
