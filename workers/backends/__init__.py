@@ -1,9 +1,9 @@
 """The backend interface and the registry that finds backends by name.
 
-Owns: what a backend must provide, and name -> loader resolution: the
-built-ins below, then any installed package's ``shmserve.backends`` entry
-point (``name = "pkg.module:load"``).  Adding a backend touches neither the
-front-end nor the protocol.
+Owns: what a backend must provide (``Backend``), and name -> loader
+resolution: the built-ins below, then any installed package's
+``shmserve.backends`` entry point (``name = "pkg.module:load"``).  Adding a
+backend touches neither the front-end nor the protocol.
 
 A loader is ``load(config: ModelConfig) -> Backend``; it raises on failure
 (the worker reports the message and exits with EXIT_LOAD_FAILED).
@@ -42,10 +42,22 @@ class Backend(Protocol):
     * ``run_into(inputs, allocate)``: writes each output itself into
       ``allocate(name, shape, dtype)`` (a writable numpy view of the output
       area) — how GPU backends put results straight into shared memory.
+      ``allocate`` raises when the output is not what the model declared or
+      does not fit: let that propagate (it fails the request).
 
-    Optional: ``declare(inputs, outputs)`` (the final specs, before warm-up),
-    ``bind_memory(device_memory)`` (GPU workers: host view -> device address),
-    ``synchronize()`` (called before DONE is published: wait for the stream).
+    With both, ``run_into`` is used.  Optional: ``declare(inputs, outputs)``
+    (the final specs, before warm-up), ``bind_memory(device_memory)`` (GPU
+    workers: host view -> device address), ``synchronize()`` (called before
+    DONE or ERROR is published: wait for the stream), ``warmup_inputs()``
+    (inputs for the warm-up run at load; default: zeros of the smallest valid
+    shape), ``close()``.
+
+    When the worker runs several requests as one batch, ``run_into`` writes
+    into host scratch arrays for the whole batch and the worker copies each
+    request's rows into its output area.
+
+    The worker asks what a backend has once, at load (``workers.adapter``);
+    attributes added later are not seen.
     """
 
     inputs: tuple[TensorSpec, ...]
