@@ -17,7 +17,8 @@ from workers.adapter import BackendAdapter
 X = TensorSpec("x", "float32", ("n",))
 Y = TensorSpec("y", "float32", ("n",))
 
-STATEMENTS = ("writes_outputs", "synchronizes", "takes_memory", "takes_declare", "own_warmup", "closes")
+STATEMENTS = ("writes_outputs", "writes_row_splits", "synchronizes", "takes_memory", "takes_declare", "own_warmup",
+              "closes")
 
 
 def statements(adapter: BackendAdapter) -> dict[str, bool]:
@@ -37,6 +38,7 @@ class Everything:
     """A backend with every optional call, recording them."""
 
     inputs, outputs = (X,), (Y,)
+    accepts_row_splits = True
 
     def __init__(self):
         self.calls = []
@@ -71,7 +73,7 @@ def test_a_run_backend_returns_arrays_and_has_nothing_optional():
         adapter.declare((), ())
 
 
-def test_a_third_party_run_into_backend_needs_no_close():
+def test_a_third_party_run_into_backend_gets_scratch_for_batches_and_needs_no_close():
     adapter = BackendAdapter(RunsInto())
     assert statements(adapter) == dict.fromkeys(STATEMENTS, False) | {"writes_outputs": True}
     assert adapter.run is None
@@ -80,22 +82,39 @@ def test_a_third_party_run_into_backend_needs_no_close():
     adapter.close()
 
 
-def test_the_torch_backend_writes_in_place(tmp_path):
+def test_row_splits_are_only_for_backends_that_write_their_outputs():
+    class RunsButSaysSplits:
+        accepts_row_splits = True
+        inputs, outputs = (X,), (Y,)
+
+        def run(self, inputs):
+            return {"y": inputs["x"]}
+
+    class SaysMaybe(RunsInto):
+        accepts_row_splits = "yes"  # only True counts
+
+    assert not BackendAdapter(RunsButSaysSplits()).writes_row_splits
+    assert not BackendAdapter(SaysMaybe()).writes_row_splits
+
+
+def test_the_torch_backend_writes_in_place_and_batches_in_place(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "double.pt"
     torch.jit.trace(torch.nn.Identity(), torch.zeros(2)).save(str(path))
     config = ModelConfig(name="t", backend="torch", path=str(path), inputs=(X,), outputs=(Y,))
     with BackendAdapter.load(config) as adapter:
-        assert statements(adapter) == {"writes_outputs": True, "synchronizes": True, "takes_memory": True,
-                                       "takes_declare": True, "own_warmup": False, "closes": True}
+        assert statements(adapter) == {"writes_outputs": True, "writes_row_splits": True, "synchronizes": True,
+                                       "takes_memory": True, "takes_declare": True, "own_warmup": False,
+                                       "closes": True}
 
 
 def test_the_tensorrt_backend_states_its_calls_without_an_engine():
     from workers.backends.tensorrt import TensorRTBackend
 
     adapter = BackendAdapter(object.__new__(TensorRTBackend))  # nothing runs: only what it has is read
-    assert statements(adapter) == {"writes_outputs": True, "synchronizes": True, "takes_memory": True,
-                                   "takes_declare": False, "own_warmup": True, "closes": True}
+    assert statements(adapter) == {"writes_outputs": True, "writes_row_splits": True, "synchronizes": True,
+                                   "takes_memory": True, "takes_declare": False, "own_warmup": True,
+                                   "closes": True}
 
 
 def test_an_object_that_cannot_run_is_not_a_backend():

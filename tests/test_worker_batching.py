@@ -4,8 +4,10 @@ The front-end's side is played here with the real allocators and slot
 transitions (``FrontEnd``); the worker's side is the real
 ``workers.worker.Worker`` put together from its parts the way
 ``open_worker`` does, around a backend object the test holds.  A batch must
-give each request the outputs it gets alone, in its own output area; and
-after load the worker never asks the backend what it has.
+give each request the outputs it gets alone, in its own output area; a
+backend that accepts row splits must get them and no scratch array is made
+(numpy's allocations are traced by tracemalloc, torch's are not); and after
+load the worker never asks the backend what it has.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import tracemalloc
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +30,7 @@ from shmserve.rings import Ring
 from shmserve.slotstate import Actor, SlotState
 from shmserve.spec import TensorSpec
 from workers.adapter import BackendAdapter
+from workers.backends import RowSplit
 from workers.backends.python import PythonBackend
 from workers.regions import RegionCache
 from workers.step import Step
@@ -170,6 +174,28 @@ def torch_config(models, module=Rows) -> ModelConfig:
                                 TensorSpec("z", "float32", ("batch", 16 * WIDE))))
 
 
+class RecordingTorch(TorchBackend):
+    """The real torch backend, noting what kind of destination each output was given."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.destinations: list[str] = []
+
+    def run_into(self, inputs, allocate):
+        def noted(name, shape, dtype):
+            dst = allocate(name, shape, dtype)
+            self.destinations.append(type(dst).__name__)
+            return dst
+
+        super().run_into(inputs, noted)
+
+
+class ScratchTorch(RecordingTorch):
+    """The same, not declaring row splits: what a third-party ``run_into`` backend gets."""
+
+    accepts_row_splits = False
+
+
 def reference(x):
     return {"y": x * 2, "z": np.concatenate([x + 1] * WIDE, axis=1)}
 
@@ -181,13 +207,16 @@ def inputs(rows, seed=0):
 
 # -- tests --------------------------------------------------------------------------------------
 
-def test_a_torch_batch_equals_its_requests_run_one_by_one(instance_name, models):
-    backend = TorchBackend(torch_config(models))
+def test_a_torch_batch_is_written_in_place_and_equals_its_requests_run_one_by_one(instance_name, models):
+    backend = RecordingTorch(torch_config(models))
     xs = inputs([1, 3, 2, 5])
     with serving(instance_name(), torch_config(models), backend) as (front, worker):
         alone = one_by_one(front, worker, xs)
+        assert set(backend.destinations) == {"ndarray"}
+        backend.destinations.clear()
         runs0, requests0 = batch_runs(front)
         together = as_one_batch(front, worker, xs)
+        assert backend.destinations == ["RowSplit", "RowSplit"]  # each output straight into the 4 areas
         assert batch_runs(front) == (runs0 + 1, requests0 + 4)
     for x, a, b in zip(xs, alone, together):
         for name, want in reference(x).items():
@@ -195,11 +224,40 @@ def test_a_torch_batch_equals_its_requests_run_one_by_one(instance_name, models)
             np.testing.assert_array_equal(b[name], want)  # the poisoned area was overwritten, exactly
 
 
+@pytest.mark.parametrize("backend_class, scratch", [(RecordingTorch, False), (ScratchTorch, True)])
+def test_a_backend_that_takes_row_splits_needs_no_scratch_copy(instance_name, models, backend_class, scratch):
+    xs = inputs([16, 16, 16, 16], seed=1)
+    output_bytes = sum(x.nbytes * (1 + WIDE) for x in xs)
+    backend = backend_class(torch_config(models))
+    with serving(instance_name(), torch_config(models), backend) as (front, worker):
+        as_one_batch(front, worker, xs[:2])  # warm: first-run allocations are not the batch's
+        calls = [front.submit(x) for x in xs]
+        work, _ = worker.gather()
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            worker.batcher.run(work, worker)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        answers = [front.answer(c) for c in calls]
+    for x, got in zip(xs, answers):
+        for name, want in reference(x).items():
+            np.testing.assert_array_equal(got[name], want)
+    # numpy allocated the concatenated inputs (1/33 of the outputs) and, without row splits, the outputs
+    if scratch:
+        assert peak >= output_bytes, (peak, output_bytes)
+    else:
+        assert peak < output_bytes / 4, (peak, output_bytes)
+
+
 def test_a_request_whose_area_is_too_small_fails_alone_and_its_batch_is_answered(instance_name, models):
-    backend = TorchBackend(torch_config(models))
+    backend = RecordingTorch(torch_config(models))
     xs = inputs([2, 4, 3], seed=2)
     with serving(instance_name(), torch_config(models), backend) as (front, worker):
+        backend.destinations.clear()  # the warm-up's
         answers = as_one_batch(front, worker, xs, capacities=[None, 1024, None])
+    assert backend.destinations == ["RowSplit", "RowSplit"]
     code, message = answers[1]
     assert code is ErrorCode.OUTPUT_TOO_LARGE and "raise max_output_bytes" in message
     for i in (0, 2):
@@ -213,7 +271,7 @@ def summed(inputs):
     return {"y": x.sum(axis=0, keepdims=True), "z": np.concatenate([x] * WIDE, axis=1)}
 
 
-@pytest.mark.parametrize("kind", ["run_into", "run"])
+@pytest.mark.parametrize("kind", ["row splits", "scratch", "run"])
 def test_an_output_without_the_batchs_rows_fails_the_whole_batch(instance_name, models, kind):
     if kind == "run":
         spec = torch_config(models)
@@ -222,7 +280,7 @@ def test_an_output_without_the_batchs_rows_fails_the_whole_batch(instance_name, 
         backend = PythonBackend(config)
     else:
         config = torch_config(models, Pooled)
-        backend = TorchBackend(config)
+        backend = (RecordingTorch if kind == "row splits" else ScratchTorch)(config)
     xs = inputs([1, 2, 3], seed=3)
     with serving(instance_name(), config, backend) as (front, worker):
         assert not any(isinstance(a, tuple) for a in one_by_one(front, worker, xs))
@@ -236,11 +294,12 @@ def test_an_output_without_the_batchs_rows_fails_the_whole_batch(instance_name, 
 
 class Counting:
     """A third-party backend that counts every attribute looked up on it (its own methods look
-    nothing up on ``self``)."""
+    nothing up on ``self``), and writes row splits itself."""
 
     lookups: list[str] = []
     inputs = (TensorSpec("x", "float32", ("batch", 4)),)
     outputs = (TensorSpec("y", "float32", ("batch", 4)),)
+    accepts_row_splits = True
 
     def __getattribute__(self, name):
         Counting.lookups.append(name)
@@ -248,7 +307,12 @@ class Counting:
 
     def run_into(self, inputs, allocate):
         y = inputs["x"] * 2
-        allocate("y", y.shape, y.dtype)[...] = y
+        dst = allocate("y", y.shape, y.dtype)
+        if isinstance(dst, RowSplit):
+            for start, stop, view in dst.parts:
+                view[...] = y[start:stop]
+        else:
+            dst[...] = y
 
     def synchronize(self):
         pass
@@ -262,7 +326,7 @@ def test_after_load_the_worker_never_asks_the_backend_what_it_has(instance_name)
     Counting.lookups.clear()
     xs = [np.full((n, 4), n, np.float32) for n in (1, 2, 3)]
     with serving(instance_name(), config, Counting()) as (front, worker):
-        assert {"run_into", "synchronize", "declare", "inputs"} <= set(Counting.lookups)
+        assert {"run_into", "synchronize", "accepts_row_splits", "declare", "inputs"} <= set(Counting.lookups)
         Counting.lookups.clear()
         alone = one_by_one(front, worker, xs)
         together = as_one_batch(front, worker, xs)

@@ -4,9 +4,11 @@ Owns: the only questions the worker asks a backend object about itself.
 ``BackendAdapter`` looks at the backend once, when it is built, and states
 what it found: whether it writes its outputs itself (``run_into``) or
 returns arrays (``run``), and whether it synchronizes a stream, takes the
-GPU's registered memory, wants the final specs declared, or supplies its
-own warm-up inputs.  Every optional call is offered in one shape (missing
-means a no-op), so the rest of the worker calls without asking.  ``prepare`` turns the backend and
+GPU's registered memory, wants the final specs declared, supplies its own
+warm-up inputs, or writes a batch's outputs straight into each request's
+output area (``accepts_row_splits``, see ``workers.backends.RowSplit``).
+Every optional call is offered in one shape (missing means a no-op), so the
+rest of the worker calls without asking.  ``prepare`` turns the backend and
 the model's config into its ``ModelSpec`` and warms it up.
 
 Must not: run requests, touch shared memory, or be bypassed: nothing else in
@@ -32,7 +34,7 @@ class BackendAdapter:
 
     Statements: ``writes_outputs`` (``run_into``; else ``run``),
     ``synchronizes``, ``takes_memory``, ``takes_declare``, ``own_warmup``,
-    ``closes``.
+    ``writes_row_splits`` (only with ``writes_outputs``), ``closes``.
     Calls: ``run_into`` or ``run`` (the one it has; the other is None),
     ``synchronize()``, ``bind_memory(memory)``, ``declare(inputs, outputs)``,
     ``warmup_inputs(specs)``, ``close()`` — the optional ones are no-ops
@@ -43,8 +45,8 @@ class BackendAdapter:
     """
 
     __slots__ = ("backend", "run", "run_into", "synchronize", "bind_memory", "declare", "close", "inputs", "outputs",
-                 "writes_outputs", "synchronizes", "takes_memory", "takes_declare", "own_warmup", "closes",
-                 "_warmup")
+                 "writes_outputs", "synchronizes", "takes_memory", "takes_declare", "own_warmup",
+                 "writes_row_splits", "closes", "_warmup")
 
     def __init__(self, backend):
         self.backend = backend
@@ -54,6 +56,7 @@ class BackendAdapter:
             raise TypeError(f"{type(backend).__name__} is not a backend: it has neither run nor run_into")
         self.run_into, self.run = run_into, run
         self.writes_outputs = run_into is not None
+        self.writes_row_splits = self.writes_outputs and getattr(backend, "accepts_row_splits", False) is True
         sync = getattr(backend, "synchronize", None)
         bind = getattr(backend, "bind_memory", None)
         declare = getattr(backend, "declare", None)

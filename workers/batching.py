@@ -10,8 +10,12 @@ request from its own rows.
 Where a batch's outputs go depends on what the backend states
 (``workers.adapter``):
 
-* a ``run_into`` backend: host scratch arrays for the whole batch, then each
-  request's rows copied into its output area;
+* ``writes_row_splits`` (torch, TensorRT): ``allocate`` returns a
+  ``workers.backends.RowSplit`` per output, naming each request's rows and
+  its output view; the backend writes them straight into each request's
+  output area, as it would for a single request.  The worker copies nothing.
+* another ``run_into`` backend: host scratch arrays for the whole batch,
+  then each request's rows copied into its output area;
 * a ``run`` backend: the arrays it returns, each request's rows copied.
 
 Either way a batch's outputs equal those of its requests run one by one, and
@@ -35,6 +39,7 @@ from shmserve import layout
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
 from shmserve.spec import ModelSpec
+from workers.backends import RowPart, RowSplit
 from workers.step import RequestFailed, Space, Step, model_failure, worker_failure
 
 
@@ -129,13 +134,17 @@ class Batcher:
             return
         rows = [next(iter(r.inputs.values())).shape[0] for r in ready]
         total = sum(rows)
+        failures: list[tuple[ErrorCode, str] | None] = [None] * len(ready)
         now = time.monotonic_ns()
         for r in ready:
             layout.stamp(r.space.buf, r.space.geometry, r.index, "t_compute_start", now)
         try:
             batch = {n: np.concatenate([r.inputs[n] for r in ready], axis=0) if len(ready) > 1 else ready[0].inputs[n]
                      for n in step.input_names}
-            if adapter.writes_outputs:
+            if adapter.writes_row_splits:
+                results = None
+                written = self._run_in_place(batch, placers, rows, total, failures)
+            elif adapter.writes_outputs:
                 results = {}
 
                 def scratch(name, shape, dtype):
@@ -143,14 +152,15 @@ class Batcher:
                     return results[name]
 
                 adapter.run_into(batch, scratch)
+                written = results
             else:
-                results = adapter.run(batch)
+                results = written = adapter.run(batch)
             del batch
             adapter.synchronize()  # a GPU backend's writes land before anything is read or published
             for name in step.output_dtypes:
-                if name not in results:
+                if name not in written:
                     raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {name!r}")
-                if np.ndim(results[name]) == 0 or np.shape(results[name])[0] != total:
+                if results is not None and (np.ndim(results[name]) == 0 or np.shape(results[name])[0] != total):
                     raise _not_batchable(name, total)
         except Exception as exc:
             step.settle()
@@ -160,19 +170,50 @@ class Batcher:
             return
         now = time.monotonic_ns()
         start = 0
-        for r, placer, n in zip(ready, placers, rows):
+        for r, placer, n, failure in zip(ready, placers, rows, failures):
             layout.stamp(r.space.buf, r.space.geometry, r.index, "t_compute_end", now)
-            n_outputs, failure = 0, None
-            try:
-                for name in step.output_dtypes:
-                    part = np.asarray(results[name][start:start + n])
-                    np.copyto(placer.allocate(name, part.shape, part.dtype), part, casting="no")
-                n_outputs = placer.finish()
-            except Exception as exc:
-                failure = worker_failure(exc)
+            n_outputs = 0
+            if failure is None:
+                try:
+                    if results is not None:
+                        for name in step.output_dtypes:
+                            part = np.asarray(results[name][start:start + n])
+                            np.copyto(placer.allocate(name, part.shape, part.dtype), part, casting="no")
+                    n_outputs = placer.finish()
+                except Exception as exc:
+                    failure = worker_failure(exc)
             step.finish(r.space, r.entry, r.index, n_outputs, failure)
             start += n
         step.record_batch(len(ready))
+
+    def _run_in_place(self, batch: dict[str, np.ndarray], placers: list, rows: list[int], total: int,
+                      failures: list) -> dict[str, RowSplit]:
+        """Run a backend that writes a batch's outputs into each request's own output area: its
+        ``allocate`` answers with a RowSplit of the requests' views.  A request whose area cannot
+        take its rows gets its failure in ``failures`` and a throwaway array for them.  Returns
+        the RowSplit of each output the backend asked for (keep it until the backend is
+        synchronized: a GPU may still be writing into its throwaway arrays)."""
+        written: dict[str, RowSplit] = {}
+
+        def allocate(name: str, shape, dtype) -> RowSplit:
+            shape = tuple(int(d) for d in shape)
+            if not shape or shape[0] != total:
+                raise _not_batchable(name, total)
+            dtype, tail = np.dtype(dtype), shape[1:]
+            parts, start = [], 0
+            for k, (placer, n) in enumerate(zip(placers, rows)):
+                try:
+                    view = placer.allocate(name, (n, *tail), dtype)
+                except RequestFailed as exc:
+                    failures[k] = failures[k] or (exc.code, exc.message)
+                    view = np.empty((n, *tail), dtype)  # unread: this request is answered with its error
+                parts.append(RowPart(start, start + n, view))
+                start += n
+            written[name] = split = RowSplit(shape, dtype, tuple(parts))
+            return split
+
+        self.step.adapter.run_into(batch, allocate)
+        return written
 
 
 def _not_batchable(name: str, total: int) -> RequestFailed:

@@ -1,9 +1,10 @@
 """The backend interface and the registry that finds backends by name.
 
-Owns: what a backend must provide (``Backend``), and name -> loader
-resolution: the built-ins below, then any installed package's
-``shmserve.backends`` entry point (``name = "pkg.module:load"``).  Adding a
-backend touches neither the front-end nor the protocol.
+Owns: what a backend must provide (``Backend``; ``RowSplit``, the
+destination of a batch's output), and name -> loader resolution: the
+built-ins below, then any installed package's ``shmserve.backends`` entry
+point (``name = "pkg.module:load"``).  Adding a backend touches neither the
+front-end nor the protocol.
 
 A loader is ``load(config: ModelConfig) -> Backend``; it raises on failure
 (the worker reports the message and exits with EXIT_LOAD_FAILED).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
@@ -52,9 +53,14 @@ class Backend(Protocol):
     (inputs for the warm-up run at load; default: zeros of the smallest valid
     shape), ``close()``.
 
-    When the worker runs several requests as one batch, ``run_into`` writes
-    into host scratch arrays for the whole batch and the worker copies each
-    request's rows into its output area.
+    Batches written in place: a ``run_into`` backend with
+    ``accepts_row_splits = True`` (a class attribute, say) may, when the
+    worker runs several requests as one batch, get a ``RowSplit`` from
+    ``allocate`` instead of an array: the batch's output is not one area but
+    each request's rows, to be written into each request's own output view
+    (``RowSplit.parts``), as that request's output would be alone.  Without
+    it, the worker hands the backend host scratch arrays for a batch and
+    copies each request's rows out of them.
 
     The worker asks what a backend has once, at load (``workers.adapter``);
     attributes added later are not seen.
@@ -66,6 +72,29 @@ class Backend(Protocol):
     def run(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+class RowPart(NamedTuple):
+    """Rows ``[start, stop)`` of a batch's output, and the view (``stop - start`` rows) they go to."""
+
+    start: int
+    stop: int
+    view: np.ndarray
+
+
+class RowSplit(NamedTuple):
+    """Where one output of a batch goes: each request's rows into its own output area.
+
+    ``shape``/``dtype`` are the whole batch's output (as the backend asked for
+    it); ``parts`` cover its rows in order, one per request, each with a
+    writable numpy view of that request's output area (in page-locked shared
+    memory on a GPU worker; a throwaway array for a request that has already
+    failed).  Handed only to backends that declare ``accepts_row_splits``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: tuple[RowPart, ...]
 
 
 class BackendNotFound(LookupError):
