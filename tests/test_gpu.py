@@ -25,6 +25,7 @@ if _cuda is None or _cuda.available() is not None:
 from conftest import shm_names  # noqa: E402
 from helpers.server import ServerProcess, concurrent_infer  # noqa: E402
 from shmserve.models.torchnets import convnet, save_models  # noqa: E402
+from test_batching import batch_stats  # noqa: E402
 
 TOLERANCE = dict(rtol=2e-3, atol=2e-4)  # GPU convolutions may use TF32; the CPU reference does not
 
@@ -52,6 +53,16 @@ def gpu_server(tmp_path_factory):
         path = "{paths['torchscript']}"
         device = "cuda:0"
         io_mode = "mapped"
+        max_batch_size = 16
+        max_queue_delay_us = 200000
+        {spec}
+
+        [[models]]
+        name = "batched_copy"
+        backend = "torch"
+        path = "{paths['torchscript']}"
+        device = "cuda:0"
+        io_mode = "copy"
         max_batch_size = 16
         max_queue_delay_us = 200000
         {spec}
@@ -110,12 +121,18 @@ def test_two_workers_on_one_gpu_registered_the_arena_and_both_serve(gpu_server):
     assert sum(counts) >= 120 and all(n > 0 for n in counts), counts
 
 
-def test_batching_on_the_gpu_path(gpu_server):
+@pytest.mark.parametrize("model", ["batched", "batched_copy"])
+def test_batching_on_the_gpu_path(gpu_server, model):
+    """Each request's rows go from the device straight into its own output area (mapped: through
+    the mapping; copy: one DMA per request), and batches really formed."""
     rng = np.random.default_rng()
     net = convnet()
     inputs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(8)]
-    results = concurrent_infer(gpu_server, "batched", "image", "scores", inputs)
+    runs0, requests0 = batch_stats(gpu_server, model)
+    results = concurrent_infer(gpu_server, model, "image", "scores", inputs)
     for x, y in zip(inputs, results):
         with torch.inference_mode():
             ref = net(torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(y, ref, **TOLERANCE)
+    runs, requests = batch_stats(gpu_server, model)
+    assert requests - requests0 == len(inputs) and runs - runs0 < len(inputs)

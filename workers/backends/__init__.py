@@ -1,6 +1,7 @@
 """The backend interface and the registry that finds backends by name.
 
-Owns: what a backend must provide, and name -> loader resolution: the
+Owns: what a backend must provide (``Backend``; ``RowSplit``, the
+destination of a batch's output), and name -> loader resolution: the
 built-ins below, then any installed package's ``shmserve.backends`` entry
 point (``name = "pkg.module:load"``).  Adding a backend touches neither the
 front-end nor the protocol.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
@@ -42,10 +43,27 @@ class Backend(Protocol):
     * ``run_into(inputs, allocate)``: writes each output itself into
       ``allocate(name, shape, dtype)`` (a writable numpy view of the output
       area) — how GPU backends put results straight into shared memory.
+      ``allocate`` raises when the output is not what the model declared or
+      does not fit: let that propagate (it fails the request).
 
-    Optional: ``declare(inputs, outputs)`` (the final specs, before warm-up),
-    ``bind_memory(device_memory)`` (GPU workers: host view -> device address),
-    ``synchronize()`` (called before DONE is published: wait for the stream).
+    With both, ``run_into`` is used.  Optional: ``declare(inputs, outputs)``
+    (the final specs, before warm-up), ``bind_memory(device_memory)`` (GPU
+    workers: host view -> device address), ``synchronize()`` (called before
+    DONE or ERROR is published: wait for the stream), ``warmup_inputs()``
+    (inputs for the warm-up run at load; default: zeros of the smallest valid
+    shape), ``close()``.
+
+    Batches written in place: a ``run_into`` backend with
+    ``accepts_row_splits = True`` (a class attribute, say) may, when the
+    worker runs several requests as one batch, get a ``RowSplit`` from
+    ``allocate`` instead of an array: the batch's output is not one area but
+    each request's rows, to be written into each request's own output view
+    (``RowSplit.parts``), as that request's output would be alone.  Without
+    it, the worker hands the backend host scratch arrays for a batch and
+    copies each request's rows out of them.
+
+    The worker asks what a backend has once, at load (``workers.adapter``);
+    attributes added later are not seen.
     """
 
     inputs: tuple[TensorSpec, ...]
@@ -54,6 +72,29 @@ class Backend(Protocol):
     def run(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+class RowPart(NamedTuple):
+    """Rows ``[start, stop)`` of a batch's output, and the view (``stop - start`` rows) they go to."""
+
+    start: int
+    stop: int
+    view: np.ndarray
+
+
+class RowSplit(NamedTuple):
+    """Where one output of a batch goes: each request's rows into its own output area.
+
+    ``shape``/``dtype`` are the whole batch's output (as the backend asked for
+    it); ``parts`` cover its rows in order, one per request, each with a
+    writable numpy view of that request's output area (in page-locked shared
+    memory on a GPU worker; a throwaway array for a request that has already
+    failed).  Handed only to backends that declare ``accepts_row_splits``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: tuple[RowPart, ...]
 
 
 class BackendNotFound(LookupError):

@@ -11,6 +11,12 @@ engine's optimization profile, and the two I/O modes:
 * ``copy``: device buffers kept per worker (grown on demand), filled with
   ``cudaMemcpyAsync`` from the page-locked arena and copied back the same way.
 
+A batch's outputs are written in place too (``accepts_row_splits``): an
+engine has one address per tensor and cannot write several requests' areas,
+so for a ``RowSplit`` it executes into its device buffer and one
+``cudaMemcpyAsync`` per request copies that request's rows into its output
+view (page-locked shared memory, in either mode).
+
 ``synchronize`` waits for the stream before the worker publishes DONE.
 Errors say what to do: TensorRT missing, a file that is not an engine (or
 was built for another TensorRT or GPU), a shape outside the profile.
@@ -19,10 +25,13 @@ Every CUDA call goes through ``workers.cuda.check``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
+from workers.backends import RowSplit
 
 
 def import_tensorrt():
@@ -46,6 +55,8 @@ def import_tensorrt():
 
 
 class TensorRTBackend:
+    accepts_row_splits = True  # a batch's outputs go from the device into each request's output area
+
     def __init__(self, config: ModelConfig):
         if not config.device.startswith("cuda"):
             raise ValueError("TensorRT engines run on a GPU: set device = 'cuda:N' for this model")
@@ -79,8 +90,8 @@ class TensorRTBackend:
         if self.context is None:
             raise RuntimeError(f"cannot create an execution context: {'; '.join(self.errors)}")
         self.stream = cuda.check(cuda.cudart.cudaStreamCreate(), "cudaStreamCreate")
-        self._buffers: dict[str, tuple[int, int]] = {}  # copy mode: name -> (device pointer, capacity)
-        self._pending_copies: list[tuple[np.ndarray, int, int]] = []
+        self._buffers: dict[str, tuple[int, int]] = {}  # copy mode and batches: name -> (device pointer, capacity)
+        self._pending_copies: list[tuple[np.ndarray, int, int]] = []  # device -> host after execution
         inputs, outputs, self.profiles = [], [], {}
         for i in range(self.engine.num_io_tensors):
             name = self.engine.get_tensor_name(i)
@@ -112,26 +123,43 @@ class TensorRTBackend:
     def _device_address(self, view: np.ndarray, name: str, to_device: bool) -> int:
         """Mapped: the view's own device address.  Copy (or unregistered memory, as in warm-up):
         a device buffer, filled now (inputs) or copied back after execution (outputs)."""
-        cuda = self.cuda
         if self.io_mode == "mapped" and self.memory is not None:
             try:
                 return self.memory.device_pointer(view)
             except ValueError:
                 pass
-        ptr, capacity = self._buffers.get(name, (0, 0))
-        if capacity < view.nbytes:
-            if ptr:
-                cuda.check(cuda.cudart.cudaFree(ptr), "cudaFree")
-            capacity = max(view.nbytes, 2 * capacity, 256)
-            ptr = int(cuda.check(cuda.cudart.cudaMalloc(capacity), f"cudaMalloc({capacity})"))
-            self._buffers[name] = (ptr, capacity)
+        ptr = self._device_buffer(name, view.nbytes)
         host = view.__array_interface__["data"][0]
         if to_device:
+            cuda = self.cuda
             cuda.check(cuda.cudart.cudaMemcpyAsync(ptr, host, view.nbytes,
                                                    cuda.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream),
                        "cudaMemcpyAsync(host to device)")
         else:
             self._pending_copies.append((view, host, ptr))
+        return ptr
+
+    def _device_buffer(self, name: str, nbytes: int) -> int:
+        """The device buffer kept for tensor ``name``, grown (doubling) to at least ``nbytes``."""
+        ptr, capacity = self._buffers.get(name, (0, 0))
+        if capacity < nbytes:
+            cuda = self.cuda
+            if ptr:
+                cuda.check(cuda.cudart.cudaFree(ptr), "cudaFree")
+                del self._buffers[name]
+            capacity = max(nbytes, 2 * capacity, 256)
+            ptr = int(cuda.check(cuda.cudart.cudaMalloc(capacity), f"cudaMalloc({capacity})"))
+            self._buffers[name] = (ptr, capacity)
+        return ptr
+
+    def _split_address(self, split: RowSplit, name: str) -> int:
+        """For a batch's output: the device buffer the engine writes the whole batch into, and one
+        copy back per request, of its rows into its own output view, queued for after execution."""
+        ptr = self._device_buffer(name, split.dtype.itemsize * math.prod(split.shape))
+        row_bytes = split.dtype.itemsize * math.prod(split.shape[1:])
+        for start, _, view in split.parts:
+            if view.nbytes:
+                self._pending_copies.append((view, view.__array_interface__["data"][0], ptr + start * row_bytes))
         return ptr
 
     def run_into(self, inputs, allocate) -> None:
@@ -149,7 +177,10 @@ class TensorRTBackend:
             if any(d < 0 for d in shape):
                 raise ValueError(f"output {t.name!r} has a data-dependent shape, which this backend does not serve")
             dst = allocate(t.name, shape, t.dtype)
-            ctx.set_tensor_address(t.name, self._device_address(dst, t.name, to_device=False))
+            if type(dst) is RowSplit:
+                ctx.set_tensor_address(t.name, self._split_address(dst, t.name))
+            else:
+                ctx.set_tensor_address(t.name, self._device_address(dst, t.name, to_device=False))
         if not ctx.execute_async_v3(int(self.stream)):
             raise RuntimeError(f"execute_async_v3 failed: {'; '.join(self.errors[-3:])}")
         cuda = self.cuda

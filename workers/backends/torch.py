@@ -13,6 +13,13 @@ moving tensors between shared memory and the device in the model's I/O mode:
   asynchronous DMA from the page-locked arena, outputs copied back the same
   way.
 
+A batch of requests is written in place too (``accepts_row_splits``): for
+each output the worker hands a ``RowSplit``, and each request's rows
+(``value[start:stop]``) go straight into that request's output view the
+same way as a single request's output (CPU: a copy into shared memory;
+mapped: the GPU writes through the mapping; copy: one asynchronous DMA per
+request into page-locked memory).
+
 All of it runs on the worker's own CUDA stream; ``synchronize`` waits for it
 before the worker publishes DONE.  Inputs are positional in the order of the
 model's declared inputs; outputs (a tensor, or a tuple/list of tensors) map to
@@ -28,6 +35,7 @@ import numpy as np
 
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
+from workers.backends import RowSplit
 
 
 _TORCH_DTYPES: dict = {}
@@ -56,6 +64,8 @@ def _dim(d):
 
 
 class TorchBackend:
+    accepts_row_splits = True  # a batch's outputs go straight into each request's output area
+
     def __init__(self, config: ModelConfig):
         import torch
 
@@ -140,8 +150,14 @@ class TorchBackend:
             return mapped
         return torch.from_numpy(view).to(self.device, non_blocking=True)  # DMA from page-locked memory
 
-    def _write(self, value, dst: np.ndarray) -> None:
+    def _write(self, value, dst) -> None:
+        """Write the output ``value`` into ``dst``: a numpy view of shared memory, or a RowSplit
+        (a batch: each request's rows into its own view)."""
         torch = self.torch
+        if type(dst) is RowSplit:
+            for start, stop, view in dst.parts:
+                self._write(value[start:stop], view)
+            return
         if value.device.type == "cpu" or self.device.type == "cpu":
             torch.from_numpy(dst).copy_(value)
             return

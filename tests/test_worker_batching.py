@@ -1,0 +1,336 @@
+"""A worker's batches in one process, with real parts: an arena, the step, the batcher and torch on CPU.
+
+The front-end's side is played here with the real allocators and slot
+transitions (``FrontEnd``); the worker's side is the real
+``workers.worker.Worker`` put together from its parts the way
+``open_worker`` does, around a backend object the test holds.  A batch must
+give each request the outputs it gets alone, in its own output area; a
+backend that accepts row splits must get them and no scratch array is made
+(numpy's allocations are traced by tracemalloc, torch's are not); and after
+load the worker never asks the backend what it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import tracemalloc
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from shmserve import layout
+from shmserve.allocator import ExtentAllocator, SlotPool
+from shmserve.arena import Arena
+from shmserve.config import ModelConfig
+from shmserve.errors import ErrorCode
+from shmserve.rings import Ring
+from shmserve.slotstate import Actor, SlotState
+from shmserve.spec import TensorSpec
+from workers.adapter import BackendAdapter
+from workers.backends import RowSplit
+from workers.backends.python import PythonBackend
+from workers.regions import RegionCache
+from workers.step import Step
+from workers.worker import Worker
+
+torch = pytest.importorskip("torch")
+
+from workers.backends.torch import TorchBackend  # noqa: E402
+
+WIDE = 32  # the second output is WIDE times the input: a scratch copy of it is easy to see
+
+
+class Call(NamedTuple):
+    index: int
+    generation: int
+    extents: tuple
+    out_offset: int
+    out_capacity: int
+
+
+class FrontEnd:
+    """The front-end's part for worker 0: slots and extents from the real allocators, requests
+    written, published and pushed as the dispatcher does, answers read and slots freed."""
+
+    def __init__(self, arena: Arena, spec):
+        self.arena, self.spec, self.buf, self.g = arena, spec, arena.buf, arena.geometry
+        self.slots, self.extents = SlotPool(self.g.slot_count), ExtentAllocator(self.g)
+        self.ring = Ring.of_worker(arena, 0, completion=False)
+        self.next_id = 1
+
+    def submit(self, x: np.ndarray, out_capacity: int | None = None) -> Call:
+        index = self.slots.acquire()
+        generation, _ = self.arena.slot_status(index)
+        generation = self.arena.transition(index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
+        extent = self.extents.allocate(x.nbytes)
+        np.ndarray(x.shape, x.dtype, buffer=self.buf, offset=extent.offset)[...] = x
+        layout.encode_tensor(self.buf, self.g, index, 0, role=layout.ROLE_INPUT, name_index=0, dtype=x.dtype,
+                             shape=x.shape, offset=extent.offset)
+        out = self.extents.allocate(65536)
+        capacity = out.size if out_capacity is None else out_capacity
+        np.ndarray(capacity, np.uint8, buffer=self.buf, offset=out.offset)[...] = 0xFF  # poisoned: NaN as float32
+        layout.encode_slot_request(self.buf, self.g, index, request_id=self.next_id, model_id=0, worker=0,
+                                   n_inputs=1, out_region=0, out_off=out.offset, out_capacity=capacity)
+        self.next_id += 1
+        now = time.monotonic_ns()
+        layout.reset_stages(self.buf, self.g, index, now, now)
+        self.arena.transition(index, generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
+        self.ring.push(layout.slot_entry(index, generation))
+        return Call(index, generation, (extent, out), out.offset, capacity)
+
+    def answer(self, call: Call):
+        """The outputs by name (copies), each checked to lie in the call's own output area; or
+        (code, message) of its error.  Frees the slot and its extents."""
+        generation, state = self.arena.slot_status(call.index)
+        assert generation == call.generation and state in (SlotState.DONE, SlotState.ERROR), state
+        try:
+            if state == SlotState.ERROR:
+                code, message = layout.decode_error(self.buf, self.g, call.index)
+                return ErrorCode.from_number(code), message
+            slot = layout.decode_slot_request(self.buf, self.g, call.index)
+            outputs = {}
+            for t in range(slot.n_inputs, slot.n_inputs + slot.n_outputs):
+                d = layout.decode_tensor(self.buf, self.g, call.index, t)
+                assert call.out_offset <= d.offset and d.offset + d.nbytes <= call.out_offset + call.out_capacity
+                outputs[self.spec.outputs[d.name_index].name] = np.ndarray(d.shape, d.dtype, buffer=self.buf,
+                                                                           offset=d.offset).copy()
+            return outputs
+        finally:
+            self.arena.transition(call.index, generation, SlotState(state), SlotState.FREE, Actor.FRONTEND)
+            self.slots.release(call.index)
+            for extent in call.extents:
+                self.extents.free(extent)
+
+
+@contextlib.contextmanager
+def serving(instance: str, config: ModelConfig, backend):
+    """(FrontEnd, Worker) over a new arena, the worker made of its real parts around ``backend``."""
+    with Arena.create(instance, slot_count=32, max_workers=1, size_classes=[(4096, 64), (65536, 64)],
+                      prefault=False) as arena, contextlib.ExitStack() as stack:
+        adapter = stack.enter_context(BackendAdapter(backend))
+        spec = adapter.prepare(config)
+        regions = stack.enter_context(RegionCache(instance))
+        completion_fd = os.eventfd(0)
+        stack.callback(os.close, completion_fd)
+        worker = Worker(arena, 0, config, completion_fd, 0.0, Step(arena, 0, regions, adapter, spec))
+        yield FrontEnd(arena, spec), worker
+
+
+def one_by_one(front: FrontEnd, worker: Worker, xs, **submit) -> list:
+    answers = []
+    for x in xs:
+        call = front.submit(x, **submit)
+        work, stop = worker.gather()
+        assert len(work) == 1 and not stop
+        worker.step.serve(*work[0])
+        answers.append(front.answer(call))
+    return answers
+
+
+def as_one_batch(front: FrontEnd, worker: Worker, xs, capacities=None) -> list:
+    calls = [front.submit(x, out_capacity=None if capacities is None else capacities[i]) for i, x in enumerate(xs)]
+    work, stop = worker.gather()
+    assert len(work) == len(xs) and not stop
+    assert worker.batcher.run(work, worker) == ([], False)
+    return [front.answer(c) for c in calls]
+
+
+def batch_runs(front: FrontEnd) -> tuple[int, int]:
+    """(backend runs, requests in them) from worker 0's batch-size histogram."""
+    buckets, total = layout.read_histogram(front.buf, front.g, 0, "batch_size")
+    return sum(buckets), total
+
+
+# -- models -------------------------------------------------------------------------------------
+
+class Rows(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, (x + 1).repeat(1, WIDE)
+
+
+class Pooled(torch.nn.Module):
+    def forward(self, x):
+        return x.sum(dim=0, keepdim=True), x.repeat(1, WIDE)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """TorchScript files of the models above (traced: every op works row by row or on the whole)."""
+    directory = tmp_path_factory.mktemp("models")
+    paths = {}
+    for module in (Rows, Pooled):
+        paths[module] = directory / f"{module.__name__}.pt"
+        torch.jit.trace(module(), torch.zeros(2, 16)).save(str(paths[module]))
+    return paths
+
+
+def torch_config(models, module=Rows) -> ModelConfig:
+    return ModelConfig(name="rows", backend="torch", path=str(models[module]), max_batch_size=8,
+                       inputs=(TensorSpec("x", "float32", ("batch", 16)),),
+                       outputs=(TensorSpec("y", "float32", ("batch", 16)),
+                                TensorSpec("z", "float32", ("batch", 16 * WIDE))))
+
+
+class RecordingTorch(TorchBackend):
+    """The real torch backend, noting what kind of destination each output was given."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.destinations: list[str] = []
+
+    def run_into(self, inputs, allocate):
+        def noted(name, shape, dtype):
+            dst = allocate(name, shape, dtype)
+            self.destinations.append(type(dst).__name__)
+            return dst
+
+        super().run_into(inputs, noted)
+
+
+class ScratchTorch(RecordingTorch):
+    """The same, not declaring row splits: what a third-party ``run_into`` backend gets."""
+
+    accepts_row_splits = False
+
+
+def reference(x):
+    return {"y": x * 2, "z": np.concatenate([x + 1] * WIDE, axis=1)}
+
+
+def inputs(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, 16), dtype=np.float32) for n in rows]
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+def test_a_torch_batch_is_written_in_place_and_equals_its_requests_run_one_by_one(instance_name, models):
+    backend = RecordingTorch(torch_config(models))
+    xs = inputs([1, 3, 2, 5])
+    with serving(instance_name(), torch_config(models), backend) as (front, worker):
+        alone = one_by_one(front, worker, xs)
+        assert set(backend.destinations) == {"ndarray"}
+        backend.destinations.clear()
+        runs0, requests0 = batch_runs(front)
+        together = as_one_batch(front, worker, xs)
+        assert backend.destinations == ["RowSplit", "RowSplit"]  # each output straight into the 4 areas
+        assert batch_runs(front) == (runs0 + 1, requests0 + 4)
+    for x, a, b in zip(xs, alone, together):
+        for name, want in reference(x).items():
+            np.testing.assert_array_equal(a[name], want)
+            np.testing.assert_array_equal(b[name], want)  # the poisoned area was overwritten, exactly
+
+
+@pytest.mark.parametrize("backend_class, scratch", [(RecordingTorch, False), (ScratchTorch, True)])
+def test_a_backend_that_takes_row_splits_needs_no_scratch_copy(instance_name, models, backend_class, scratch):
+    xs = inputs([16, 16, 16, 16], seed=1)
+    output_bytes = sum(x.nbytes * (1 + WIDE) for x in xs)
+    backend = backend_class(torch_config(models))
+    with serving(instance_name(), torch_config(models), backend) as (front, worker):
+        as_one_batch(front, worker, xs[:2])  # warm: first-run allocations are not the batch's
+        calls = [front.submit(x) for x in xs]
+        work, _ = worker.gather()
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            worker.batcher.run(work, worker)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        answers = [front.answer(c) for c in calls]
+    for x, got in zip(xs, answers):
+        for name, want in reference(x).items():
+            np.testing.assert_array_equal(got[name], want)
+    # numpy allocated the concatenated inputs (1/33 of the outputs) and, without row splits, the outputs
+    if scratch:
+        assert peak >= output_bytes, (peak, output_bytes)
+    else:
+        assert peak < output_bytes / 4, (peak, output_bytes)
+
+
+def test_a_request_whose_area_is_too_small_fails_alone_and_its_batch_is_answered(instance_name, models):
+    backend = RecordingTorch(torch_config(models))
+    xs = inputs([2, 4, 3], seed=2)
+    with serving(instance_name(), torch_config(models), backend) as (front, worker):
+        backend.destinations.clear()  # the warm-up's
+        answers = as_one_batch(front, worker, xs, capacities=[None, 1024, None])
+    assert backend.destinations == ["RowSplit", "RowSplit"]
+    code, message = answers[1]
+    assert code is ErrorCode.OUTPUT_TOO_LARGE and "raise max_output_bytes" in message
+    for i in (0, 2):
+        for name, want in reference(xs[i]).items():
+            np.testing.assert_array_equal(answers[i][name], want)
+
+
+def summed(inputs):
+    """A `run` model whose first output pools the rows: fine alone, not batchable."""
+    x = inputs["x"]
+    return {"y": x.sum(axis=0, keepdims=True), "z": np.concatenate([x] * WIDE, axis=1)}
+
+
+@pytest.mark.parametrize("kind", ["row splits", "scratch", "run"])
+def test_an_output_without_the_batchs_rows_fails_the_whole_batch(instance_name, models, kind):
+    if kind == "run":
+        spec = torch_config(models)
+        config = ModelConfig(name="rows", backend="python", path="test_worker_batching:summed", max_batch_size=8,
+                             inputs=spec.inputs, outputs=spec.outputs)
+        backend = PythonBackend(config)
+    else:
+        config = torch_config(models, Pooled)
+        backend = (RecordingTorch if kind == "row splits" else ScratchTorch)(config)
+    xs = inputs([1, 2, 3], seed=3)
+    with serving(instance_name(), config, backend) as (front, worker):
+        assert not any(isinstance(a, tuple) for a in one_by_one(front, worker, xs))
+        answers = as_one_batch(front, worker, xs)
+        alone = one_by_one(front, worker, xs[:1])[0]  # the worker serves on
+    assert alone["y"].shape == (1, 16)
+    for code, message in answers:
+        assert code is ErrorCode.MODEL_ERROR
+        assert message == "output 'y' does not have the batch's 6 rows; this model cannot be batched"
+
+
+class Counting:
+    """A third-party backend that counts every attribute looked up on it (its own methods look
+    nothing up on ``self``), and writes row splits itself."""
+
+    lookups: list[str] = []
+    inputs = (TensorSpec("x", "float32", ("batch", 4)),)
+    outputs = (TensorSpec("y", "float32", ("batch", 4)),)
+    accepts_row_splits = True
+
+    def __getattribute__(self, name):
+        Counting.lookups.append(name)
+        return object.__getattribute__(self, name)
+
+    def run_into(self, inputs, allocate):
+        y = inputs["x"] * 2
+        dst = allocate("y", y.shape, y.dtype)
+        if isinstance(dst, RowSplit):
+            for start, stop, view in dst.parts:
+                view[...] = y[start:stop]
+        else:
+            dst[...] = y
+
+    def synchronize(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_after_load_the_worker_never_asks_the_backend_what_it_has(instance_name):
+    config = ModelConfig(name="counting", backend="counting", path="-", max_batch_size=8)
+    Counting.lookups.clear()
+    xs = [np.full((n, 4), n, np.float32) for n in (1, 2, 3)]
+    with serving(instance_name(), config, Counting()) as (front, worker):
+        assert {"run_into", "synchronize", "accepts_row_splits", "declare", "inputs"} <= set(Counting.lookups)
+        Counting.lookups.clear()
+        alone = one_by_one(front, worker, xs)
+        together = as_one_batch(front, worker, xs)
+        assert Counting.lookups == []
+    for x, a, b in zip(xs, alone, together):
+        np.testing.assert_array_equal(a["y"], x * 2)
+        np.testing.assert_array_equal(b["y"], x * 2)

@@ -1,0 +1,185 @@
+"""Client regions in a worker, and the order a worker's resources are released in.
+
+Regions are real segments in /dev/shm; the arena is real.  Page-locking is
+played by ``LockRecorder``, which stands in for ``workers.regions.GpuMemory``
+only as bookkeeping: it notes each registration and whether the memory was
+still mapped when it was unregistered.  The real CUDA registrations run in
+test_gpu.py (GPU machines), through the same ``locked`` context managers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from shmserve import layout, workerlink
+from shmserve.arena import Arena
+from shmserve.config import ModelConfig
+from shmserve.errors import ErrorCode
+from workers.regions import RegionCache
+from workers.step import RequestFailed
+from workers.worker import StartFailed, open_worker
+
+EVENTS: list[tuple] = []  # what happened, in order: the recorder's and the backend's
+
+
+class LockRecorder:
+    """GpuMemory's interface, recording instead of registering (``fail`` names a buffer it refuses)."""
+
+    def __init__(self, fail: str | None = None):
+        self.fail = fail
+        self.memory = "device memory"
+
+    @contextlib.contextmanager
+    def locked(self, buf, what: str):
+        if what == self.fail:
+            raise RuntimeError("cudaHostRegister failed: memlock")
+        EVENTS.append(("lock", what))
+        try:
+            yield what
+        finally:
+            EVENTS.append(("unlock", what, "mapped" if not buf.closed else "UNMAPPED"))
+
+    def describe(self, registration) -> dict:
+        return {"registered": registration}
+
+
+class RecordedIdentity:
+    """A python-backend model whose close is recorded (``options = {factory = true}``)."""
+
+    inputs = [{"name": "x", "dtype": "uint8", "shape": ["n"]}]
+    outputs = [{"name": "y", "dtype": "uint8", "shape": ["n"]}]
+
+    def __init__(self, config):
+        pass
+
+    def __call__(self, inputs):
+        return {"y": inputs["x"]}
+
+    def close(self):
+        EVENTS.append(("backend closed",))
+
+
+@pytest.fixture
+def region_maker(instance_name):
+    """Makes region segments of one instance; unlinks what is left after the test."""
+    instance = instance_name("reg")
+    made = []
+
+    def make(region: int, size: int = 65536) -> str:
+        name = layout.region_name(instance, region)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        shm.close_fd()
+        made.append(name)
+        return name
+
+    make.instance = instance
+    yield make
+    for name in made:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)
+
+
+def test_a_region_is_mapped_on_first_use_and_dropped_once_its_name_is_gone(region_maker):
+    name = region_maker(3, 3333)
+    region_maker(4)
+    with RegionCache(region_maker.instance) as regions:
+        regions.ensure(0)  # the arena: never a region
+        regions.ensure(3)
+        regions.ensure(4)
+        assert regions.sizes == {3: 3333, 4: 65536}
+        mapping = regions.maps[3]
+        regions.ensure(3)
+        assert regions.maps[3] is mapping  # mapped once
+        posix_ipc.unlink_shared_memory(name)
+        assert regions.collect() == [3]
+        assert mapping.closed and 3 not in regions.maps and 4 in regions.maps
+        four = regions.maps[4]
+    assert four.closed and not regions.maps
+
+
+def test_a_region_that_does_not_exist_is_a_bad_region(region_maker):
+    with RegionCache(region_maker.instance) as regions, pytest.raises(RequestFailed) as info:
+        regions.ensure(99)
+    assert info.value.code is ErrorCode.BAD_REGION and info.value.message == "region 99 does not exist"
+
+
+def test_a_region_is_unregistered_before_it_is_unmapped(region_maker):
+    region_maker(5)
+    region_maker(6)
+    EVENTS.clear()
+    with RegionCache(region_maker.instance, LockRecorder()) as regions:
+        regions.ensure(5)
+        regions.ensure(6)
+        regions.drop(5)
+        assert EVENTS == [("lock", "region 5"), ("lock", "region 6"), ("unlock", "region 5", "mapped")]
+    assert EVENTS[-1] == ("unlock", "region 6", "mapped")
+
+
+def test_a_region_that_cannot_be_page_locked_fails_the_request_and_stays_unmapped(region_maker):
+    region_maker(7)
+    EVENTS.clear()
+    with RegionCache(region_maker.instance, LockRecorder(fail="region 7")) as regions:
+        with pytest.raises(RequestFailed) as info:
+            regions.ensure(7)
+        assert info.value.code is ErrorCode.INTERNAL and "cannot page-lock region 7" in info.value.message
+        assert 7 not in regions.maps and EVENTS == []
+
+
+def test_a_worker_unwinds_regions_then_backend_then_arena_registration_then_mapping(instance_name, region_maker):
+    instance = region_maker.instance
+    region_maker(8)
+    config = ModelConfig(name="recorded", backend="python", path="test_worker_regions:RecordedIdentity",
+                         options={"factory": True})
+    EVENTS.clear()
+    with Arena.create(instance, slot_count=4, max_workers=1, size_classes=[(4096, 4)], prefault=False):
+        completion_fd = os.eventfd(0)
+        try:
+            with contextlib.ExitStack() as stack:
+                arena = stack.enter_context(Arena.attach(instance))  # the mapping: first in, last out
+                worker = open_worker(stack, arena, 0, config, completion_fd, 0.0, LockRecorder())
+                assert worker.gpu_info == {"registered": f"arena {arena.name}"}
+                worker.regions.ensure(8)
+                view = np.ndarray(16, np.uint8, buffer=worker.regions.maps[8])  # views end before unmapping
+                del view
+            assert EVENTS == [("lock", f"arena {arena.name}"), ("lock", "region 8"),
+                              ("unlock", "region 8", "mapped"), ("backend closed",),
+                              ("unlock", f"arena {arena.name}", "mapped")]
+            assert arena.closed
+            assert "heartbeat" not in {t.name for t in threading.enumerate()}  # it wrote into the arena
+        finally:
+            os.close(completion_fd)
+
+
+def test_a_worker_that_cannot_load_unwinds_what_it_opened(instance_name):
+    instance = instance_name("load")
+    config = ModelConfig(name="broken", backend="python", path="serving_models:broken_factory",
+                         options={"factory": True})
+    EVENTS.clear()
+    with Arena.create(instance, slot_count=4, max_workers=1, size_classes=[(4096, 4)], prefault=False):
+        with contextlib.ExitStack() as stack:
+            arena = stack.enter_context(Arena.attach(instance))
+            with pytest.raises(StartFailed) as info:
+                open_worker(stack, arena, 0, config, -1, 0.0, LockRecorder())
+            assert EVENTS == [("lock", f"arena {arena.name}")]
+        assert EVENTS[-1] == ("unlock", f"arena {arena.name}", "mapped") and arena.closed
+    assert info.value.exit_code == workerlink.EXIT_LOAD_FAILED
+    assert info.value.message == ("cannot load model 'broken' (python, serving_models:broken_factory): "
+                                  "RuntimeError: this model cannot be loaded")
+
+
+def test_an_arena_that_cannot_be_page_locked_stops_the_worker_with_what_to_change(instance_name):
+    instance = instance_name("lock")
+    config = ModelConfig(name="m", backend="python", path="shmserve.models:identity", device="cuda:0")
+    with Arena.create(instance, slot_count=4, max_workers=1, size_classes=[(4096, 4)], prefault=False):
+        with contextlib.ExitStack() as stack:
+            arena = stack.enter_context(Arena.attach(instance))
+            with pytest.raises(StartFailed) as info:
+                open_worker(stack, arena, 0, config, -1, 0.0, LockRecorder(fail=f"arena {arena.name}"))
+    assert info.value.exit_code == workerlink.EXIT_ARENA_FAILED
+    assert info.value.message == "cannot use cuda:0 for model 'm': cudaHostRegister failed: memlock"

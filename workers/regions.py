@@ -1,0 +1,145 @@
+"""The memory a worker reaches besides the arena: client regions, and on a GPU its page-locked ranges.
+
+Owns: mapping client regions (``shmserve.<instance>.r<id>``) on first use
+and dropping them once their name is gone (``RegionCache``), and the GPU
+worker's page-locked ranges (``GpuMemory``): the arena, registered once at
+start, and each client region while it is mapped.
+
+Ordering (STYLE.md point 8): a registration is a context manager entered
+inside the lifetime of the mapping it registers, so unregister always runs
+before unmap.  The arena's registration sits on the worker's own
+``ExitStack`` above the arena's mapping (``workers.worker.open_worker``);
+each region has a small ``ExitStack`` of its own (unmap pushed first, then
+the registration), closed when the region is dropped, and the cache itself
+is on the worker's stack, so every region is dropped before the backend
+closes and the arena is unregistered and unmapped.
+
+Must not: trust region ids or sizes (they come from clients), validate
+descriptors (``shmserve.layout`` does), or import CUDA on a CPU worker
+(``workers.cuda`` is imported by ``GpuMemory`` only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from typing import Iterator
+
+import posix_ipc
+
+from shmserve import layout
+from shmserve.arena import SHM_DIR
+from shmserve.errors import ErrorCode
+from workers.step import RequestFailed
+
+
+class GpuMemory:
+    """The GPU worker's page-locked ranges (``cudaHostRegister``, Portable | Mapped) on one device.
+
+    Constructing it selects the device (CudaError if it cannot); ``locked``
+    registers a buffer for the life of a ``with`` block; ``memory`` (a
+    ``workers.cuda.DeviceMemory``) translates host views inside registered
+    ranges to device addresses for backends in mapped mode.
+    """
+
+    def __init__(self, device_index: int):
+        from workers import cuda
+
+        self.cuda = cuda
+        self.device_index = device_index
+        cuda.set_device(device_index)
+        self.memory = cuda.DeviceMemory()
+
+    @contextlib.contextmanager
+    def locked(self, buf, what: str) -> Iterator:
+        """Page-lock ``buf`` (named ``what`` in errors) inside the block; yields its Registration.
+        Enter it while ``buf`` is mapped: it is unregistered on the way out, before the caller unmaps."""
+        with self.cuda.registered(buf, what) as reg:
+            self.memory.add(reg)
+            try:
+                yield reg
+            finally:
+                self.memory.remove(reg.host)
+
+    def describe(self, arena_registration) -> dict:
+        """For the front-end's info: the device and the arena's host and device addresses."""
+        reg = arena_registration
+        return {"device": self.device_index, "arena_host": hex(reg.host), "arena_device": hex(reg.device),
+                "arena_bytes": reg.size, "flags": "Portable|Mapped"}
+
+
+class RegionCache:
+    """Client regions mapped on first use (``ensure``) and dropped once unlinked (``collect``).
+
+    ``maps[id]`` is the region's mmap (None for an empty one) and ``sizes[id]``
+    its size; region 0 is the arena itself and never in them.  With ``gpu``
+    (a ``GpuMemory``) each region is page-locked while mapped.  A context
+    manager: leaving it drops every region.
+    """
+
+    def __init__(self, instance: str, gpu: GpuMemory | None = None):
+        self.instance = instance
+        self.gpu = gpu
+        self.maps: dict[int, mmap.mmap | None] = {}
+        self.sizes: dict[int, int] = {}
+        self._held: dict[int, contextlib.ExitStack] = {}  # region -> its unregister, then unmap
+
+    def ensure(self, region: int) -> None:
+        """Map ``region`` (and page-lock it on a GPU) unless it is the arena or mapped already.
+
+        RequestFailed: BAD_REGION if no such region exists, INTERNAL if it
+        cannot be page-locked (nothing is left mapped then).
+        """
+        if region == 0 or region in self.maps:
+            return
+        try:
+            shm = posix_ipc.SharedMemory(layout.region_name(self.instance, region))
+        except posix_ipc.Error:
+            raise RequestFailed(ErrorCode.BAD_REGION, f"region {region} does not exist") from None
+        with contextlib.ExitStack() as held:
+            try:
+                size = os.fstat(shm.fd).st_size
+                mapping = mmap.mmap(shm.fd, size) if size else None
+            finally:
+                shm.close_fd()
+            if mapping is not None:
+                held.callback(mapping.close)
+                if self.gpu is not None:
+                    try:
+                        held.enter_context(self.gpu.locked(mapping, f"region {region}"))
+                    except Exception as exc:
+                        raise RequestFailed(ErrorCode.INTERNAL, f"cannot page-lock region {region}: {exc}") from None
+            self._held[region] = held.pop_all()
+        self.maps[region] = mapping
+        self.sizes[region] = size
+
+    def buffer(self, region: int, arena_buf):
+        """The buffer a tensor of ``region`` lies in (``arena_buf`` for region 0); the region is mapped."""
+        return arena_buf if region == 0 else self.maps[region]
+
+    def collect(self) -> list[int]:
+        """Drop regions whose name is gone (their client disconnected or closed them); their ids."""
+        gone = [r for r in self.maps if not os.path.exists(os.path.join(SHM_DIR, layout.region_name(self.instance, r)[1:]))]
+        for region in gone:
+            self.drop(region)
+        return gone
+
+    def drop(self, region: int) -> None:
+        """Unregister (GPU) and unmap ``region``; nothing if it is not mapped.  BufferError if views
+        of it are still alive (the worker releases every view when a request ends)."""
+        held = self._held.pop(region, None)
+        if held is None:
+            return
+        del self.maps[region], self.sizes[region]
+        held.close()
+
+    def close(self) -> None:
+        for region in list(self._held):
+            self.drop(region)
+
+    def __enter__(self) -> "RegionCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

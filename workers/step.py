@@ -1,0 +1,329 @@
+"""One request on a worker: claim it, hand the backend its inputs, place its outputs, publish the answer.
+
+Owns: the slot tables a worker serves (``Space``: the arena's, or a lane's),
+and the request step (``Step``): claim a READY slot (READY -> RUNNING),
+decode and validate its inputs into numpy views, lay its outputs out in its
+output area (``OutputPlacer``), run the backend, publish DONE or ERROR, count
+it, push the completion and ring whoever waits, and add its stage times to
+the worker's latency histograms.
+
+Nothing read from a slot is trusted: every descriptor is decoded through
+``shmserve.layout`` against the bounds of the space it names, and a lane's
+(its client wrote every byte of it) must also lie in the lane's own region
+at ``lanes.DATA_FLOOR`` or above.  A request that cannot run fails alone with
+a stable code (``RequestFailed``); the worker goes on serving.
+
+Must not: decide what runs together (``workers.batching``), wait on rings or
+carry out commands (``workers.worker``), ask a backend what it can do
+(``workers.adapter`` did, once), allocate arena space, or free slots.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from shmserve import layout
+from shmserve import _atomics as atomics
+from shmserve.arena import SlotConflict, transition_slot
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.protocol import TensorMeta
+from shmserve.rings import Ring
+from shmserve.slotstate import Actor, SlotState
+from shmserve.spec import ModelSpec, bind_inputs
+
+LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as valid (then forgotten at once)
+
+_READY, _RUNNING, _DONE, _ERROR = SlotState.READY, SlotState.RUNNING, SlotState.DONE, SlotState.ERROR
+_WORKER = Actor.WORKER
+
+
+class RequestFailed(Exception):
+    """This request fails with ``code`` (an ErrorCode) and ``message``; the worker serves on."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def model_failure(exc: Exception) -> tuple[ErrorCode, str]:
+    """(code, message) for an exception raised while the backend ran: its own if it is a
+    RequestFailed (the worker's checks on what the backend produced), else MODEL_ERROR."""
+    if isinstance(exc, RequestFailed):
+        return exc.code, exc.message
+    return ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}"
+
+
+def worker_failure(exc: Exception) -> tuple[ErrorCode, str]:
+    """(code, message) for an exception raised by the step itself: a bug here fails one request
+    (INTERNAL), not the worker."""
+    if isinstance(exc, RequestFailed):
+        return exc.code, exc.message
+    return ErrorCode.INTERNAL, f"worker: {type(exc).__name__}: {exc}"
+
+
+class Space:
+    """A slot table this worker serves: the arena's, or a lane's (a client region's own queue).
+
+    ``buf``/``geometry`` hold the slots and ``submissions``/``completions`` their rings;
+    ``outbox`` wakes whoever collects completions (the front-end's eventfd, or the lane
+    client's futex).  A lane's tensors may only lie in its own region (``region``), above its
+    queue (``data_floor``): the client wrote every byte of it and is trusted with none.
+    """
+
+    __slots__ = ("buf", "geometry", "submissions", "completions", "outbox", "region", "data_floor", "is_lane")
+
+    def __init__(self, buf, geometry, submissions: Ring, completions: Ring, outbox, *, region: int = 0,
+                 data_floor: int = 0):
+        self.buf, self.geometry = buf, geometry
+        self.submissions, self.completions, self.outbox = submissions, completions, outbox
+        self.region, self.data_floor = region, data_floor
+        self.is_lane = region != 0
+
+    def outside(self, what: str) -> RequestFailed:
+        """The error for a lane tensor (``what``) outside the lane's own data space."""
+        return RequestFailed(ErrorCode.BAD_REGION, f"{what} must lie in this lane's region {self.region} "
+                                                   f"at offset {self.data_floor} or above")
+
+
+class OutputPlacer:
+    """Lays a request's outputs out in its output area, 64-byte aligned, in the order they come,
+    and writes their descriptors once the backend is done (after its stream is synchronized)."""
+
+    __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed")
+
+    def __init__(self, step: "Step", space: Space, index: int, first_tensor: int, region: int, base: int,
+                 capacity: int, target):
+        self.step, self.space, self.index, self.first = step, space, index, first_tensor
+        self.region, self.base, self.capacity, self.target = region, base, capacity, target
+        self.pos = 0
+        self.placed: dict[str, tuple[int, tuple, np.dtype]] = {}
+
+    def allocate(self, name: str, shape, dtype) -> np.ndarray:
+        """A writable view of the output area for output ``name``.
+
+        RequestFailed: MODEL_ERROR for an undeclared output, a dtype other than
+        the declared one, or an output produced twice; OUTPUT_TOO_LARGE if it
+        does not fit in what is left of the area.
+        """
+        declared = self.step.output_dtypes.get(name)
+        if declared is None:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
+        dtype = np.dtype(dtype)
+        if dtype != declared:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {dtype.name}, declared {declared.name}")
+        if name in self.placed:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
+        shape = tuple(int(d) for d in shape)
+        nbytes = dtype.itemsize * math.prod(shape)
+        pos = layout.align_tensor(self.pos)
+        if pos + nbytes > self.capacity:
+            raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
+                                f"outputs need more than the {self.capacity} bytes reserved for them "
+                                f"(output {name!r} is {nbytes} bytes); raise max_output_bytes")
+        self.pos = pos + nbytes
+        self.placed[name] = (self.base + pos, shape, dtype)
+        return np.ndarray(shape, dtype, buffer=self.target, offset=self.base + pos)
+
+    def finish(self) -> int:
+        """Write the output descriptors (the backend's writes have landed); how many.
+        RequestFailed(MODEL_ERROR) if an output was not produced."""
+        outputs, placed = self.step.spec.outputs, self.placed
+        if len(placed) != len(outputs):
+            missing = [t.name for t in outputs if t.name not in placed]
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
+        buf, g, index, first, region = self.space.buf, self.space.geometry, self.index, self.first, self.region
+        for i, t in enumerate(outputs):
+            offset, shape, dtype = placed[t.name]
+            layout.encode_tensor(buf, g, index, first + i, role=layout.ROLE_OUTPUT, name_index=i, dtype=dtype,
+                                 shape=shape, offset=offset, region=region)
+        return len(outputs)
+
+
+class Step:
+    """Runs requests of one model on this worker (worker ``index`` of ``arena``), one at a time.
+
+    ``serve(space, entry)`` is the whole life of one request; ``claim``,
+    ``decode``, ``place``, ``finish`` and ``record_batch`` are its parts, which
+    ``workers.batching`` composes for a batch.  ``regions`` maps the client
+    regions tensors lie in; ``adapter`` is the loaded backend
+    (``workers.adapter.BackendAdapter``); ``spec`` its final specs.
+    """
+
+    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec):
+        self.arena_buf, self.geometry, self.index = arena.buf, arena.geometry, index
+        self.regions, self.adapter, self.spec = regions, adapter, spec
+        self.input_names = tuple(t.name for t in spec.inputs)
+        self.output_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
+        self._outputs = tuple(t.name for t in spec.outputs)
+        entry_off = arena.geometry.worker_off(index)
+        self._requests_off = entry_off + layout.WORKER.offset("requests")
+        self._errors_off = entry_off + layout.WORKER.offset("errors")
+        # Hot path: what the adapter states, bound once.
+        self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
+        self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
+
+    # -- one request, whole -------------------------------------------------------------------
+
+    def serve(self, space: Space, entry: int) -> None:
+        """Claim, run and answer the request of ring ``entry`` (nothing if it is not ours to run)."""
+        index = self.claim(space, entry)
+        if index is None:
+            return
+        try:
+            n_outputs, failure = self.run(space, index), None
+        except Exception as exc:  # a bug here must fail one request, not kill the worker
+            n_outputs, failure = 0, worker_failure(exc)
+        self.finish(space, entry, index, n_outputs, failure)
+        self.record_batch(1)
+
+    def run(self, space: Space, index: int) -> int:
+        """Run the claimed slot ``index``: its outputs placed and described; how many.  RequestFailed
+        if it cannot run (its inputs or output area are bad, or the model failed)."""
+        slot, inputs = self.decode(space, index)
+        placer = self.place(space, index, slot)
+        buf, g = space.buf, space.geometry
+        layout.stamp(buf, g, index, "t_compute_start", time.monotonic_ns())
+        try:
+            if self._run_into is not None:  # writes outputs itself (GPU: straight into shared memory)
+                self._run_into(inputs, placer.allocate)
+            else:
+                results = self._run(inputs)
+                for name in self._outputs:
+                    if name not in results:
+                        raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {name!r}")
+                    arr = np.asarray(results[name])
+                    np.copyto(placer.allocate(name, arr.shape, arr.dtype), arr, casting="no")
+                del results
+        except Exception as exc:  # the model's failure is this request's error, not the worker's
+            self.settle()
+            raise RequestFailed(*model_failure(exc)) from None
+        finally:
+            del inputs
+        layout.stamp(buf, g, index, "t_compute_end", time.monotonic_ns())
+        self._sync()  # a GPU backend's writes must land before the descriptors and DONE
+        return placer.finish()
+
+    def settle(self) -> None:
+        """After a failed run: wait for whatever the backend still has in flight (a GPU stream may
+        be writing into the output area), so nothing lands after ERROR is published."""
+        try:
+            self._sync()
+        except Exception:  # the request fails anyway; its own error is the one to report
+            pass
+
+    # -- its parts ----------------------------------------------------------------------------
+
+    def claim(self, space: Space, entry: int) -> int | None:
+        """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run."""
+        index, generation = layout.split_entry(entry)
+        if not 0 <= index < space.geometry.slot_count:
+            return None  # hostile or corrupt entry: nothing to answer
+        try:
+            transition_slot(space.buf, space.geometry, index, generation, _READY, _RUNNING, _WORKER)
+        except SlotConflict:
+            return None  # failed or reused meanwhile (timeout, shutdown, a lane client's second thoughts)
+        layout.stamp(space.buf, space.geometry, index, "t_claimed", time.monotonic_ns())
+        return index
+
+    def decode(self, space: Space, index: int):
+        """The slot's request record and read-only numpy views of its inputs by name.
+
+        RequestFailed: BAD_REGION for a descriptor out of bounds (or, in a lane,
+        outside its data space); INTERNAL for a malformed arena slot (the
+        front-end wrote it) and BAD_INPUT for a malformed lane slot; whatever
+        ``bind_inputs`` says of a lane's inputs that do not fit the model.
+        """
+        g, buf, names = space.geometry, space.buf, self.input_names
+        slot = layout.decode_slot_request(buf, g, index)
+        n_inputs, lane = slot.n_inputs, space.is_lane
+        if not 0 < n_inputs <= len(names) or n_inputs >= layout.MAX_TENSORS:
+            raise RequestFailed(ErrorCode.BAD_INPUT if lane else ErrorCode.INTERNAL, f"slot has {n_inputs} inputs")
+        regions = self.regions
+        maps, sizes = regions.maps, regions.sizes
+        inputs = {}
+        try:
+            for t in range(n_inputs):
+                region = layout.region_of_tensor(buf, g, index, t)
+                if lane and region != space.region:
+                    raise space.outside(f"input {t}")
+                if region:
+                    regions.ensure(region)
+                desc = layout.decode_tensor(buf, g, index, t, sizes)
+                if lane and desc.offset < space.data_floor:
+                    raise space.outside(f"input {t}")
+                if desc.role != layout.ROLE_INPUT or desc.name_index >= len(names):
+                    raise RequestFailed(ErrorCode.BAD_INPUT if lane else ErrorCode.INTERNAL,
+                                        f"tensor {t} is not an input of this model")
+                view = np.ndarray(desc.shape, desc.dtype, buffer=maps[region] if region else self.arena_buf,
+                                  offset=desc.offset)
+                view.flags.writeable = False
+                inputs[names[desc.name_index]] = view
+        except layout.LayoutError as exc:
+            raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        if lane:  # the front-end checked the arena's requests; nobody checked a lane's
+            signature = tuple((n, v.dtype, v.shape) for n, v in inputs.items())
+            if signature not in self._checked_lane_inputs:
+                try:
+                    bind_inputs(self.spec, [TensorMeta(n, layout.dtype_name(v.dtype), v.shape)
+                                            for n, v in inputs.items()])
+                except ShmserveError as exc:
+                    raise RequestFailed(exc.code, exc.message) from None
+                if len(self._checked_lane_inputs) >= LANE_SIGNATURES_MAX:
+                    self._checked_lane_inputs.clear()
+                self._checked_lane_inputs.add(signature)
+        return slot, inputs
+
+    def place(self, space: Space, index: int, slot) -> OutputPlacer:
+        """An OutputPlacer for the slot's output area, after checking the area.
+
+        RequestFailed: BAD_REGION if it lies outside its region (or a lane's
+        data space) or the region does not exist; INTERNAL if an arena slot's
+        area lies outside the data region or there are too many tensors.
+        """
+        region, base, capacity = slot.out_region, slot.out_off, slot.out_capacity
+        if space.is_lane and (region != space.region or base < space.data_floor):
+            raise space.outside("the output area")
+        if region:
+            self.regions.ensure(region)
+            if base + capacity > self.regions.sizes[region]:
+                raise RequestFailed(ErrorCode.BAD_REGION, "output area lies outside the region")
+        elif not space.geometry.contains_data(base, capacity):
+            raise RequestFailed(ErrorCode.INTERNAL, "output area lies outside the data region")
+        if slot.n_inputs + len(self._outputs) > layout.MAX_TENSORS:
+            raise RequestFailed(ErrorCode.INTERNAL, "too many tensors for one slot")
+        return OutputPlacer(self, space, index, slot.n_inputs, region, base, capacity,
+                            self.regions.maps[region] if region else self.arena_buf)
+
+    def finish(self, space: Space, entry: int, index: int, n_outputs: int,
+               failure: tuple[ErrorCode, str] | None = None) -> None:
+        """Publish DONE (``n_outputs`` described) or ERROR (``failure``: code and message), count it,
+        add its stage times to the histograms, and hand the slot back through the completion ring.
+        A lane slot its client rewrote meanwhile is left alone; an arena slot raises SlotConflict."""
+        _, generation = layout.split_entry(entry)
+        buf, g = space.buf, space.geometry
+        if failure is not None:
+            layout.encode_error(buf, g, index, *failure)
+            n_outputs = 0
+        layout.set_n_outputs(buf, g, index, n_outputs)
+        layout.stamp(buf, g, index, "t_done", time.monotonic_ns())
+        try:
+            # Order matters here: outputs and descriptors are written before DONE is published.
+            transition_slot(buf, g, index, generation, _RUNNING, _ERROR if failure is not None else _DONE, _WORKER)
+        except SlotConflict:
+            if not space.is_lane:
+                raise
+            return  # the lane's client rewrote a running slot: nothing to publish
+        arena_buf = self.arena_buf
+        atomics.fetch_add64(arena_buf, self._requests_off, 1)
+        if failure is not None:
+            atomics.fetch_add64(arena_buf, self._errors_off, 1)
+        layout.record_stages(arena_buf, self.geometry, self.index, buf, g.slot_off(index))
+        space.completions.push(entry)  # a lane's ring may be full if its client does not drain it: the
+        space.outbox.notify()           # entry is only a wake-up there, the status word is the answer
+
+    def record_batch(self, size: int) -> None:
+        """Count one backend run of ``size`` requests in the batch-size histogram."""
+        layout.record_sample(self.arena_buf, self.geometry, self.index, "batch_size", size)

@@ -1,0 +1,210 @@
+"""A worker's life after the arena is mapped: open everything in order, then serve until told to stop.
+
+Owns: ``open_worker``, which enters everything a worker holds on one
+``contextlib.ExitStack`` in the order it must be released in reverse:
+
+    arena mapping (the caller)  ->  arena page-locked (GPU)  ->  heartbeat
+    ->  backend (loaded, warmed)  ->  client regions (each unregistered, then unmapped)
+
+so regions go first, then the backend closes, the heartbeat stops, the
+arena is unregistered and only then unmapped.  And the serve loop
+(``Worker``): the worker's state in the worker table, waiting on its own
+submission ring and its lanes' at once, the front-end's commands on its
+ring (stop, attach a lane, detach a lane), lanes dropped when their region
+is gone, orphan detection, and handing requests to ``workers.step`` one by
+one or to ``workers.batching``.
+
+Must not: parse arguments, handle signals or talk on the control socket
+(``workers.main``), or look inside a request (``workers.step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+from shmserve import _atomics as atomics
+from shmserve import lanes, layout, workerlink
+from shmserve.arena import Arena
+from shmserve.config import ModelConfig
+from shmserve.rings import EventfdDoorbell, Ring, wait_any
+from workers.adapter import BackendAdapter
+from workers.batching import Batcher, batchable
+from workers.regions import GpuMemory, RegionCache
+from workers.step import RequestFailed, Space, Step
+
+CPUS = os.cpu_count() or 1
+IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning and gone regions
+HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
+
+
+class StartFailed(Exception):
+    """The worker cannot start: ``message`` for the front-end, ``exit_code`` (``workerlink``) to exit with."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code, self.message = exit_code, message
+
+
+def device_unusable(config: ModelConfig, exc: Exception) -> StartFailed:
+    """No device, no cuda-python, or page-locking refused (memlock): a host problem, not retried."""
+    return StartFailed(workerlink.EXIT_ARENA_FAILED, f"cannot use {config.device} for model {config.name!r}: {exc}")
+
+
+@contextlib.contextmanager
+def heartbeat(arena: Arena, index: int):
+    """Beat in the worker table from a thread every IDLE_TICK_S, busy or idle, inside the block: the
+    front-end's watchdog reads it.  It stops only when the whole process stops (SIGSTOP, a hang in
+    the kernel, death) or the block ends."""
+    buf, offset = arena.buf, arena.geometry.worker_off(index) + layout.WORKER.offset("heartbeat_ns")
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(IDLE_TICK_S):
+            atomics.store64(buf, offset, time.monotonic_ns())
+
+    atomics.store64(buf, offset, time.monotonic_ns())
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(HEARTBEAT_JOIN_S)
+
+
+def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: ModelConfig, completion_fd: int,
+                spin_s: float, gpu: GpuMemory | None = None) -> "Worker":
+    """Everything worker ``index`` holds, entered on ``stack`` above ``arena``'s mapping (which the
+    caller entered first); a Worker ready to serve.  ``gpu``: the device's page-locked memory on a
+    GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
+
+    Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked, EXIT_LOAD_FAILED if the
+    model cannot be loaded and warmed up.  What was entered so far unwinds with ``stack``.
+    """
+    arena_registration = None
+    if gpu is not None:
+        try:
+            arena_registration = stack.enter_context(gpu.locked(arena.buf, f"arena {arena.name}"))
+        except Exception as exc:
+            raise device_unusable(config, exc) from None
+    stack.enter_context(heartbeat(arena, index))  # loading a large model takes a while: be seen alive
+    try:
+        adapter = stack.enter_context(BackendAdapter.load(config))
+        spec = adapter.prepare(config, gpu.memory if gpu is not None else None)
+    except Exception as exc:
+        raise StartFailed(workerlink.EXIT_LOAD_FAILED,
+                          f"cannot load model {config.name!r} ({config.backend}, {config.path}): "
+                          f"{type(exc).__name__}: {exc}") from None
+    regions = stack.enter_context(RegionCache(arena.instance, gpu))
+    gpu_info = gpu.describe(arena_registration) if gpu is not None else None
+    return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info)
+
+
+class Worker:
+    """The serve loop of worker ``index``: its own ring (``main``) and the lanes attached to it.
+
+    ``spec`` is the model's final spec and ``gpu_info`` what the GPU
+    registered (None on a CPU worker), for the ready message.  Implements
+    ``workers.batching.Submissions`` for the batcher.
+    """
+
+    def __init__(self, arena: Arena, index: int, config: ModelConfig, completion_fd: int, spin_s: float, step: Step,
+                 gpu_info: dict | None = None):
+        self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
+        self.regions = step.regions
+        self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
+        completions = Ring.of_worker(arena, index, completion=True)
+        self.main = Space(arena.buf, arena.geometry, Ring.of_worker(arena, index, completion=False), completions,
+                          EventfdDoorbell(completions, completion_fd))
+        self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
+        self._rings = [self.main.submissions]
+        self.spin_s = spin_s
+        self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
+        self.ppid = os.getppid()
+
+    def serve(self) -> int:
+        """Serve until a stop command (EXIT_OK) or until the front-end is gone (EXIT_ORPHANED)."""
+        atomics.store32(self.buf, self.state_off, layout.WORKER_READY)
+        serve_one, batcher = self.step.serve, self.batcher
+        backlog: list[tuple[Space, int]] = []  # gathered but not yet run (a batch was full)
+        while True:
+            if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
+                if os.getppid() != self.ppid:
+                    return workerlink.EXIT_ORPHANED
+                for region in self.regions.collect():
+                    self._detach_lane(region)
+                continue
+            work, stop = self.gather()
+            if backlog:
+                work, backlog = backlog + work, []
+            if batcher is not None and not stop:
+                backlog, stop = batcher.run(work, self)
+                if not stop:
+                    continue
+                work, backlog = backlog, []  # a stop came while a batch gathered: run the rest, then stop
+            for space, entry in work:
+                serve_one(space, entry)
+            if stop:
+                atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
+                return workerlink.EXIT_OK
+
+    # -- submissions: the worker's own ring and its lanes' -------------------------------------
+
+    def gather(self) -> tuple[list[tuple[Space, int]], bool]:
+        """Everything submitted now, in arrival order per ring: (work, stop).  Commands on the
+        worker's own ring are carried out here; entries after a stop are dropped (the front-end
+        fails them)."""
+        work: list[tuple[Space, int]] = []
+        stop = False
+        main = self.main
+        for entry in main.submissions.pop_all():
+            if not layout.is_command(entry):
+                work.append((main, entry))
+                continue
+            op, argument = layout.split_entry(entry)
+            if op == layout.CMD_STOP:
+                stop = True
+                break
+            if op == layout.CMD_ATTACH_LANE:
+                self._attach_lane(argument)
+            elif op == layout.CMD_DETACH_LANE:
+                self._detach_lane(argument)
+        for lane in self.lanes.values():
+            try:
+                work.extend((lane, entry) for entry in lane.submissions.pop_all())
+            except RuntimeError:  # the client corrupted its ring indices: resynchronize, drop them
+                lane.submissions.discard()
+        return work, stop
+
+    def wait_for_more(self, timeout: float) -> bool:
+        # Spinning here would take the CPU from the very clients whose requests we wait for
+        # once they outnumber the cores: then sleep (futex) until one arrives.
+        spin = min(timeout, self.spin_s) if len(self.lanes) <= CPUS // 2 else 0.0
+        return wait_any(self._rings, timeout, spin)
+
+    def pending(self) -> bool:
+        return any(not ring.empty() for ring in self._rings)
+
+    def _attach_lane(self, region: int) -> None:
+        """Serve the queue at the start of client region ``region`` (front-end command)."""
+        if region in self.lanes:
+            return
+        try:
+            self.regions.ensure(region)
+        except RequestFailed:
+            return  # the client left before we got here
+        buf = self.regions.maps[region]
+        if buf is None or not lanes.usable(self.regions.sizes[region]):
+            return
+        submissions, completions, doorbell = lanes.worker_rings(buf)
+        self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,
+                                   data_floor=lanes.DATA_FLOOR)
+        self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
+
+    def _detach_lane(self, region: int) -> None:
+        if self.lanes.pop(region, None) is not None:
+            self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
+        self.regions.drop(region)
