@@ -29,9 +29,11 @@ EXIT_OK = 0
 EXIT_LOAD_FAILED = 3  # the model cannot be loaded: restarting would fail the same way
 EXIT_ARENA_FAILED = 4  # cannot map or register the arena: a host problem, not retried
 EXIT_ORPHANED = 5  # the front-end went away
+EXIT_TERMINATED = 6  # SIGTERM from the supervisor: left at once, after releasing what it held
 NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED})
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
-              EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone"}
+              EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone",
+              EXIT_TERMINATED: "terminated"}
 
 # Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
 # CMD_ATTACH_LANE and CMD_DETACH_LANE with the lane's region id, and ``layout.STOP_ENTRY``.

@@ -437,6 +437,33 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert "stopped" in srv.log()
 
 
+def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_them(tmp_path):
+    """STOP entry, then SIGTERM after the supervisor's stop timeout: a worker busy in a long model call
+    leaves at once on TERM (releasing what it holds), so SIGKILL is never needed."""
+    srv = ServerProcess(tmp_path, SLOW_MODEL, server_section="drain_timeout_s = 0.2").start()
+    results = []
+
+    def call():
+        with srv.client() as c:
+            try:
+                c.infer("slow", {"x": np.array([120.0], np.float32)}, timeout=200)
+            except ShmserveError as exc:
+                results.append(exc.code)
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 20
+    while [w["inflight"] for w in srv.info()["workers"]] != [1]:
+        assert time.monotonic() < deadline, "the request never reached the worker"
+        time.sleep(0.02)
+    assert srv.stop() == 0, srv.log()
+    t.join(10)
+    assert results == [ErrorCode.SHUTTING_DOWN]
+    log = srv.log()
+    assert "sending SIGTERM" in log and "exit 6 (terminated)" in log, log
+    assert "SIGKILL" not in log, log
+
+
 def test_peer_credentials_refuse_other_users(tmp_path):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another user")

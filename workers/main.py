@@ -1,8 +1,8 @@
 """The worker process's entry: ``python -m workers.main`` (argv in ``shmserve.workerlink``).
 
 Owns: what happens between the front-end spawning a worker and the serve
-loop: arguments, signals (the front-end owns SIGINT/SIGTERM; we die with it,
-PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
+loop: arguments, signals (the front-end owns SIGINT; SIGTERM means "leave now";
+we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
 ``ExitStack`` that everything the worker holds is entered on
 (``workers.worker.open_worker``), the control-socket messages ("ready" with
 the spec, or "failed" with why), and the exit codes (``workerlink``).
@@ -43,6 +43,10 @@ def _die_with_parent() -> None:
         pass  # the idle-tick ppid check still catches orphaning
 
 
+def _terminated(signum, frame):
+    raise SystemExit(workerlink.EXIT_TERMINATED)  # unwinds the ExitStack; the request in hand is failed by the front-end
+
+
 def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelConfig) -> Worker:
     """Map the arena and open the worker on ``stack``; StartFailed says why not."""
     try:
@@ -67,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-fd", type=int, required=True)
     parser.add_argument("--spin-us", type=int, default=0)
     args = parser.parse_args(argv)
-    # The front-end owns Ctrl-C and SIGTERM (a terminal or `kill` of the process group
-    # reaches us too) and stops us in order with a STOP entry; SIGKILL is the last resort.
+    # Ctrl-C in a terminal reaches the whole process group: the front-end owns it, drains, and
+    # stops us in order with a STOP entry.  SIGTERM is the supervisor's next step when a STOP
+    # entry is not enough (a wedged worker, a stop that outlasts its time; systemd's
+    # KillMode=mixed sends it to the front-end only): leave now, releasing what we hold on the
+    # way out (unregister before unmap).  SIGKILL is the last resort.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminated)
     ppid = os.getppid()
     _die_with_parent()
     if os.getppid() != ppid:
