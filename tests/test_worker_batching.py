@@ -334,3 +334,52 @@ def test_after_load_the_worker_never_asks_the_backend_what_it_has(instance_name)
     for x, a, b in zip(xs, alone, together):
         np.testing.assert_array_equal(a["y"], x * 2)
         np.testing.assert_array_equal(b["y"], x * 2)
+
+
+def test_a_lane_detached_while_a_batch_gathers_keeps_its_mapping_until_its_calls_are_answered(instance_name, models):
+    """The front-end detaches a lane (its client closed it) while the worker gathers a batch that
+    already holds a call of that lane: the call is still answered in the lane, the worker serves
+    on, and the lane is unmapped once nothing of it is in hand."""
+    import dataclasses
+
+    import posix_ipc
+
+    from shmserve import lanes
+
+    config = dataclasses.replace(torch_config(models), max_queue_delay_us=200_000)
+    x = inputs([3], seed=4)[0]
+    instance = instance_name()
+    with serving(instance, config, RecordingTorch(config)) as (front, worker):
+        name, region_id = layout.region_name(instance, 7), 7
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.LANE_BYTES + 65536)
+        try:
+            import mmap
+
+            buf = mmap.mmap(shm.fd, shm.size)
+            shm.close_fd()
+            lanes.init_header(buf, 0)
+            client = lanes.ClientLane(buf, region_id, "rows")
+            view = np.ndarray(x.shape, x.dtype, buffer=buf, offset=lanes.DATA_FLOOR)
+            view[...] = x
+            del view
+            front.ring.push(layout.command_entry(layout.CMD_ATTACH_LANE, region_id))
+            assert worker.gather() == ([], False) and region_id in worker.lanes
+            out_offset = lanes.DATA_FLOOR + 4096
+            index, generation = client.submit(1, 0, [(0, lanes.DATA_FLOOR, x)], out_offset, 32768)
+            work, stop = worker.gather()
+            assert len(work) == 1 and not stop
+            front.ring.push(layout.command_entry(layout.CMD_DETACH_LANE, region_id))  # arrives mid-gather
+            assert worker.batcher.run(work, worker) == ([], False)
+            assert region_id not in worker.lanes and region_id in worker.regions.maps  # detached, still mapped
+            assert client.finished(index, generation)
+            placed = client.read(index, generation, out_offset, 32768)
+            got = {config.outputs[i].name: np.ndarray(shape, dtype, buffer=buf, offset=offset).copy()
+                   for i, (dtype, shape, offset) in placed.items()}
+            for output, want in reference(x).items():
+                np.testing.assert_array_equal(got[output], want)
+            front.ring.push(layout.STOP_ENTRY)
+            assert worker.serve() == 0  # the loop's turn ends by unmapping what is no longer in hand
+            assert region_id not in worker.regions.maps
+            buf.close()
+        finally:
+            posix_ipc.unlink_shared_memory(name)

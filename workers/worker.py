@@ -120,6 +120,7 @@ class Worker:
         self.main = Space(arena.buf, arena.geometry, Ring.of_worker(arena, index, completion=False), completions,
                           EventfdDoorbell(completions, completion_fd))
         self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
+        self.detached: set[int] = set()  # lanes no longer served, unmapped once no work of theirs is in hand
         self._rings = [self.main.submissions]
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
@@ -136,6 +137,7 @@ class Worker:
                     return workerlink.EXIT_ORPHANED
                 for region in self.regions.collect():
                     self._detach_lane(region)
+                self._unmap_detached(backlog)
                 continue
             work, stop = self.gather()
             if backlog:
@@ -147,6 +149,7 @@ class Worker:
                 work, backlog = backlog, []  # a stop came while a batch gathered: run the rest, then stop
             for space, entry in work:
                 serve_one(space, entry)
+            self._unmap_detached(backlog)
             if stop:
                 atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
@@ -205,6 +208,17 @@ class Worker:
         self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
 
     def _detach_lane(self, region: int) -> None:
+        """Stop serving lane ``region``.  Its mapping stays until ``_unmap_detached``: a detach can
+        arrive while a batch gathers, with calls of that lane already claimed in it."""
         if self.lanes.pop(region, None) is not None:
             self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
-        self.regions.drop(region)
+        self.detached.add(region)
+
+    def _unmap_detached(self, backlog: list[tuple[Space, int]]) -> None:
+        """Unmap detached lanes that no work still in hand (``backlog``) belongs to."""
+        if self.detached:
+            keep = {space.region for space, _ in backlog}
+            for region in self.detached - keep:
+                if region not in self.lanes:  # not attached again meanwhile
+                    self.regions.drop(region)
+            self.detached &= keep
