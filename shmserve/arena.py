@@ -113,15 +113,18 @@ class Arena:
         """Create, size, prefault and map a new arena; the caller becomes its owner.
 
         Mode 0600, or 0660 owned by ``group`` (name or gid).  ``ring_capacity``
-        defaults to the next power of two at or above ``slot_count`` (a ring can
-        then never overflow).  Raises ArenaExists if the name is taken (run
+        defaults to the next power of two at or above twice ``slot_count``: every
+        slot once, with room for the front-end's commands and for entries of
+        slots taken back before their worker saw them (the front-end checks
+        for room before every push: a full ring is an 'overloaded' answer,
+        never a lost entry).  Raises ArenaExists if the name is taken (run
         ``shmserve cleanup`` if its owner is dead), ArenaError if /dev/shm is
         too small or the parameters are impossible.  On any failure nothing is
         left behind in /dev/shm.
         """
         name = layout.arena_name(instance)
-        if ring_capacity is None:
-            ring_capacity = 1 << max(0, (slot_count - 1).bit_length())
+        if ring_capacity is None:  # every slot once, and as much again for commands and stale entries
+            ring_capacity = min(layout.MAX_RING_CAPACITY, 1 << max(0, (2 * slot_count - 1).bit_length()))
         try:
             geometry = layout.plan(slot_count=slot_count, size_classes=size_classes,
                                    max_workers=max_workers, ring_capacity=ring_capacity)

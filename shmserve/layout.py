@@ -205,6 +205,7 @@ class Record:
         self.name, self.size = name, size
         self._offsets: dict[str, int] = {}
         self._fields: dict[str, struct.Struct] = {}
+        self._arrays: list[tuple[int, int]] = []  # (position in the flat tuple, length) of array fields
         fmt, pos = "<", 0
         for field, code in fields:
             st = struct.Struct("<" + code)
@@ -214,6 +215,9 @@ class Record:
             pos += pad
             self._offsets[field] = pos
             self._fields[field] = st
+            values = len(st.unpack(bytes(st.size)))
+            if values > 1:
+                self._arrays.append((len(self._offsets) - 1 + sum(n - 1 for _, n in self._arrays), values))
             fmt += code
             pos += st.size
         if pos > size:
@@ -225,10 +229,14 @@ class Record:
         return self._offsets[field]
 
     def read(self, buf, base: int = 0):
+        """The whole record as a namedtuple (an array field as a tuple); LayoutError if short."""
         try:
-            return self.tuple._make(self._struct.unpack_from(buf, base))
+            values = self._struct.unpack_from(buf, base)
         except struct.error as exc:
             raise LayoutError(f"{self.name} at offset {base}: {exc}") from None
+        for start, length in reversed(self._arrays):
+            values = values[:start] + (values[start:start + length],) + values[start + length:]
+        return self.tuple._make(values)
 
     def read_field(self, buf, base: int, field: str):
         try:
@@ -500,8 +508,8 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
     """Compute the geometry of a new arena.
 
     ``size_classes`` is a sequence of ``(extent_size, extent_count)``; sizes are
-    rounded up to 4 KiB.  ``ring_capacity`` must be a power of two at least
-    ``slot_count`` so a ring can never overflow.  Raises ValueError on
+    rounded up to 4 KiB.  ``ring_capacity`` must be a power of two (a producer
+    checks for room before it pushes).  Raises ValueError on
     impossible parameters.
     """
     if not 1 <= slot_count <= MAX_SLOTS:

@@ -217,3 +217,11 @@ def test_extent_allocator_classes_alignment_and_fallback():
         assert g.extent_class(ext.offset, ext.size) == ext.size_class
     with pytest.raises(layout.LayoutError):
         g.extent_class(a.offset + 64, 4096)
+
+
+def test_rings_hold_every_slot_twice_by_default(instance_name):
+    """Room for every slot once plus as many commands and stale entries (the front-end still checks
+    for room before each push)."""
+    with Arena.create(instance_name(), slot_count=100, max_workers=1, size_classes=[(4096, 1)],
+                      prefault=False) as arena:
+        assert arena.geometry.ring_capacity == 256

@@ -264,3 +264,12 @@ def test_histograms_record_and_read_through_one_encoding():
         layout.read_histogram(buf, g, 2, "total")
     with pytest.raises(LayoutError):
         layout.read_histogram(bytearray(16), g, 0, "total")
+
+
+def test_a_record_with_an_array_field_reads_it_as_a_tuple():
+    buf = bytearray(layout.TENSOR_SIZE)
+    layout.TENSOR.pack(buf, 0, 11, 2, 1, 0, 0, 64, 32, 2, 4, 0, 0, 0, 0, 0, 0)
+    t = layout.TENSOR.read(buf)
+    assert (t.dtype, t.offset, t.nbytes, t.shape[:2]) == (11, 64, 32, (2, 4)) and len(t.shape) == layout.MAX_DIMS
+    with pytest.raises(LayoutError):
+        layout.TENSOR.read(buf[:10])

@@ -17,7 +17,7 @@ from shmserve import rings
 from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, drain_eventfd, new_eventfd, wait_any
 
 PEER = str(Path(__file__).parent / "helpers" / "ring_peer.py")
-ARENA = dict(slot_count=16, max_workers=1, size_classes=[(4096, 1)])
+ARENA = dict(slot_count=16, max_workers=1, size_classes=[(4096, 1)], ring_capacity=16)
 
 
 @pytest.fixture

@@ -198,15 +198,16 @@ class Dispatcher:
     def admit(self, req: Request) -> None:
         """Give a submitted request arena space now (``Door.admitted``) or queue it for space
         (``Door.waiting``); past ``max_waiting`` it is answered OVERLOADED."""
-        self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
         if not self.waiting and self._allocate(req):
+            self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
             self._admit(req)
             return
         if len(self.waiting) >= self.limits.max_waiting:
             self._end(req, Failure(ErrorCode.OVERLOADED, f"arena full and {len(self.waiting)} requests waiting"))
             return
+        self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
         req.advance(Event.WAIT)
-        req.timer = self.clock.call_later(req.timeout_s, self._on_timeout, req)
+        self._arm_deadline(req)
         self.waiting.append(req)
         req.door.waiting(req)
 
@@ -223,7 +224,7 @@ class Dispatcher:
         if spec is None or model.pick_worker() is None:
             raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
         symbols = bind_inputs(spec, parsed.inputs)
-        req = Request(door, parsed.id, model, parsed.inputs, timeout)
+        req = Request(door, parsed.id, model, parsed.inputs, timeout, deadline=self.clock.monotonic() + timeout)
         if parsed.region is not None:
             if region is None:
                 raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
@@ -263,11 +264,16 @@ class Dispatcher:
         if state is RequestState.WAITING:
             self.waiting.remove(req)
             req.advance(Event.END)
+            self._admit_waiting()
         elif state is RequestState.ADMITTED:
             req.advance(Event.END)
             self._free(req)
         elif state is RequestState.QUEUED:
-            req.advance(Event.ABANDON)  # the worker has it: freed on completion
+            if self._take_back(req):  # not claimed yet: nobody will want its result
+                req.advance(Event.END)
+                self._free(req)
+            else:
+                req.advance(Event.ABANDON)  # the worker has it: freed on completion
         elif state is RequestState.FLUSHING:
             self.release(req)
         elif state is RequestState.NEW:
@@ -322,7 +328,8 @@ class Dispatcher:
             req.door.admitted(req, sinks)
             return
         self._publish(req)
-        req.door.admitted(req, None)
+        if req.state is RequestState.QUEUED:  # not answered at publication (no worker, shutdown)
+            req.door.admitted(req, None)
 
     def _admit_waiting(self) -> None:
         while self.waiting and not self.stopping:
@@ -340,6 +347,10 @@ class Dispatcher:
             else:
                 self._end(req, Failure(ErrorCode.MODEL_UNAVAILABLE, req.model.unavailable_reason()))
             return
+        if len(worker.submissions) >= worker.submissions.capacity:
+            self._end(req, Failure(ErrorCode.OVERLOADED, f"worker {worker.index}'s queue for model "
+                                                         f"{req.model.name!r} is full"))
+            return
         buf, g, index = self.buf, self.geometry, req.slot
         layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
                                    worker=worker.index, n_inputs=len(req.inputs),
@@ -352,11 +363,11 @@ class Dispatcher:
         req.worker = worker
         self.pending[index] = req
         worker.inflight.add(index)
-        worker.submissions.push(layout.slot_entry(index, req.generation))
+        worker.submissions.push(layout.slot_entry(index, req.generation))  # room checked above; sole producer
         worker.doorbell.notify()
         self._start_polling()
         if req.timer is None:
-            req.timer = self.clock.call_later(req.timeout_s, self._on_timeout, req)
+            self._arm_deadline(req)
 
     # -- completions ----------------------------------------------------------------------
 
@@ -440,11 +451,17 @@ class Dispatcher:
         slot = layout.decode_slot_request(buf, g, index)
         spec = req.model.spec
         sizes = {req.region.id: req.region.size} if req.zero_copy else None
-        outputs, total = [], 0
+        if slot.n_outputs != len(spec.outputs):
+            raise layout.LayoutError(f"{slot.n_outputs} outputs, the model has {len(spec.outputs)}")
+        area_start, area_end = req.out_offset, req.out_offset + req.out_capacity
+        outputs, total, seen = [], 0, set()
         for i in range(slot.n_outputs):
             d = layout.decode_tensor(buf, g, index, slot.n_inputs + i, sizes)
-            if d.role != layout.ROLE_OUTPUT or d.name_index >= len(spec.outputs):
-                raise layout.LayoutError("descriptor is not an output of this model")
+            if d.role != layout.ROLE_OUTPUT or d.name_index >= len(spec.outputs) or d.name_index in seen:
+                raise layout.LayoutError("descriptor is not an output of this model, or repeats one")
+            seen.add(d.name_index)
+            if not (area_start <= d.offset and d.offset + d.nbytes <= area_end):
+                raise layout.LayoutError(f"output [{d.offset}, +{d.nbytes}) lies outside the request's output area")
             if req.zero_copy:
                 if d.region != req.region.id:
                     raise layout.LayoutError("output outside the client's region")
@@ -464,12 +481,12 @@ class Dispatcher:
 
     def _end(self, req: Request, answer: Answer) -> None:
         """Answer ``req`` now and free what it holds (END)."""
+        held = req.state in (RequestState.ADMITTED, RequestState.QUEUED)
+        req.advance(Event.END)  # first: a second answer raises before anything else happens
         self._cancel_timer(req)
         if isinstance(answer, Failure):
             log.debug("request %d on model %s: %s: %s", req.id, req.model.name, answer.code.wire, answer.message)
             self.outcomes[(req.model.name, answer.code.wire)] += 1
-        held = req.state in (RequestState.ADMITTED, RequestState.QUEUED)
-        req.advance(Event.END)
         if held:
             self._free(req)
         req.door.answer(req, answer)
@@ -477,9 +494,9 @@ class Dispatcher:
     def _abandon(self, req: Request, failure: Failure) -> None:
         """Answer ``req`` with ``failure`` while a worker may still touch its slot (ABANDON):
         the slot is freed when the worker finishes."""
+        req.advance(Event.ABANDON)  # first: a second answer raises before anything else happens
         self._cancel_timer(req)
         self.outcomes[(req.model.name, failure.code.wire)] += 1
-        req.advance(Event.ABANDON)
         req.door.answer(req, failure)
 
     def _free(self, req: Request) -> None:
@@ -501,6 +518,11 @@ class Dispatcher:
         req.slot = req.extent = None
         self._admit_waiting()
 
+    def _arm_deadline(self, req: Request) -> None:
+        """Time ``req`` out at its deadline (set at submission: waiting, receiving and running
+        all count against one ``timeout_s``)."""
+        req.timer = self.clock.call_later(max(0.0, req.deadline - self.clock.monotonic()), self._on_timeout, req)
+
     def _cancel_timer(self, req: Request) -> None:
         if req.timer is not None:
             req.timer.cancel()
@@ -511,20 +533,31 @@ class Dispatcher:
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
             self._end(req, Failure(ErrorCode.TIMEOUT, f"no arena space within {req.timeout_s:g} s"))
+            self._admit_waiting()  # those behind it may fit the space there is
         elif req.state is RequestState.QUEUED:
             self._time_out_queued(req)
 
-    def _time_out_queued(self, req: Request) -> None:
+    def _take_back(self, req: Request) -> bool:
+        """Fail a QUEUED request's slot (READY -> ERROR) if no worker has claimed it yet, and forget
+        it on the worker's side; False if a worker has it (RUNNING) or has finished it."""
         index = req.slot
-        failure = Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s")
-        try:  # not claimed yet: take it back now rather than when the worker gets to it
+        try:
             self.arena.transition(index, req.generation, SlotState.READY, SlotState.ERROR, Actor.FRONTEND)
         except SlotConflict:
-            self._abandon(req, failure)  # running: the worker keeps it; freed when it finishes
-            return
+            return False
         del self.pending[index]
         req.worker.inflight.discard(index)
-        self._end(req, failure)
+        return True
+
+    def _time_out_queued(self, req: Request) -> None:
+        if self._take_back(req):  # not claimed yet: take it back now rather than when the worker gets to it
+            self._end(req, Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s"))
+            return
+        generation, state = self.arena.slot_status(req.slot)
+        if generation == req.generation and state in FINISHED:  # finished, not yet collected: deliver it
+            self._complete(req.worker, req.slot, generation)
+            return
+        self._abandon(req, Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s"))  # running
 
     # -- workers --------------------------------------------------------------------------
 

@@ -226,6 +226,7 @@ class RegionTable:
         ready = [w for w in region.lane_model.workers if w.state == READY and load[w] < workerlink.MAX_LANES]
         if not ready or self.stopping:
             region.lane_worker = None
+            lanes.assign_worker(region.lane_buf, layout.NO_WORKER)
             return
         worker = min(ready, key=lambda w: load[w])
         region.lane_worker = worker

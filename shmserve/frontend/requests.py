@@ -136,6 +136,7 @@ class Request:
     generation: int = 0
     extent: "Extent | None" = None
     worker: "WorkerHandle | None" = None
+    deadline: float = 0.0  # the clock's time at which it times out, whatever state it is in
     timer: Any = None  # the clock's handle of its deadline
     state: RequestState = RequestState.NEW
 

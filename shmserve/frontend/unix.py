@@ -180,6 +180,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.entries: dict[Request, _Entry] = {}
         self.unflushed: list[Request] = []
         self.receiving: Request | None = None
+        self.waiting_for_space: Request | None = None  # the request this connection stopped reading for
         self.paused = False
         self.processing = False
         self.closed = False
@@ -349,9 +350,12 @@ class ClientConnection(asyncio.BufferedProtocol):
         return len(self.order)
 
     def waiting(self, req: Request) -> None:
-        self.pause()  # its payload stays in the socket until there is space for it
+        self.waiting_for_space = req
+        self.pause()  # its payload (and every later request) stays in the socket until there is space
 
     def admitted(self, req: Request, sinks: list | None) -> None:
+        if req is self.waiting_for_space:
+            self.waiting_for_space = None
         if sinks is not None:
             self.entries[req].payload_pending = False
             self.receiving = req
@@ -364,11 +368,13 @@ class ClientConnection(asyncio.BufferedProtocol):
             if isinstance(answer, Outputs) and answer.in_arena:
                 self.dispatcher.release(req)  # its connection is gone
             return
-        skipped = False
+        paused_for_it = req is self.waiting_for_space
+        if paused_for_it:
+            self.waiting_for_space = None
         if isinstance(answer, Failure):
             entry.parts = [protocol.error_frame(req.id, answer.code, answer.message)]
             if entry.payload_pending:  # answered before its payload was read: skip the payload
-                entry.payload_pending, skipped = False, True
+                entry.payload_pending = False
                 if self.proto.state is protocol.State.AWAIT:
                     self.proto.discard_payload()
         elif answer.in_arena:
@@ -382,8 +388,8 @@ class ClientConnection(asyncio.BufferedProtocol):
                      for o in answer.outputs]
             entry.parts = [protocol.encode_frame(Kind.RESULT_REGION, {"id": req.id, "outputs": metas})]
         self.flush()
-        if skipped:
-            self.resume()  # it was paused waiting for space for that payload
+        if paused_for_it:
+            self.resume()  # it stopped reading while this request waited for space
 
     # -- writing --------------------------------------------------------------------------
 

@@ -1,0 +1,269 @@
+"""A worker's life as the supervisor keeps it (``shmserve.supervisor``), without a process: the state
+table, ``WorkerHandle.set_state``, the restart back-off, what a death does to a worker's state, and
+the commands it is sent.  A ``Supervisor`` is built on a real arena inside a running loop (its
+constructor spawns nothing); process exits are fed in with a stand-in for ``subprocess.Popen``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+
+import pytest
+
+from shmserve import _atomics as atomics
+from shmserve import layout, workerlink
+from shmserve.arena import Arena
+from shmserve.config import ModelConfig, ServerConfig
+from shmserve.rings import new_eventfd
+from shmserve.supervisor import (COMMAND_RETRY_S, FAILED, HEALTHY_RUN_S, MAX_BACKOFF_DOUBLINGS, READY, RESTARTING,
+                                 STARTING, STOPPED, TRANSITIONS, IllegalTransition, Supervisor, WorkerHandle,
+                                 WorkerState)
+
+from helpers.fake_frontend import no_children_left, no_processes, reachable  # noqa: F401 (fixtures)
+
+W = WorkerState
+
+
+def reachable_from(start: WorkerState) -> set[WorkerState]:
+    return reachable(start, TRANSITIONS)
+
+
+# -- the table --------------------------------------------------------------------------------
+
+def test_every_state_is_reachable_from_starting_and_every_one_can_stop():
+    """No dead state; shutdown can stop a worker whatever state it is in."""
+    assert reachable_from(STARTING) == set(W)
+    for state in W:
+        assert STOPPED in reachable_from(state)
+
+
+def test_stopped_and_failed_are_final_but_for_stopping():
+    """A stopped worker stays stopped; a failed one is never restarted, only stopped."""
+    assert reachable_from(STOPPED) == {STOPPED}
+    assert reachable_from(FAILED) == {FAILED, STOPPED}
+
+
+def test_only_a_started_or_restarted_worker_becomes_ready():
+    """READY only after a (re)start, never straight from FAILED or STOPPED."""
+    assert {frm for frm, to in TRANSITIONS if to is READY} == {STARTING, RESTARTING}
+
+
+@pytest.mark.parametrize("frm,to", list(itertools.product(W, W)))
+def test_set_state_follows_the_table(frm, to):
+    """Allowed: an edge of the table, or staying put; anything else raises and changes nothing."""
+    w = WorkerHandle(0, ModelConfig("m", "fake", "fake"), None, None, None, None, state=frm)
+    if frm == to or (frm, to) in TRANSITIONS:
+        w.set_state(to)
+        assert w.state is to
+    else:
+        with pytest.raises(IllegalTransition, match=f"{frm.name} -> {to.name}"):
+            w.set_state(to)
+        assert w.state is frm
+
+
+# -- a supervisor without processes ----------------------------------------------------------------
+
+class FakeProc:
+    """What the supervisor asks of a ``subprocess.Popen``: pid, poll and wait."""
+
+    pid = 424242
+
+    def __init__(self, returncode: int | None = None):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self):
+        return self.returncode
+
+
+class RecordingLoop:
+    """The running loop, except that timers and soon-callbacks are recorded, not run (a restart
+    would start a process)."""
+
+    def __init__(self, loop):
+        self.loop, self.later, self.soon = loop, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.loop, name)
+
+    def call_later(self, delay, callback, *args):
+        self.later.append((delay, callback, args))
+
+    def call_soon(self, callback, *args):
+        self.soon.append((callback, args))
+
+
+class Parts:
+    """A real arena and eventfd for supervisors made in a test; run ``with_supervisor(fn)``."""
+
+    def __init__(self, instance: str):
+        self.arena = Arena.create(instance, slot_count=4, max_workers=2, size_classes=[(4096, 2)], prefault=False)
+        self.efd = new_eventfd()
+
+    def with_supervisor(self, fn, *, backoff=(0.5, 30.0), instances: int = 1, **config):
+        """Run ``fn(supervisor, events)`` inside a running loop (a ``RecordingLoop`` for the
+        supervisor); ``events`` collects its on_ready/on_exit calls with the worker's state then."""
+        cfg = ServerConfig(models=(ModelConfig("m", "fake", "fake", instances=instances),), restart_backoff_s=backoff,
+                           **config)
+        events = []
+
+        async def main():
+            sup = Supervisor(self.arena, cfg, self.efd, lambda w: events.append(("ready", w.index)),
+                             lambda w, how: events.append(("exit", w.index, how, w.state)))
+            sup.loop = RecordingLoop(sup.loop)
+            return fn(sup, events)
+
+        return asyncio.run(main())
+
+    def close(self):
+        os.close(self.efd)
+        self.arena.unlink()
+        self.arena.close()
+
+
+@pytest.fixture
+def parts(instance_name):
+    made = Parts(instance_name("sup"))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_restart_delay_doubles_from_the_first_to_the_longest(parts):
+    """The delay doubles per restart from the first delay, capped by the longest; the exponent
+    is capped too (MAX_BACKOFF_DOUBLINGS)."""
+    def delays(sup, events):
+        w = sup.workers[0]
+        out = []
+        for restarts in (0, 1, 2, 3, 6, 7, 100):
+            w.restarts = restarts
+            out.append(sup.restart_delay(w, was_ready=False))
+        return out
+
+    def capped(sup, events):
+        sup.workers[0].restarts = 100
+        return sup.restart_delay(sup.workers[0], was_ready=False)
+
+    assert parts.with_supervisor(delays) == [0.5, 1.0, 2.0, 4.0, 30.0, 30.0, 30.0]
+    assert parts.with_supervisor(capped, backoff=(1.0, 1e12)) == 2.0 ** MAX_BACKOFF_DOUBLINGS
+
+
+def test_restart_delay_starts_over_after_a_healthy_run(parts):
+    """A worker that was ready and served HEALTHY_RUN_S before dying is not crash-looping: the first
+    delay again.  One that never got ready, or died soon, keeps backing off."""
+    def delays(sup, events):
+        w = sup.workers[0]
+        w.restarts = 4
+        w.started_at = time.monotonic() - HEALTHY_RUN_S - 1
+        long_ready, long_never_ready = sup.restart_delay(w, True), sup.restart_delay(w, False)
+        w.started_at = time.monotonic()
+        return long_ready, long_never_ready, sup.restart_delay(w, True)
+
+    assert parts.with_supervisor(delays) == (0.5, 8.0, 8.0)
+
+
+def _exit(sup, w, returncode: int) -> None:
+    """Feed the supervisor a process exit of ``w``, as its pidfd would."""
+    w.proc = FakeProc(returncode)
+    w.pidfd = os.eventfd(0)  # stands in for the pidfd, which the supervisor closes
+    w.ready_future = sup.loop.create_future()
+    sup._on_process_exit(w)
+
+
+@pytest.mark.parametrize("before,returncode,stopping,after,how", [
+    (READY, -signal.SIGKILL, False, RESTARTING, "killed by SIGKILL"),
+    (STARTING, 1, False, RESTARTING, "exit 1 (error)"),
+    (RESTARTING, -signal.SIGSEGV, False, RESTARTING, "killed by SIGSEGV"),
+    (STARTING, workerlink.EXIT_LOAD_FAILED, False, FAILED, "exit 3 (model failed to load)"),
+    (READY, workerlink.EXIT_ARENA_FAILED, False, FAILED, "exit 4 (could not use the arena)"),
+    (READY, 0, True, STOPPED, "exit 0 (stopped)"),
+])
+def test_a_death_moves_the_worker_on_and_tells_the_front_end(parts, before, returncode, stopping, after, how):
+    """The exit status decoded, the worker moved through the table (restarted unless its exit code
+    says a restart cannot help, stopped when stopping), the front-end told after the move, a
+    restart scheduled after the back-off only when RESTARTING, and the worker table says dead."""
+    def die(sup, events):
+        w = sup.workers[0]
+        w.state, w.restarts, w.started_at, sup.stopping = before, 2, time.monotonic(), stopping
+        _exit(sup, w, returncode)
+        return w.state, w.restarts, events, sup.loop.later, w.ready_future.result(), sup._respawn
+
+    state, restarts, events, later, ready, respawn = parts.with_supervisor(die, backoff=(1.0, 1000.0))
+    assert state is after and events == [("exit", 0, how, after)] and ready is False
+    if after is RESTARTING:
+        [(delay, callback, args)] = later
+        assert restarts == 3 and delay == 4.0 and callback == respawn and args[0].index == 0
+    else:
+        assert restarts == 2 and later == []
+    entry = layout.WORKER.read(parts.arena.buf, parts.arena.geometry.worker_off(0))
+    assert entry.state == layout.WORKER_DEAD
+
+
+def test_a_worker_stopped_for_a_reload_comes_back_at_once(parts):
+    """A worker stopped to take new settings is RESTARTING, the front-end is told, and it is
+    respawned on the next loop turn (no back-off, no restart counted)."""
+    def reload(sup, events):
+        w = sup.workers[0]
+        w.state, w.replacing = READY, True
+        _exit(sup, w, 0)
+        return w.state, w.replacing, w.restarts, events, sup.loop.soon, sup.loop.later
+
+    state, replacing, restarts, events, soon, later = parts.with_supervisor(reload)
+    assert (state, replacing, restarts) == (RESTARTING, False, 0)
+    assert events == [("exit", 0, "exit 0 (stopped)", RESTARTING)]
+    assert len(soon) == 1 and later == []
+
+
+def test_commands_reach_only_a_running_worker_and_wait_for_room(parts):
+    """A command goes on the worker's ring and rings its doorbell; for a worker with no process,
+    or a failed one, it is dropped; on a full ring it is tried again a moment later."""
+    entry = layout.command_entry(layout.CMD_ATTACH_LANE, 7)
+
+    def commands(sup, events):
+        w = sup.workers[0]
+        def rung():
+            return atomics.load32(sup.arena.buf, w.submissions.seq_offset)
+
+        got = []
+        sup.command(w, entry)  # no process
+        got.append(w.submissions.pop_all())
+        w.proc, w.state = FakeProc(None), FAILED
+        sup.command(w, entry)
+        got.append(w.submissions.pop_all())
+        w.state = READY
+        before = rung()
+        sup.command(w, entry)
+        got.append(w.submissions.pop_all())
+        assert rung() == before + 1
+        for _ in range(w.submissions.capacity):
+            assert w.submissions.push(1)
+        sup.command(w, entry)  # full
+        [(delay, retry, args)] = sup.loop.later
+        got.append(w.submissions.pop_all())
+        retry(*args)
+        got.append(w.submissions.pop_all())
+        return got, delay, w.submissions.capacity
+
+    got, delay, capacity = parts.with_supervisor(commands)
+    assert got == [[], [], [entry], [1] * capacity, [entry]] and delay == COMMAND_RETRY_S
+
+
+def test_a_ready_worker_whose_heartbeat_stopped_is_wedged(parts):
+    """Only a READY worker silent for longer than worker_timeout_s is wedged."""
+    def wedged(sup, events):
+        a, b = sup.workers
+        a.state = b.state = READY
+        for w, silent in ((a, 0.0), (b, 11.0)):
+            layout.WORKER.write(sup.arena.buf, sup.arena.geometry.worker_off(w.index),
+                                heartbeat_ns=time.monotonic_ns() - int(silent * 1e9))
+        found = [w.index for w in sup.wedged()]
+        b.state = RESTARTING  # only ready workers are watched
+        return found, sup.wedged()
+
+    assert parts.with_supervisor(wedged, instances=2, worker_timeout_s=10.0) == ([1], [])
