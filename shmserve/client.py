@@ -733,6 +733,9 @@ class AsyncClient(_ClientBase):
                     future.set_result(event)
         except (ConnectionError, OSError) as exc:
             self._fail_all(session.fail(str(exc)))
+        except Exception as exc:  # a bug here: fail the callers now rather than at their timeouts
+            self._fail_all(session.fail(f"the client stopped reading: {exc!r}"))
+            raise
 
     async def _recv_into(self, buffer) -> int:
         """recvmsg_into on the non-blocking socket, handing any descriptors to the session."""

@@ -128,8 +128,10 @@ def test_the_async_client_gives_each_caller_its_own_answer_in_any_order(peer):
 
     async def main():
         async with AsyncClient(path, timeout=WAIT_S) as c:
-            outs = await asyncio.gather(*(c.infer("m", {"x": np.zeros(i * 1000, np.uint8)}) for i in range(8)))
-            assert [o["y"].size for o in outs] == [i * 1000 for i in range(8)]
+            # up to 2.8 MB each: sends that do not fit the socket wait for it (and must not interleave)
+            sizes = [i * 400_000 + i for i in range(8)]
+            outs = await asyncio.gather(*(c.infer("m", {"x": np.zeros(n, np.uint8)}) for n in sizes))
+            assert [(o["y"].size, int(o["y"].sum())) for o in outs] == [(n, n) for n in sizes]
 
     asyncio.run(main())
 
