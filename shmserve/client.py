@@ -466,12 +466,15 @@ class Client(_ClientBase):
         return self._exchange(self._session.infer(model, inputs, timeout or self.timeout), timeout).outputs
 
     def models(self) -> list[dict]:
+        """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
         return self._exchange(self._session.models()).value
 
     def health(self) -> dict:
+        """The server's health: ``status`` (ok, degraded, shutting_down) and each model's workers."""
         return self._exchange(self._session.health()).value
 
     def info(self) -> dict:
+        """What the server runs: version, instance, arena, limits, statistics, lanes and workers."""
         return self._exchange(self._session.info()).value
 
     def open_region(self, size: int, *, lane: str | None = None) -> Region:
