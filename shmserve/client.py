@@ -1,19 +1,29 @@
-"""Client library: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+"""Client library: ``Client`` (blocking) and ``AsyncClient`` (asyncio), two pumps over one session.
 
-Owns: the client side of the socket.  Inline calls send tensors from the
-caller's arrays with one vectored ``sendmsg`` and receive results straight
-into freshly allocated arrays (``recvmsg_into``); zero-copy calls work in a
-region of shared memory the server created for this connection and passed as
-a file descriptor: inputs are written into it by the caller, outputs are read
-from it, and only small descriptors cross the socket, or nothing at all: a
-lane region carries its own queue to a worker (``shmserve.lanes``), which the
-blocking client uses for zero-copy calls by default.
+Owns: the client's socket I/O and timeouts, and what both clients do with
+shared memory.  Everything about frames — building requests, request ids,
+checking and decoding answers, the descriptors the server passes — is
+``shmserve.session.ClientSession``'s: ``Client`` sends a request's parts with
+one vectored ``sendmsg`` and reads with ``recvmsg_into`` into the buffer the
+session names (a result's payload straight into its new arrays) until the
+session yields that request's answer; ``AsyncClient`` does the same from one
+reader task and settles each caller's future by request id.
+
+Zero-copy calls work in a region of shared memory the server created for
+this connection and passed as a file descriptor: inputs are written into it
+by the caller, outputs are read from it, and only small descriptors cross the
+socket, or nothing at all: a lane region carries its own queue to a worker
+(``shmserve.lanes.ClientLane``), which both clients use by default.  Planning
+where a call's tensors go (``_ZeroCopyPlan``, ``RegionAllocator``) and the
+call itself (``ZeroCopyCall``) are shared; ``AsyncClient`` wakes its loop for
+lane completions with a ``LaneWatcher`` thread per lane.
 
 Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
-``ConnectionClosed`` when no server answers.  Neither client is thread-safe;
-use one per thread (they are cheap).
+``ConnectionClosed`` when no server answers or the connection ended.  Neither
+client is thread-safe; use one per thread (they are cheap).
 
-Must not: parse frames itself (``shmserve.protocol`` does).
+Must not: parse or build frames (the session does), or trust what the server
+sends (the session checks frames; ``Region`` checks the memory it is given).
 """
 
 from __future__ import annotations
@@ -27,77 +37,61 @@ import select
 import socket
 import threading
 import time
-from collections import deque
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from shmserve import layout, protocol
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
-from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
+from shmserve.protocol import TensorMeta
+from shmserve.session import NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
-READ_BUFFER = 256 * 1024
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
 DEFAULT_REGION_BYTES = 64 * 1024 * 1024
 DEFAULT_OUTPUT_CAPACITY = 16 * 1024 * 1024
-_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
-_ARRAYS = "_arrays"  # key under which a received RESULT's arrays are attached to its frame's meta
-
-
-def _raw(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8))
-
-
-_DTYPE_NAMES = {np.dtype(name): name for name in protocol.SUPPORTED_DTYPES}  # dtype.name is slow
-
-
-def _prepare_inputs(inputs: Mapping[str, np.ndarray]) -> tuple[list[dict], list[np.ndarray]]:
-    metas, arrays = [], []
-    for name, value in inputs.items():
-        a = np.ascontiguousarray(value)
-        dtype = _DTYPE_NAMES.get(a.dtype)
-        if dtype is None:
-            raise ShmserveError(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
-        metas.append({"name": name, "dtype": dtype, "shape": list(a.shape)})
-        arrays.append(a)
-    return metas, arrays
-
-
 SOCKET_BUFFER = 4 * 1024 * 1024  # fewer, larger transfers for big inline tensors (capped by net.core.*mem_max)
+MAX_IOV = 512  # buffers per sendmsg (the kernel takes up to IOV_MAX, 1024)
+_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 
 
-def _large_buffers(sock: socket.socket) -> None:
+# -- socket helpers, for both pumps ---------------------------------------------------------
+
+def _unix_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         except OSError:
             pass
+    return sock
 
 
-def _keep_fds(ancdata, into: deque) -> None:
-    for level, typ, data in ancdata:
-        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-            fds = array.array("i")
+def _no_server(path: str, exc: OSError) -> ConnectionClosed:
+    return ConnectionClosed(f"no shmserve server at {path} ({exc.strerror})")
+
+
+def _passed_fds(ancdata) -> list[int]:
+    """The descriptors a recvmsg received (SCM_RIGHTS)."""
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-            into.extend(fds)
+    return list(fds)
 
 
-def _raise_error(frame: Frame):
-    raise ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))), str(frame.meta.get("message")))
+def _sent(parts: list, n: int) -> None:
+    """Drop from ``parts`` the ``n`` bytes one sendmsg took (and empty parts at the front)."""
+    while parts and n >= len(parts[0]):
+        n -= len(parts[0])
+        del parts[0]
+    if n:
+        parts[0] = memoryview(parts[0])[n:]
 
 
-def _output_sinks(frame: Frame) -> tuple[dict[str, np.ndarray], list]:
-    outputs, sinks = {}, []
-    for item in frame.meta.get("outputs", []):
-        arr = np.empty(item["shape"], dtype=item["dtype"])
-        outputs[item["name"]] = arr
-        if arr.nbytes:
-            sinks.append(_raw(arr))
-    return outputs, sinks
-
+# -- shared memory --------------------------------------------------------------------------
 
 class RegionAllocator:
     """First-fit allocation of 64-byte aligned ranges in [start, size) of one region (client side)."""
@@ -134,12 +128,17 @@ class Region:
     """Shared memory the server made for this connection; ``buf`` is its mapping.
 
     A lane region (``lane`` set) also holds, below ``data_offset``, a queue to one
-    worker of its model: calls placed in it skip the socket altogether.
+    worker of its model: calls placed in it skip the socket altogether.  Takes
+    ``fd`` (closed here, mapped or not); INTERNAL if it holds fewer than ``size``
+    bytes (touching the missing pages would kill the process with SIGBUS).
     """
 
     def __init__(self, region_id: int, size: int, fd: int, lane: dict | None = None):
         self.id, self.size = region_id, size
         try:
+            if os.fstat(fd).st_size < size:
+                raise ShmserveError(ErrorCode.INTERNAL, f"region {region_id} is smaller than the {size} bytes "
+                                                        f"the server said")
             self.buf = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -205,6 +204,8 @@ class LaneWatcher:
                 future.set_result(None)
 
 
+# -- zero-copy calls ------------------------------------------------------------------------
+
 class ZeroCopyCall:
     """One zero-copy request: write ``inputs`` (numpy views into the region), call ``run``,
     read the returned views; ``release`` (or leaving the ``with`` block) returns the space."""
@@ -219,14 +220,15 @@ class ZeroCopyCall:
         self._released = False
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        """Run the model on what is in ``inputs`` now; returns read-only views valid until release."""
+        """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
+        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's)."""
+        client = self.client
         if self._lane_usable():
             index, generation = self._lane_submit()
-            lane, client = self.region.lane, self.client
-            lane.wait(index, generation, time.monotonic() + (timeout or client.timeout), client._lane_spin_s,
-                      client._check_alive)
+            self.region.lane.wait(index, generation, time.monotonic() + (timeout or client.timeout),
+                                  client._lane_spin_s, client._check_alive)
             return self._lane_collect(index, generation)
-        return self._collect(self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
+        return self._views(client._exchange(self._request(timeout), timeout).outputs)
 
     def _lane_usable(self) -> bool:
         """Through the region's own queue if it has one with a free slot (all 16 busy: this call
@@ -234,43 +236,36 @@ class ZeroCopyCall:
         return self.region.lane is not None and self.region.lane.has_free_slot()
 
     def _lane_submit(self) -> tuple[int, int]:
-        spec = self.client._specs[self.model]
-        names = [t.name for t in spec.inputs]
+        names = [t.name for t in self.client._specs[self.model].inputs]
         try:
             inputs = [(names.index(n), off, v) for n, (off, v) in self._inputs.items()]
         except ValueError:
             raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
                                                      f"got {list(self._inputs)}") from None
-        rid = self.client._next_id
-        self.client._next_id += 1
-        return self.region.lane.submit(rid, 0, inputs, self.out_offset, self.out_capacity)
+        return self.region.lane.submit(self.client._session.reserve_id(), 0, inputs, self.out_offset,
+                                       self.out_capacity)
 
     def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
-        spec = self.client._specs[self.model]
+        outputs = self.client._specs[self.model].outputs
         placed = self.region.lane.read(index, generation, self.out_offset, self.out_capacity)
+        return self._views([(outputs[name_index].name, dtype, shape, offset)
+                            for name_index, (dtype, shape, offset) in sorted(placed.items())])
+
+    def _request(self, timeout: float | None) -> tuple[int, list]:
+        """The INFER_REGION frame naming this call's space (no lane, or its slots all busy)."""
+        tensors = [TensorMeta(name, view.dtype.name, view.shape, offset)
+                   for name, (offset, view) in self._inputs.items()]
+        return self.client._session.infer_region(self.model, tensors, self.region.id, self.out_offset,
+                                                 self.out_capacity, timeout or self.client.timeout)
+
+    def _views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:
+        """Read-only views of the region where the outputs were placed (checked to lie in the
+        output area: by the session, or by ``ClientLane.read``)."""
         outputs = {}
-        for name_index, (dtype, shape, offset) in sorted(placed.items()):
+        for name, dtype, shape, offset in placements:
             view = np.ndarray(shape, dtype, buffer=self.region.buf, offset=offset)
             view.flags.writeable = False
-            outputs[spec.outputs[name_index].name] = view
-        self.outputs = outputs
-        return outputs
-
-    def _meta(self, timeout: float | None) -> dict:
-        metas = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape), "offset": off}
-                 for n, (off, v) in self._inputs.items()]
-        return {"model": self.model, "inputs": metas, "region": self.region.id, "output_offset": self.out_offset,
-                "output_capacity": self.out_capacity, "timeout_s": timeout or self.client.timeout}
-
-    def _collect(self, frame: Frame) -> dict[str, np.ndarray]:
-        outputs = {}
-        for item in frame.meta.get("outputs", []):
-            offset, nbytes = item["offset"], protocol.tensor_nbytes(item["dtype"], item["shape"])
-            if not (self.out_offset <= offset and offset + nbytes <= self.out_offset + self.out_capacity):
-                raise ShmserveError(ErrorCode.INTERNAL, "server placed an output outside the output area")
-            view = np.ndarray(item["shape"], item["dtype"], buffer=self.region.buf, offset=offset)
-            view.flags.writeable = False
-            outputs[item["name"]] = view
+            outputs[name] = view
         self.outputs = outputs
         return outputs
 
@@ -300,7 +295,7 @@ class AsyncZeroCopyCall(ZeroCopyCall):
             index, generation = self._lane_submit()
             await self.client._lane_watcher(self.region).wait(index, generation, timeout or self.client.timeout)
             return self._lane_collect(index, generation)
-        return self._collect(await self.client._call(Kind.INFER_REGION, self._meta(timeout), timeout=timeout))
+        return self._views((await self.client._exchange(self._request(timeout), timeout)).outputs)
 
     async def __aenter__(self) -> "AsyncZeroCopyCall":
         return self
@@ -308,6 +303,8 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     async def __aexit__(self, *exc) -> None:
         self.release()
 
+
+# -- planning where a zero-copy call goes (both clients) ------------------------------------
 
 def _normalize(inputs: Mapping[str, tuple]) -> tuple[dict, dict]:
     specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
@@ -354,111 +351,138 @@ def _estimate(spec: ModelSpec | None, specs: dict) -> int:
 
 
 def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
+    """The spec the server lists for ``model`` (None: not listed, or listed without inputs)."""
     entry = next((m for m in listing if m["name"] == model and m.get("inputs")), None)
-    return ModelSpec.from_dict(entry) if entry else None
+    if entry is None:
+        return None
+    try:
+        return ModelSpec.from_dict(entry)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ShmserveError(ErrorCode.INTERNAL, f"the server's listing of {model!r} is unreadable: {exc!r}") from None
 
 
 class _ZeroCopyPlan:
     """Where a zero-copy call of ``model`` goes, shared by both clients (they differ only in how
     they ask the server for a region): a lane of the model when ``lane`` is set and the model
-    is known, else a region without one; output capacity from the spec unless given."""
+    is known, else a region without one; output capacity from the spec unless given.
+
+    ``region`` is an open region of the planned kind with room for the call, or None: then
+    open one of ``region_size`` (with ``lane``) and report it with ``opened``, or the server's
+    refusal with ``refused``, until ``region`` is set; then ``place``.
+    """
 
     def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
-                 output_capacity: int | None):
+                 output_capacity: int | None, regions: list[Region]):
         self.specs, self.sizes = _normalize(inputs)
         self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
         self.region_size = _region_size(self.sizes, self.output_capacity)
+        self.regions = regions
+        self.region = self._region_in()
 
-    def region_in(self, regions: list[Region]) -> Region | None:
-        """An open region of the planned kind with room for the call."""
-        return _find_region([r for r in regions if (r.lane.model if r.lane else None) == self.lane], self.wanted)
+    def opened(self, region: Region) -> None:
+        self.region = region
 
-    def after_lane_refused(self, exc: ShmserveError, regions: list[Region]) -> Region | None:
-        """The server refused a lane: if its workers serve all they can (overloaded), plan for a
-        region without one (None: open it); any other refusal is raised."""
-        if exc.code is not ErrorCode.OVERLOADED:
+    def refused(self, exc: ShmserveError) -> None:
+        """The server refused the region: a lane whose workers serve all they can (overloaded)
+        makes the plan one without a lane; any other refusal is raised."""
+        if exc.code is not ErrorCode.OVERLOADED or self.lane is None:
             raise exc
         self.lane = None
-        return self.region_in(regions)
+        self.region = self._region_in()
 
-    def place(self, region: Region) -> tuple:
+    def place(self) -> tuple:
         """(region, inputs placed, output offset, output capacity): ZeroCopyCall's arguments."""
-        placed, out_off = _place(region, self.specs, self.sizes, self.output_capacity)
-        return region, placed, out_off, self.output_capacity
+        placed, out_off = _place(self.region, self.specs, self.sizes, self.output_capacity)
+        return self.region, placed, out_off, self.output_capacity
+
+    def _region_in(self) -> Region | None:
+        return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane],
+                            self.wanted)
 
 
-class Client:
-    """A blocking connection to a shmserve server.
+# -- the clients ----------------------------------------------------------------------------
 
-    ``socket``: the server's socket path (default: $SHMSERVE_SOCKET, else the
-    runtime-directory default for ``instance``).  ``timeout``: default
-    seconds per request, enforced by the server (and by this client with a
-    grace period should the server not answer at all).
-    """
+class _ClientBase:
+    """What both clients keep besides their socket: the session, the regions it granted, and
+    the model specs zero-copy calls are planned from."""
 
-    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
-                 spin_us: int | None = None, lanes: bool = True):
+    def __init__(self, socket_path: str | None, timeout: float, instance: str, lanes: bool):
         self.path = resolve_socket(socket_path, None, instance)
         self.timeout = timeout
         # Zero-copy calls go through a lane (a region with its own queue to a worker: no socket
         # round trip) unless this is False (then each call is a descriptor over the socket).
         self.lanes = lanes
+        self._session = ClientSession()
+        self._regions: list[Region] = []
+        self._specs: dict[str, ModelSpec | None] = {}
+
+    def _add_region(self, grant: RegionGranted) -> Region:
+        region = Region(grant.region, grant.size, grant.fd, grant.lane)
+        self._regions.append(region)
+        return region
+
+    def _plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> _ZeroCopyPlan:
+        return _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity,
+                             self._regions)
+
+    def _release(self) -> None:
+        """Unmap the regions; the session closes the descriptors it still holds."""
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        self._session.close()
+
+
+class Client(_ClientBase):
+    """A blocking connection to a shmserve server.
+
+    ``socket``: the server's socket path (default: $SHMSERVE_SOCKET, else the
+    runtime-directory default for ``instance``).  ``timeout``: default
+    seconds per request, enforced by the server (and by this client with a
+    grace period should the server not answer at all: the connection is then
+    given up).  ConnectionClosed if no server listens there.
+    """
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
+                 spin_us: int | None = None, lanes: bool = True):
+        super().__init__(socket_path, timeout, instance, lanes)
         # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
         # Lane calls follow the server's hint instead unless spin_us is given.
         self.spin_s = (spin_default_us(client=True) if spin_us is None else spin_us) / 1e6
         self._lane_spin_s = None if spin_us is None else spin_us / 1e6
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        _large_buffers(self._sock)
+        self._sock = _unix_socket()
         try:
             self._sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
-            raise ConnectionClosed(f"no shmserve server at {self.path} ({exc.strerror})") from None
-        self._proto = protocol.Connection(protocol.Role.CLIENT)
-        self._buffer = bytearray(READ_BUFFER)
-        self._view = memoryview(self._buffer)
-        self._fds: deque[int] = deque()
-        self._next_id = 1
-        self._regions: list[Region] = []
-        self._specs: dict[str, ModelSpec | None] = {}
-        self._broken: str | None = None
+            raise _no_server(self.path, exc) from None
 
     # -- public API -----------------------------------------------------------------------
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays)."""
-        metas, arrays = _prepare_inputs(inputs)
-        total = sum(a.nbytes for a in arrays)
-        frame = self._call(Kind.INFER, {"model": model, "inputs": metas, "timeout_s": timeout or self.timeout},
-                           payload=[_raw(a) for a in arrays if a.nbytes], data_len=total, timeout=timeout)
-        return frame.meta[_ARRAYS]
+        return self._exchange(self._session.infer(model, inputs, timeout or self.timeout), timeout).outputs
 
     def models(self) -> list[dict]:
-        return self._call(Kind.MODELS, {}).meta["models"]
+        """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
+        return self._exchange(self._session.models()).value
 
     def health(self) -> dict:
-        meta = dict(self._call(Kind.HEALTH, {}).meta)
-        meta.pop("id", None)
-        return meta
+        """The server's health: ``status`` (ok, degraded, shutting_down) and each model's workers."""
+        return self._exchange(self._session.health()).value
 
     def info(self) -> dict:
-        meta = dict(self._call(Kind.INFO, {}).meta)
-        meta.pop("id", None)
-        return meta
+        """What the server runs: version, instance, arena, limits, statistics, lanes and workers."""
+        return self._exchange(self._session.info()).value
 
     def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection.
 
         ``lane``: a model name; the region then also carries a queue to one of that model's
         workers, and zero-copy calls placed in it do not touch the socket."""
-        frame = self._call(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
-        if not self._fds:
-            raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
-        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft(), frame.meta.get("lane"))
-        self._regions.append(region)
-        return region
+        return self._add_region(self._exchange(self._session.open_region(size, lane)))
 
     def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None) -> ZeroCopyCall:
         """Reserve region space for one call of ``model``.
@@ -471,21 +495,16 @@ class Client:
         """
         if model not in self._specs:
             self._specs[model] = _spec_of(self.models(), model)
-        plan = _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity)
-        region = plan.region_in(self._regions)
-        if region is None and plan.lane is not None:
+        plan = self._plan(model, inputs, output_capacity)
+        while plan.region is None:
             try:
-                region = self.open_region(plan.region_size, lane=plan.lane)
+                plan.opened(self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                region = plan.after_lane_refused(exc, self._regions)
-        return ZeroCopyCall(self, model, *plan.place(region or self.open_region(plan.region_size)))
+                plan.refused(exc)
+        return ZeroCopyCall(self, model, *plan.place())
 
     def close(self) -> None:
-        for region in self._regions:
-            region.close()
-        self._regions.clear()
-        while self._fds:
-            os.close(self._fds.popleft())
+        self._release()
         self._sock.close()
 
     def __enter__(self) -> "Client":
@@ -494,74 +513,44 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- internals ------------------------------------------------------------------------
+    # -- the pump -------------------------------------------------------------------------
 
-    def _call(self, kind: Kind, meta: dict, *, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
-        if self._broken:
-            raise ConnectionClosed(self._broken)
-        rid = self._next_id
-        self._next_id += 1
+    def _exchange(self, request: tuple[int, list], timeout: float | None = None):
+        """Send one request (the session's id and parts) and return the event answering it;
+        raises the request's error, or the connection's."""
+        rid, parts = request
         try:
-            self._send([protocol.encode_frame(kind, {"id": rid, **meta}, data_len), *payload])
-        except ConnectionClosed:
+            self._send(parts)
+        except OSError as exc:
             # The server may have said why before it closed (e.g. permission_denied): report that.
-            self._broken = None
             self._receive(rid, time.monotonic() + 1.0)
-            raise
-        deadline = time.monotonic() + (timeout or self.timeout) + ANSWER_GRACE_S
-        return self._receive(rid, deadline)
+            raise self._fail(f"connection to {self.path} lost while sending: {exc}") from None
+        return self._receive(rid, time.monotonic() + (timeout or self.timeout) + ANSWER_GRACE_S)
 
     def _send(self, parts: list) -> None:
-        views = [memoryview(p) for p in parts]
-        try:
-            while views:
-                sent = self._sock.sendmsg(views[:512])
-                while sent and views:
-                    if sent >= len(views[0]):
-                        sent -= len(views.pop(0))
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
-        except OSError as exc:
-            self._fail(f"connection to {self.path} lost while sending: {exc}")
+        while parts:
+            _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
 
-    def _receive(self, rid: int, deadline: float) -> Frame:
-        frame_out = None
-        outputs: dict | None = None
+    def _receive(self, rid: int, deadline: float):
+        session = self._session
         while True:
-            event = self._proto.next_event()
-            if event is protocol.NEED_DATA:
+            event = session.next_event()
+            if event is NEED_DATA:
                 self._read(deadline)
-                continue
-            if isinstance(event, ProtocolError):
-                self._fail(f"unreadable answer from the server: {event.message}")
-            if isinstance(event, PayloadDone):
-                return frame_out if outputs is None else Frame(frame_out.kind, {**frame_out.meta, _ARRAYS: outputs}, 0)
-            if event.kind == Kind.RESULT:
-                outputs, sinks = _output_sinks(event)
-                if sum(len(s) for s in sinks) != event.data_len:
-                    self._fail("server sent a result whose payload does not match its outputs")
-                if event.meta.get("id") != rid:
-                    self._fail("server answered a request this client did not send")
-                if not event.data_len:
-                    return Frame(event.kind, {**event.meta, _ARRAYS: outputs}, 0)
-                self._proto.accept_payload(sinks)
-                frame_out = event
-                continue
-            if event.meta.get("id") not in (rid, None):
-                self._fail("server answered a request this client did not send")
-            if event.kind == Kind.ERROR:
-                if event.meta.get("id") is None:
-                    self._broken = str(event.meta.get("message"))
-                _raise_error(event)
-            return event
+            elif event.request_id != rid:
+                if type(event) is ConnectionFailed:
+                    raise event.error
+                session.discard(event)  # the answer to a call interrupted earlier
+            elif type(event) is RequestFailed:
+                raise event.error
+            else:
+                return event
 
     def _read(self, deadline: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
-        target = self._proto.payload_buffer()
-        buffers = [target if target is not None else self._view]
+            raise self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
+        buffers = [self._session.read_buffer()]
         try:
             got = self._poll_read(buffers) if self.spin_s > 0 else None
             if got is None:
@@ -569,16 +558,14 @@ class Client:
                 got = self._sock.recvmsg_into(buffers, _FD_SPACE)
             n, ancdata, _, _ = got
         except socket.timeout:
-            self._fail("no answer from the server in time", ErrorCode.TIMEOUT)
+            raise self._fail("no answer from the server in time", ErrorCode.TIMEOUT) from None
         except OSError as exc:
-            self._fail(f"connection to {self.path} lost: {exc}")
-        _keep_fds(ancdata, self._fds)
+            raise self._fail(f"connection to {self.path} lost: {exc}") from None
+        if ancdata:
+            self._session.receive_fds(_passed_fds(ancdata))
         if n == 0:
-            self._fail(f"the server at {self.path} closed the connection")
-        if target is not None:
-            self._proto.payload_received(n)
-        else:
-            self._proto.receive_data(self._view[:n])
+            raise self._fail(f"the server at {self.path} closed the connection")
+        self._session.read_done(n)
 
     def _poll_read(self, buffers):
         """Non-blocking reads for up to spin_s; None if nothing came (then block)."""
@@ -596,18 +583,16 @@ class Client:
         try:
             readable, _, _ = select.select([self._sock], [], [], 0)
             if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
-                self._fail(f"the server at {self.path} closed the connection")
+                raise self._fail(f"the server at {self.path} closed the connection")
         except OSError as exc:
-            self._fail(f"connection to {self.path} lost: {exc}")
+            raise self._fail(f"connection to {self.path} lost: {exc}") from None
 
-    def _fail(self, message: str, code: ErrorCode | None = None):
-        self._broken = message
-        if code is not None:
-            raise ShmserveError(code, message)
-        raise ConnectionClosed(message)
+    def _fail(self, message: str, code: ErrorCode | None = None) -> ShmserveError:
+        """The connection is over (the first reason stands): the error to raise."""
+        return self._session.fail(message, code).error
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """The asyncio client: ``async with AsyncClient(path) as c: await c.infer(...)``.
 
     Several requests may be in flight at once on one connection; answers are
@@ -616,31 +601,24 @@ class AsyncClient:
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
                  lanes: bool = True):
-        self.path = resolve_socket(socket_path, None, instance)
-        self.timeout = timeout
-        self.lanes = lanes  # zero-copy calls through lanes (see Client)
+        super().__init__(socket_path, timeout, instance, lanes)
         self._watchers: dict[int, LaneWatcher] = {}  # lane region id -> its completion watcher
-        self._next_id = 1
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._lock = asyncio.Lock()
-        self._reader_task = None
-        self._sock = None
-        self._closed_reason: str | None = None
-        self._fds: deque[int] = deque()
-        self._regions: list[Region] = []
-        self._specs: dict[str, ModelSpec | None] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # request id -> its caller
+        self._send_lock = asyncio.Lock()  # frames of concurrent calls must not interleave
+        self._reader_task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
 
     async def connect(self) -> "AsyncClient":
+        """Connect and start reading answers; ConnectionClosed if no server listens."""
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = _unix_socket()
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
-            raise ConnectionClosed(f"no shmserve server at {self.path} ({exc.strerror})") from None
+            raise _no_server(self.path, exc) from None
         self._sock = sock
-        self._proto = protocol.Connection(protocol.Role.CLIENT)
         self._reader_task = loop.create_task(self._reader())
         return self
 
@@ -660,39 +638,29 @@ class AsyncClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._fail_all("client closed")
+        self._fail_all(self._session.fail("client closed"))
         for watcher in self._watchers.values():
             watcher.stop()  # before the lanes' memory is unmapped
         self._watchers.clear()
-        for region in self._regions:
-            region.close()
-        self._regions.clear()
-        while self._fds:
-            os.close(self._fds.popleft())
+        self._release()
+
+    # -- public API (as Client's) ---------------------------------------------------------
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
-        metas, arrays = _prepare_inputs(inputs)
-        frame = await self._call(Kind.INFER, {"model": model, "inputs": metas, "timeout_s": timeout or self.timeout},
-                                 [_raw(a) for a in arrays if a.nbytes], sum(a.nbytes for a in arrays), timeout)
-        return frame.meta[_ARRAYS]
+        return (await self._exchange(self._session.infer(model, inputs, timeout or self.timeout), timeout)).outputs
 
     async def models(self) -> list[dict]:
-        return (await self._call(Kind.MODELS, {})).meta["models"]
+        return (await self._exchange(self._session.models())).value
 
     async def health(self) -> dict:
-        return {k: v for k, v in (await self._call(Kind.HEALTH, {})).meta.items() if k != "id"}
+        return (await self._exchange(self._session.health())).value
 
     async def info(self) -> dict:
-        return {k: v for k, v in (await self._call(Kind.INFO, {})).meta.items() if k != "id"}
+        return (await self._exchange(self._session.info())).value
 
     async def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """As ``Client.open_region``."""
-        frame = await self._call(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
-        if not self._fds:
-            raise ShmserveError(ErrorCode.INTERNAL, "the server's region answer carried no descriptor")
-        region = Region(frame.meta["region"], frame.meta["size"], self._fds.popleft(), frame.meta.get("lane"))
-        self._regions.append(region)
-        return region
+        return self._add_region(await self._exchange(self._session.open_region(size, lane)))
 
     async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *,
                         output_capacity: int | None = None) -> AsyncZeroCopyCall:
@@ -700,121 +668,104 @@ class AsyncClient:
         Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
         if model not in self._specs:
             self._specs[model] = _spec_of(await self.models(), model)
-        plan = _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity)
-        region = plan.region_in(self._regions)
-        if region is None and plan.lane is not None:
+        plan = self._plan(model, inputs, output_capacity)
+        while plan.region is None:
             try:
-                region = await self.open_region(plan.region_size, lane=plan.lane)
+                plan.opened(await self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                region = plan.after_lane_refused(exc, self._regions)
-        return AsyncZeroCopyCall(self, model, *plan.place(region or await self.open_region(plan.region_size)))
+                plan.refused(exc)
+        return AsyncZeroCopyCall(self, model, *plan.place())
+
+    # -- the pump -------------------------------------------------------------------------
 
     def _lane_watcher(self, region: Region) -> LaneWatcher:
-        if self._closed_reason:
-            raise ConnectionClosed(self._closed_reason)
+        self._session.ensure_open()
         watcher = self._watchers.get(region.id)
         if watcher is None:
             watcher = self._watchers[region.id] = LaneWatcher(region.lane, asyncio.get_running_loop())
         return watcher
 
-    async def _call(self, kind: Kind, meta: dict, payload=(), data_len: int = 0, timeout: float | None = None) -> Frame:
-        if self._closed_reason:
-            raise ConnectionClosed(self._closed_reason)
-        loop = asyncio.get_running_loop()
-        rid = self._next_id
-        self._next_id += 1
-        fut = loop.create_future()
-        self._waiters[rid] = fut
-        async with self._lock:  # frames of concurrent calls must not interleave
-            try:
-                await loop.sock_sendall(self._sock, protocol.encode_frame(kind, {"id": rid, **meta}, data_len))
-                for part in payload:
-                    await loop.sock_sendall(self._sock, part)
-            except OSError as exc:
-                self._fail_all(f"connection lost while sending: {exc}")
+    async def _exchange(self, request: tuple[int, list], timeout: float | None = None):
+        """As ``Client._exchange``; the reader task settles the future by request id.  TIMEOUT
+        after the timeout and grace (the connection goes on; a late answer is dropped)."""
+        rid, parts = request
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = future
         try:
-            return await asyncio.wait_for(fut, (timeout or self.timeout) + ANSWER_GRACE_S)
-        except asyncio.TimeoutError:
-            raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
+            async with self._send_lock:
+                try:
+                    await self._send(parts)
+                except OSError as exc:
+                    self._fail_all(self._session.fail(f"connection lost while sending: {exc}"))
+            try:
+                return await asyncio.wait_for(future, (timeout or self.timeout) + ANSWER_GRACE_S)
+            except asyncio.TimeoutError:
+                raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
         finally:
             self._waiters.pop(rid, None)
 
-    async def _reader(self) -> None:
+    async def _send(self, parts: list) -> None:
         loop = asyncio.get_running_loop()
-        buffer = bytearray(READ_BUFFER)
-        view = memoryview(buffer)
-        current: tuple[Frame, dict] | None = None
+        while parts:
+            try:
+                _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
+            except BlockingIOError:
+                await self._ready(loop.add_writer, loop.remove_writer)
+
+    async def _reader(self) -> None:
+        """Read answers until the connection ends; settle each caller's future."""
+        session = self._session
         try:
             while True:
-                event = self._proto.next_event()
-                if event is protocol.NEED_DATA:
-                    target = self._proto.payload_buffer()
-                    n = await self._recv_into(loop, target if target is not None else view)
+                event = session.next_event()
+                if event is NEED_DATA:
+                    n = await self._recv_into(session.read_buffer())
                     if n == 0:
                         raise ConnectionError("the server closed the connection")
-                    if target is not None:
-                        self._proto.payload_received(n)
-                    else:
-                        self._proto.receive_data(view[:n])
+                    session.read_done(n)
                     continue
-                if isinstance(event, ProtocolError):
-                    raise ConnectionError(f"unreadable answer from the server: {event.message}")
-                if isinstance(event, PayloadDone):
-                    frame, outputs = current
-                    current = None
-                    self._resolve(Frame(frame.kind, {**frame.meta, _ARRAYS: outputs}, 0))
-                    continue
-                if event.kind == Kind.RESULT:
-                    outputs, sinks = _output_sinks(event)
-                    if sum(len(s) for s in sinks) != event.data_len:
-                        raise ConnectionError("result payload does not match its outputs")
-                    if not event.data_len:
-                        self._resolve(Frame(event.kind, {**event.meta, _ARRAYS: outputs}, 0))
-                        continue
-                    self._proto.accept_payload(sinks)
-                    current = (event, outputs)
-                    continue
-                self._resolve(event)
+                if type(event) is ConnectionFailed:
+                    self._fail_all(event)
+                    return
+                future = self._waiters.get(event.request_id)
+                if future is None or future.done():
+                    session.discard(event)  # its caller timed out or was cancelled
+                elif type(event) is RequestFailed:
+                    future.set_exception(event.error)
+                else:
+                    future.set_result(event)
         except (ConnectionError, OSError) as exc:
-            self._fail_all(str(exc))
+            self._fail_all(session.fail(str(exc)))
+        except Exception as exc:  # a bug here: fail the callers now rather than at their timeouts
+            self._fail_all(session.fail(f"the client stopped reading: {exc!r}"))
+            raise
 
-    async def _recv_into(self, loop, target) -> int:
-        """recvmsg_into on the non-blocking socket, keeping any descriptors the server passed."""
+    async def _recv_into(self, buffer) -> int:
+        """recvmsg_into on the non-blocking socket, handing any descriptors to the session."""
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                n, ancdata, _, _ = self._sock.recvmsg_into([target], _FD_SPACE)
+                n, ancdata, _, _ = self._sock.recvmsg_into([buffer], _FD_SPACE)
             except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_reader(self._sock.fileno(), ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(self._sock.fileno())
+                await self._ready(loop.add_reader, loop.remove_reader)
                 continue
-            _keep_fds(ancdata, self._fds)
+            if ancdata:
+                self._session.receive_fds(_passed_fds(ancdata))
             return n
 
-    def _resolve(self, frame: Frame) -> None:
-        rid = frame.meta.get("id")
-        if rid is None and frame.kind == Kind.ERROR:
-            self._fail_all(str(frame.meta.get("message")), frame)
-            return
-        fut = self._waiters.get(rid)
-        if fut is None or fut.done():
-            return
-        if frame.kind == Kind.ERROR:
-            fut.set_exception(ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))),
-                                            str(frame.meta.get("message"))))
-        else:
-            fut.set_result(frame)
+    async def _ready(self, add, remove) -> None:
+        """Until the socket is readable (``loop.add_reader``) or writable (``loop.add_writer``)."""
+        fd = self._sock.fileno()
+        ready = asyncio.get_running_loop().create_future()
+        add(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            remove(fd)
 
-    def _fail_all(self, reason: str, frame: Frame | None = None) -> None:
-        self._closed_reason = self._closed_reason or reason
+    def _fail_all(self, failure: ConnectionFailed) -> None:
         for watcher in self._watchers.values():  # lane calls in flight: the server is gone
-            watcher.fail(ConnectionClosed(reason))
-        for fut in self._waiters.values():
-            if not fut.done():
-                if frame is not None:
-                    fut.set_exception(ShmserveError(ErrorCode.from_wire(str(frame.meta.get("code"))), reason))
-                else:
-                    fut.set_exception(ConnectionClosed(reason))
+            watcher.fail(ConnectionClosed(failure.message))
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(failure.error)

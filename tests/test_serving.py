@@ -119,33 +119,37 @@ def test_timeout(server):
     server.wait_idle()  # the slot came back once the worker finished
 
 
+def infer_region(c: Client, region: int, inputs=(("x", 100, 0),), output_offset: int = 4096,
+                 output_capacity: int = 4096):
+    """One INFER_REGION with hand-written descriptors (as a buggy or hostile client could send):
+    ``inputs`` are (name, uint8 count, offset); returns the session's RegionResult."""
+    tensors = [protocol.TensorMeta(name, "uint8", (n,), offset) for name, n, offset in inputs]
+    return c._exchange(c._session.infer_region("identity", tensors, region, output_offset, output_capacity,
+                                               c.timeout))
+
+
 def test_zero_copy_descriptors_are_bounds_checked(server):
     with server.client() as c:
         region = c.open_region(1 << 20)
-        good = {"model": "identity", "inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": 0}],
-                "region": region.id, "output_offset": 4096, "output_capacity": 4096}
         for patch in ({"region": region.id + 1000},
-                      {"inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": region.size - 50}]},
-                      {"inputs": [{"name": "x", "dtype": "uint8", "shape": [100], "offset": 3}]},
+                      {"inputs": [("x", 100, region.size - 50)]},
+                      {"inputs": [("x", 100, 3)]},
                       {"output_offset": region.size},
                       {"output_capacity": 2**40}):
             with pytest.raises(ShmserveError) as info:
-                c._call(Kind.INFER_REGION, good | patch)
+                infer_region(c, **({"region": region.id} | patch))
             assert info.value.code is ErrorCode.BAD_REGION, patch
         with pytest.raises(ShmserveError) as info:
             c.open_region(2**40)
         assert info.value.code is ErrorCode.TOO_LARGE
-        frame = c._call(Kind.INFER_REGION, good)
-        assert frame.meta["outputs"][0]["offset"] == 4096
+        assert infer_region(c, region.id).outputs[0].offset == 4096
 
 
 def test_another_clients_region_is_out_of_reach(server):
     with server.client() as a, server.client() as b:
         region = a.open_region(1 << 20)
-        meta = {"model": "identity", "inputs": [{"name": "x", "dtype": "uint8", "shape": [10], "offset": 0}],
-                "region": region.id, "output_offset": 4096, "output_capacity": 4096}
         with pytest.raises(ShmserveError) as info:
-            b._call(Kind.INFER_REGION, meta)
+            infer_region(b, region.id, [("x", 10, 0)])
         assert info.value.code is ErrorCode.BAD_REGION
         names = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.r")]
         assert names and all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in names)

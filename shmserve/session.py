@@ -1,0 +1,472 @@
+"""The client side of the wire protocol, sans I/O: requests to frames; bytes and descriptors to answers.
+
+Owns: request ids and what each outstanding one expects; the frames of every
+request kind; turning the server's frames into typed events, after checking
+them (the server's bytes are untrusted too: anything malformed ends the
+connection with ``ConnectionFailed``, never an exception from the wrong
+place); the descriptors the server passed until an event hands one out; and
+whether the connection is still usable.  ``Client`` and ``AsyncClient``
+(``shmserve.client``) only pump bytes and descriptors through a
+``ClientSession`` — after h11, as the front-end does with ``protocol.Connection``.
+
+Must not: touch a socket, a clock, an event loop or shared memory.  Framing is
+``shmserve.protocol``'s; this module speaks it from the client's side.
+
+Rules (answers)
+---------------
+==============  =====================  ==============================================
+request         answered by            event
+==============  =====================  ==============================================
+INFER           RESULT + payload       InferResult: the payload lands in new arrays
+INFER_REGION    RESULT_REGION          RegionResult: placements in the output area
+OPEN_REGION     REGION + descriptor    RegionGranted: carries the next descriptor
+CLOSE_REGION    REPLY                  Reply: the answer less its id
+MODELS          REPLY                  Reply: the list of models
+HEALTH, INFO    REPLY                  Reply: the answer less its id
+any of these    ERROR with its id      RequestFailed: the server's code and message
+(none)          ERROR with id null     ConnectionFailed: the server's code and message
+(none)          anything else          ConnectionFailed: ConnectionClosed
+==============  =====================  ==============================================
+
+The table is ``_RULES`` below.  "Anything else": a frame ``protocol.Connection``
+refuses, an answer to an id that is not outstanding or of a kind its request
+is not answered by, a result whose payload size does not match its outputs,
+unreadable metadata.  A result that places an output outside the output area
+its request named is a ``RequestFailed`` (INTERNAL), and so is a REGION answer
+without a descriptor: the connection itself is still in step.
+
+Descriptors: the server passes a region's descriptor with the REGION frame's
+bytes, and the kernel delivers it with the read that holds that frame's
+first bytes, so it is there when the frame completes; each REGION answer
+takes the oldest descriptor not yet taken.
+
+After ``ConnectionFailed`` the session is done: ``next_event`` returns the same
+event again, requests raise ``ConnectionClosed`` and descriptors still held or
+passed later are closed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from shmserve import layout, protocol
+from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.protocol import NEED_DATA, Frame, Kind, PayloadDone, TensorMeta
+
+__all__ = ["NEED_DATA", "ClientSession", "ConnectionFailed", "InferResult", "Placement", "RegionGranted",
+           "RegionResult", "Reply", "RequestFailed"]
+
+READ_BUFFER = 256 * 1024  # scratch for frame headers and metadata; a result's payload goes to its arrays
+
+_DTYPES = {name: np.dtype(name) for name in protocol.SUPPORTED_DTYPES}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # dtype.name is slow
+NOT_SENT = "server answered a request this client did not send"
+
+
+# -- events (read-only by contract; not frozen, which would cost each one a few hundred ns) -
+
+@dataclass(slots=True)
+class InferResult:
+    """An INFER's outputs, name -> a new array holding what the server sent."""
+
+    request_id: int
+    outputs: dict[str, np.ndarray]
+
+
+class Placement(NamedTuple):
+    """Where the server put one output of a zero-copy call: inside the request's output area."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass(slots=True)
+class RegionResult:
+    """An INFER_REGION's outputs: where each lies in the request's region."""
+
+    request_id: int
+    outputs: tuple[Placement, ...]
+
+
+@dataclass(slots=True)
+class Reply:
+    """A control answer: MODELS the list of models, otherwise the answer's fields but ``id``."""
+
+    request_id: int
+    value: object
+
+
+@dataclass(slots=True)
+class RegionGranted:
+    """An OPEN_REGION's answer.  ``fd`` is now the receiver's: it maps it and closes it
+    (``ClientSession.discard`` closes it for an answer nobody waits for any more).
+    ``lane``: for a lane region, ``{model, data_offset, slots}``; else None."""
+
+    request_id: int
+    region: int
+    size: int
+    lane: dict | None
+    fd: int
+
+
+@dataclass(slots=True)
+class RequestFailed:
+    """The server refused or failed one request; the connection goes on."""
+
+    request_id: int
+    error: ShmserveError
+
+
+@dataclass(slots=True)
+class ConnectionFailed:
+    """The connection is over: every outstanding request fails with ``error``.
+
+    ``code`` is the server's when it said why (its error with id null), the
+    pump's when it gave up for a reason of its own (e.g. TIMEOUT), else None:
+    the error is then ``ConnectionClosed``.
+    """
+
+    message: str
+    code: ErrorCode | None = None
+    request_id = None  # answers no request
+
+    @property
+    def error(self) -> ShmserveError:
+        """A new exception each time (one per caller that raises it)."""
+        return ConnectionClosed(self.message) if self.code is None else ShmserveError(self.code, self.message)
+
+
+class _Unreadable(Exception):
+    """An answer's metadata breaks its schema (becomes a ConnectionFailed)."""
+
+
+# -- the session --------------------------------------------------------------------------
+
+class ClientSession:
+    """The client's end of one connection.
+
+    Sending: each request method returns ``(request_id, parts)``; the pump sends
+    ``parts`` (bytes-like, one vectored send) as they are and in order, then
+    waits for the event whose ``request_id`` is that id.  Input arrays given to
+    ``infer`` are sent from their own memory: keep them unchanged until sent.
+
+    Receiving: read from the socket into ``read_buffer()`` and report with
+    ``read_done(n)`` (or feed bytes with ``receive_data``); hand descriptors
+    that came with a read to ``receive_fds`` before asking for events; take
+    events with ``next_event()`` until it returns ``NEED_DATA``.  End of
+    stream, a socket error or a deadline are the pump's to notice: ``fail``.
+
+    Not thread-safe: one pump drives it.
+    """
+
+    def __init__(self) -> None:
+        self._conn = protocol.Connection(protocol.Role.CLIENT)
+        self._next_id = 1
+        self._outstanding: dict[int, tuple[_Rule, tuple[int, int] | None]] = {}  # id -> (its rule, output area)
+        self._fds: deque[int] = deque()
+        self._filling: InferResult | None = None  # its arrays are receiving the current payload
+        self._failure: ConnectionFailed | None = None
+        self._scratch = memoryview(bytearray(READ_BUFFER))
+        self._into_payload = False  # whether read_buffer() last returned a payload view
+
+    # -- requests ---------------------------------------------------------------------
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float) -> tuple[int, list]:
+        """An inline request: its frame header, then each input's bytes from the array itself.
+        BAD_DTYPE (before an id is taken) for an unsupported dtype; ConnectionClosed if failed."""
+        metas, parts, total = [], [b""], 0
+        for name, value in inputs.items():
+            a = np.ascontiguousarray(value)
+            dtype = _DTYPE_NAMES.get(a.dtype)
+            if dtype is None:
+                raise ShmserveError(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
+            metas.append({"name": name, "dtype": dtype, "shape": a.shape})
+            if a.nbytes:
+                parts.append(_raw(a))
+                total += a.nbytes
+        rid = self._expect(_INFER)
+        parts[0] = protocol.encode_frame(_INFER.request, {"id": rid, "model": model, "inputs": metas,
+                                                          "timeout_s": timeout_s}, total)
+        return rid, parts
+
+    def infer_region(self, model: str, inputs: Sequence[TensorMeta], region: int, output_offset: int,
+                     output_capacity: int, timeout_s: float) -> tuple[int, list]:
+        """A zero-copy request: ``inputs`` (with offsets) already lie in ``region``; outputs
+        go to [output_offset, output_offset + output_capacity) of it.  ConnectionClosed if failed."""
+        rid = self._expect(_INFER_REGION, (output_offset, output_offset + output_capacity))
+        return rid, [protocol.encode_frame(_INFER_REGION.request, {
+            "id": rid, "model": model, "inputs": [t.to_wire() for t in inputs], "region": region,
+            "output_offset": output_offset, "output_capacity": output_capacity, "timeout_s": timeout_s})]
+
+    def open_region(self, size: int, lane: str | None = None) -> tuple[int, list]:
+        """Ask for ``size`` bytes of shared memory (with a queue to a worker of model ``lane``)."""
+        return self._control(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
+
+    def close_region(self, region: int) -> tuple[int, list]:
+        return self._control(Kind.CLOSE_REGION, {"region": region})
+
+    def models(self) -> tuple[int, list]:
+        return self._control(Kind.MODELS, {})
+
+    def health(self) -> tuple[int, list]:
+        return self._control(Kind.HEALTH, {})
+
+    def info(self) -> tuple[int, list]:
+        return self._control(Kind.INFO, {})
+
+    def reserve_id(self) -> int:
+        """An id for a call that never crosses the socket (a lane call): ids stay unique on a
+        connection, so a slot in an arena or lane can be told apart by its request id."""
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    @property
+    def last_request_id(self) -> int:
+        """The id most recently given out (0: none yet)."""
+        return self._next_id - 1
+
+    # -- bytes and descriptors in -----------------------------------------------------
+
+    def read_buffer(self) -> memoryview:
+        """Where the next read from the socket should land: while a result's payload is due, a
+        view of its array (received in place, no copy of ours); otherwise a scratch buffer."""
+        target = self._conn.payload_buffer()
+        self._into_payload = target is not None
+        return target if target is not None else self._scratch
+
+    def read_done(self, n: int) -> None:
+        """``n`` bytes (n > 0) were read into the buffer ``read_buffer()`` returned last."""
+        if self._failure is not None:
+            return
+        if self._into_payload:
+            self._conn.payload_received(n)
+        else:
+            self._conn.receive_data(self._scratch[:n])
+
+    def receive_data(self, data) -> None:
+        """Feed received bytes (any bytes-like object; copied where they are not a payload's)."""
+        if self._failure is None:
+            self._conn.receive_data(data)
+
+    def receive_fds(self, fds: Iterable[int]) -> None:
+        """Descriptors the server passed (SCM_RIGHTS) with the bytes of a read.  The session owns
+        them until a RegionGranted hands one out; each REGION answer takes the oldest."""
+        if self._failure is not None:
+            _close_all(fds)
+        else:
+            self._fds.extend(fds)
+
+    # -- events out -------------------------------------------------------------------
+
+    def next_event(self):
+        """The next answer: InferResult, RegionResult, Reply, RegionGranted, RequestFailed,
+        ConnectionFailed (then always that), or NEED_DATA.  Never raises for what the server sent."""
+        if self._failure is not None:
+            return self._failure
+        conn = self._conn
+        while True:
+            event = conn.next_event()
+            if event is NEED_DATA:
+                return NEED_DATA
+            kind = type(event)
+            if kind is Frame:
+                answer = self._answer(event)
+                if answer is not None:
+                    return answer
+            elif kind is PayloadDone:
+                answer, self._filling = self._filling, None
+                return answer
+            else:  # ProtocolError
+                return self.fail(f"unreadable answer from the server: {event.message}")
+
+    def discard(self, event) -> None:
+        """An answer nobody waits for any more (its call timed out or was given up): release
+        what it holds (a RegionGranted's descriptor)."""
+        if type(event) is RegionGranted:
+            os.close(event.fd)
+
+    def fail(self, message: str, code: ErrorCode | None = None) -> ConnectionFailed:
+        """End the connection (the pump saw it close, break or miss a deadline; or an answer was
+        malformed).  The first failure stands: returns it.  Closes the descriptors still held."""
+        if self._failure is None:
+            self._failure = ConnectionFailed(message, code)
+            self._outstanding.clear()
+            self._filling = None
+            _close_all(self._fds)
+            self._fds.clear()
+        return self._failure
+
+    @property
+    def failure(self) -> ConnectionFailed | None:
+        """Why the connection is over, or None while it is usable."""
+        return self._failure
+
+    def ensure_open(self) -> None:
+        """ConnectionClosed (with the first failure's message) if the connection is over."""
+        if self._failure is not None:
+            raise ConnectionClosed(self._failure.message)
+
+    def close(self) -> None:
+        """The pump is done: fail the connection ("client closed") unless it already failed, and
+        close every descriptor not handed out.  Idempotent."""
+        self.fail("client closed")
+
+    # -- internals --------------------------------------------------------------------
+
+    def _expect(self, rule: _Rule, output_area: tuple[int, int] | None = None) -> int:
+        self.ensure_open()
+        rid = self._next_id
+        self._next_id += 1
+        self._outstanding[rid] = (rule, output_area)
+        return rid
+
+    def _control(self, kind: Kind, meta: dict) -> tuple[int, list]:
+        rid = self._expect(_RULES[kind])
+        return rid, [protocol.encode_frame(kind, {"id": rid, **meta})]
+
+    def _answer(self, frame: Frame):
+        """The event a complete frame makes; None when its payload is still to come."""
+        meta, kind = frame.meta, frame.kind
+        rid = meta.get("id")
+        if kind is _ERROR and rid is None:
+            return self.fail(str(meta.get("message")), ErrorCode.from_wire(str(meta.get("code"))))
+        expected = self._outstanding.pop(rid, None) if type(rid) is int else None
+        if expected is None:
+            return self.fail(NOT_SENT)
+        rule, output_area = expected
+        if kind is _ERROR:
+            return RequestFailed(rid, ShmserveError(ErrorCode.from_wire(str(meta.get("code"))),
+                                                    str(meta.get("message"))))
+        if kind is not rule.answer:
+            return self.fail(f"server answered {rule.request.name} with {kind.name}")
+        try:
+            return rule.decode(self, rid, meta, frame.data_len, output_area)
+        except _Unreadable as exc:
+            return self.fail(f"unreadable answer from the server: {exc}")
+
+    def _result(self, rid: int, meta: dict, data_len: int, _area) -> InferResult | ConnectionFailed | None:
+        tensors, total = _tensors(meta, with_offset=False)
+        if total != data_len:
+            return self.fail("server sent a result whose payload does not match its outputs")
+        outputs, sinks = {}, []
+        try:
+            for name, dtype, shape, nbytes, _ in tensors:
+                outputs[name] = a = np.empty(shape, dtype)
+                if nbytes:
+                    sinks.append(_raw(a))
+        except MemoryError:
+            return self.fail(f"no memory for a result of {data_len} bytes")
+        result = InferResult(rid, outputs)
+        if not data_len:
+            return result
+        self._conn.accept_payload(sinks)
+        self._filling = result
+        return None
+
+    def _region_result(self, rid: int, meta: dict, _data_len, output_area: tuple[int, int]) -> RegionResult | RequestFailed:
+        lo, hi = output_area
+        placements = []
+        for name, dtype, shape, nbytes, offset in _tensors(meta, with_offset=True)[0]:
+            if not (lo <= offset and offset + nbytes <= hi):
+                return RequestFailed(rid, ShmserveError(ErrorCode.INTERNAL,
+                                                        "server placed an output outside the output area"))
+            placements.append(Placement(name, dtype, shape, offset))
+        return RegionResult(rid, tuple(placements))
+
+    def _region_granted(self, rid: int, meta: dict, *_) -> RegionGranted | RequestFailed:
+        region, size, lane = meta.get("region"), meta.get("size"), meta.get("lane")
+        if type(region) is not int or not 0 < region < 2**32 or type(size) is not int or size <= 0:
+            raise _Unreadable("a region answer needs a positive integer 'region' and 'size'")
+        if lane is not None and not (type(lane) is dict and type(lane.get("model")) is str
+                                     and size >= layout.LANE_BYTES):
+            raise _Unreadable("a lane region's 'lane' must name its model, and the region must hold a lane")
+        if not self._fds:
+            return RequestFailed(rid, ShmserveError(ErrorCode.INTERNAL,
+                                                    "the server's region answer carried no descriptor"))
+        return RegionGranted(rid, region, size, lane, self._fds.popleft())
+
+    def _models(self, rid: int, meta: dict, *_) -> Reply:
+        models = meta.get("models")
+        if type(models) is not list or not all(type(m) is dict and type(m.get("name")) is str for m in models):
+            raise _Unreadable("'models' must be a list of objects with a 'name'")
+        return Reply(rid, models)
+
+    def _reply(self, rid: int, meta: dict, *_) -> Reply:
+        return Reply(rid, {k: v for k, v in meta.items() if k != "id"})
+
+
+class _Rule(NamedTuple):
+    request: Kind
+    answer: Kind  # the one kind besides ERROR that may answer it
+    decode: Callable  # (session, id, meta, data_len, output area) -> the event; None while its payload is due
+
+
+_RULES = {rule.request: rule for rule in (  # the module docstring's table
+    _Rule(Kind.INFER, Kind.RESULT, ClientSession._result),
+    _Rule(Kind.INFER_REGION, Kind.RESULT_REGION, ClientSession._region_result),
+    _Rule(Kind.OPEN_REGION, Kind.REGION, ClientSession._region_granted),
+    _Rule(Kind.CLOSE_REGION, Kind.REPLY, ClientSession._reply),
+    _Rule(Kind.MODELS, Kind.REPLY, ClientSession._models),
+    _Rule(Kind.HEALTH, Kind.REPLY, ClientSession._reply),
+    _Rule(Kind.INFO, Kind.REPLY, ClientSession._reply),
+)}
+_INFER, _INFER_REGION, _ERROR = _RULES[Kind.INFER], _RULES[Kind.INFER_REGION], Kind.ERROR  # Kind.X costs ~0.2 us
+
+
+# -- answers' metadata --------------------------------------------------------------------
+
+def _tensors(meta: dict, *, with_offset: bool) -> tuple[list[tuple[str, np.dtype, tuple, int, int]], int]:
+    """An answer's ``outputs`` as (name, dtype, shape, nbytes, offset) each, and their total bytes;
+    _Unreadable if malformed.  (protocol.parse_tensor_list checks requests the same way, at
+    several times the cost.)"""
+    items = meta.get("outputs")
+    if type(items) is not list or len(items) > protocol.MAX_TENSORS_PER_MESSAGE:
+        raise _Unreadable(f"'outputs' must be a list of at most {protocol.MAX_TENSORS_PER_MESSAGE} tensors")
+    out, names, total = [], set(), 0
+    for item in items:
+        if type(item) is not dict:
+            raise _Unreadable("each output must be an object")
+        name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
+        if type(name) is not str or name in names:
+            raise _Unreadable(f"output name {name!r} is not a string or appears twice")
+        names.add(name)
+        dtype = _DTYPES.get(dtype) if type(dtype) is str else None
+        if dtype is None:
+            raise _Unreadable(f"output {name!r}: dtype {item.get('dtype')!r} is not supported")
+        if type(shape) is not list or len(shape) > protocol.MAX_DIMS:
+            raise _Unreadable(f"output {name!r}: shape must be a list of at most {protocol.MAX_DIMS} sizes")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise _Unreadable(f"output {name!r}: shape must hold non-negative integers")
+        offset = 0
+        if with_offset:
+            offset = item.get("offset")
+            if type(offset) is not int or offset < 0:
+                raise _Unreadable(f"output {name!r}: 'offset' must be a non-negative integer")
+        shape = tuple(shape)
+        nbytes = dtype.itemsize * math.prod(shape)
+        out.append((name, dtype, shape, nbytes, offset))
+        total += nbytes
+    return out, total
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of a non-empty C-contiguous array: a flat byte view of its own memory."""
+    return a.data.cast("B")
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,283 @@
+"""Both clients as pumps: real ``Client`` and ``AsyncClient`` on a real Unix socket, against a
+scripted peer that answers what a real server never would (answers split into odd pieces,
+out of order, malformed, cut off, with descriptors nobody asked for).
+
+What the session decides is tested in test_session.py with byte strings; here: that each pump
+delivers it — the right answer to the right caller, a clear ConnectionClosed instead of a
+crash or a hang, and no descriptor left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmserve import AsyncClient, Client, ConnectionClosed, ErrorCode, ShmserveError, protocol
+from shmserve.protocol import Kind
+
+from test_session import all_closed, frame, pipe_end, result
+
+WAIT_S = 10.0
+
+
+class Peer:
+    """A scripted server: accepts one connection and calls ``answer(kind, meta)`` for every
+    request frame it reads; ``answer`` sends what it wants with ``send``/``send_fds``/``close``.
+    Requests whose answer is held back can be answered later from the test (``held``)."""
+
+    def __init__(self, path: str, answer):
+        self.answer = answer
+        self.held: list[tuple[Kind, dict]] = []
+        self.conn: socket.socket | None = None
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def send(self, data: bytes, pieces: int = 1, pause: float = 0.0) -> None:
+        step = -(-len(data) // pieces)
+        for at in range(0, len(data), step):
+            self.conn.sendall(data[at:at + step])
+            if pause:
+                time.sleep(pause)
+
+    def send_fds(self, data: bytes, fds: list[int]) -> None:
+        socket.send_fds(self.conn, [data], fds)
+
+    def close(self) -> None:
+        self.conn.shutdown(socket.SHUT_RDWR)
+
+    def _serve(self) -> None:
+        self.conn, _ = self.listener.accept()
+        proto = protocol.Connection(protocol.Role.SERVER)
+        try:
+            while data := self.conn.recv(1 << 20):
+                proto.receive_data(data)
+                while (ev := proto.next_event()) is not protocol.NEED_DATA:
+                    if isinstance(ev, protocol.ProtocolError):
+                        return
+                    if isinstance(ev, protocol.Frame):
+                        if ev.data_len:
+                            proto.discard_payload()
+                        self.answer(self, ev.kind, ev.meta)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+        self.thread.join(WAIT_S)
+
+
+@pytest.fixture
+def peer(tmp_path):
+    made = []
+
+    def make(answer) -> tuple[Peer, str]:
+        path = str(tmp_path / f"peer{len(made)}.sock")
+        made.append(Peer(path, answer))
+        return made[-1], path
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def echo_result(p: Peer, meta: dict, pieces: int = 1) -> None:
+    """A RESULT whose one output is the request's first input, all ones, in ``pieces`` writes."""
+    shape = meta["inputs"][0]["shape"]
+    data = np.ones(shape, np.uint8).tobytes()
+    p.send(result(meta["id"], [{"name": "y", "dtype": "uint8", "shape": shape}], data), pieces, 0.001)
+
+
+def wait_closed(read_end: int) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not all_closed(read_end):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- answers reach their callers ----------------------------------------------------------
+
+def test_the_blocking_client_reads_a_result_that_arrives_in_odd_pieces(peer):
+    _, path = peer(lambda p, kind, meta: echo_result(p, meta, pieces=37))
+    with Client(path, timeout=WAIT_S) as c:
+        for n in (0, 1, 4096, 3 << 20):
+            out = c.infer("m", {"x": np.zeros(n, np.uint8)})["y"]
+            assert out.shape == (n,) and out.sum() == n
+
+
+def test_the_async_client_gives_each_caller_its_own_answer_in_any_order(peer):
+    def answer(p, kind, meta):
+        p.held.append(meta)
+        if len(p.held) == 8:  # all in flight: answer the last first
+            for m in reversed(p.held):
+                echo_result(p, m, pieces=5)
+
+    _, path = peer(answer)
+
+    async def main():
+        async with AsyncClient(path, timeout=WAIT_S) as c:
+            # up to 2.8 MB each: sends that do not fit the socket wait for it (and must not interleave)
+            sizes = [i * 400_000 + i for i in range(8)]
+            outs = await asyncio.gather(*(c.infer("m", {"x": np.zeros(n, np.uint8)}) for n in sizes))
+            assert [(o["y"].size, int(o["y"].sum())) for o in outs] == [(n, n) for n in sizes]
+
+    asyncio.run(main())
+
+
+# -- malformed answers end the connection cleanly -------------------------------------------
+
+def short_payload(p: Peer, kind, meta) -> None:
+    p.send(result(meta["id"], [{"name": "y", "dtype": "uint8", "shape": [4]}], b"abc"))
+
+
+def test_a_malformed_answer_closes_the_blocking_client_with_the_reason(peer):
+    _, path = peer(short_payload)
+    with Client(path, timeout=WAIT_S) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionClosed, match="payload does not match its outputs"):
+            c.infer("m", {"x": np.ones(4, np.uint8)})
+        with pytest.raises(ConnectionClosed, match="payload does not match its outputs"):
+            c.health()  # the connection is over, at once
+        assert time.monotonic() - t0 < WAIT_S / 2
+
+
+def test_a_malformed_answer_fails_every_async_call_in_flight(peer):
+    def answer(p, kind, meta):
+        p.held.append(meta)
+        if len(p.held) == 3:
+            short_payload(p, kind, p.held[1])
+
+    _, path = peer(answer)
+
+    async def main():
+        async with AsyncClient(path, timeout=WAIT_S) as c:
+            outcomes = await asyncio.gather(*(c.infer("m", {"x": np.ones(4, np.uint8)}) for _ in range(3)),
+                                            return_exceptions=True)
+            assert all(type(o) is ConnectionClosed and "does not match" in o.message for o in outcomes), outcomes
+            with pytest.raises(ConnectionClosed, match="does not match"):
+                await c.health()
+
+    asyncio.run(asyncio.wait_for(main(), WAIT_S))
+
+
+def test_the_servers_own_reason_is_reported_to_both_clients(peer):
+    def answer(p, kind, meta):
+        p.send(frame(Kind.ERROR, {"id": None, "code": "shutting_down", "message": "going away"}))
+        p.close()
+
+    for make in range(2):
+        _, path = peer(answer)
+        if make == 0:
+            with Client(path, timeout=WAIT_S) as c:
+                with pytest.raises(ShmserveError) as info:
+                    c.models()
+                assert info.value.code is ErrorCode.SHUTTING_DOWN and info.value.message == "going away"
+                with pytest.raises(ConnectionClosed, match="going away"):
+                    c.models()
+        else:
+            async def main():
+                async with AsyncClient(path, timeout=WAIT_S) as c:
+                    with pytest.raises(ShmserveError) as info:
+                        await c.models()
+                    assert info.value.code is ErrorCode.SHUTTING_DOWN
+                    with pytest.raises(ConnectionClosed, match="going away"):
+                        await c.models()
+
+            asyncio.run(main())
+
+
+def test_a_server_gone_mid_payload_is_connection_closed_not_a_hang(peer):
+    def answer(p, kind, meta):
+        p.send(protocol.encode_frame(Kind.RESULT, {"id": meta["id"], "outputs": [
+            {"name": "y", "dtype": "uint8", "shape": [1 << 20]}]}, 1 << 20) + bytes(1000))
+        p.close()
+
+    _, path = peer(answer)
+    with Client(path, timeout=WAIT_S) as c:
+        with pytest.raises(ConnectionClosed, match="closed the connection"):
+            c.infer("m", {"x": np.ones(4, np.uint8)})
+
+    _, path = peer(answer)
+
+    async def main():
+        async with AsyncClient(path, timeout=WAIT_S) as c:
+            with pytest.raises(ConnectionClosed, match="closed the connection"):
+                await c.infer("m", {"x": np.ones(4, np.uint8)})
+
+    asyncio.run(asyncio.wait_for(main(), WAIT_S))
+
+
+# -- descriptors --------------------------------------------------------------------------
+
+def region_fd(size: int) -> int:
+    fd = os.memfd_create("shmserve-test-region")
+    os.ftruncate(fd, size)
+    return fd
+
+
+def test_a_granted_region_is_mapped_and_a_stray_descriptor_is_closed(peer):
+    read_end, stray = pipe_end()
+
+    def answer(p, kind, meta):
+        if kind == Kind.HEALTH:  # a descriptor with an answer that carries none: nobody takes it
+            p.send_fds(frame(Kind.REPLY, {"id": meta["id"], "state": "ready"}), [stray])
+            return
+        size = meta["size"]
+        real = region_fd(size if size != 12345 else 4096)  # 12345: a region smaller than it says
+        p.send_fds(frame(Kind.REGION, {"id": meta["id"], "region": 7, "size": size}), [real])
+        os.close(real)
+
+    _, path = peer(answer)
+    with Client(path, timeout=WAIT_S) as c:
+        region = c.open_region(8192)
+        region.buf[:4] = b"abcd"  # mapped, writable
+        assert region.id == 7 and region.size == 8192
+        with pytest.raises(ShmserveError) as info:
+            c.open_region(12345)  # never mapped: touching the missing pages would be SIGBUS
+        assert info.value.code is ErrorCode.INTERNAL and "smaller" in info.value.message
+        assert c.health() == {"state": "ready"}  # the connection goes on
+        os.close(stray)
+        assert not all_closed(read_end)  # the client's copy, held by its session
+    assert wait_closed(read_end)  # closed with the client
+    os.close(read_end)
+
+
+def test_a_region_granted_after_its_async_caller_gave_up_is_closed(peer):
+    read_end, write_end = pipe_end()
+    asked = threading.Event()
+
+    def answer(p, kind, meta):
+        if kind == Kind.OPEN_REGION:
+            p.held.append(meta)
+            asked.set()
+        else:
+            p.send_fds(frame(Kind.REGION, {"id": p.held[0]["id"], "region": 1, "size": 4096}), [write_end])
+            p.send(frame(Kind.REPLY, {"id": meta["id"], "state": "ready"}))
+
+    _, path = peer(answer)
+
+    async def main():
+        async with AsyncClient(path, timeout=WAIT_S) as c:
+            task = asyncio.ensure_future(c.open_region(4096))
+            await asyncio.get_running_loop().run_in_executor(None, asked.wait, WAIT_S)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert (await c.health()) == {"state": "ready"}  # after the late REGION answer
+
+    asyncio.run(asyncio.wait_for(main(), WAIT_S))
+    os.close(write_end)
+    assert wait_closed(read_end)
+    os.close(read_end)
