@@ -63,7 +63,7 @@ import re
 import struct
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -752,9 +752,9 @@ def is_tensor_aligned(offset: int) -> bool:
     return offset % TENSOR_ALIGN == 0
 
 
-@dataclass(frozen=True)
-class TensorDesc:
-    """One tensor of a slot, validated against the space it lies in."""
+class TensorDesc(NamedTuple):
+    """One tensor of a slot, validated against the space it lies in (a tuple: made per tensor on
+    every request, so it must be cheap)."""
 
     role: int
     name_index: int
@@ -793,16 +793,18 @@ def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int,
         code, ndim, role, name_index, region, offset, nbytes, *dims = TENSOR.unpack(buf, base)
     except struct.error as exc:
         raise LayoutError(f"tensor descriptor at {base}: {exc}") from None
-    dtype = dtype_from_code(code)
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        raise LayoutError(f"unknown dtype code {code}")
     if ndim > MAX_DIMS:
         raise LayoutError(f"tensor rank {ndim} exceeds {MAX_DIMS}")
-    if role not in (ROLE_INPUT, ROLE_OUTPUT):
+    if role != ROLE_INPUT and role != ROLE_OUTPUT:
         raise LayoutError(f"unknown tensor role {role}")
     shape = tuple(dims[:ndim])
-    if any(d < 0 for d in shape):
-        raise LayoutError(f"negative dimension in shape {shape}")
     expected = dtype.itemsize
     for d in shape:
+        if d < 0:
+            raise LayoutError(f"negative dimension in shape {shape}")
         expected *= d
     if expected != nbytes:
         raise LayoutError(f"shape {shape} of {dtype.name} is {expected} bytes, descriptor says {nbytes}")
