@@ -296,6 +296,7 @@ class Arena:
 
 
 _WRITING = int(SlotState.WRITING)
+_pack, _next_generation = layout.pack_status, layout.next_generation  # bound once: the hot path
 
 
 def transition_slot(buf, geometry, index: int, generation: int, frm: SlotState, to: SlotState,
@@ -311,9 +312,9 @@ def transition_slot(buf, geometry, index: int, generation: int, frm: SlotState, 
     if the slot was not in the expected generation and state.
     """
     check_transition(frm, to, actor)
-    new_generation = layout.next_generation(generation) if to == _WRITING else generation
+    new_generation = _next_generation(generation) if to == _WRITING else generation
     offset = geometry.slot_off(index)
-    if not atomics.cas64(buf, offset, layout.pack_status(generation, frm), layout.pack_status(new_generation, to)):
+    if not atomics.cas64(buf, offset, _pack(generation, frm), _pack(new_generation, to)):
         raise SlotConflict(index, (generation, int(frm)), layout.unpack_status(atomics.load64(buf, offset)))
     return new_generation
 

@@ -43,6 +43,7 @@ error frame and closes.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -329,7 +330,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     offset: int | None = None  # zero-copy only: where it lies in the client's region
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return tensor_nbytes(self.dtype, self.shape)
 
@@ -351,8 +352,12 @@ class InferRequest:
     output_capacity: int | None = None
 
 
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
+
+
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
-    n = np.dtype(dtype).itemsize
+    """Bytes of a tensor of ``dtype`` (a name) and ``shape``."""
+    n = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
     for d in shape:
         n *= d
     return n

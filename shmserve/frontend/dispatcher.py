@@ -31,7 +31,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from shmserve import layout
 from shmserve.allocator import ExtentAllocator, SlotPool
@@ -54,8 +54,9 @@ _FREE = int(SlotState.FREE)
 
 # -- what front doors see -------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Output:
+# Answers are tuples (NamedTuple): one or two are made per request, so they must be cheap.
+
+class Output(NamedTuple):
     """One output tensor of a result.  ``offset``: where it lies in the request's region
     (zero-copy) or the arena (inline); ``view``: inline only, the bytes, a view of the arena."""
 
@@ -67,8 +68,7 @@ class Output:
     view: memoryview | None = None
 
 
-@dataclass(frozen=True)
-class Outputs:
+class Outputs(NamedTuple):
     """A request's result.  ``in_arena``: the outputs are views of the arena, held until the door
     calls ``Dispatcher.release``; otherwise they lie in the client's own region."""
 
@@ -76,8 +76,7 @@ class Outputs:
     in_arena: bool
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(NamedTuple):
     """A request's error: a stable code and a message for people."""
 
     code: ErrorCode
@@ -128,11 +127,8 @@ class LoopClock:
 
     def __init__(self, loop):
         self.loop = loop
+        self.monotonic = time.monotonic  # deadlines are turned into delays, so any monotonic clock does
         self.call_later, self.call_soon = loop.call_later, loop.call_soon
-
-    @staticmethod
-    def monotonic() -> float:
-        return time.monotonic()
 
 
 @dataclass
@@ -199,13 +195,13 @@ class Dispatcher:
         """Give a submitted request arena space now (``Door.admitted``) or queue it for space
         (``Door.waiting``); past ``max_waiting`` it is answered OVERLOADED."""
         if not self.waiting and self._allocate(req):
-            self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
+            self.arena.add_stat("bytes_in", req.in_bytes)
             self._admit(req)
             return
         if len(self.waiting) >= self.limits.max_waiting:
             self._end(req, Failure(ErrorCode.OVERLOADED, f"arena full and {len(self.waiting)} requests waiting"))
             return
-        self.arena.add_stat("bytes_in", sum(t.nbytes for t in req.inputs))
+        self.arena.add_stat("bytes_in", req.in_bytes)
         req.advance(Event.WAIT)
         self._arm_deadline(req)
         self.waiting.append(req)
@@ -230,8 +226,8 @@ class Dispatcher:
                 raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
             check_request(region, parsed.inputs, parsed.output_offset, parsed.output_capacity)
             req.region, req.out_offset, req.out_capacity = region, parsed.output_offset, parsed.output_capacity
-        else:
-            in_bytes = sum(t.nbytes for t in parsed.inputs)
+        in_bytes = req.in_bytes = sum(t.nbytes for t in parsed.inputs)
+        if parsed.region is None:
             if payload_bytes != in_bytes:
                 raise ShmserveError(ErrorCode.BAD_FRAME, f"payload is {payload_bytes} bytes, inputs need {in_bytes}")
             padded = sum(layout.align_tensor(t.nbytes) for t in parsed.inputs)
@@ -309,20 +305,20 @@ class Dispatcher:
         """``req`` holds space: write its input descriptors; inline, have its door receive the
         payload into the arena; zero-copy (or nothing to receive), publish it now."""
         req.advance(Event.ADMIT)
-        buf, g, index = self.buf, self.geometry, req.slot
+        buf, g, index, region = self.buf, self.geometry, req.slot, req.region
         spec = req.model.spec
         sinks, pos = [], req.extent.offset if req.extent else 0
         for i, t in enumerate(req.inputs):
-            if req.zero_copy:
-                offset, region = t.offset, req.region.id
+            if region is not None:
+                offset, region_id = t.offset, region.id
             else:
-                offset, region = pos, 0
-                pos += layout.align_tensor(t.nbytes)
-                if t.nbytes:
-                    sinks.append(self.view[offset:offset + t.nbytes])
+                nbytes, offset, region_id = t.nbytes, pos, 0
+                pos += layout.align_tensor(nbytes)
+                if nbytes:
+                    sinks.append(self.view[offset:offset + nbytes])
             layout.encode_tensor(buf, g, index, i, role=layout.ROLE_INPUT, name_index=spec.input_index(t.name),
-                                 dtype=t.dtype, shape=t.shape, offset=offset, region=region)
-        if not req.zero_copy:
+                                 dtype=t.dtype, shape=t.shape, offset=offset, region=region_id)
+        if region is None:
             req.out_offset, req.out_capacity = pos, req.extent.offset + req.extent.size - pos
         if sinks:
             req.door.admitted(req, sinks)
@@ -450,7 +446,8 @@ class Dispatcher:
         g, buf = self.geometry, self.buf
         slot = layout.decode_slot_request(buf, g, index)
         spec = req.model.spec
-        sizes = {req.region.id: req.region.size} if req.zero_copy else None
+        zero_copy = req.region is not None
+        sizes = {req.region.id: req.region.size} if zero_copy else None
         if slot.n_outputs != len(spec.outputs):
             raise layout.LayoutError(f"{slot.n_outputs} outputs, the model has {len(spec.outputs)}")
         area_start, area_end = req.out_offset, req.out_offset + req.out_capacity
@@ -462,7 +459,7 @@ class Dispatcher:
             seen.add(d.name_index)
             if not (area_start <= d.offset and d.offset + d.nbytes <= area_end):
                 raise layout.LayoutError(f"output [{d.offset}, +{d.nbytes}) lies outside the request's output area")
-            if req.zero_copy:
+            if zero_copy:
                 if d.region != req.region.id:
                     raise layout.LayoutError("output outside the client's region")
                 view = None
@@ -475,7 +472,7 @@ class Dispatcher:
                                   d.nbytes, view))
         if total:
             self.arena.add_stat("bytes_out", total)
-        return Outputs(tuple(outputs), in_arena=not req.zero_copy)
+        return Outputs(tuple(outputs), not zero_copy)
 
     # -- answers and space ----------------------------------------------------------------
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from shmserve.supervisor import WorkerHandle
 
 
-class RequestState(enum.Enum):
+class RequestState(enum.StrEnum):  # a str subclass: hashed in C on the hot path
     NEW = "new"
     WAITING = "waiting"
     ADMITTED = "admitted"
@@ -67,7 +67,7 @@ class RequestState(enum.Enum):
     DONE = "done"
 
 
-class Event(enum.Enum):
+class Event(enum.StrEnum):
     WAIT = "wait"
     ADMIT = "admit"
     PUBLISH = "publish"
@@ -131,6 +131,7 @@ class Request:
     region: "Region | None" = None
     out_offset: int = 0
     out_capacity: int = 0
+    in_bytes: int = 0  # the input tensors' bytes
     total_bytes: int = 0  # inline: arena bytes for inputs and outputs
     slot: int | None = None
     generation: int = 0
@@ -150,5 +151,9 @@ class Request:
 
     def advance(self, event: Event) -> RequestState:
         """Take ``event``; returns the new state.  IllegalTransition if the table forbids it."""
-        self.state = next_state(self.state, event)
-        return self.state
+        try:
+            self.state = state = TRANSITIONS[(self.state, event)]
+        except KeyError:
+            next_state(self.state, event)  # raises, naming the edge
+            raise
+        return state
