@@ -254,7 +254,7 @@ class Supervisor:
         if not w.alive:
             return
         w.terminating = True
-        self._signal(w, signal.SIGTERM)
+        self._send_term(w)
         proc = w.proc
         self.loop.call_later(TERM_GRACE_S, self._kill_if_still, w, proc)
 
@@ -347,6 +347,13 @@ class Supervisor:
                 w.replacing = True
                 self.command(w, layout.STOP_ENTRY)
 
+    def _send_term(self, w: WorkerHandle) -> None:
+        """SIGTERM, marked as ours: the worker-table entry says STOPPING first (a worker ignores a
+        TERM without that mark, which a shell's kill of the process group would be)."""
+        atomics.store32(self.arena.buf, self.arena.geometry.worker_off(w.index) + layout.WORKER.offset("state"),
+                        layout.WORKER_STOPPING)
+        self._signal(w, signal.SIGTERM)
+
     def _signal(self, w: WorkerHandle, sig: int) -> None:
         if w.alive:
             try:
@@ -371,7 +378,10 @@ class Supervisor:
             if sig is not None:
                 log.warning("%d worker(s) still running; sending %s", len(alive), signal.Signals(sig).name)
                 for w in alive:
-                    self._signal(w, sig)
+                    if sig == signal.SIGTERM:
+                        self._send_term(w)
+                    else:
+                        self._signal(w, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and any(w.alive for w in alive):
                 await asyncio.sleep(0.02)

@@ -468,6 +468,19 @@ def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_th
     assert "SIGKILL" not in log, log
 
 
+def test_a_stray_sigterm_to_a_worker_is_ignored(server):
+    """A TERM the supervisor did not send (a shell's pkill, a kill of the process group) does not
+    take a worker down: it keeps serving, and is not restarted."""
+    (worker,) = [w for w in server.info()["workers"] if w["model"] == "demo"]
+    os.kill(worker["pid"], signal.SIGTERM)
+    time.sleep(0.5)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    with server.client() as c:
+        assert c.infer("demo", {"image": x})["probabilities"].shape == (1, 10)
+    (after,) = [w for w in server.info()["workers"] if w["model"] == "demo"]
+    assert after["pid"] == worker["pid"] and after["restarts"] == 0 and after["state"] == "ready"
+
+
 def test_peer_credentials_refuse_other_users(tmp_path):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another user")

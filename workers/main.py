@@ -1,8 +1,8 @@
 """The worker process's entry: ``python -m workers.main`` (argv in ``shmserve.workerlink``).
 
 Owns: what happens between the front-end spawning a worker and the serve
-loop: arguments, signals (the front-end owns SIGINT; SIGTERM means "leave now";
-we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
+loop: arguments, signals (the front-end owns SIGINT; SIGTERM from the
+supervisor means "leave now"; we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
 ``ExitStack`` that everything the worker holds is entered on
 (``workers.worker.open_worker``), the control-socket messages ("ready" with
 the spec, or "failed" with why), and the exit codes (``workerlink``).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -26,7 +27,8 @@ import sys
 
 import orjson
 
-from shmserve import workerlink
+from shmserve import _atomics as atomics
+from shmserve import layout, workerlink
 from shmserve.arena import Arena, ArenaError
 from shmserve.config import ModelConfig
 from workers.regions import GpuMemory
@@ -43,8 +45,14 @@ def _die_with_parent() -> None:
         pass  # the idle-tick ppid check still catches orphaning
 
 
-def _terminated(signum, frame):
-    raise SystemExit(workerlink.EXIT_TERMINATED)  # unwinds the ExitStack; the request in hand is failed by the front-end
+def _terminated(buf, state_offset: int, signum, frame) -> None:
+    """SIGTERM: the supervisor's step after a STOP entry that was not enough (a wedged worker, a stop
+    that outlasts its time).  It marks our worker-table entry STOPPING before it signals; then we
+    leave at once, unwinding the ExitStack (unregister before unmap; the front-end fails the
+    request in hand).  A TERM without that mark (a shell's pkill, a kill of the process group) is
+    ignored: the front-end stops us in order."""
+    if atomics.load32(buf, state_offset) == layout.WORKER_STOPPING:
+        raise SystemExit(workerlink.EXIT_TERMINATED)
 
 
 def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelConfig) -> Worker:
@@ -53,6 +61,9 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
         arena = stack.enter_context(Arena.attach(args.instance))
     except ArenaError as exc:
         raise StartFailed(workerlink.EXIT_ARENA_FAILED, f"cannot attach the arena: {exc}") from None
+    state_offset = arena.geometry.worker_off(args.index) + layout.WORKER.offset("state")
+    signal.signal(signal.SIGTERM, functools.partial(_terminated, arena.buf, state_offset))
+    stack.callback(signal.signal, signal.SIGTERM, signal.SIG_IGN)  # before the arena is unmapped
     gpu = None
     if config.device.startswith("cuda"):
         try:
@@ -71,13 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-fd", type=int, required=True)
     parser.add_argument("--spin-us", type=int, default=0)
     args = parser.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group: the front-end owns it, drains, and
-    # stops us in order with a STOP entry.  SIGTERM is the supervisor's next step when a STOP
-    # entry is not enough (a wedged worker, a stop that outlasts its time; systemd's
-    # KillMode=mixed sends it to the front-end only): leave now, releasing what we hold on the
-    # way out (unregister before unmap).  SIGKILL is the last resort.
+    # Ctrl-C in a terminal, or a `kill`/`pkill` of the whole process group, reaches us too: the
+    # front-end owns those, drains, and stops us in order with a STOP entry.  Until the arena is
+    # mapped both are ignored; then SIGTERM counts only when our supervisor sent it (_terminated).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ppid = os.getppid()
     _die_with_parent()
     if os.getppid() != ppid:
