@@ -8,8 +8,11 @@ Ring protocol.  ``tail`` is written only by the producer, ``head`` only by
 the consumer, each on its own cache line.  Push: write the entry, then
 store-release ``tail``.  Pop: load-acquire ``tail``, read the entry, then
 store-release ``head`` (the producer may reuse that entry only after seeing
-the new head).  Entries are ``generation << 32 | slot index``; consumers treat
-them as untrusted and validate the index.
+the new head).  Entries are ``layout.slot_entry`` (or, on a worker's own
+ring, ``layout.command_entry``); consumers treat them as untrusted and
+validate the index.  Indices are u64 that wrap: every difference is taken
+modulo 2**64, so indices a lane's client scribbled over make a ring look
+full or corrupt (``pop_all`` raises RuntimeError), never raise on a push.
 
 Doorbell protocol (no lost wake-ups, no syscall while the consumer is awake).
 The doorbell line holds ``seq`` (u32, the futex word) and ``waiters`` (u32):
@@ -51,6 +54,7 @@ from shmserve import _atomics as atomics
 from shmserve import layout
 
 WAKE_ALL = 0x7FFFFFFF
+_U64 = (1 << 64) - 1  # indices are u64 and wrap; a lane's client may have written any value into them
 
 
 class Ring:
@@ -77,14 +81,15 @@ class Ring:
     # -- producer ---------------------------------------------------------------------------
 
     def push(self, value: int) -> bool:
-        """Append ``value`` (u64); False if the ring is full.  Producer only."""
+        """Append ``value`` (u64); False if the ring is full (or its indices are corrupt: a lane's
+        client can write them).  Producer only."""
         buf = self.buf
         tail = atomics.load64(buf, self._tail)
-        if tail - atomics.load64(buf, self._head) >= self.capacity:
+        if (tail - atomics.load64(buf, self._head)) & _U64 >= self.capacity:
             return False
         atomics.store64(buf, self._entries + 8 * (tail & self._mask), value)
         # Order matters here: the entry is written before tail publishes it.
-        atomics.store64(buf, self._tail, tail + 1)
+        atomics.store64(buf, self._tail, (tail + 1) & _U64)
         return True
 
     # -- consumer ---------------------------------------------------------------------------
@@ -96,7 +101,7 @@ class Ring:
         if head == atomics.load64(buf, self._tail):
             return None
         value = atomics.load64(buf, self._entries + 8 * (head & self._mask))
-        atomics.store64(buf, self._head, head + 1)
+        atomics.store64(buf, self._head, (head + 1) & _U64)
         return value
 
     def pop_all(self) -> list[int]:
@@ -104,7 +109,7 @@ class Ring:
         buf = self.buf
         head = atomics.load64(buf, self._head)
         tail = atomics.load64(buf, self._tail)
-        count = tail - head
+        count = (tail - head) & _U64
         if count == 0:
             return []
         if not 0 < count <= self.capacity:
@@ -114,7 +119,7 @@ class Ring:
         return values
 
     def __len__(self) -> int:
-        return atomics.load64(self.buf, self._tail) - atomics.load64(self.buf, self._head)
+        return (atomics.load64(self.buf, self._tail) - atomics.load64(self.buf, self._head)) & _U64
 
     def empty(self) -> bool:
         return atomics.load64(self.buf, self._head) == atomics.load64(self.buf, self._tail)
@@ -122,7 +127,7 @@ class Ring:
     def discard(self) -> int:
         """Drop every entry (the producer may call this once the consumer is known dead); returns the count."""
         tail = atomics.load64(self.buf, self._tail)
-        dropped = tail - atomics.load64(self.buf, self._head)
+        dropped = (tail - atomics.load64(self.buf, self._head)) & _U64
         atomics.store64(self.buf, self._head, tail)
         return dropped
 

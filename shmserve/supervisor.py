@@ -281,7 +281,7 @@ class Supervisor:
             w.replacing = False
             w.set_state(RESTARTING)
             log.info("worker %d (%s) stopped for reload; starting it with the new settings", w.index, w.model.name)
-            self.on_exit(w, how)
+            self._tell_exit(w, how)
             if not w.ready_future.done():
                 w.ready_future.set_result(False)
             self.loop.call_soon(self._respawn, w)
@@ -294,7 +294,7 @@ class Supervisor:
             w.set_state(RESTARTING)
         log.log(logging.INFO if self.stopping else logging.ERROR, "worker %d (%s) pid %d %s",
                 w.index, w.model.name, w.proc.pid, how)
-        self.on_exit(w, how)
+        self._tell_exit(w, how)
         if not w.ready_future.done():
             w.ready_future.set_result(False)
         if w.state == RESTARTING:
@@ -304,6 +304,14 @@ class Supervisor:
             self.loop.call_later(delay, self._respawn, w)
         elif w.state == FAILED:
             log.error("worker %d (%s) will not be restarted: %s", w.index, w.model.name, w.error or how)
+
+    def _tell_exit(self, w: WorkerHandle, how: str) -> None:
+        """Tell the front-end (it fails or recovers what the worker held).  Its failure is logged,
+        never allowed to skip what follows: the restart."""
+        try:
+            self.on_exit(w, how)
+        except Exception:
+            log.exception("recovering what worker %d held failed; restarting it anyway", w.index)
 
     def restart_delay(self, w: WorkerHandle, was_ready: bool) -> float:
         """Exponential back-off from the first delay to the longest (config ``restart_backoff_s``),

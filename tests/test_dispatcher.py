@@ -19,6 +19,7 @@ import random
 import numpy as np
 import pytest
 
+from shmserve import _atomics as atomics
 from shmserve import layout, workerlink
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
@@ -1036,6 +1037,25 @@ def test_a_lane_whose_only_worker_died_says_it_has_no_worker(fe):
         assert lane.header().worker == 0
         fe.kill(fe.workers[0])
         assert lane.header().worker == layout.NO_WORKER
+    finally:
+        lane.close()
+        fe.regions.close_all()
+
+
+def test_a_lane_whose_client_scribbled_its_completion_ring_still_fails_cleanly(fe):
+    """The client set its lane's completion-ring indices to 2**64 - 1: when the lane's worker dies,
+    the front-end fails the call in flight and moves on without an exception (which would skip
+    the worker's restart)."""
+    lane = LaneClient(fe.regions, object(), "add")
+    try:
+        index, generation = lane.submit(np.ones(16, np.float32))
+        for field in (layout.RING_TAIL, layout.RING_HEAD):
+            atomics.store64(lane.buf, layout.LANE.completion_off + field, 2**64 - 1)
+        fe.kill(fe.workers[0])
+        assert lane.lane.finished(index, generation)
+        with pytest.raises(ShmserveError) as info:
+            lane.read(index, generation)
+        assert info.value.code is ErrorCode.WORKER_CRASHED
     finally:
         lane.close()
         fe.regions.close_all()

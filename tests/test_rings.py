@@ -171,3 +171,24 @@ def test_wait_any_past_the_futex_waitv_limit_polls_the_rest():
     assert wait_any(many, timeout=5) is True
     assert time.monotonic() - t0 < 4
     late.join()
+
+
+def test_indices_a_client_scribbled_over_never_make_a_push_or_pop_raise(arena):
+    """A lane's client can write any value into its ring's indices: the producer sees a full (or
+    corrupt) ring and carries on; 64-bit indices wrap instead of overflowing."""
+    ring = Ring.of_worker(arena, 0, completion=True)
+    buf = arena.buf
+    from shmserve import _atomics as atomics
+    from shmserve import layout
+
+    base = arena.geometry.ring_off(0, True)
+    atomics.store64(buf, base + layout.RING_TAIL, 2**64 - 1)
+    atomics.store64(buf, base + layout.RING_HEAD, 2**64 - 1)
+    assert ring.empty() and ring.push(7) and len(ring) == 1  # tail wraps to 0
+    assert atomics.load64(buf, base + layout.RING_TAIL) == 0
+    assert ring.pop_all() == [7] and ring.empty()
+    atomics.store64(buf, base + layout.RING_HEAD, 12345)  # head ahead of tail: "full" or corrupt
+    assert not ring.push(8)
+    with pytest.raises(RuntimeError, match="corrupt"):
+        ring.pop_all()
+    assert ring.discard() >= 0 and ring.empty() and ring.push(9) and ring.pop() == 9

@@ -267,3 +267,20 @@ def test_a_ready_worker_whose_heartbeat_stopped_is_wedged(parts):
         return found, sup.wedged()
 
     assert parts.with_supervisor(wedged, instances=2, worker_timeout_s=10.0) == ([1], [])
+
+
+def test_a_front_end_that_fails_to_recover_a_dead_worker_does_not_stop_its_restart(parts):
+    """If telling the front-end raises (a bug, or memory a client scribbled on), the worker is
+    still moved on and its restart still scheduled: a model never stays 'restarting' for good."""
+    def die(sup, events):
+        def broken(w, how):
+            raise OverflowError("a client's ring indices")
+
+        sup.on_exit = broken
+        w = sup.workers[0]
+        w.state, w.started_at = READY, time.monotonic()
+        _exit(sup, w, -signal.SIGKILL)
+        return w.state, [callback for _, callback, _ in sup.loop.later], sup._respawn
+
+    state, scheduled, respawn = parts.with_supervisor(die)
+    assert state is RESTARTING and scheduled == [respawn]
