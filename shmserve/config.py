@@ -148,7 +148,12 @@ def resolve_socket(cli_value: str | None, config_value: str | None, instance: st
 
 
 def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
-    """The embedded default: the demo model on CPU through ONNX Runtime."""
+    """The embedded default: the demo model on CPU through ONNX Runtime.  ConfigError for a bad
+    instance name."""
+    try:
+        validate_instance(instance)
+    except ValueError as exc:
+        raise ConfigError(f"instance: {exc}") from None
     path = str(resources.files("shmserve.models") / DEMO_MODEL_RESOURCE)
     return ServerConfig(models=(ModelConfig(name="demo", backend="onnxruntime", path=path),), instance=instance)
 

@@ -280,6 +280,24 @@ def test_cli_infer_models_and_no_server(server, tmp_path):
     assert r.returncode == 1
 
 
+def test_serve_mistakes_end_in_a_message_not_a_traceback(tmp_path):
+    """A bad instance name, or a socket that cannot be made: one line naming the fix, a non-zero
+    exit, nothing left in /dev/shm."""
+    from conftest import new_instance
+
+    before = shm_names()
+    run = lambda *args: subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", *args], capture_output=True,
+                                       text=True, timeout=120)
+    r = run("--instance", "bad name", "--socket", str(tmp_path / "s.sock"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid instance name" in r.stderr, r.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = run("--instance", new_instance("cli"), "--socket", str(blocker / "s.sock"))  # its "directory" is a file
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot listen on" in r.stderr and "choose another --socket" in r.stderr
+    assert shm_names() == before
+
+
 def test_async_client_many_in_flight(server):
     import asyncio
 

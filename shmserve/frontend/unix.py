@@ -63,10 +63,20 @@ class Listener:
 
     def __init__(self, path: str, *, mode: int = 0o600, group: str | None = None,
                  sock: socket.socket | None = None):
+        """SystemExit naming the fix if the socket cannot be made (a user's mistake, not a bug)."""
         self.path = path
         self.created_dir: Path | None = None  # made by us, removed again at exit if empty
+        self._bound: socket.socket | None = None  # bound by us, while the rest of the set-up runs
         self.owned = sock is None
-        self.sock = sock if sock is not None else self._bind(mode, group)
+        if sock is None:
+            try:
+                sock = self._bind(mode, group)
+            except (OSError, KeyError) as exc:  # KeyError: no such socket_group
+                self._undo()
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"no group {group!r}"
+                raise SystemExit(f"shmserve: cannot listen on {path}: {reason}; choose another --socket "
+                                 f"(or fix the directory's permissions)") from None
+        self.sock = sock
 
     def _bind(self, mode: int, group: str | None) -> socket.socket:
         path = Path(self.path)
@@ -88,8 +98,12 @@ class Listener:
         old = os.umask(0o177)
         try:
             sock.bind(str(path))
+        except OSError:
+            sock.close()
+            raise
         finally:
             os.umask(old)
+        self._bound = sock  # ours to unlink if what follows fails
         if group is not None:
             import grp
 
@@ -97,6 +111,17 @@ class Listener:
         os.chmod(path, mode)
         sock.listen(LISTEN_BACKLOG)
         return sock
+
+    def _undo(self) -> None:
+        """After a failed bind: remove what this listener made (a bound socket file, its directory)."""
+        if self._bound is not None:
+            self._bound.close()
+            self.remove()
+        elif self.created_dir is not None:
+            try:
+                self.created_dir.rmdir()
+            except OSError:
+                pass
 
     def remove(self) -> None:
         """Unlink the socket file (and the directory we made for it, if empty); ours only."""
