@@ -109,7 +109,8 @@ class Arena:
     @classmethod
     def create(cls, instance: str, *, slot_count: int = 256, max_workers: int = 8,
                size_classes=DEFAULT_SIZE_CLASSES, ring_capacity: int | None = None,
-               group: str | int | None = None, prefault: bool = True, socket_path: str = "") -> "Arena":
+               group: str | int | None = None, prefault: bool = True, socket_path: str = "",
+               max_regions: int = layout.DEFAULT_MAX_REGIONS) -> "Arena":
         """Create, size, prefault and map a new arena; the caller becomes its owner.
 
         Mode 0600, or 0660 owned by ``group`` (name or gid).  ``ring_capacity``
@@ -127,7 +128,7 @@ class Arena:
             ring_capacity = min(layout.MAX_RING_CAPACITY, 1 << max(0, (2 * slot_count - 1).bit_length()))
         try:
             geometry = layout.plan(slot_count=slot_count, size_classes=size_classes,
-                                   max_workers=max_workers, ring_capacity=ring_capacity)
+                                   max_workers=max_workers, ring_capacity=ring_capacity, max_regions=max_regions)
         except ValueError as exc:
             raise ArenaError(f"cannot lay out arena: {exc}") from None
         mode = 0o600

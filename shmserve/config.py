@@ -17,6 +17,10 @@ File format::
     allow_groups = ["shmserve-clients"]   # by name; members (primary or supplementary) may connect
     socket_mode = 0o600             # 0o660 with socket_group to let a group's members connect
     socket_group = "shmserve-clients"
+    max_regions = 1024              # client regions and lanes held at once, all connections together
+    max_regions_per_connection = 16
+    max_region_bytes_per_connection = 1073741824
+    max_region_bytes_per_uid = 4294967296
 
     [arena]
     slots = 256
@@ -110,6 +114,11 @@ class ServerConfig:
     socket_mode: int = 0o600
     socket_group: str | None = None
     worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog); killed at twice that
+    # Client regions (sealed memfds, charged to the server's memory): what clients may make it hold.
+    max_regions: int = 1024  # all connections together (the arena's region table)
+    max_regions_per_connection: int = 16
+    max_region_bytes_per_connection: int = 1 << 30
+    max_region_bytes_per_uid: int = 4 << 30
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -171,6 +180,10 @@ def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfi
     return parse(raw, base_dir=path.parent, instance=instance)
 
 
+REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_region_bytes_per_connection",
+               "max_region_bytes_per_uid"}
+
+
 def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None) -> ServerConfig:
     _keys(raw, "", {"server", "arena", "models"})
     server = _table(raw, "server")
@@ -178,7 +191,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups"})
+                              "allow_groups"} | REGION_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -199,6 +212,9 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     kw.update(_bounded(server, "server.", _int, (
         ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20),
         ("max_inflight_per_connection", 1, 1 << 16))))
+    kw.update(_bounded(server, "server.", _int, (
+        ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16),
+        ("max_region_bytes_per_connection", 0, 1 << 40), ("max_region_bytes_per_uid", 0, 1 << 44))))
     for key in ("allow_uids", "allow_gids"):
         if key in server:
             values = server[key]

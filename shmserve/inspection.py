@@ -122,6 +122,11 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
     out["occupancy"] = {"slots_in_use": arena.stat("slots_in_use"), "slots": g.slot_count,
                         "bytes_in_use": arena.stat("extent_bytes_in_use"), "data_bytes": g.data_size}
     out["stats"] = {name: arena.stat(name) for name in layout.STAT_NAMES}
+    out["regions"] = [{
+        "id": r.id, "kind": layout.REGION_KIND_NAMES[r.kind], "size": r.size, "owner_pid": r.owner_pid,
+        "owner_uid": r.owner_uid, "worker": None if r.worker == layout.NO_WORKER else r.worker,
+        "model": names.get(r.worker, f"#{r.model_id}") if r.kind == layout.REGION_LANE else None,
+        "age_s": round((now_wall - r.created_unix_ns) / 1e9, 1)} for r in layout.read_regions(buf, g)]
     out["problems"] = problems(out)
     return out
 
@@ -150,13 +155,15 @@ def leftovers() -> list[dict]:
 def render(snap: dict):
     """A rich renderable of one snapshot."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
     alive = "[green]alive[/]" if snap["owner_alive"] else "[red]DEAD[/]"
-    head = Text.from_markup(
-        f"[bold]{snap['instance']}[/]  {snap['arena']}  {snap['size'] >> 20} MiB  state {snap['state']}  "
-        f"owner pid {snap['owner_pid']} {alive}  up {snap['uptime_s']:.0f} s  socket {snap['socket'] or '?'}")
+    head = Text.from_markup(  # instance and socket come from the header: text, never markup
+        f"[bold]{escape(snap['instance'])}[/]  {escape(snap['arena'])}  {snap['size'] >> 20} MiB  "
+        f"state {snap['state']}  owner pid {snap['owner_pid']} {alive}  up {snap['uptime_s']:.0f} s  "
+        f"socket {escape(snap['socket'] or '?')}")
     workers = Table(title="workers", title_justify="left")
     for col in ("#", "model", "device", "pid", "state", "heartbeat", "requests", "errors", "restarts"):
         workers.add_column(col, justify="right" if col in ("#", "pid", "requests", "errors", "restarts") else "left")
@@ -185,6 +192,15 @@ def render(snap: dict):
     parts = [head, workers, slots, lat,
              Text(f"arena occupancy: {occ['slots_in_use']}/{occ['slots']} slots, "
                   f"{occ['bytes_in_use'] >> 20}/{occ['data_bytes'] >> 20} MiB of data")]
+    if snap["regions"]:
+        regions = Table(title="client regions and lanes (sealed memfds, the front-end's records)",
+                        title_justify="left")
+        for col in ("id", "kind", "size", "owner pid", "uid", "worker", "model", "age"):
+            regions.add_column(col, justify="left" if col in ("kind", "model") else "right")
+        for r in snap["regions"]:
+            regions.add_row(str(r["id"]), r["kind"], f"{r['size']:,}", str(r["owner_pid"]), str(r["owner_uid"]),
+                            "-" if r["worker"] is None else str(r["worker"]), r["model"] or "-", f"{r['age_s']:.0f} s")
+        parts.append(regions)
     if snap["stuck"]:
         stuck = Table(title="stuck slots", title_justify="left")
         for col in ("slot", "request", "model", "worker", "running"):

@@ -10,7 +10,7 @@ decodes.  Arena contents are untrusted input: every decoder checks offsets,
 sizes and enumerations against the arena it was given and raises
 ``LayoutError`` (never IndexError, struct.error or a crash).
 
-One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
+One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 2::
 
     0                 +-------------------------------------------------------+
                       | header page (4 KiB)                                   |
@@ -35,6 +35,11 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
                       |   +64  head  u64   (consumer's cache line)            |
                       |   +128 doorbell seq u32, waiters u32                  |
                       |   +192 entries: ring_capacity x u64                   |
+    region_table_off  +-------------------------------------------------------+
+                      | region table: max_regions x REGION (64 B): kind,      |
+                      |   id, size, owner pid + uid, lane worker and model,   |
+                      |   created (unix): the front-end's record of each      |
+                      |   client region (the memory is a nameless memfd)      |
     slot_table_off    +-------------------------------------------------------+
                       | slot table: slot_count x SLOT (2 KiB, 64-B aligned)   |
                       |   +0    status u64 = generation << 32 | state         |
@@ -43,7 +48,7 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 1::
                       |   +512  MAX_TENSORS x TENSOR (96 B): dtype, ndim,     |
                       |         role, name index, region, offset, nbytes,     |
                       |         shape[8]; region 0 = this arena's data region,|
-                      |         r > 0 = client region shmserve.<inst>.r<r>     |
+                      |         r > 0 = client region r (a sealed memfd)      |
     data_off          +-------------------------------------------------------+
      (2 MiB aligned)  | data region: size classes one after the other; each   |
                       | class is extent_count extents of extent_size bytes,   |
@@ -70,7 +75,7 @@ import numpy as np
 from shmserve import _atomics as atomics
 
 MAGIC = b"SHMSERVE"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024  # larger size classes align to this (THP / DMA friendly)
@@ -92,6 +97,8 @@ ERROR_MESSAGE_MAX = 192
 MAX_SLOTS = 1 << 20  # sanity bound for hostile headers: 2 GiB of slot table
 MAX_WORKERS = 1024
 MAX_RING_CAPACITY = 1 << 20
+MAX_REGIONS = 1 << 16  # sanity bound for hostile headers: 4 MiB of region records
+DEFAULT_MAX_REGIONS = 1024
 
 # Arena-wide states (header field `state`).
 ARENA_INITIALIZING, ARENA_LIVE, ARENA_STOPPING = 0, 1, 2
@@ -133,18 +140,6 @@ def validate_instance(instance: str) -> str:
 def arena_name(instance: str) -> str:
     """The POSIX shared-memory name of an instance's arena (leading slash included)."""
     return "/" + NAME_PREFIX + validate_instance(instance)
-
-
-def region_name(instance: str, region: int) -> str:
-    """The POSIX shared-memory name of client region ``region`` (>= 1) of ``instance``."""
-    if not 0 < region <= REGION_ID_MAX:
-        raise LayoutError(f"region id {region} out of range 1..{REGION_ID_MAX}")
-    return f"/{NAME_PREFIX}{instance}.r{region}"
-
-
-def region_prefix(instance: str) -> str:
-    """What the /dev/shm listing names of ``instance``'s regions start with (no slash)."""
-    return f"{NAME_PREFIX}{instance}.r"
 
 
 def parse_segment_name(listed: str) -> tuple[str, int | None] | None:
@@ -281,6 +276,8 @@ HEADER = Record("Header", 1024, [
     ("data_off", "Q"),
     ("data_size", "Q"),
     ("hist_table_off", "Q"),
+    ("region_table_off", "Q"),
+    ("max_regions", "I"),
     ("socket_path", "108s"),  # where the owner listens (for cleanup of a dead instance's socket)
     # size-class table: (extent_size, extent_count, offset) x MAX_SIZE_CLASSES
     *[(f"class{i}_{what}", "Q") for i in range(MAX_SIZE_CLASSES) for what in ("size", "count", "offset")],
@@ -309,6 +306,34 @@ WORKER = Record("Worker", WORKER_SIZE, [
 # Worker states (worker table field `state`).
 WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4
 WORKER_STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "stopping", 4: "dead"}
+
+# Region table: the front-end's record of every client region and lane it holds (the memory
+# itself is a sealed memfd with no name: only these records let ``inspect`` see it, live or
+# after a crash).  Written by the front-end only; a record is free while ``kind`` is 0.
+REGION_RECORD_SIZE = 64
+REGION = Record("Region", REGION_RECORD_SIZE, [
+    ("kind", "I"),  # REGION_FREE, REGION_PLAIN or REGION_LANE
+    ("id", "I"),
+    ("size", "Q"),
+    ("owner_pid", "I"),
+    ("owner_uid", "I"),
+    ("worker", "I"),  # a lane's worker, NO_WORKER while it has none (and for a plain region)
+    ("model_id", "I"),  # a lane's model (index in the front-end's model list)
+    ("created_unix_ns", "Q"),
+])
+REGION_FREE, REGION_PLAIN, REGION_LANE = 0, 1, 2
+REGION_KIND_NAMES = {REGION_FREE: "free", REGION_PLAIN: "region", REGION_LANE: "lane"}
+
+
+def read_regions(buf, geometry: "Geometry") -> list:
+    """Every region record in use, in table order (``REGION`` namedtuples; untrusted: a record
+    whose kind is unknown is skipped)."""
+    records = []
+    for index in range(geometry.max_regions):
+        record = REGION.read(buf, geometry.region_off(index))
+        if record.kind in (REGION_PLAIN, REGION_LANE):
+            records.append(record)
+    return records
 
 # Per-worker latency histograms, written by the worker after each request (fetch_add64).
 HIST_STAGES = ("queue", "copy_in", "compute", "copy_out", "total", "batch_size")  # batch_size: requests per run
@@ -469,6 +494,8 @@ class Geometry(SlotTable):
     hist_table_off: int
     ring_table_off: int
     slot_table_off: int
+    region_table_off: int
+    max_regions: int
     data_off: int
     data_size: int
     classes: tuple[SizeClass, ...]
@@ -483,6 +510,12 @@ class Geometry(SlotTable):
         if not 0 <= worker < self.max_workers:
             raise LayoutError(f"worker index {worker} out of range 0..{self.max_workers - 1}")
         return self.hist_table_off + worker * HIST_WORKER_SIZE + HIST_STAGES.index(stage) * HIST_STAGE_SIZE
+
+    def region_off(self, index: int) -> int:
+        """Offset of region record ``index`` (0 .. max_regions - 1)."""
+        if not 0 <= index < self.max_regions:
+            raise LayoutError(f"region record {index} out of range 0..{self.max_regions - 1}")
+        return self.region_table_off + index * REGION_RECORD_SIZE
 
     def ring_off(self, worker: int, completion: bool) -> int:
         if not 0 <= worker < self.max_workers:
@@ -504,7 +537,7 @@ class Geometry(SlotTable):
 
 
 def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_workers: int,
-         ring_capacity: int) -> Geometry:
+         ring_capacity: int, max_regions: int = DEFAULT_MAX_REGIONS) -> Geometry:
     """Compute the geometry of a new arena.
 
     ``size_classes`` is a sequence of ``(extent_size, extent_count)``; sizes are
@@ -518,13 +551,16 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
         raise ValueError(f"max_workers must be in 1..{MAX_WORKERS}")
     if ring_capacity < 1 or ring_capacity & (ring_capacity - 1) or ring_capacity > MAX_RING_CAPACITY:
         raise ValueError(f"ring_capacity must be a power of two up to {MAX_RING_CAPACITY}")
+    if not 1 <= max_regions <= MAX_REGIONS:
+        raise ValueError(f"max_regions must be in 1..{MAX_REGIONS}")
     if not 1 <= len(size_classes) <= MAX_SIZE_CLASSES:
         raise ValueError(f"between 1 and {MAX_SIZE_CLASSES} size classes")
     ring_stride = _align(RING_ENTRIES_OFFSET + 8 * ring_capacity, CACHE_LINE)
     worker_table_off = HEADER_SIZE
     hist_table_off = _align(worker_table_off + max_workers * WORKER_SIZE, CACHE_LINE)
     ring_table_off = _align(hist_table_off + max_workers * HIST_WORKER_SIZE, CACHE_LINE)
-    slot_table_off = _align(ring_table_off + 2 * max_workers * ring_stride, PAGE)
+    region_table_off = _align(ring_table_off + 2 * max_workers * ring_stride, CACHE_LINE)
+    slot_table_off = _align(region_table_off + max_regions * REGION_RECORD_SIZE, PAGE)
     data_off = _align(slot_table_off + slot_count * SLOT_SIZE, HUGE_PAGE)
     for size, count in size_classes:
         if size < 1 or count < 1:
@@ -536,7 +572,8 @@ def plan(*, slot_count: int, size_classes: Sequence[tuple[int, int]], max_worker
         pos += size * count
     total = _align(pos, PAGE)
     return Geometry(total, max_workers, slot_count, ring_capacity, ring_stride, worker_table_off, hist_table_off,
-                    ring_table_off, slot_table_off, data_off, total - data_off, tuple(classes))
+                    ring_table_off, slot_table_off, region_table_off, max_regions, data_off, total - data_off,
+                    tuple(classes))
 
 
 def encode_header(buf, geometry: Geometry, *, instance: str, boot_id: bytes, created_unix_ns: int,
@@ -555,6 +592,7 @@ def encode_header(buf, geometry: Geometry, *, instance: str, boot_id: bytes, cre
         max_workers=geometry.max_workers, slot_count=geometry.slot_count,
         worker_table_off=geometry.worker_table_off, hist_table_off=geometry.hist_table_off,
         ring_table_off=geometry.ring_table_off, socket_path=sock,
+        region_table_off=geometry.region_table_off, max_regions=geometry.max_regions,
         ring_capacity=geometry.ring_capacity, ring_stride=geometry.ring_stride,
         slot_table_off=geometry.slot_table_off, slot_size=SLOT_SIZE, n_classes=len(geometry.classes),
         data_off=geometry.data_off, data_size=geometry.data_size,
@@ -612,12 +650,13 @@ def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
     classes = [(getattr(h, f"class{i}_size"), getattr(h, f"class{i}_count")) for i in range(h.n_classes)]
     try:
         expected = plan(slot_count=h.slot_count, size_classes=classes, max_workers=h.max_workers,
-                        ring_capacity=h.ring_capacity)
+                        ring_capacity=h.ring_capacity, max_regions=h.max_regions)
     except ValueError as exc:
         raise LayoutError(f"impossible geometry: {exc}") from None
     actual = Geometry(
         h.total_size, h.max_workers, h.slot_count, h.ring_capacity, h.ring_stride, h.worker_table_off,
-        h.hist_table_off, h.ring_table_off, h.slot_table_off, h.data_off, h.data_size,
+        h.hist_table_off, h.ring_table_off, h.slot_table_off, h.region_table_off, h.max_regions, h.data_off,
+        h.data_size,
         tuple(SizeClass(getattr(h, f"class{i}_size"), getattr(h, f"class{i}_count"),
                         getattr(h, f"class{i}_offset")) for i in range(h.n_classes)))
     if actual != expected:
@@ -711,7 +750,7 @@ def next_generation(generation: int) -> int:
 # COMMAND_BASE, so the two can never be confused.
 
 COMMAND_BASE = 0xFFFFFF00
-CMD_STOP, CMD_ATTACH_LANE, CMD_DETACH_LANE = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
+CMD_STOP, CMD_ATTACH_LANE, CMD_DROP_REGION = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
 STOP_ENTRY = 2**64 - 1  # CMD_STOP with argument 0xFFFFFFFF: finish what you have, then exit
 assert MAX_SLOTS < COMMAND_BASE
 
@@ -727,7 +766,7 @@ def split_entry(entry: int) -> tuple[int, int]:
 
 
 def command_entry(op: int, argument: int) -> int:
-    """A command entry: CMD_ATTACH_LANE/CMD_DETACH_LANE take the lane's region id."""
+    """A command entry: CMD_ATTACH_LANE and CMD_DROP_REGION (which detaches a lane) take a region id."""
     return (argument & 0xFFFFFFFF) << 32 | op
 
 

@@ -27,12 +27,12 @@ import signal
 import socket
 import time
 
-from shmserve import layout, stale, systemd
+from shmserve import layout, stale, systemd, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.models import MODEL_READY, ModelState
-from shmserve.frontend.regions import RegionTable, sweep_stale
+from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.status import Status
 from shmserve.frontend.unix import Listener, UnixDoor, check_socket_path
 from shmserve.rings import drain_eventfd, new_eventfd
@@ -51,6 +51,12 @@ def limits_of(config: ServerConfig) -> Limits:
                   max_request_bytes=config.max_request_bytes,
                   max_inflight_per_door=config.max_inflight_per_connection,
                   spin_s=config.effective_spin_us() / 1e6)
+
+
+def region_limits_of(config: ServerConfig) -> RegionLimits:
+    return RegionLimits(max_regions_per_connection=config.max_regions_per_connection,
+                        max_region_bytes_per_connection=config.max_region_bytes_per_connection,
+                        max_region_bytes_per_uid=config.max_region_bytes_per_uid)
 
 
 class Frontend:
@@ -74,6 +80,7 @@ class Frontend:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        workerlink.raise_descriptor_limit()
         if self.listen_sock is None:
             check_socket_path(self.socket_path)
         for removed in stale.sweep(self.config.instance):
@@ -126,18 +133,18 @@ class Frontend:
         systemd.notify("STATUS=creating the arena")
         n_workers = sum(m.instances for m in self.config.models)
         self.arena = Arena.create(self.config.instance, slot_count=self.config.arena_slots, max_workers=n_workers,
-                                  size_classes=self.config.arena_size_classes(), socket_path=self.socket_path)
-        for name in sweep_stale(self.config.instance):  # the instance is ours now: these are dead
-            log.warning("removed stale region /dev/shm/%s", name)
+                                  size_classes=self.config.arena_size_classes(), socket_path=self.socket_path,
+                                  max_regions=self.config.max_regions)
         self.efd = new_eventfd()
         self.supervisor = Supervisor(self.arena, self.config, self.efd, self._worker_ready, self._worker_exited)
         for w in self.supervisor.workers:
             self.models[w.model.name].workers.append(w)
             w.completion_bell.arm()  # the loop is idle: the first completion must wake it
+        self.regions = RegionTable(self.arena, self.models, self.supervisor.command,
+                                   max_request_bytes=self.config.max_request_bytes,
+                                   limits=region_limits_of(self.config))
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
-                                     LoopClock(loop))
-        self.regions = RegionTable(self.config.instance, self.models, self.supervisor.command,
-                                   max_request_bytes=self.config.max_request_bytes)
+                                     LoopClock(loop), self.regions.deliver)
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
                              socket_path=self.socket_path)
@@ -208,7 +215,7 @@ class Frontend:
             return
         old = self.config
         fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us",
-                             "socket_mode", "socket_group") if getattr(new, k) != getattr(old, k)]
+                             "socket_mode", "socket_group", "max_regions") if getattr(new, k) != getattr(old, k)]
         old_models = {m.name: m for m in old.models}
         new_models = {m.name: m for m in new.models}
         if set(old_models) != set(new_models):
@@ -227,9 +234,13 @@ class Frontend:
             old, request_timeout_s=new.request_timeout_s, drain_timeout_s=new.drain_timeout_s,
             max_waiting=new.max_waiting, max_inflight_per_connection=new.max_inflight_per_connection,
             allow_uids=new.allow_uids, allow_gids=new.allow_gids, worker_timeout_s=new.worker_timeout_s,
+            max_regions_per_connection=new.max_regions_per_connection,
+            max_region_bytes_per_connection=new.max_region_bytes_per_connection,
+            max_region_bytes_per_uid=new.max_region_bytes_per_uid,
             models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)
+        self.regions.limits = region_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         for model in changed:
             self.models[model.name].config = model

@@ -5,22 +5,35 @@ messages it sends on its control socket, the ring entry that stops it, and
 the meaning of its exit codes.  Both sides import this module; it imports
 nothing heavy.
 
-Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message,
-worker -> front-end only:
+Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message.
+Worker -> front-end:
 
     {"event": "ready", "spec": {...ModelSpec.to_dict()...}}   loaded and warmed
     {"event": "failed", "error": "..."}                        could not load
 
-Front-end -> worker goes through the worker's submission ring: slot entries,
-and commands (``layout.command_entry``): stop, attach or detach a client lane
-(a region whose first ``layout.LANE_BYTES`` hold a private queue to this
-worker).
+Front-end -> worker, only client regions (``send_region``):
+
+    {"event": "region", "region": id, "size": n} + the region's sealed memfd (SCM_RIGHTS)
+
+sent before the first ring entry that names the region reaches that worker;
+the worker takes them off the socket when it meets a region it does not
+have (``receive_regions``, never blocking) and maps ``size`` bytes, the size
+the front-end recorded and sealed, whatever the descriptor claims.
+
+Everything else front-end -> worker goes through the worker's submission
+ring: slot entries, and commands (``layout.command_entry``): stop, attach
+or detach a client lane (a region whose first ``layout.LANE_BYTES`` hold a
+private queue to this worker), and drop a region (unmap it once no request
+in hand uses it).
 
 Exit codes (after gunicorn's arbiter: named codes stop crash loops):
 """
 
 from __future__ import annotations
 
+import array
+import os
+import socket
 import sys
 
 import orjson
@@ -36,9 +49,23 @@ EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_TERMINATED: "terminated"}
 
 # Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
-# CMD_ATTACH_LANE and CMD_DETACH_LANE with the lane's region id, and ``layout.STOP_ENTRY``.
+# CMD_ATTACH_LANE and CMD_DROP_REGION with a region id, and ``layout.STOP_ENTRY``.
 MAX_LANES = 127  # per worker: it sleeps on its own ring and its lanes' in one futex_waitv (128 words)
 CONTROL_MAX = 1 << 20
+_FD_SIZE = array.array("i").itemsize
+
+
+def raise_descriptor_limit() -> None:
+    """Both sides hold a descriptor per client region (up to ``max_regions``) besides their own:
+    lift the soft RLIMIT_NOFILE to the hard limit (the default soft 1024 is too few)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def worker_argv(*, instance: str, index: int, model_json: bytes, control_fd: int, completion_fd: int,
@@ -59,9 +86,49 @@ def decode(data: bytes) -> dict:
     return message
 
 
+def send_region(sock: socket.socket, region: int, size: int, fd: int) -> bool:
+    """Front-end: pass region ``region`` (``size`` bytes, descriptor ``fd``) to a worker over its
+    control socket without blocking.  False if it cannot take it now (its socket is full: the
+    worker is busy or wedged) or is gone."""
+    try:
+        socket.send_fds(sock, [encode({"event": "region", "region": region, "size": size})], [fd],
+                        socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    return True
+
+
+def receive_regions(sock: socket.socket) -> list[tuple[int, int, int]]:
+    """Worker: every region descriptor waiting on the control socket, as (region, size, fd), the
+    caller owning each fd.  Never blocks; anything that is not a region message is discarded
+    (its descriptors closed)."""
+    received = []
+    while True:
+        try:  # not socket.recv_fds: before Python 3.12 it drops its flags (and would block here)
+            data, ancillary, _, _ = sock.recvmsg(CONTROL_MAX, socket.CMSG_SPACE(4 * _FD_SIZE), socket.MSG_DONTWAIT)
+        except OSError:  # BlockingIOError: nothing more now
+            return received
+        fds = array.array("i")
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % _FD_SIZE])
+        if not data and not fds:
+            return received  # the front-end is gone
+        try:
+            message = decode(data)
+            region, size = message["region"], message["size"]
+            ok = message["event"] == "region" and len(fds) == 1 and type(region) is int and type(size) is int
+        except (ValueError, KeyError):
+            ok = False
+        if ok:
+            received.append((region, size, fds[0]))
+        else:
+            for fd in fds:
+                os.close(fd)
+
+
 def describe_exit(status: int) -> str:
     """Words for a waitpid() status."""
-    import os
     import signal
 
     if os.WIFSIGNALED(status):

@@ -24,14 +24,13 @@ from shmserve import layout, workerlink
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Failure, Outputs
-from shmserve.frontend.regions import MAX_REGIONS_PER_OWNER, REGION_SLACK, Region, check_request
+from shmserve.frontend.regions import REGION_SLACK, Region, RegionLimits, check_request
 from shmserve.frontend.requests import HOLDING, UNANSWERED, IllegalTransition
 from shmserve.frontend.requests import RequestState as RS
 from shmserve.protocol import TensorMeta
 from shmserve.slotstate import SlotState
 from shmserve.supervisor import FAILED, RESTARTING, STOPPED
 
-from conftest import shm_names
 from helpers.fake_frontend import ADD, PAIR, TAIL, LaneClient
 from helpers.fake_frontend import make_fixture, no_children_left, no_processes  # noqa: F401 (fixtures)
 
@@ -66,11 +65,14 @@ def fill_slots(fe, door, count: int = 4) -> list:
 
 
 def open_region(fe, owner, size: int = 8192) -> tuple[Region, mmap.mmap]:
-    region, fd = fe.regions.open(owner, size)
-    try:
-        return region, mmap.mmap(fd, region.size)
-    finally:
-        os.close(fd)
+    region = fe.regions.open(owner, size)
+    return region, mmap.mmap(region.fd, region.size)
+
+
+def recorded(fe) -> dict[int, tuple]:
+    """The arena's region records in use: id -> (kind, size, worker)."""
+    return {r.id: (layout.REGION_KIND_NAMES[r.kind], r.size, r.worker)
+            for r in layout.read_regions(fe.arena.buf, fe.arena.geometry)}
 
 
 # -- admission and the data path --------------------------------------------------------------
@@ -919,8 +921,9 @@ def test_without_spin_nothing_is_polled(fe):
 # -- lanes ------------------------------------------------------------------------------------
 
 def test_a_lane_goes_to_the_ready_worker_with_the_fewest_lanes(make):
-    """Each new lane: an attach command on the least-loaded ready worker's ring, the lane header
-    naming it; closing one sends that worker a detach and removes the region."""
+    """Each new lane: its descriptor passed to the least-loaded ready worker, an attach command on
+    its ring, the lane header and the arena's record naming it; closing one sends that worker a
+    drop and removes the region and its record."""
     fe = make(models=(ADD2,))
     w0, w1 = fe.workers
     owner = object()
@@ -932,10 +935,12 @@ def test_a_lane_goes_to_the_ready_worker_with_the_fewest_lanes(make):
         assert w0.read_commands() == [(layout.CMD_ATTACH_LANE, ids[0]), (layout.CMD_ATTACH_LANE, ids[2])]
         assert w1.read_commands() == [(layout.CMD_ATTACH_LANE, ids[1])]
         assert (fe.regions.lanes_of(w0.handle), fe.regions.lanes_of(w1.handle)) == (2, 1)
-        name = clients[0].region.name[1:]
-        assert name in shm_names()
+        size = clients[0].region.size
+        assert recorded(fe) == {ids[0]: ("lane", size, 0), ids[1]: ("lane", size, 1), ids[2]: ("lane", size, 0)}
+        assert set(w0.maps) == {ids[0], ids[2]}  # the worker mapped what it was given
         fe.regions.close(owner, ids[0])
-        assert w0.read_commands()[-1] == (layout.CMD_DETACH_LANE, ids[0]) and name not in shm_names()
+        assert w0.read_commands()[-1] == (layout.CMD_DROP_REGION, ids[0]) and ids[0] not in w0.maps
+        assert clients[0].region.closed and ids[0] not in recorded(fe)
         assert fe.regions.lane_count == 2
         fourth = LaneClient(fe.regions, owner, "add")  # a tie again: the first worker
         clients.append(fourth)
@@ -944,7 +949,7 @@ def test_a_lane_goes_to_the_ready_worker_with_the_fewest_lanes(make):
         for c in clients:
             c.close()
         fe.regions.drop_owner(owner)
-    assert fe.regions.lane_count == 0 and not any(c.region.name[1:] in shm_names() for c in clients)
+    assert fe.regions.lane_count == 0 and not recorded(fe) and all(c.region.closed for c in clients)
 
 
 def test_lane_calls_run_on_the_worker_it_is_attached_to(fe):
@@ -1080,11 +1085,13 @@ def test_a_slot_entry_is_not_lost_when_a_command_shares_the_ring(fe):
 
 
 def test_region_table_limits_and_ownership(make, monkeypatch):
-    """Sizes, unknown lane models, the per-owner region limit, the per-model lane limit, and that
-    a region is reachable and closable only by its owner; every refusal leaves nothing behind."""
-    fe = make(slot_count=8)  # room on the worker's ring for two attach and two detach commands
+    """Sizes, unknown lane models, the per-connection count and byte limits, the per-uid byte
+    limit, the server-wide count (the arena's region table), the per-model lane limit, and that a
+    region is reachable and closable only by its owner; every refusal names its config key and
+    leaves nothing behind: no record, no descriptor."""
+    fe = make(slot_count=8)  # room on the worker's ring for two attach and two drop commands
     regions = fe.regions
-    before = shm_names()
+    fds_before = len(os.listdir("/proc/self/fd"))
     limit = fe.dispatcher.limits.max_request_bytes + REGION_SLACK
     for size, code in ((0, ErrorCode.BAD_FRAME), (-1, ErrorCode.BAD_FRAME), ("8", ErrorCode.BAD_FRAME),
                        (limit + 1, ErrorCode.TOO_LARGE)):
@@ -1094,18 +1101,38 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     with pytest.raises(ShmserveError) as info:
         regions.open("a", 4096, "nope")
     assert info.value.code is ErrorCode.UNKNOWN_MODEL
-    for _ in range(MAX_REGIONS_PER_OWNER):
-        os.close(regions.open("a", 4096)[1])
-    with pytest.raises(ShmserveError) as info:
+
+    def refused(owner, size, key, uid=-1):
+        with pytest.raises(ShmserveError) as info:
+            regions.open(owner, size, uid=uid)
+        assert info.value.code is ErrorCode.OVERLOADED and f"({key})" in info.value.message, info.value.message
+
+    per_connection = RegionLimits().max_regions_per_connection
+    for _ in range(per_connection):
         regions.open("a", 4096)
-    assert info.value.code is ErrorCode.OVERLOADED
-    region, fd = regions.open("b", limit)
-    os.close(fd)
+    refused("a", 4096, "max_regions_per_connection")
+    region = regions.open("b", limit)
     assert regions.get("b", region.id) is region and regions.get("a", region.id) is None
     assert regions.get("b", str(region.id)) is None
     with pytest.raises(ShmserveError) as info:
         regions.close("a", region.id)
     assert info.value.code is ErrorCode.BAD_REGION
+    regions.limits = RegionLimits(max_region_bytes_per_connection=3 * 4096, max_region_bytes_per_uid=5 * 4096)
+    regions.open("d", 2 * 4096, uid=7)
+    refused("d", 2 * 4096, "max_region_bytes_per_connection", uid=7)
+    regions.open("e", 2 * 4096, uid=7)
+    refused("f", 2 * 4096, "max_region_bytes_per_uid", uid=7)
+    regions.open("f", 4096, uid=8)  # another uid has its own budget
+    regions.drop_owner("d")
+    regions.open("f", 2 * 4096, uid=7)  # what a closed connection held counts no more
+    regions.limits = RegionLimits()
+    table = fe.arena.geometry.max_regions
+    held = len(regions.regions)
+    for i in range(table - held):
+        regions.open(("g", i // per_connection), 4096)
+    refused("h", 4096, "max_regions")
+    for i in range(table - held):
+        regions.drop_owner(("g", i // per_connection))
     monkeypatch.setattr(workerlink, "MAX_LANES", 2)
     lanes = [LaneClient(regions, "c", "add") for _ in range(2)]
     with pytest.raises(ShmserveError) as info:
@@ -1113,10 +1140,11 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     assert info.value.code is ErrorCode.OVERLOADED
     for lane in lanes:
         lane.close()
-    assert len(shm_names() - before) == MAX_REGIONS_PER_OWNER + 3
-    for owner in ("a", "b", "c"):
+    assert len(recorded(fe)) == per_connection + 6
+    for owner in ("a", "b", "c", "e", "f"):
         regions.drop_owner(owner)
-    assert shm_names() == before and not regions.regions
+    assert not regions.regions and not recorded(fe) and not regions.bytes_of_uid
+    assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
 @pytest.mark.parametrize("inputs,out,ok", [
@@ -1131,7 +1159,7 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
 def test_check_request_keeps_a_zero_copy_request_aligned_inside_its_region(inputs, out, ok):
     """Inputs and the output area must start aligned and end inside the region; anything else is
     BAD_REGION."""
-    region = Region(1, "/unused", 8192, "owner")
+    region = Region(1, -1, 8192, "owner", uid=0, record=0)
     metas = tuple(TensorMeta(f"t{i}", "uint8", (nbytes,), offset) for i, (offset, nbytes) in enumerate(inputs))
     if ok:
         check_request(region, metas, *out)

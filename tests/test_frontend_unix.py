@@ -4,7 +4,6 @@ real dispatcher and fake workers behind it (``helpers.fake_frontend``).  No proc
 
 from __future__ import annotations
 
-import os
 import socket
 
 import numpy as np
@@ -158,8 +157,7 @@ def test_a_zero_copy_request_that_times_out_waiting_lets_its_connection_read_aga
     for _ in range(4):
         fill.infer("add", {"x": np.zeros(16, np.float32)})
     client = clients(fe)
-    region, fd = fe.regions.open(client.conn, 8192)
-    os.close(fd)
+    region = fe.regions.open(client.conn, 8192)
     client.send(infer_frame(1, np.zeros(16, np.float32), timeout_s=1, region=region.id))
     assert not client.transport.reading
     fe.clock.advance(1)

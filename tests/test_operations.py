@@ -224,10 +224,10 @@ def test_cleanup_never_touches_a_live_instance_or_its_regions(tmp_path):
     srv = ServerProcess(tmp_path, IDENTITY).start()
     try:
         with srv.client() as c:
-            c.open_region(1 << 20)
+            region = c.open_region(1 << 20)
             r = cli("cleanup")
             assert r.returncode == 0 and srv.instance not in r.stdout
-            assert any(n.startswith(f"shmserve.{srv.instance}.r") for n in os.listdir("/dev/shm"))
+            assert region.id in srv.recorded_regions()
     finally:
         assert srv.stop() == 0
 

@@ -151,8 +151,10 @@ def test_another_clients_region_is_out_of_reach(server):
         with pytest.raises(ShmserveError) as info:
             infer_region(b, region.id, [("x", 10, 0)])
         assert info.value.code is ErrorCode.BAD_REGION
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.r")]
-        assert names and all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in names)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.")
+                    and n != f"shmserve.{server.instance}"], "a region has a name anyone could open"
+        record = server.recorded_regions()[region.id]
+        assert (record["kind"], record["owner_uid"], record["size"]) == ("region", os.getuid(), region.size)
 
 
 def raw_exchange(path: str, data: bytes, timeout: float = 5.0) -> bytes:

@@ -13,7 +13,9 @@ load the worker never asks the backend what it has.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import socket
 import time
 import tracemalloc
 from typing import NamedTuple
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from shmserve import layout
+from shmserve import layout, workerlink
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
@@ -112,11 +114,16 @@ def serving(instance: str, config: ModelConfig, backend):
                       prefault=False) as arena, contextlib.ExitStack() as stack:
         adapter = stack.enter_context(BackendAdapter(backend))
         spec = adapter.prepare(config)
-        regions = stack.enter_context(RegionCache(instance))
+        control, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stack.callback(control.close)
+        stack.callback(worker_end.close)
+        regions = stack.enter_context(RegionCache(functools.partial(workerlink.receive_regions, worker_end)))
         completion_fd = os.eventfd(0)
         stack.callback(os.close, completion_fd)
         worker = Worker(arena, 0, config, completion_fd, 0.0, Step(arena, 0, regions, adapter, spec))
-        yield FrontEnd(arena, spec), worker
+        front = FrontEnd(arena, spec)
+        front.control = control  # the front-end's end of the worker's control socket: regions go here
+        yield front, worker
 
 
 def one_by_one(front: FrontEnd, worker: Worker, xs, **submit) -> list:
@@ -336,27 +343,25 @@ def test_after_load_the_worker_never_asks_the_backend_what_it_has(instance_name)
         np.testing.assert_array_equal(b["y"], x * 2)
 
 
-def test_a_lane_detached_while_a_batch_gathers_keeps_its_mapping_until_its_calls_are_answered(instance_name, models):
-    """The front-end detaches a lane (its client closed it) while the worker gathers a batch that
+def test_a_lane_dropped_while_a_batch_gathers_keeps_its_mapping_until_its_calls_are_answered(instance_name, models):
+    """The front-end drops a lane (its client closed it) while the worker gathers a batch that
     already holds a call of that lane: the call is still answered in the lane, the worker serves
     on, and the lane is unmapped once nothing of it is in hand."""
     import dataclasses
-
-    import posix_ipc
+    import mmap
 
     from shmserve import lanes
+    from shmserve.frontend.regions import sealed_memfd
 
     config = dataclasses.replace(torch_config(models), max_queue_delay_us=200_000)
     x = inputs([3], seed=4)[0]
     instance = instance_name()
     with serving(instance, config, RecordingTorch(config)) as (front, worker):
-        name, region_id = layout.region_name(instance, 7), 7
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.LANE_BYTES + 65536)
+        region_id, size = 7, layout.LANE_BYTES + 65536
+        fd = sealed_memfd("test.lane", size)
         try:
-            import mmap
-
-            buf = mmap.mmap(shm.fd, shm.size)
-            shm.close_fd()
+            buf = mmap.mmap(fd, size)
+            assert workerlink.send_region(front.control, region_id, size, fd)
             lanes.init_header(buf, 0)
             client = lanes.ClientLane(buf, region_id, "rows")
             view = np.ndarray(x.shape, x.dtype, buffer=buf, offset=lanes.DATA_FLOOR)
@@ -368,7 +373,7 @@ def test_a_lane_detached_while_a_batch_gathers_keeps_its_mapping_until_its_calls
             index, generation = client.submit(1, 0, [(0, lanes.DATA_FLOOR, x)], out_offset, 32768)
             work, stop = worker.gather()
             assert len(work) == 1 and not stop
-            front.ring.push(layout.command_entry(layout.CMD_DETACH_LANE, region_id))  # arrives mid-gather
+            front.ring.push(layout.command_entry(layout.CMD_DROP_REGION, region_id))  # arrives mid-gather
             assert worker.batcher.run(work, worker) == ([], False)
             assert region_id not in worker.lanes and region_id in worker.regions.maps  # detached, still mapped
             assert client.finished(index, generation)
@@ -382,4 +387,4 @@ def test_a_lane_detached_while_a_batch_gathers_keeps_its_mapping_until_its_calls
             assert region_id not in worker.regions.maps
             buf.close()
         finally:
-            posix_ipc.unlink_shared_memory(name)
+            os.close(fd)

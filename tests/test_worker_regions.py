@@ -1,6 +1,7 @@
 """Client regions in a worker, and the order a worker's resources are released in.
 
-Regions are real segments in /dev/shm; the arena is real.  Page-locking is
+Regions are real sealed memfds, passed over a real socketpair the way the
+front-end passes them to a worker; the arena is real.  Page-locking is
 played by ``LockRecorder``, which stands in for ``workers.regions.GpuMemory``
 only as bookkeeping: it notes each registration and whether the memory was
 still mapped when it was unregistered.  The real CUDA registrations run in
@@ -10,17 +11,21 @@ test_gpu.py (GPU machines), through the same ``locked`` context managers.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
+import mmap
 import os
+import socket
 import threading
 
 import numpy as np
-import posix_ipc
 import pytest
 
-from shmserve import layout, workerlink
+from shmserve import workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
+from shmserve.frontend.regions import sealed_memfd
 from workers.regions import RegionCache
 from workers.step import RequestFailed
 from workers.worker import StartFailed, open_worker
@@ -66,54 +71,91 @@ class RecordedIdentity:
 
 
 @pytest.fixture
-def region_maker(instance_name):
-    """Makes region segments of one instance; unlinks what is left after the test."""
-    instance = instance_name("reg")
-    made = []
+def region_maker():
+    """Sends sealed regions to a worker's end of a control socketpair (``fetch`` takes them there,
+    as ``workers.main`` does); ``open_fds`` counts this process's descriptors."""
+    front, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
-    def make(region: int, size: int = 65536) -> str:
-        name = layout.region_name(instance, region)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        shm.close_fd()
-        made.append(name)
-        return name
+    def make(region: int, size: int = 65536) -> None:
+        fd = sealed_memfd(f"test.r{region}", size)
+        try:
+            assert workerlink.send_region(front, region, size, fd)
+        finally:
+            os.close(fd)
 
-    make.instance = instance
+    make.fetch = functools.partial(workerlink.receive_regions, worker)
     yield make
-    for name in made:
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(name)
+    front.close()
+    worker.close()
 
 
-def test_a_region_is_mapped_on_first_use_and_dropped_once_its_name_is_gone(region_maker):
-    name = region_maker(3, 3333)
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_region_is_mapped_on_first_use_at_its_sent_size_and_dropped_when_told(region_maker):
+    before = open_fds()
+    region_maker(3, 3 * 4096)
     region_maker(4)
-    with RegionCache(region_maker.instance) as regions:
+    with RegionCache(region_maker.fetch) as regions:
         regions.ensure(0)  # the arena: never a region
         regions.ensure(3)
         regions.ensure(4)
-        assert regions.sizes == {3: 3333, 4: 65536}
+        assert regions.sizes == {3: 3 * 4096, 4: 65536} and not regions.given
         mapping = regions.maps[3]
         regions.ensure(3)
         assert regions.maps[3] is mapping  # mapped once
-        posix_ipc.unlink_shared_memory(name)
-        assert regions.collect() == [3]
+        regions.forget(3)
         assert mapping.closed and 3 not in regions.maps and 4 in regions.maps
         four = regions.maps[4]
     assert four.closed and not regions.maps
+    assert open_fds() == before  # every descriptor received was closed once mapped
 
 
-def test_a_region_that_does_not_exist_is_a_bad_region(region_maker):
-    with RegionCache(region_maker.instance) as regions, pytest.raises(RequestFailed) as info:
+def test_a_region_forgotten_before_its_first_use_closes_its_descriptor(region_maker):
+    before = open_fds()
+    region_maker(5)
+    region_maker(6)
+    with RegionCache(region_maker.fetch) as regions:
+        regions.forget(5)  # takes what arrived, closes region 5's descriptor
+        assert set(regions.given) == {6} and open_fds() == before + 1
+        with pytest.raises(RequestFailed) as info:
+            regions.ensure(5)
+        assert info.value.code is ErrorCode.BAD_REGION
+    assert open_fds() == before  # region 6's descriptor, never mapped, closed with the cache
+
+
+def test_a_region_that_was_never_sent_is_a_bad_region(region_maker):
+    with RegionCache(region_maker.fetch) as regions, pytest.raises(RequestFailed) as info:
         regions.ensure(99)
-    assert info.value.code is ErrorCode.BAD_REGION and info.value.message == "region 99 does not exist"
+    assert info.value.code is ErrorCode.BAD_REGION
+    assert info.value.message == "region 99 is not open (closed, or never opened)"
+
+
+def test_a_sealed_region_cannot_shrink_or_grow_under_a_worker(region_maker):
+    """The attack of issue 11 finding 1: a client truncating its region to 0 would SIGBUS the
+    worker.  The descriptor the client gets is the same sealed memfd."""
+    fd = sealed_memfd("test.sealed", 8192)
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) == (
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        for size in (0, 4096, 1 << 30):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # the seals cannot be changed either
+        with mmap.mmap(fd, 8192) as m:  # writing is the client's right
+            m[-1] = 7
+        assert os.fstat(fd).st_size == 8192
+    finally:
+        os.close(fd)
 
 
 def test_a_region_is_unregistered_before_it_is_unmapped(region_maker):
     region_maker(5)
     region_maker(6)
     EVENTS.clear()
-    with RegionCache(region_maker.instance, LockRecorder()) as regions:
+    with RegionCache(region_maker.fetch, LockRecorder()) as regions:
         regions.ensure(5)
         regions.ensure(6)
         regions.drop(5)
@@ -124,7 +166,7 @@ def test_a_region_is_unregistered_before_it_is_unmapped(region_maker):
 def test_a_region_that_cannot_be_page_locked_fails_the_request_and_stays_unmapped(region_maker):
     region_maker(7)
     EVENTS.clear()
-    with RegionCache(region_maker.instance, LockRecorder(fail="region 7")) as regions:
+    with RegionCache(region_maker.fetch, LockRecorder(fail="region 7")) as regions:
         with pytest.raises(RequestFailed) as info:
             regions.ensure(7)
         assert info.value.code is ErrorCode.INTERNAL and "cannot page-lock region 7" in info.value.message
@@ -132,7 +174,7 @@ def test_a_region_that_cannot_be_page_locked_fails_the_request_and_stays_unmappe
 
 
 def test_a_worker_unwinds_regions_then_backend_then_arena_registration_then_mapping(instance_name, region_maker):
-    instance = region_maker.instance
+    instance = instance_name("reg")
     region_maker(8)
     config = ModelConfig(name="recorded", backend="python", path="test_worker_regions:RecordedIdentity",
                          options={"factory": True})
@@ -142,7 +184,7 @@ def test_a_worker_unwinds_regions_then_backend_then_arena_registration_then_mapp
         try:
             with contextlib.ExitStack() as stack:
                 arena = stack.enter_context(Arena.attach(instance))  # the mapping: first in, last out
-                worker = open_worker(stack, arena, 0, config, completion_fd, 0.0, LockRecorder())
+                worker = open_worker(stack, arena, 0, config, completion_fd, 0.0, region_maker.fetch, LockRecorder())
                 assert worker.gpu_info == {"registered": f"arena {arena.name}"}
                 worker.regions.ensure(8)
                 view = np.ndarray(16, np.uint8, buffer=worker.regions.maps[8])  # views end before unmapping
@@ -165,7 +207,7 @@ def test_a_worker_that_cannot_load_unwinds_what_it_opened(instance_name):
         with contextlib.ExitStack() as stack:
             arena = stack.enter_context(Arena.attach(instance))
             with pytest.raises(StartFailed) as info:
-                open_worker(stack, arena, 0, config, -1, 0.0, LockRecorder())
+                open_worker(stack, arena, 0, config, -1, 0.0, list, LockRecorder())
             assert EVENTS == [("lock", f"arena {arena.name}")]
         assert EVENTS[-1] == ("unlock", f"arena {arena.name}", "mapped") and arena.closed
     assert info.value.exit_code == workerlink.EXIT_LOAD_FAILED
@@ -180,6 +222,6 @@ def test_an_arena_that_cannot_be_page_locked_stops_the_worker_with_what_to_chang
         with contextlib.ExitStack() as stack:
             arena = stack.enter_context(Arena.attach(instance))
             with pytest.raises(StartFailed) as info:
-                open_worker(stack, arena, 0, config, -1, 0.0, LockRecorder(fail=f"arena {arena.name}"))
+                open_worker(stack, arena, 0, config, -1, 0.0, list, LockRecorder(fail=f"arena {arena.name}"))
     assert info.value.exit_code == workerlink.EXIT_ARENA_FAILED
     assert info.value.message == "cannot use cuda:0 for model 'm': cudaHostRegister failed: memlock"

@@ -55,7 +55,8 @@ def _terminated(buf, state_offset: int, signum, frame) -> None:
         raise SystemExit(workerlink.EXIT_TERMINATED)
 
 
-def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelConfig) -> Worker:
+def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelConfig,
+           control: socket.socket) -> Worker:
     """Map the arena and open the worker on ``stack``; StartFailed says why not."""
     try:
         arena = stack.enter_context(Arena.attach(args.instance))
@@ -70,7 +71,8 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
             gpu = GpuMemory(int(config.device.split(":")[1]))
         except Exception as exc:
             raise device_unusable(config, exc) from None
-    return open_worker(stack, arena, args.index, config, args.completion_fd, args.spin_us / 1e6, gpu)
+    return open_worker(stack, arena, args.index, config, args.completion_fd, args.spin_us / 1e6,
+                       functools.partial(workerlink.receive_regions, control), gpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ppid = os.getppid()
+    workerlink.raise_descriptor_limit()
     _die_with_parent()
     if os.getppid() != ppid:
         return workerlink.EXIT_ORPHANED
     with socket.socket(fileno=args.control_fd) as control, contextlib.ExitStack() as stack:
         config = ModelConfig.from_dict(orjson.loads(args.model))
         try:
-            worker = _start(stack, args, config)
+            worker = _start(stack, args, config, control)
         except StartFailed as exc:
             control.send(workerlink.encode({"event": "failed", "error": exc.message}))
             return exc.exit_code

@@ -1,9 +1,11 @@
 """The memory a worker reaches besides the arena: client regions, and on a GPU its page-locked ranges.
 
-Owns: mapping client regions (``shmserve.<instance>.r<id>``) on first use
-and dropping them once their name is gone (``RegionCache``), and the GPU
-worker's page-locked ranges (``GpuMemory``): the arena, registered once at
-start, and each client region while it is mapped.
+Owns: the client regions this worker was given (``RegionCache``): their
+descriptors as they arrive from the front-end (sealed memfds, with the size
+it recorded), mapping each on first use at that size, and dropping it when
+the front-end says so; and the GPU worker's page-locked ranges
+(``GpuMemory``): the arena, registered once at start, and each client region
+while it is mapped.
 
 Ordering (STYLE.md point 8): a registration is a context manager entered
 inside the lifetime of the mapping it registers, so unregister always runs
@@ -14,9 +16,10 @@ the registration), closed when the region is dropped, and the cache itself
 is on the worker's stack, so every region is dropped before the backend
 closes and the arena is unregistered and unmapped.
 
-Must not: trust region ids or sizes (they come from clients), validate
-descriptors (``shmserve.layout`` does), or import CUDA on a CPU worker
-(``workers.cuda`` is imported by ``GpuMemory`` only).
+Must not: trust region ids (they come from clients: an id this worker was
+not given is BAD_REGION), read the control socket itself (``fetch`` does),
+validate descriptors (``shmserve.layout`` does), or import CUDA on a CPU
+worker (``workers.cuda`` is imported by ``GpuMemory`` only).
 """
 
 from __future__ import annotations
@@ -24,12 +27,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
-import posix_ipc
-
-from shmserve import layout
-from shmserve.arena import SHM_DIR
 from shmserve.errors import ErrorCode
 from workers.step import RequestFailed
 
@@ -70,46 +69,62 @@ class GpuMemory:
 
 
 class RegionCache:
-    """Client regions mapped on first use (``ensure``) and dropped once unlinked (``collect``).
+    """Client regions given to this worker, mapped on first use (``ensure``), dropped when the
+    front-end says (``forget``).
 
-    ``maps[id]`` is the region's mmap (None for an empty one) and ``sizes[id]``
-    its size; region 0 is the arena itself and never in them.  With ``gpu``
-    (a ``GpuMemory``) each region is page-locked while mapped.  A context
-    manager: leaving it drops every region.
+    ``fetch()`` returns the descriptors that arrived since it was last
+    called, as (region, size, fd) (``workerlink.receive_regions`` on the
+    control socket); they are taken only when a region id is not known yet.
+    ``maps[id]`` is a mapped region's mmap and ``sizes[id]`` its size; region
+    0 is the arena itself and never in them.  With ``gpu`` (a ``GpuMemory``)
+    each region is page-locked while mapped.  A context manager: leaving it
+    drops every region and closes every descriptor not mapped yet.
     """
 
-    def __init__(self, instance: str, gpu: GpuMemory | None = None):
-        self.instance = instance
+    def __init__(self, fetch: Callable[[], list[tuple[int, int, int]]], gpu: GpuMemory | None = None):
+        self.fetch = fetch
         self.gpu = gpu
-        self.maps: dict[int, mmap.mmap | None] = {}
+        self.given: dict[int, tuple[int, int]] = {}  # region -> (fd, size), not mapped yet
+        self.maps: dict[int, mmap.mmap] = {}
         self.sizes: dict[int, int] = {}
         self._held: dict[int, contextlib.ExitStack] = {}  # region -> its unregister, then unmap
+
+    def take_arrived(self) -> None:
+        """Take every descriptor that has arrived (a second one for the same region is closed)."""
+        for region, size, fd in self.fetch():
+            if region in self.given or region in self.maps or size <= 0:
+                os.close(fd)
+            else:
+                self.given[region] = (fd, size)
 
     def ensure(self, region: int) -> None:
         """Map ``region`` (and page-lock it on a GPU) unless it is the arena or mapped already.
 
-        RequestFailed: BAD_REGION if no such region exists, INTERNAL if it
-        cannot be page-locked (nothing is left mapped then).
+        RequestFailed: BAD_REGION if the front-end did not give it to this
+        worker (or it cannot be mapped), INTERNAL if it cannot be page-locked
+        (nothing is left mapped then).
         """
         if region == 0 or region in self.maps:
             return
-        try:
-            shm = posix_ipc.SharedMemory(layout.region_name(self.instance, region))
-        except posix_ipc.Error:
-            raise RequestFailed(ErrorCode.BAD_REGION, f"region {region} does not exist") from None
+        if region not in self.given:
+            self.take_arrived()
+        entry = self.given.pop(region, None)
+        if entry is None:
+            raise RequestFailed(ErrorCode.BAD_REGION, f"region {region} is not open (closed, or never opened)")
+        fd, size = entry
         with contextlib.ExitStack() as held:
             try:
-                size = os.fstat(shm.fd).st_size
-                mapping = mmap.mmap(shm.fd, size) if size else None
+                mapping = mmap.mmap(fd, size)  # the size the front-end sealed, never the descriptor's word
+            except OSError as exc:
+                raise RequestFailed(ErrorCode.BAD_REGION, f"cannot map region {region}: {exc.strerror}") from None
             finally:
-                shm.close_fd()
-            if mapping is not None:
-                held.callback(mapping.close)
-                if self.gpu is not None:
-                    try:
-                        held.enter_context(self.gpu.locked(mapping, f"region {region}"))
-                    except Exception as exc:
-                        raise RequestFailed(ErrorCode.INTERNAL, f"cannot page-lock region {region}: {exc}") from None
+                os.close(fd)
+            held.callback(mapping.close)
+            if self.gpu is not None:
+                try:
+                    held.enter_context(self.gpu.locked(mapping, f"region {region}"))
+                except Exception as exc:
+                    raise RequestFailed(ErrorCode.INTERNAL, f"cannot page-lock region {region}: {exc}") from None
             self._held[region] = held.pop_all()
         self.maps[region] = mapping
         self.sizes[region] = size
@@ -118,12 +133,14 @@ class RegionCache:
         """The buffer a tensor of ``region`` lies in (``arena_buf`` for region 0); the region is mapped."""
         return arena_buf if region == 0 else self.maps[region]
 
-    def collect(self) -> list[int]:
-        """Drop regions whose name is gone (their client disconnected or closed them); their ids."""
-        gone = [r for r in self.maps if not os.path.exists(os.path.join(SHM_DIR, layout.region_name(self.instance, r)[1:]))]
-        for region in gone:
-            self.drop(region)
-        return gone
+    def forget(self, region: int) -> None:
+        """The front-end closed ``region``: close its descriptor if it was never mapped, else unmap it
+        (``drop``)."""
+        self.take_arrived()
+        entry = self.given.pop(region, None)
+        if entry is not None:
+            os.close(entry[0])
+        self.drop(region)
 
     def drop(self, region: int) -> None:
         """Unregister (GPU) and unmap ``region``; nothing if it is not mapped.  BufferError if views
@@ -137,6 +154,9 @@ class RegionCache:
     def close(self) -> None:
         for region in list(self._held):
             self.drop(region)
+        for fd, _ in self.given.values():
+            os.close(fd)
+        self.given.clear()
 
     def __enter__(self) -> "RegionCache":
         return self

@@ -228,6 +228,24 @@ class Step:
         layout.stamp(space.buf, space.geometry, index, "t_claimed", time.monotonic_ns())
         return index
 
+    def regions_of(self, space: Space, entry: int) -> set[int]:
+        """The client regions the request of ring ``entry`` (not yet run) names: a lane's own, or
+        those an arena slot's descriptors name (the front-end wrote them); empty for a bad entry."""
+        if space.is_lane:
+            return {space.region}
+        index, _ = layout.split_entry(entry)
+        if not 0 <= index < space.geometry.slot_count:
+            return set()
+        try:
+            slot = layout.decode_slot_request(space.buf, space.geometry, index)
+            found = {layout.region_of_tensor(space.buf, space.geometry, index, t)
+                     for t in range(min(slot.n_inputs, layout.MAX_TENSORS))}
+        except layout.LayoutError:
+            return set()
+        found.add(slot.out_region)
+        found.discard(0)
+        return found
+
     def decode(self, space: Space, index: int):
         """The slot's request record and read-only numpy views of its inputs by name.
 

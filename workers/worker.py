@@ -10,9 +10,9 @@ so regions go first, then the backend closes, the heartbeat stops, the
 arena is unregistered and only then unmapped.  And the serve loop
 (``Worker``): the worker's state in the worker table, waiting on its own
 submission ring and its lanes' at once, the front-end's commands on its
-ring (stop, attach a lane, detach a lane), lanes dropped when their region
-is gone, orphan detection, and handing requests to ``workers.step`` one by
-one or to ``workers.batching``.
+ring (stop, attach a lane, drop a region: unmapped as soon as no request in
+hand uses it, busy or idle), orphan detection, and handing requests to
+``workers.step`` one by one or to ``workers.batching``.
 
 Must not: parse arguments, handle signals or talk on the control socket
 (``workers.main``), or look inside a request (``workers.step``).
@@ -24,6 +24,7 @@ import contextlib
 import os
 import threading
 import time
+from typing import Callable
 
 from shmserve import _atomics as atomics
 from shmserve import lanes, layout, workerlink
@@ -36,7 +37,7 @@ from workers.regions import GpuMemory, RegionCache
 from workers.step import RequestFailed, Space, Step
 
 CPUS = os.cpu_count() or 1
-IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning and gone regions
+IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
 
 
@@ -76,9 +77,11 @@ def heartbeat(arena: Arena, index: int):
 
 
 def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: ModelConfig, completion_fd: int,
-                spin_s: float, gpu: GpuMemory | None = None) -> "Worker":
+                spin_s: float, fetch_regions: Callable[[], list[tuple[int, int, int]]],
+                gpu: GpuMemory | None = None) -> "Worker":
     """Everything worker ``index`` holds, entered on ``stack`` above ``arena``'s mapping (which the
-    caller entered first); a Worker ready to serve.  ``gpu``: the device's page-locked memory on a
+    caller entered first); a Worker ready to serve.  ``fetch_regions``: the region descriptors the
+    front-end has sent (``RegionCache``).  ``gpu``: the device's page-locked memory on a
     GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
 
     Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked, EXIT_LOAD_FAILED if the
@@ -98,7 +101,7 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
         raise StartFailed(workerlink.EXIT_LOAD_FAILED,
                           f"cannot load model {config.name!r} ({config.backend}, {config.path}): "
                           f"{type(exc).__name__}: {exc}") from None
-    regions = stack.enter_context(RegionCache(arena.instance, gpu))
+    regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
     return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info)
 
@@ -120,7 +123,7 @@ class Worker:
         self.main = Space(arena.buf, arena.geometry, Ring.of_worker(arena, index, completion=False), completions,
                           EventfdDoorbell(completions, completion_fd))
         self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
-        self.detached: set[int] = set()  # lanes no longer served, unmapped once no work of theirs is in hand
+        self.dropped: set[int] = set()  # regions the front-end closed, unmapped once no work in hand uses them
         self._rings = [self.main.submissions]
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
@@ -135,21 +138,19 @@ class Worker:
             if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
-                for region in self.regions.collect():
-                    self._detach_lane(region)
-                self._unmap_detached(backlog)
                 continue
             work, stop = self.gather()
             if backlog:
                 work, backlog = backlog + work, []
             if batcher is not None and not stop:
                 backlog, stop = batcher.run(work, self)
+                self._unmap_dropped(backlog)
                 if not stop:
                     continue
                 work, backlog = backlog, []  # a stop came while a batch gathered: run the rest, then stop
             for space, entry in work:
                 serve_one(space, entry)
-            self._unmap_detached(backlog)
+            self._unmap_dropped(backlog)
             if stop:
                 atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
@@ -173,8 +174,8 @@ class Worker:
                 break
             if op == layout.CMD_ATTACH_LANE:
                 self._attach_lane(argument)
-            elif op == layout.CMD_DETACH_LANE:
-                self._detach_lane(argument)
+            elif op == layout.CMD_DROP_REGION:
+                self._drop_region(argument)
         for lane in self.lanes.values():
             try:
                 work.extend((lane, entry) for entry in lane.submissions.pop_all())
@@ -207,18 +208,19 @@ class Worker:
                                    data_floor=lanes.DATA_FLOOR)
         self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
 
-    def _detach_lane(self, region: int) -> None:
-        """Stop serving lane ``region``.  Its mapping stays until ``_unmap_detached``: a detach can
-        arrive while a batch gathers, with calls of that lane already claimed in it."""
+    def _drop_region(self, region: int) -> None:
+        """The front-end closed ``region``: stop serving it if it is a lane.  Its mapping stays
+        until ``_unmap_dropped``: a drop can arrive while a batch gathers, with requests that
+        use it already claimed, or behind requests still in hand."""
         if self.lanes.pop(region, None) is not None:
             self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
-        self.detached.add(region)
+        self.dropped.add(region)
 
-    def _unmap_detached(self, backlog: list[tuple[Space, int]]) -> None:
-        """Unmap detached lanes that no work still in hand (``backlog``) belongs to."""
-        if self.detached:
-            keep = {space.region for space, _ in backlog}
-            for region in self.detached - keep:
-                if region not in self.lanes:  # not attached again meanwhile
-                    self.regions.drop(region)
-            self.detached &= keep
+    def _unmap_dropped(self, backlog: list[tuple[Space, int]]) -> None:
+        """Unmap (or close, if never mapped) dropped regions that no work still in hand
+        (``backlog``) uses."""
+        if self.dropped:
+            keep = set().union(*(self.step.regions_of(space, entry) for space, entry in backlog))
+            for region in self.dropped - keep:
+                self.regions.forget(region)
+            self.dropped &= keep

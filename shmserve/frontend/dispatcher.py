@@ -148,14 +148,16 @@ class Dispatcher:
     """Requests of every front door, from ``submit`` to release.
 
     ``models`` maps names to the served models; ``workers`` are all worker handles (their
-    rings and in-flight sets).  The server calls ``on_completions`` when the completion eventfd
+    rings and in-flight sets); ``deliver(worker, region)`` passes a zero-copy request's region to
+    the worker chosen for it (``RegionTable.deliver``).  The server calls ``on_completions`` when the completion eventfd
     is readable, ``worker_ready``/``worker_exited`` from the supervisor, and the shutdown
     methods in order.
     """
 
     def __init__(self, arena: Arena, models: dict[str, ModelState], workers: list[WorkerHandle], limits: Limits,
-                 clock: Clock):
+                 clock: Clock, deliver: Callable[[WorkerHandle, Region], tuple[ErrorCode, str] | None]):
         self.arena, self.models, self.workers, self.limits, self.clock = arena, models, workers, limits, clock
+        self.deliver = deliver  # RegionTable.deliver: a zero-copy request's region goes to its worker first
         self.buf, self.geometry = arena.buf, arena.geometry
         self.view = memoryview(arena.buf)
         self.slots = SlotPool(self.geometry.slot_count)
@@ -347,6 +349,11 @@ class Dispatcher:
             self._end(req, Failure(ErrorCode.OVERLOADED, f"worker {worker.index}'s queue for model "
                                                          f"{req.model.name!r} is full"))
             return
+        if req.region is not None:
+            refusal = self.deliver(worker, req.region)
+            if refusal is not None:
+                self._end(req, Failure(*refusal))
+                return
         buf, g, index = self.buf, self.geometry, req.slot
         layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
                                    worker=worker.index, n_inputs=len(req.inputs),

@@ -1,32 +1,36 @@
-"""Client regions and lanes: shared memory a front door's client writes tensors into.
+"""Client regions and lanes: memory a front door's client writes tensors into.
 
-Owns: creating a region (``layout.region_name``: ``/shmserve.<instance>.r<id>``,
-mode 0600, allocated up front), the regions each owner (a front door's
-connection) holds and the per-owner limit, the bounds check of a zero-copy
-request against its region, removal (on close, on the owner's departure, at
-shutdown, and of a dead predecessor's at start), and the lanes among them:
-which worker serves each lane (``shmserve.lanes`` header and the worker's
+Owns: creating a region (a ``memfd`` of the recorded size, allocated up
+front and sealed against shrinking and growing before its descriptor leaves
+this process, so no client can pull memory out from under a worker or the
+front-end, and it needs no name in /dev/shm), the record of each region in
+the arena's region table (``inspect`` reads them), the limits on what one
+connection and one uid may hold, passing a region's descriptor to a worker
+before the first request that names it (``deliver``) and telling every
+worker that has it to drop it when it closes, the bounds check of a
+zero-copy request against its region, and the lanes among them: which
+worker serves each lane (``shmserve.lanes`` header and the worker's
 attach/detach commands), moving a lane when its worker dies (failing what
 it had queued or running), and the spin hint in every lane header.
 
-Must not: hold requests (``shmserve.frontend.dispatcher``), talk to a socket
-(a front door passes the descriptor ``open`` returns), or read a client's
+Must not: hold requests (``shmserve.frontend.dispatcher``), talk to a
+client's socket (a front door passes on ``Region.fd``), or read a client's
 tensor bytes.
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import mmap
 import os
-from dataclasses import dataclass
-from typing import Callable, Hashable
-
-import posix_ipc
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, NamedTuple
 
 from shmserve import lanes, layout, workerlink
-from shmserve.arena import SHM_DIR
+from shmserve.arena import Arena
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.models import ModelState
@@ -35,23 +39,38 @@ from shmserve.supervisor import READY, WorkerHandle
 
 log = logging.getLogger("shmserve.regions")
 
-MAX_REGIONS_PER_OWNER = 16
 REGION_SLACK = 1 << 20  # a region may hold one largest request plus this much for alignment
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class RegionLimits(NamedTuple):
+    """What one connection and one uid may hold (config keys of the same names)."""
+
+    max_regions_per_connection: int = 16
+    max_region_bytes_per_connection: int = 1 << 30
+    max_region_bytes_per_uid: int = 4 << 30
 
 
 @dataclass(eq=False)
 class Region:
     id: int
-    name: str  # posix shm name, with the leading slash
+    fd: int  # the sealed memfd; -1 once closed
     size: int
     owner: Hashable
+    uid: int
+    record: int  # its index in the arena's region table
     lane_model: ModelState | None = None  # set for a lane: the model its queue serves
     lane_worker: WorkerHandle | None = None  # the worker it is attached to (None: waiting for one)
     lane_buf: mmap.mmap | None = None  # the front-end's mapping of the lane's queue (LANE_BYTES)
+    sent_to: set = field(default_factory=set)  # workers (handles) that were passed its descriptor
 
     @property
     def is_lane(self) -> bool:
         return self.lane_buf is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
 
 
 def check_request(region: Region, inputs: tuple[TensorMeta, ...], out_offset: int, out_capacity: int) -> None:
@@ -67,52 +86,58 @@ def check_request(region: Region, inputs: tuple[TensorMeta, ...], out_offset: in
                                                   f"inside region {region.id} ({region.size} bytes)")
 
 
-def sweep_stale(instance: str) -> list[str]:
-    """Remove every region of ``instance`` from /dev/shm (call it only once this process owns the
-    instance's arena: they are a dead predecessor's); returns their names."""
-    prefix, removed = layout.region_prefix(instance), []
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(prefix):
-            try:
-                posix_ipc.unlink_shared_memory("/" + name)
-                removed.append(name)
-            except posix_ipc.Error:
-                pass
-    return removed
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes, every page allocated, sealed against shrinking, growing and
+    further sealing (the client may write it, never resize it); its descriptor.
+
+    OSError if it cannot be made (ENOMEM/ENOSPC: no memory for it)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class RegionTable:
-    """Every region of this front-end, by id and by owner.
+    """Every region of this front-end, by id and by owner, recorded in ``arena``'s region table.
 
     ``command(worker, entry)`` pushes a command on a worker's submission ring
     (the supervisor's); ``models`` are the models lanes may serve.
     """
 
-    def __init__(self, instance: str, models: dict[str, ModelState],
+    def __init__(self, arena: Arena, models: dict[str, ModelState],
                  command: Callable[[WorkerHandle, int], None], *, max_request_bytes: int,
-                 cpus: int | None = None):
-        self.instance, self.models, self.command = instance, models, command
-        self.max_request_bytes = max_request_bytes
+                 limits: RegionLimits = RegionLimits(), cpus: int | None = None):
+        self.arena, self.models, self.command = arena, models, command
+        self.max_request_bytes, self.limits = max_request_bytes, limits
         self.cpus = cpus or os.cpu_count() or 1
         self.regions: dict[int, Region] = {}
         self.by_owner: dict[Hashable, dict[int, Region]] = {}
+        self.bytes_of_owner: collections.Counter = collections.Counter()
+        self.bytes_of_uid: collections.Counter = collections.Counter()
+        self.free_records = list(range(arena.geometry.max_regions - 1, -1, -1))
         self.next_id = 1
         self.stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def open(self, owner: Hashable, size, lane=None) -> tuple[Region, int]:
-        """Create a region of ``size`` bytes (plus a lane's queue if ``lane`` names a model) for
-        ``owner``; returns it and a descriptor of it that the caller passes on and closes.
+    def open(self, owner: Hashable, size, lane=None, *, uid: int = -1, pid: int = 0) -> Region:
+        """Create a sealed region of ``size`` bytes (plus a lane's queue if ``lane`` names a model)
+        for ``owner`` (a connection of ``uid``, ``pid``); the caller passes ``region.fd`` on
+        (the region keeps it: it closes with the region).
 
         Raises ShmserveError: BAD_FRAME/TOO_LARGE for a bad size, UNKNOWN_MODEL for a lane of no
-        model, OVERLOADED when the owner holds MAX_REGIONS_PER_OWNER, the model's workers serve
-        all the lanes they can, or /dev/shm is full; INTERNAL if the segment cannot be created.
+        model, OVERLOADED when a limit (named in the message) is reached, the model's workers
+        serve all the lanes they can, or there is no memory for it.
         """
         limit = self.max_request_bytes + REGION_SLACK
         if type(size) is not int or not 0 < size <= limit:
             raise ShmserveError(ErrorCode.TOO_LARGE if type(size) is int and size > 0 else ErrorCode.BAD_FRAME,
-                                f"'size' must be an integer in [1, {limit}]")
+                                f"'size' must be an integer in [1, {limit}] (max_request_bytes + 1 MiB)")
         lane_model = None
         if lane is not None:
             lane_model = self.models.get(lane) if isinstance(lane, str) else None
@@ -123,32 +148,53 @@ class RegionTable:
                 raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {served} lanes, its "
                                                           f"most; use a region without a lane")
             size += layout.LANE_BYTES
-        owned = self.by_owner.setdefault(owner, {})
-        if len(owned) >= MAX_REGIONS_PER_OWNER:
-            raise ShmserveError(ErrorCode.OVERLOADED, f"at most {MAX_REGIONS_PER_OWNER} regions per connection")
         size = (size + layout.PAGE - 1) // layout.PAGE * layout.PAGE
+        self._check_limits(owner, uid, size)
         region_id = self.next_id
         self.next_id += 1
-        name = layout.region_name(self.instance, region_id)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.Error as exc:
-            raise ShmserveError(ErrorCode.INTERNAL, f"cannot create a region: {exc}") from None
-        try:
-            os.posix_fallocate(shm.fd, 0, size)
-            lane_buf = mmap.mmap(shm.fd, layout.LANE_BYTES) if lane_model is not None else None
+            fd = sealed_memfd(f"shmserve.{self.arena.instance}.r{region_id}", size)
         except OSError as exc:
-            shm.close_fd()
-            posix_ipc.unlink_shared_memory(name)
-            raise ShmserveError(ErrorCode.OVERLOADED, f"no shared memory for a {size}-byte region: "
-                                                      f"{exc.strerror}") from None
-        region = Region(region_id, name, size, owner, lane_model, None, lane_buf)
-        self.regions[region_id] = owned[region_id] = region
+            raise ShmserveError(ErrorCode.OVERLOADED, f"no memory for a {size}-byte region: {exc.strerror}") from None
+        try:
+            lane_buf = mmap.mmap(fd, layout.LANE_BYTES) if lane_model is not None else None
+        except OSError as exc:
+            os.close(fd)
+            raise ShmserveError(ErrorCode.OVERLOADED, f"cannot map a new lane: {exc.strerror}") from None
+        region = Region(region_id, fd, size, owner, uid, self.free_records.pop(), lane_model, None, lane_buf)
+        self.regions[region_id] = region
+        self.by_owner.setdefault(owner, {})[region_id] = region
+        self.bytes_of_owner[owner] += size
+        self.bytes_of_uid[uid] += size
+        layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record),
+                            kind=layout.REGION_LANE if lane_model is not None else layout.REGION_PLAIN,
+                            id=region_id, size=size, owner_pid=max(pid, 0), owner_uid=uid & 0xFFFFFFFF,
+                            worker=layout.NO_WORKER, model_id=lane_model.index if lane_model is not None else 0,
+                            created_unix_ns=time.time_ns())
         if lane_model is not None:
             lanes.init_header(lane_buf, lane_model.index)
             self._attach(region)
             self._tune_spin()
-        return region, shm.fd
+        return region
+
+    def _check_limits(self, owner: Hashable, uid: int, size: int) -> None:
+        """OVERLOADED, naming the config key, if a region of ``size`` bytes would take ``owner`` or
+        ``uid`` past its limit or the arena's region table is full."""
+        lim = self.limits
+        if len(self.by_owner.get(owner, ())) >= lim.max_regions_per_connection:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"this connection holds {lim.max_regions_per_connection} "
+                                                      f"regions (max_regions_per_connection); close one first")
+        if self.bytes_of_owner[owner] + size > lim.max_region_bytes_per_connection:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take this connection past "
+                                                      f"{lim.max_region_bytes_per_connection} bytes of regions "
+                                                      f"(max_region_bytes_per_connection)")
+        if self.bytes_of_uid[uid] + size > lim.max_region_bytes_per_uid:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take uid {uid} past "
+                                                      f"{lim.max_region_bytes_per_uid} bytes of regions "
+                                                      f"(max_region_bytes_per_uid)")
+        if not self.free_records:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"the server holds {self.arena.geometry.max_regions} "
+                                                      f"regions, its most (max_regions)")
 
     def get(self, owner: Hashable, region_id) -> Region | None:
         """``owner``'s region ``region_id``, or None: a region is reachable only from its owner."""
@@ -169,6 +215,7 @@ class RegionTable:
         for region in list(self.by_owner.get(owner, {}).values()):
             self._drop(region)
         self.by_owner.pop(owner, None)
+        self.bytes_of_owner.pop(owner, None)
 
     def close_all(self) -> None:
         self.stopping = True
@@ -177,22 +224,44 @@ class RegionTable:
         self.by_owner.clear()
 
     def _drop(self, region: Region) -> None:
+        """Forget ``region``: detach its lane, tell every worker that has it to drop it, free its
+        record and close our descriptor (the memory goes with the last mapping)."""
         self.regions.pop(region.id, None)
         owned = self.by_owner.get(region.owner)
         if owned is not None:
             owned.pop(region.id, None)
+        self.bytes_of_owner[region.owner] -= region.size
+        self.bytes_of_uid[region.uid] -= region.size
+        if not self.bytes_of_uid[region.uid]:
+            del self.bytes_of_uid[region.uid]
         if region.lane_buf is not None:
             if region.lane_worker is not None:
-                self.command(region.lane_worker, layout.command_entry(layout.CMD_DETACH_LANE, region.id))
                 region.lane_worker = None
                 self.attach_waiting(region.lane_model)  # a worker has room again
             region.lane_buf.close()
             region.lane_buf = None
             self._tune_spin()
-        try:
-            posix_ipc.unlink_shared_memory(region.name)
-        except posix_ipc.ExistentialError:
-            pass
+        for w in region.sent_to:  # a drop detaches a lane too; it waits for requests in hand
+            self.command(w, layout.command_entry(layout.CMD_DROP_REGION, region.id))
+        region.sent_to.clear()
+        layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), kind=layout.REGION_FREE)
+        self.free_records.append(region.record)
+        os.close(region.fd)
+        region.fd = -1
+
+    def deliver(self, w: WorkerHandle, region: Region) -> tuple[ErrorCode, str] | None:
+        """Make sure worker ``w`` has ``region``'s descriptor before a ring entry naming the
+        region reaches it; None once it has, else why not (the request is failed with it):
+        BAD_REGION if the region was closed, OVERLOADED if the worker's control socket is full."""
+        if region.closed:
+            return ErrorCode.BAD_REGION, f"region {region.id} was closed before this request ran"
+        if w in region.sent_to:
+            return None
+        if w.control is None or not workerlink.send_region(w.control, region.id, region.size, region.fd):
+            return ErrorCode.OVERLOADED, (f"worker {w.index} of model {w.model.name!r} is not taking new "
+                                          f"regions now (busy or stuck); retry")
+        region.sent_to.add(w)
+        return None
 
     # -- lanes ----------------------------------------------------------------------------
 
@@ -210,8 +279,10 @@ class RegionTable:
                 self._attach(region)
 
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
-        """Worker ``w`` died: fail what its lanes had queued or running, and move them on."""
+        """Worker ``w`` died: it holds no region any more; fail what its lanes had queued or
+        running, and move them on."""
         for region in list(self.regions.values()):
+            region.sent_to.discard(w)
             if region.lane_worker is not w:
                 continue
             region.lane_worker = None
@@ -220,18 +291,23 @@ class RegionTable:
             self._attach(region)
 
     def _attach(self, region: Region) -> None:
-        """Give a lane to the ready worker of its model that has the fewest (none ready: it waits
-        for ``attach_waiting``; calls queued meanwhile run once it is attached)."""
+        """Give a lane to the ready worker of its model that has the fewest and can take its
+        descriptor (none: it waits for ``attach_waiting``; calls queued meanwhile run once it is
+        attached)."""
         load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
         ready = [w for w in region.lane_model.workers if w.state == READY and load[w] < workerlink.MAX_LANES]
-        if not ready or self.stopping:
-            region.lane_worker = None
-            lanes.assign_worker(region.lane_buf, layout.NO_WORKER)
-            return
-        worker = min(ready, key=lambda w: load[w])
+        worker = None
+        if not self.stopping:
+            for w in sorted(ready, key=lambda w: load[w]):
+                if self.deliver(w, region) is None:
+                    worker = w
+                    break
         region.lane_worker = worker
-        lanes.assign_worker(region.lane_buf, worker.index)
-        self.command(worker, layout.command_entry(layout.CMD_ATTACH_LANE, region.id))
+        index = layout.NO_WORKER if worker is None else worker.index
+        lanes.assign_worker(region.lane_buf, index)
+        layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), worker=index)
+        if worker is not None:
+            self.command(worker, layout.command_entry(layout.CMD_ATTACH_LANE, region.id))
 
     def _tune_spin(self) -> None:
         """Tell lane clients whether to spin for completions: only while there are at most half as

@@ -210,6 +210,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.processing = False
         self.closed = False
         self.deferred_fd_frames: list[tuple[bytes, int]] = []
+        self.peer = (-1, -1, -1)  # pid, uid, gid (SO_PEERCRED)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -225,6 +226,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
             pid = uid = gid = -1
+        self.peer = (pid, uid, gid)
         if not self.door.allowed(pid, uid, gid):
             log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
             transport.write(protocol.error_frame(None, ErrorCode.PERMISSION_DENIED,
@@ -328,15 +330,13 @@ class ClientConnection(asyncio.BufferedProtocol):
         lane = meta.get("lane")
         if "lane" in meta and not isinstance(lane, str):
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none")
-        region, fd = self.door.regions.open(self, meta.get("size"), lane)
+        pid, uid, _ = self.peer
+        region = self.door.regions.open(self, meta.get("size"), lane, uid=uid, pid=pid)
         answer = {"id": rid, "region": region.id, "size": region.size}
         if region.is_lane:
             answer["lane"] = {"model": region.lane_model.name, "data_offset": lanes.DATA_FLOOR,
                               "slots": layout.LANE_SLOTS}
-        try:
-            self.send_with_fd(protocol.encode_frame(Kind.REGION, answer), fd)
-        finally:
-            os.close(fd)
+        self.send_with_fd(protocol.encode_frame(Kind.REGION, answer), region.fd)
 
     def pause(self) -> None:
         if not self.paused and not self.closed:

@@ -24,16 +24,16 @@ import math
 import mmap
 import os
 import select
+import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from shmserve import _atomics as atomics
-from shmserve import lanes, layout, protocol
+from shmserve import lanes, layout, protocol, workerlink
 from shmserve.arena import Arena, SlotConflict, transition_slot
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
@@ -416,8 +416,10 @@ class FakeWorker:
     the rest stands in for the worker process (``workers.main``), in-process and step by step.
 
     ``step`` claims and completes everything submitted; ``claim`` only claims (RUNNING) so that a
-    test can ``complete`` or ``fail`` each job later, or let it time out.  Commands (lane attach
-    and detach) are carried out as they are read off the ring and kept in ``commands``.
+    test can ``complete`` or ``fail`` each job later, or let it time out.  Commands (lane attach,
+    region drop) are carried out as they are read off the ring and kept in ``commands``.  Client
+    regions arrive as the real worker's do: sealed memfds over a real control socketpair
+    (``handle.control`` is the front-end's end), taken when a region id is not known yet.
     """
 
     def __init__(self, arena: Arena, index: int, model: FakeModel, efd: int):
@@ -430,6 +432,8 @@ class FakeWorker:
         self.main = _Space(arena.buf, arena.geometry, self._inbox, outbox_ring, EventfdDoorbell(outbox_ring, efd))
         self.lanes: dict[int, _Space] = {}
         self.maps: dict[int, mmap.mmap] = {}  # client regions, mapped on first use (RegionCache)
+        self.given: dict[int, tuple[int, int]] = {}  # region -> (fd, size) received, not mapped yet
+        self.handle.control, self._control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.commands: list[tuple[int, int]] = []  # (op, argument) in the order read
         self.skipped: list[tuple[int, int]] = []  # (index, generation) whose claim failed: taken back
         self._backlog: list[tuple[_Space, int]] = []
@@ -460,7 +464,7 @@ class FakeWorker:
             self.commands.append((op, argument))
             if op == layout.CMD_ATTACH_LANE:
                 self._attach_lane(argument)
-            elif op == layout.CMD_DETACH_LANE:
+            elif op == layout.CMD_DROP_REGION:
                 self.lanes.pop(argument, None)
                 self._unmap(argument)
         for lane in list(self.lanes.values()):
@@ -484,17 +488,25 @@ class FakeWorker:
         if region == 0:
             return self.arena.buf
         if region not in self.maps:
-            try:
-                shm = posix_ipc.SharedMemory(layout.region_name(self.arena.instance, region))
-            except posix_ipc.ExistentialError:
+            self._take_arrived()
+            if region not in self.given:
                 return None
+            fd, size = self.given.pop(region)
             try:
-                self.maps[region] = mmap.mmap(shm.fd, os.fstat(shm.fd).st_size)
+                self.maps[region] = mmap.mmap(fd, size)
             finally:
-                shm.close_fd()
+                os.close(fd)
         return self.maps[region]
 
+    def _take_arrived(self) -> None:
+        for region, size, fd in workerlink.receive_regions(self._control):
+            self.given[region] = (fd, size)
+
     def _unmap(self, region: int) -> None:
+        self._take_arrived()
+        fd, _ = self.given.pop(region, (None, 0))
+        if fd is not None:
+            os.close(fd)
         m = self.maps.pop(region, None)
         if m is not None:
             m.close()
@@ -586,12 +598,18 @@ class FakeWorker:
     # -- life -----------------------------------------------------------------------------
 
     def die(self) -> None:
-        """The process is gone: its mappings with it, and nothing more is read or written."""
+        """The process is gone: its mappings and descriptors with it, and nothing more is read or
+        written.  Its control socket is a new one when it comes back (``revive``)."""
         self.dead = True
         self.lanes.clear()
         self._backlog = []
-        for region in list(self.maps):
-            self._unmap(region)
+        self.close()
+        self.handle.control = None
+
+    def revive(self) -> None:
+        """A new incarnation: a new control socket, nothing mapped."""
+        self.dead = False
+        self.handle.control, self._control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
     def bell_count(self) -> int:
         """How often the front-end has rung this worker's submission doorbell."""
@@ -599,8 +617,11 @@ class FakeWorker:
 
     def close(self) -> None:
         self.lanes.clear()
-        for region in list(self.maps):
+        for region in list(self.maps) + list(self.given):
             self._unmap(region)
+        for sock in (self.handle.control, self._control):
+            if sock is not None:
+                sock.close()
 
 
 # -- a lane's client --------------------------------------------------------------------------
@@ -611,11 +632,8 @@ class LaneClient:
     as the client maps it, and its ``ClientLane``.  Calls take one input at ``lanes.DATA_FLOOR``."""
 
     def __init__(self, regions: RegionTable, owner, model: str, size: int = 8192):
-        self.region, fd = regions.open(owner, size, model)
-        try:
-            self.buf = mmap.mmap(fd, self.region.size)
-        finally:
-            os.close(fd)
+        self.region = regions.open(owner, size, model)
+        self.buf = mmap.mmap(self.region.fd, self.region.size)
         self.lane = lanes.ClientLane(self.buf, self.region.id, model)
         self.out_offset = lanes.DATA_FLOOR + size // 2
         self.out_capacity = size // 2
@@ -699,7 +717,7 @@ class FakeFrontend:
 
     def restart(self, worker: FakeWorker) -> None:
         """A new incarnation reports ready (``Frontend._worker_ready``)."""
-        worker.dead = False
+        worker.revive()
         worker.report_ready()
         self.regions.attach_waiting(self.models[worker.model.name])
         self.dispatcher.worker_ready(worker.handle)
@@ -795,9 +813,9 @@ def build(instance: str, *, models: tuple[FakeModel, ...] = (ADD,), slot_count: 
                 w.handle.completion_bell.arm()  # the loop is idle: the first completion must wake it
         clock = FakeClock()
         limits = dataclasses.replace(limits, **limit_changes)
-        dispatcher = Dispatcher(arena, states, [w.handle for w in workers], limits, clock)
-        fe = FakeFrontend(arena, states, workers, dispatcher, None, clock, efd)
-        fe.regions = RegionTable(instance, states, fe.command, max_request_bytes=limits.max_request_bytes, cpus=2)
+        fe = FakeFrontend(arena, states, workers, None, None, clock, efd)
+        fe.regions = RegionTable(arena, states, fe.command, max_request_bytes=limits.max_request_bytes, cpus=2)
+        fe.dispatcher = Dispatcher(arena, states, [w.handle for w in workers], limits, clock, fe.regions.deliver)
         return fe
     except BaseException:
         if efd is not None:

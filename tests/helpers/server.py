@@ -140,6 +140,30 @@ class ServerProcess:
                 raise AssertionError(f"server not idle: {stats}")
             time.sleep(0.05)
 
+    def pids(self) -> list[int]:
+        """The front-end's pid and its workers' (its children now)."""
+        pids = [self.proc.pid]
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+        return pids
+
+    def mapped_regions(self) -> dict[int, set[int]]:
+        """Which client regions each of the server's processes maps, by pid (from /proc/<pid>/maps:
+        a region is a memfd named shmserve.<instance>.r<id>)."""
+        marker = f"/memfd:shmserve.{self.instance}.r"
+        found = {}
+        for pid in self.pids():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+                found[pid] = {int(line.split(marker)[1].split()[0]) for line in f if marker in line}
+        return found
+
+    def recorded_regions(self) -> dict[int, dict]:
+        """The arena's region records (what ``inspect`` shows), by region id."""
+        from shmserve import inspection
+
+        return {r["id"]: r for r in inspection.snapshot(self.instance)["regions"]}
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc is None:
             return 0
