@@ -7,9 +7,17 @@ heartbeats, statistics).  Offsets come from ``shmserve.layout``; allowed slot
 transitions from ``shmserve.slotstate``.
 
 Lifecycle (after CPython's multiprocessing.shared_memory and posix_ipc's
-demos): only the creator creates (O_CREX) and unlinks; a failed create
+demos): only the creator creates (O_CREAT|O_EXCL) and unlinks; a failed create
 unlinks before re-raising; attachers map and close their descriptor at once;
-``close()`` is idempotent; both are context managers.  The creator keeps its
+``close()`` is idempotent; both are context managers.
+
+Squatting: /dev/shm is writable by every local user, so whatever holds a
+name there may be anybody's.  Every open here is ``O_NOFOLLOW | O_NONBLOCK |
+O_CLOEXEC`` after an ``lstat`` (a symlink is never followed, a FIFO never
+blocks, a device node is never opened), and the entry is checked with
+``fstat`` before use (``segment_problem``: a regular file, an owner we trust,
+a mode ``create`` makes).  Anything else is ``ArenaSquatted``, a one-line
+message naming what holds the name, whose it is, and the fix.  The creator keeps its
 descriptor open with an exclusive ``flock`` on it for as long as it lives: the
 kernel drops that lock when the process dies, however it dies, which is how a
 sweep tells a live owner from a dead one (``shmserve.stale``).
@@ -21,19 +29,23 @@ validates the header before anything else is used.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import mmap
 import os
+import pwd
+import stat
 import time
-
-import posix_ipc
+from collections.abc import Collection
 
 from shmserve import _atomics as atomics
 from shmserve import layout
 from shmserve.slotstate import Actor, SlotState, check_transition
 
-SHM_DIR = "/dev/shm"  # where Linux exposes POSIX shared memory; only used to list and stat names
+SHM_DIR = "/dev/shm"  # where Linux exposes POSIX shared memory (shm_open is open(2) on this tmpfs)
+SEGMENT_MODES = (0o600, 0o660)  # what ``create`` makes: private, or shared with the configured group
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # no symlink followed, no FIFO waited on
 
 DEFAULT_SIZE_CLASSES = (  # (extent size, count): ~150 MiB in all, enough for the demo and tests
     (4096, 256), (64 * 1024, 64), (1024 * 1024, 16), (16 * 1024 * 1024, 4), (64 * 1024 * 1024, 1),
@@ -50,6 +62,95 @@ class ArenaExists(ArenaError):
 
 class ArenaNotFound(ArenaError):
     """No arena of that instance name exists."""
+
+
+class ArenaSquatted(ArenaError):
+    """Something that is not an arena we may use holds the instance's name in /dev/shm."""
+
+
+def segment_path(name: str) -> str:
+    """The /dev/shm path of a segment name (with or without its leading slash)."""
+    return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
+_KINDS = ((stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"))
+
+
+def entry_kind(mode: int) -> str:
+    """What kind of file ``mode`` (st_mode) describes, in words."""
+    return next((word for test, word in _KINDS if test(mode)), "unknown file type")
+
+
+def uid_words(uid: int) -> str:
+    """``uid 1000 (alice)``, or ``uid 1000`` when it has no name."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def segment_problem(st: os.stat_result, *, owners: Collection[int] | None) -> str | None:
+    """Why the entry ``st`` (from lstat or fstat) describes is not a segment shmserve may use, or
+    None if it is one: a regular file, owned by one of ``owners`` (None: any owner), with a mode
+    ``create`` makes.  The answer says what the entry is and whose, e.g. ``a fifo owned by uid 1000
+    (alice)``."""
+    whose = f"a {entry_kind(st.st_mode)} owned by {uid_words(st.st_uid)}"
+    if not stat.S_ISREG(st.st_mode):
+        return whose
+    if owners is not None and st.st_uid not in owners:
+        return whose
+    mode = stat.S_IMODE(st.st_mode)
+    if mode not in SEGMENT_MODES:
+        return f"{whose} with mode {mode:04o} (shmserve makes 0600 or 0660)"
+    return None
+
+
+def squatted(name: str, what: str) -> ArenaSquatted:
+    """The one-line error for an arena name held by ``what`` (a ``segment_problem`` answer)."""
+    path = segment_path(name)
+    return ArenaSquatted(f"{path} is held by {what}, not an arena of ours; serve another --instance, "
+                         f"or have its owner or root remove it (rm {path})")
+
+
+def open_segment(name: str, flags: int, *, owners: Collection[int] | None) -> tuple[int, os.stat_result]:
+    """Open an existing segment without following a symlink or blocking, and check it.
+
+    ``flags`` is O_RDONLY or O_RDWR; ``owners`` as in ``segment_problem``.
+    The entry is lstat'ed first (a FIFO, socket or device is never opened),
+    then opened with O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC and fstat'ed: it must
+    be the same file, and still one we may use.  Returns (descriptor, fstat).
+    Raises FileNotFoundError if there is no such name, ArenaSquatted if
+    the entry is not a segment we may use, ArenaError if it cannot be
+    opened (the message says why) or changed while it was opened.
+    """
+    path = segment_path(name)
+    listed = os.lstat(path)  # FileNotFoundError goes to the caller
+    problem = segment_problem(listed, owners=owners)
+    if problem:
+        raise squatted(name, problem)
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # replaced by a symlink or socket since the lstat
+            raise ArenaSquatted(f"{path} was replaced while it was opened; run the command again") from None
+        raise ArenaError(f"cannot open {path} ({uid_words(listed.st_uid)}, mode "
+                         f"{stat.S_IMODE(listed.st_mode):04o}): {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        before = os.lstat(path)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise ArenaSquatted(f"{path} was replaced while it was opened; run the command again")
+        problem = segment_problem(st, owners=owners)
+        if problem:
+            raise squatted(name, problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 class SlotConflict(ArenaError):
@@ -77,10 +178,10 @@ def process_start_ticks(pid: int) -> int | None:
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            raw = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()
+    fields = raw[raw.rindex(b")") + 2:].split()
     return int(fields[19])  # field 22 of stat(5), counted after "pid (comm) "
 
 
@@ -92,8 +193,8 @@ class Arena:
     name: unpickling attaches.
     """
 
-    def __init__(self, instance: str, shm: posix_ipc.SharedMemory | None, buf: mmap.mmap,
-                 info: layout.HeaderInfo, *, owner: bool, read_only: bool):
+    def __init__(self, instance: str, lock_fd: int | None, buf: mmap.mmap, info: layout.HeaderInfo,
+                 st: os.stat_result, *, owner: bool, read_only: bool):
         self.instance = instance
         self.name = layout.arena_name(instance)
         self.buf = buf
@@ -101,7 +202,9 @@ class Arena:
         self.geometry = info.geometry
         self.is_owner = owner
         self.read_only = read_only
-        self._shm = shm  # the owner keeps its descriptor (and its flock) until close
+        self.owner_uid = st.st_uid  # whose segment this is (fstat when it was opened)
+        self._file_id = (st.st_dev, st.st_ino)  # unlink removes the name only while it is still this file
+        self._lock_fd = lock_fd  # the owner keeps its descriptor (and its flock) until close
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -118,9 +221,11 @@ class Arena:
         slot once, with room for the front-end's commands and for entries of
         slots taken back before their worker saw them (the front-end checks
         for room before every push: a full ring is an 'overloaded' answer,
-        never a lost entry).  Raises ArenaExists if the name is taken (run
-        ``shmserve cleanup`` if its owner is dead), ArenaError if /dev/shm is
-        too small or the parameters are impossible.  On any failure nothing is
+        never a lost entry).  Raises ArenaExists if an arena of ours holds the
+        name (run ``shmserve cleanup`` if its owner is dead), ArenaSquatted if
+        anything else does (another uid's file, a FIFO, a symlink, a file
+        of ours with a mode we never make), ArenaError if /dev/shm is too
+        small or the parameters are impossible.  On any failure nothing is
         left behind in /dev/shm.
         """
         name = layout.arena_name(instance)
@@ -139,27 +244,28 @@ class Arena:
                 gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
             except KeyError:
                 raise ArenaError(f"group {group!r} does not exist") from None
+        path = segment_path(name)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=geometry.total_size)
-        except posix_ipc.ExistentialError:
-            raise ArenaExists(f"arena {name} already exists; if its server is gone, run "
-                              f"'shmserve cleanup'") from None
-        except (OSError, ValueError, posix_ipc.Error) as exc:
-            raise ArenaError(f"cannot create arena {name}: {exc}") from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode)
+        except FileExistsError:
+            raise _taken(name) from None
+        except OSError as exc:
+            raise ArenaError(f"cannot create arena {path}: {exc.strerror}") from None
         buf = None
         try:
-            fcntl.flock(shm.fd, fcntl.LOCK_EX)  # blocks only while a sweep probes this new name
-            os.fchmod(shm.fd, mode)  # shm_open applied the umask
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep probes this new name
+            os.fchmod(fd, mode)  # open applied the umask
             if gid != -1:
-                os.fchown(shm.fd, -1, gid)
+                os.fchown(fd, -1, gid)
+            os.ftruncate(fd, geometry.total_size)
             try:
                 # Allocate every page now: a full /dev/shm fails here with ENOSPC
                 # instead of a SIGBUS on first touch in the middle of a request.
-                os.posix_fallocate(shm.fd, 0, geometry.total_size)
+                os.posix_fallocate(fd, 0, geometry.total_size)
             except OSError as exc:
                 raise ArenaError(f"cannot allocate {geometry.total_size} bytes in {SHM_DIR} ({exc.strerror}); "
                                  f"make it larger or configure a smaller arena") from None
-            buf = _map(shm.fd, geometry.total_size, read_only=False, prefault=prefault)
+            buf = _map(fd, geometry.total_size, read_only=False, prefault=prefault)
             pid = os.getpid()
             layout.encode_header(buf, geometry, instance=instance, boot_id=boot_id(),
                                  created_unix_ns=time.time_ns(), owner_pid=pid,
@@ -168,49 +274,55 @@ class Arena:
             # and attachers load-acquire the state before they trust the header.
             atomics.store32(buf, layout.HEADER.offset("state"), layout.ARENA_LIVE)
             info = layout.decode_header(buf)
+            st = os.fstat(fd)
         except BaseException:
             if buf is not None:
                 buf.close()
-            posix_ipc.unlink_shared_memory(name)
-            shm.close_fd()
+            os.unlink(path)  # the name is ours: O_EXCL made it, and /dev/shm is sticky
+            os.close(fd)
             raise
-        return cls(instance, shm, buf, info, owner=True, read_only=False)
+        return cls(instance, fd, buf, info, st, owner=True, read_only=False)
 
     @classmethod
     def attach(cls, instance: str, *, read_only: bool = False, prefault: bool = True) -> "Arena":
-        """Map an existing arena after validating its header.
+        """Map an existing arena after checking the file and validating its header.
 
-        Raises ArenaNotFound if there is none, ArenaError if the segment is
-        still being created, is not a shmserve arena, or is corrupt (the
-        message carries the layout error).  Read-only attaches never write.
+        A writable attach takes only a segment of our own uid; a read-only
+        one (inspection) takes any owner's.  Either way it must be a regular
+        file with a mode ``create`` makes, reached without following a
+        symlink or blocking (``open_segment``).  Raises ArenaNotFound if there
+        is none, ArenaSquatted if the name is held by anything else,
+        ArenaError if the segment cannot be opened, is still being created,
+        is not a shmserve arena, or is corrupt (the message carries the
+        layout error).  Read-only attaches never write.
         """
         name = layout.arena_name(instance)
+        owners = None if read_only else (os.geteuid(),)
         try:
-            shm = posix_ipc.SharedMemory(name, read_only=read_only)
-        except posix_ipc.ExistentialError:
+            fd, st = open_segment(name, os.O_RDONLY if read_only else os.O_RDWR, owners=owners)
+        except FileNotFoundError:
             raise ArenaNotFound(f"no arena {name} (is the server for instance {instance!r} running?)") from None
-        except posix_ipc.PermissionsError as exc:
-            raise ArenaError(f"cannot open arena {name}: {exc}") from None
+        # a read-only look at another user's segment: the errors say whose it is
+        shown = name if st.st_uid == os.geteuid() else f"{name} (owned by {uid_words(st.st_uid)})"
         try:
-            size = os.fstat(shm.fd).st_size
-            if size < layout.HEADER_SIZE:
-                raise ArenaError(f"arena {name} is {size} bytes: still being created, or not an arena")
-            buf = _map(shm.fd, size, read_only=read_only, prefault=prefault and not read_only)
+            if st.st_size < layout.HEADER_SIZE:
+                raise ArenaError(f"arena {shown} is {st.st_size} bytes: still being created, or not an arena")
+            buf = _map(fd, st.st_size, read_only=read_only, prefault=prefault and not read_only)
         finally:
-            shm.close_fd()
+            os.close(fd)
         try:
             if atomics.load32(buf, layout.HEADER.offset("state")) == layout.ARENA_INITIALIZING:
-                raise ArenaError(f"arena {name} is still being created")
-            info = layout.decode_header(buf, size)
+                raise ArenaError(f"arena {shown} is still being created")
+            info = layout.decode_header(buf, st.st_size)
             if info.instance != instance:
-                raise ArenaError(f"arena {name} belongs to instance {info.instance!r}")
+                raise ArenaError(f"arena {shown} belongs to instance {info.instance!r}")
         except layout.LayoutError as exc:
             buf.close()
-            raise ArenaError(f"arena {name} is corrupt or foreign: {exc}") from None
+            raise ArenaError(f"arena {shown} is corrupt or foreign: {exc}") from None
         except BaseException:
             buf.close()
             raise
-        return cls(instance, None, buf, info, owner=False, read_only=read_only)
+        return cls(instance, None, buf, info, st, owner=False, read_only=read_only)
 
     def close(self) -> None:
         """Unmap (and, for the owner, release the liveness lock).  Idempotent.
@@ -222,17 +334,21 @@ class Arena:
             return
         self.buf.close()
         self._closed = True
-        if self._shm is not None:
-            self._shm.close_fd()
-            self._shm = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def unlink(self) -> None:
-        """Remove the arena's name (owner only); mappings stay valid until closed.  Idempotent."""
+        """Remove the arena's name (owner only) if it still names this arena; mappings stay valid
+        until closed.  Idempotent."""
         if not self.is_owner:
             raise ArenaError("only the creator of an arena unlinks it")
+        path = segment_path(self.name)
         try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == self._file_id:
+                os.unlink(path)
+        except FileNotFoundError:
             pass
 
     @property
@@ -318,6 +434,18 @@ def transition_slot(buf, geometry, index: int, generation: int, frm: SlotState, 
     if not atomics.cas64(buf, offset, _pack(generation, frm), _pack(new_generation, to)):
         raise SlotConflict(index, (generation, int(frm)), layout.unpack_status(atomics.load64(buf, offset)))
     return new_generation
+
+
+def _taken(name: str) -> ArenaError:
+    """Why ``create`` found ``name`` taken: a squatter (ArenaSquatted, naming it), or an arena
+    of ours (ArenaExists: live, or dead and left to ``shmserve cleanup``)."""
+    try:
+        problem = segment_problem(os.lstat(segment_path(name)), owners=(os.geteuid(),))
+    except FileNotFoundError:  # removed since: whoever held it was quicker than us
+        return ArenaExists(f"arena {name} was being created or removed by someone else; try again")
+    if problem:
+        return squatted(name, problem)
+    return ArenaExists(f"arena {name} already exists; if its server is gone, run 'shmserve cleanup'")
 
 
 def _map(fd: int, size: int, *, read_only: bool, prefault: bool) -> mmap.mmap:

@@ -227,7 +227,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for snap in state["instances"]:
             console.print(inspection.render(snap))
         for left in state["leftovers"]:
-            console.print(f"leftover: /dev/shm/{left['name']} ({left['reason']}); 'shmserve cleanup' removes it")
+            if left["refused"]:
+                print(f"not ours: /dev/shm/{left['name']} ({left['refused']})")
+            else:
+                print(f"leftover: /dev/shm/{left['name']} ({left['reason']}); 'shmserve cleanup' removes it")
     if state["errors"] and not state["instances"]:
         return state["errors"][0][0]
     if args.check:
@@ -243,15 +246,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     from shmserve import stale
+    from shmserve.arena import uid_words
 
     records = stale.sweep(args.instance, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for record in records:
         print(f"{verb} /dev/shm/{record.name} ({record.size} bytes): {record.reason}")
         if record.socket_path and not record.region:
-            print(f"{verb} its socket {record.socket_path} if nobody listens there")
+            if record.socket_kept:
+                print(f"left its socket {record.socket_path}: {record.socket_kept}")
+            else:
+                print(f"{verb} its socket {record.socket_path}")
     if not records:
         print("no stale arenas")
+    for record in stale.list_arenas(args.instance):
+        if record.refused and not record.owner_alive:  # another user's live instance is none of our business
+            print(f"left /dev/shm/{record.name}: {record.refused}")
+        elif record.stale and not args.dry_run:
+            print(f"could not remove /dev/shm/{record.name} (owned by {uid_words(record.uid)}): "
+                  f"run 'shmserve cleanup' as its owner or root")
     return EXIT_OK
 
 

@@ -50,7 +50,9 @@ def _percentile(counts: list[int], q: float) -> float | None:
 
 
 def snapshot(instance: str, *, stuck_after_s: float = STUCK_AFTER_S) -> dict:
-    """Everything ``inspect`` shows about one instance.  Raises ArenaError/ArenaNotFound."""
+    """Everything ``inspect`` shows about one instance.  Raises ArenaNotFound, ArenaSquatted if
+    the name is held by anything but a regular file with a mode shmserve makes (never opened, so
+    a FIFO cannot block), ArenaError for a segment that cannot be read or decoded."""
     arena = Arena.attach(instance, read_only=True, prefault=False)
     try:
         return _read(arena, stuck_after_s)
@@ -67,7 +69,8 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
     out = {
         "instance": arena.instance, "arena": arena.name, "size": g.total_size, "layout_version": layout.LAYOUT_VERSION,
         "state": layout.ARENA_STATE_NAMES.get(arena.state(), str(arena.state())),
-        "owner_pid": info.owner_pid, "owner_alive": owner_alive, "socket": info.socket_path,
+        "owner_pid": info.owner_pid, "owner_alive": owner_alive, "owner_uid": arena.owner_uid,
+        "socket": info.socket_path,
         "created_unix": info.created_unix_ns / 1e9, "uptime_s": round((now_wall - info.created_unix_ns) / 1e9, 1),
         "owner_heartbeat_age_s": round((now_mono - heartbeat) / 1e9, 3) if heartbeat else None,
     }
@@ -147,9 +150,11 @@ def problems(snap: dict) -> list[str]:
 
 
 def leftovers() -> list[dict]:
-    """Arenas of instances whose owner is gone."""
-    return [{"name": r.name, "instance": r.instance, "size": r.size, "owner_pid": r.owner_pid, "reason": r.reason}
-            for r in stale.list_arenas() if r.stale]
+    """Arenas of instances whose owner is gone, and entries under our names that a cleanup by this
+    user leaves alone (``refused`` says why and what to do; empty for a removable leftover)."""
+    return [{"name": r.name, "instance": r.instance, "size": r.size, "owner_pid": r.owner_pid, "reason": r.reason,
+             "uid": r.uid, "refused": r.refused}
+            for r in stale.list_arenas() if r.stale or (r.refused and not r.owner_alive)]
 
 
 def render(snap: dict):
@@ -162,8 +167,8 @@ def render(snap: dict):
     alive = "[green]alive[/]" if snap["owner_alive"] else "[red]DEAD[/]"
     head = Text.from_markup(  # instance and socket come from the header: text, never markup
         f"[bold]{escape(snap['instance'])}[/]  {escape(snap['arena'])}  {snap['size'] >> 20} MiB  "
-        f"state {snap['state']}  owner pid {snap['owner_pid']} {alive}  up {snap['uptime_s']:.0f} s  "
-        f"socket {escape(snap['socket'] or '?')}")
+        f"state {snap['state']}  owner pid {snap['owner_pid']} {alive} uid {snap['owner_uid']}  "
+        f"up {snap['uptime_s']:.0f} s  socket {escape(snap['socket'] or '?')}")
     workers = Table(title="workers", title_justify="left")
     for col in ("#", "model", "device", "pid", "state", "heartbeat", "requests", "errors", "restarts"):
         workers.add_column(col, justify="right" if col in ("#", "pid", "requests", "errors", "restarts") else "left")
