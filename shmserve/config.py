@@ -17,6 +17,7 @@ File format::
     allow_groups = ["shmserve-clients"]   # by name; members (primary or supplementary) may connect
     socket_mode = 0o600             # 0o660 with socket_group to let a group's members connect
     socket_group = "shmserve-clients"
+    restart_healthy_s = 10          # a worker that served this long is healthy: its restart back-off starts over
 
     [arena]
     slots = 256
@@ -110,6 +111,9 @@ class ServerConfig:
     socket_mode: int = 0o600
     socket_group: str | None = None
     worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog); killed at twice that
+    # Recovery.  10 s: a crash loop (a worker dying at load or right after it) dies well within it,
+    # while a worker killed from outside after serving 10 s comes back after the first delay.
+    restart_healthy_s: float = 10.0  # a worker ready this long is healthy: its restart back-off starts over
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -178,7 +182,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups"})
+                              "allow_groups",
+                              "restart_healthy_s"})
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -196,6 +201,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         kw["socket_group"] = _str(server["socket_group"], "server.socket_group")
     kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
         ("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600), ("worker_timeout_s", 0.5, 3600))))
+    kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
+        ("restart_healthy_s", 0.01, 86400),)))
     kw.update(_bounded(server, "server.", _int, (
         ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20),
         ("max_inflight_per_connection", 1, 1 << 16))))

@@ -189,7 +189,7 @@ class Frontend:
     async def reload(self) -> None:
         """SIGHUP: re-read the config file; apply what can change while serving.
 
-        Applied: request and queue limits, the allow-lists, and any model whose
+        Applied: request and queue limits, the allow-lists, restart_healthy_s, and any model whose
         settings changed (its workers restart with the new settings).  Not
         applied (logged; needs a restart): instance, socket, arena, spin, added
         or removed models, a model's instance count.
@@ -227,6 +227,7 @@ class Frontend:
             old, request_timeout_s=new.request_timeout_s, drain_timeout_s=new.drain_timeout_s,
             max_waiting=new.max_waiting, max_inflight_per_connection=new.max_inflight_per_connection,
             allow_uids=new.allow_uids, allow_gids=new.allow_gids, worker_timeout_s=new.worker_timeout_s,
+            restart_healthy_s=new.restart_healthy_s,
             models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)

@@ -210,6 +210,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.processing = False
         self.closed = False
         self.deferred_fd_frames: list[tuple[bytes, int]] = []
+        self.peer_uid = -1  # the client's uid (SO_PEERCRED), once connected
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -225,6 +226,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
             pid = uid = gid = -1
+        self.peer_uid = uid
         if not self.door.allowed(pid, uid, gid):
             log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
             transport.write(protocol.error_frame(None, ErrorCode.PERMISSION_DENIED,
@@ -298,7 +300,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif kind == Kind.HEALTH:
                 self.reply(rid, self.door.status.health())
             elif kind == Kind.INFO:
-                self.reply(rid, self.door.status.info())
+                self.reply(rid, self.door.status.info(self.peer_uid))
             elif kind == Kind.OPEN_REGION:
                 self._open_region(rid, meta)
             elif kind == Kind.CLOSE_REGION:
