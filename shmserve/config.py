@@ -151,6 +151,31 @@ def resolve_socket(cli_value: str | None, config_value: str | None, instance: st
     return str(base / f"{instance}.sock")
 
 
+SERVER_UID_ENV = "SHMSERVE_SERVER_UID"  # a client's trust in a server of another user (uid or user name)
+
+
+def trusted_server_uids(server_uid: int | str | None = None) -> frozenset[int]:
+    """The uids a client lets serve it: its own, root's, and ``server_uid`` (a uid or a user name),
+    else $SHMSERVE_SERVER_UID.  ValueError naming the setting for a uid out of range or no such user."""
+    where = "server_uid"
+    if server_uid is None:
+        server_uid, where = os.environ.get(SERVER_UID_ENV) or None, SERVER_UID_ENV
+    trusted = {os.geteuid(), 0}
+    if server_uid is None:
+        return frozenset(trusted)
+    if isinstance(server_uid, str) and not server_uid.isdigit():
+        import pwd
+
+        try:
+            server_uid = pwd.getpwnam(server_uid).pw_uid
+        except KeyError:
+            raise ValueError(f"{where}: no user {server_uid!r} on this machine") from None
+    uid = int(server_uid)
+    if not 0 <= uid < 2**32 - 1:
+        raise ValueError(f"{where}: {server_uid!r} is not a uid")
+    return frozenset(trusted | {uid})
+
+
 def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
     """The embedded default: the demo model on CPU through ONNX Runtime.  ConfigError for a bad
     instance name."""

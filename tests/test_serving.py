@@ -21,6 +21,7 @@ from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, protocol
 from shmserve.protocol import Kind
 
 from conftest import shm_names
+from helpers.other_user import as_nobody, server_nobody_can_reach
 from helpers.server import DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
 
 MiB = 1024 * 1024
@@ -498,54 +499,20 @@ def test_a_stray_sigterm_to_a_worker_is_ignored(server):
 
 
 def test_peer_credentials_refuse_other_users(tmp_path):
-    if os.getuid() != 0:
-        pytest.skip("needs root to run a client as another user")
-    import grp
-    import tempfile
-
-    try:
-        nogroup = grp.getgrgid(65534).gr_name
-    except KeyError:
-        pytest.skip("no group 65534 on this machine")
-    sockdir = Path(tempfile.mkdtemp(prefix="shmserve-peercred-"))
-    os.chmod(sockdir, 0o755)
-    srv = ServerProcess(tmp_path, """
-        [[models]]
-        name = "identity"
-        backend = "python"
-        path = "shmserve.models:identity"
-    """, server_section=f"socket_mode = 0o660\nsocket_group = \"{nogroup}\"", socket_dir=sockdir).start()
-    try:
-        # A forked child drops to nobody:nogroup (the interpreter is already loaded, so nothing
-        # under /root needs to be readable by nobody) and asks for health over the socket.
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
+    with server_nobody_can_reach(tmp_path) as srv:
+        def health():  # as nobody, not on the allow-list
             try:
-                os.close(read_end)
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
                 with Client(srv.socket, timeout=10) as c:
                     c.health()
-                answer = b"served"
+                return "served"
             except ShmserveError as exc:
-                answer = exc.code.wire.encode()
-            except BaseException as exc:
-                answer = repr(exc).encode()
-            os.write(write_end, answer)
-            os._exit(0)
-        os.close(write_end)
-        os.waitpid(pid, 0)
-        with os.fdopen(read_end, "rb") as f:
-            answer = f.read().decode()
+                return exc.code.wire
+
+        answer = as_nobody(health)
         assert answer == "permission_denied", answer
         assert "refused connection from pid" in srv.log() and "uid 65534" in srv.log()
         with srv.client() as c:  # the owner still is served
             assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].sum() == 3
-    finally:
-        assert srv.stop() == 0, srv.log()
-        os.rmdir(sockdir)
 
 
 def _fds(pid: int) -> int:
