@@ -216,6 +216,8 @@ def test_a_client_sends_nothing_to_a_server_of_an_unexpected_uid(tmp_path):
 
 
 def test_trusted_server_uids_take_ids_and_names_and_name_a_bad_setting(monkeypatch):
+    """A uid or a user name, from the argument or the environment; a bad one is a ValueError (one
+    line from the command) naming the setting."""
     monkeypatch.delenv(SERVER_UID_ENV, raising=False)
     me = os.geteuid()
     assert trusted_server_uids() == {me, 0}
@@ -227,6 +229,10 @@ def test_trusted_server_uids_take_ids_and_names_and_name_a_bad_setting(monkeypat
         trusted_server_uids()
     with pytest.raises(ValueError, match="server_uid: -1 is not a uid"):
         trusted_server_uids(-1)
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "health", "--socket", "/nonexistent/s.sock"],
+                       capture_output=True, text=True, timeout=60)  # the command says so in one line
+    assert r.returncode == 1 and r.stderr.strip() == (f"shmserve health: {SERVER_UID_ENV}: no user "
+                                                      f"'no-such-user-here' on this machine"), r.stderr
 
 
 # -- info for other users -------------------------------------------------------------------
