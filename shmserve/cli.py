@@ -31,7 +31,10 @@ def _client(args):
     from shmserve.client import Client
     from shmserve.config import DEFAULT_INSTANCE
 
-    return Client(args.socket, timeout=args.timeout, instance=args.instance or DEFAULT_INSTANCE)
+    try:
+        return Client(args.socket, timeout=args.timeout, instance=args.instance or DEFAULT_INSTANCE)
+    except ValueError as exc:  # $SHMSERVE_SERVER_UID names no user
+        raise SystemExit(f"shmserve {args.command}: {exc}") from None
 
 
 def _talks_to_server(func):

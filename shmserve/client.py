@@ -18,6 +18,11 @@ where a call's tensors go (``_ZeroCopyPlan``, ``RegionAllocator``) and the
 call itself (``ZeroCopyCall``) are shared; ``AsyncClient`` wakes its loop for
 lane completions with a ``LaneWatcher`` thread per lane.
 
+Before either client sends anything it checks who serves the socket
+(``SO_PEERCRED``): its own uid, root, or the ``server_uid`` it was given
+(else $SHMSERVE_SERVER_UID); anyone else is refused with PERMISSION_DENIED
+(``session.check_server``).
+
 Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
 ``ConnectionClosed`` when no server answers or the connection ended.  Neither
 client is thread-safe; use one per thread (they are cheap).
@@ -35,6 +40,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Iterable, Mapping
@@ -42,11 +48,12 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from shmserve import layout, protocol
-from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us
+from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us, trusted_server_uids
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import TensorMeta
-from shmserve.session import NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed
+from shmserve.session import (NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed,
+                              check_server)
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
@@ -55,6 +62,7 @@ DEFAULT_OUTPUT_CAPACITY = 16 * 1024 * 1024
 SOCKET_BUFFER = 4 * 1024 * 1024  # fewer, larger transfers for big inline tensors (capped by net.core.*mem_max)
 MAX_IOV = 512  # buffers per sendmsg (the kernel takes up to IOV_MAX, 1024)
 _FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 # -- socket helpers, for both pumps ---------------------------------------------------------
@@ -71,6 +79,16 @@ def _unix_socket() -> socket.socket:
 
 def _no_server(path: str, exc: OSError) -> ConnectionClosed:
     return ConnectionClosed(f"no shmserve server at {path} ({exc.strerror})")
+
+
+def _check_server(sock: socket.socket, path: str, trusted: frozenset[int]) -> None:
+    """Close ``sock`` and raise PERMISSION_DENIED unless a trusted uid serves it (nothing sent yet)."""
+    try:
+        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        check_server(path, pid, uid, trusted)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _passed_fds(ancdata) -> list[int]:
@@ -408,8 +426,10 @@ class _ClientBase:
     """What both clients keep besides their socket: the session, the regions it granted, and
     the model specs zero-copy calls are planned from."""
 
-    def __init__(self, socket_path: str | None, timeout: float, instance: str, lanes: bool):
+    def __init__(self, socket_path: str | None, timeout: float, instance: str, lanes: bool,
+                 server_uid: int | str | None):
         self.path = resolve_socket(socket_path, None, instance)
+        self.trusted = trusted_server_uids(server_uid)  # who may serve us: we check before sending
         self.timeout = timeout
         # Zero-copy calls go through a lane (a region with its own queue to a worker: no socket
         # round trip) unless this is False (then each call is a descriptor over the socket).
@@ -442,12 +462,15 @@ class Client(_ClientBase):
     runtime-directory default for ``instance``).  ``timeout``: default
     seconds per request, enforced by the server (and by this client with a
     grace period should the server not answer at all: the connection is then
-    given up).  ConnectionClosed if no server listens there.
+    given up).  ``server_uid``: a uid (or user name) trusted to serve, besides
+    our own and root (default: $SHMSERVE_SERVER_UID).  ConnectionClosed if no
+    server listens there; ShmserveError PERMISSION_DENIED if another uid does
+    (nothing is sent to it); ValueError for a ``server_uid`` that is no user.
     """
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
-                 spin_us: int | None = None, lanes: bool = True):
-        super().__init__(socket_path, timeout, instance, lanes)
+                 spin_us: int | None = None, lanes: bool = True, server_uid: int | str | None = None):
+        super().__init__(socket_path, timeout, instance, lanes, server_uid)
         # Poll for the answer this long before sleeping in recv (None: by core count; 0: never).
         # Lane calls follow the server's hint instead unless spin_us is given.
         self.spin_s = (spin_default_us(client=True) if spin_us is None else spin_us) / 1e6
@@ -458,6 +481,7 @@ class Client(_ClientBase):
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
             raise _no_server(self.path, exc) from None
+        _check_server(self._sock, self.path, self.trusted)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -596,12 +620,13 @@ class AsyncClient(_ClientBase):
     """The asyncio client: ``async with AsyncClient(path) as c: await c.infer(...)``.
 
     Several requests may be in flight at once on one connection; answers are
-    matched by id.  ``zero_copy`` works as in ``Client`` (``await call.run()``).
+    matched by id.  ``zero_copy`` works as in ``Client`` (``await call.run()``);
+    ``server_uid`` and the check of who serves, as in ``Client`` (at ``connect``).
     """
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
-                 lanes: bool = True):
-        super().__init__(socket_path, timeout, instance, lanes)
+                 lanes: bool = True, server_uid: int | str | None = None):
+        super().__init__(socket_path, timeout, instance, lanes, server_uid)
         self._watchers: dict[int, LaneWatcher] = {}  # lane region id -> its completion watcher
         self._waiters: dict[int, asyncio.Future] = {}  # request id -> its caller
         self._send_lock = asyncio.Lock()  # frames of concurrent calls must not interleave
@@ -618,6 +643,7 @@ class AsyncClient(_ClientBase):
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise _no_server(self.path, exc) from None
+        _check_server(sock, self.path, self.trusted)
         self._sock = sock
         self._reader_task = loop.create_task(self._reader())
         return self

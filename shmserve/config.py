@@ -21,6 +21,7 @@ File format::
     max_regions_per_connection = 16
     max_region_bytes_per_connection = 1073741824
     max_region_bytes_per_uid = 4294967296
+    restart_healthy_s = 10          # a worker that served this long is healthy: its restart back-off starts over
 
     [arena]
     slots = 256
@@ -119,6 +120,9 @@ class ServerConfig:
     max_regions_per_connection: int = 16
     max_region_bytes_per_connection: int = 1 << 30
     max_region_bytes_per_uid: int = 4 << 30
+    # Recovery.  10 s: a crash loop (a worker dying at load or right after it) dies well within it,
+    # while a worker killed from outside after serving 10 s comes back after the first delay.
+    restart_healthy_s: float = 10.0  # a worker ready this long is healthy: its restart back-off starts over
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -156,6 +160,31 @@ def resolve_socket(cli_value: str | None, config_value: str | None, instance: st
     return str(base / f"{instance}.sock")
 
 
+SERVER_UID_ENV = "SHMSERVE_SERVER_UID"  # a client's trust in a server of another user (uid or user name)
+
+
+def trusted_server_uids(server_uid: int | str | None = None) -> frozenset[int]:
+    """The uids a client lets serve it: its own, root's, and ``server_uid`` (a uid or a user name),
+    else $SHMSERVE_SERVER_UID.  ValueError naming the setting for a uid out of range or no such user."""
+    where = "server_uid"
+    if server_uid is None:
+        server_uid, where = os.environ.get(SERVER_UID_ENV) or None, SERVER_UID_ENV
+    trusted = {os.geteuid(), 0}
+    if server_uid is None:
+        return frozenset(trusted)
+    if isinstance(server_uid, str) and not server_uid.isdigit():
+        import pwd
+
+        try:
+            server_uid = pwd.getpwnam(server_uid).pw_uid
+        except KeyError:
+            raise ValueError(f"{where}: no user {server_uid!r} on this machine") from None
+    uid = int(server_uid)
+    if not 0 <= uid < 2**32 - 1:
+        raise ValueError(f"{where}: {server_uid!r} is not a uid")
+    return frozenset(trusted | {uid})
+
+
 def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
     """The embedded default: the demo model on CPU through ONNX Runtime.  ConfigError for a bad
     instance name."""
@@ -191,7 +220,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups"} | REGION_KEYS)
+                              "allow_groups", "restart_healthy_s"} | REGION_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -209,6 +238,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         kw["socket_group"] = _str(server["socket_group"], "server.socket_group")
     kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
         ("request_timeout_s", 0.001, 86400), ("drain_timeout_s", 0, 3600), ("worker_timeout_s", 0.5, 3600))))
+    kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
+        ("restart_healthy_s", 0.01, 86400),)))
     kw.update(_bounded(server, "server.", _int, (
         ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20),
         ("max_inflight_per_connection", 1, 1 << 16))))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from shmserve import layout, stale
+from shmserve import layout, stale, workerlink
 from shmserve.arena import Arena
 from shmserve.slotstate import SlotState, state_name
 
@@ -86,7 +86,9 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
             "index": i, "model": name, "device": w.device.rstrip(b"\0").decode("utf-8", "replace"), "pid": w.pid,
             "state": layout.WORKER_STATE_NAMES.get(w.state, str(w.state)), "alive": _pid_alive(w.pid),
             "heartbeat_age_s": round((now_mono - w.heartbeat_ns) / 1e9, 3) if w.heartbeat_ns else None,
-            "requests": w.requests, "errors": w.errors, "restarts": w.restarts,
+            "requests": w.requests, "errors": w.errors, "restarts": w.restarts, "crash_streak": w.crash_streak,
+            "restart_in_s": (round(max(0.0, (w.restart_at_ns - now_mono) / 1e9), 3)
+                             if w.restart_at_ns and w.state == layout.WORKER_DEAD else None),
         })
     out["workers"] = workers
     counts: dict[str, int] = {s.name: 0 for s in SlotState}
@@ -144,6 +146,9 @@ def problems(snap: dict) -> list[str]:
             found.append(f"worker {w['index']} ({w['model']}) pid {w['pid']} is gone")
         elif w["state"] == "ready" and (w["heartbeat_age_s"] or 0) > WORKER_SILENT_S:
             found.append(f"worker {w['index']} ({w['model']}) silent for {w['heartbeat_age_s']:.0f} s")
+        if w["crash_streak"] >= workerlink.CRASH_LOOP_DEATHS:
+            found.append(f"worker {w['index']} ({w['model']}) is crash-looping: {w['crash_streak']} deaths in a row, "
+                         f"each before it served restart_healthy_s")
     for s in snap["stuck"]:
         found.append(f"slot {s['slot']} (request {s['request_id']}, model {s['model']}) running for {s['running_s']} s")
     return found
@@ -175,6 +180,8 @@ def render(snap: dict):
     for w in snap["workers"]:
         age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']:.1f} s ago"
         state = w["state"] if w["alive"] or w["state"] == "dead" else f"{w['state']} (gone)"
+        if w["restart_in_s"] is not None:
+            state += f", restart in {w['restart_in_s']:.1f} s"
         workers.add_row(str(w["index"]), w["model"], w["device"], str(w["pid"]), state, age, str(w["requests"]),
                         str(w["errors"]), str(w["restarts"]))
     slots = Table(title="slots", title_justify="left")

@@ -22,7 +22,8 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 2::
                       |   statistics counters (from STATS_OFFSET)             |
     worker_table_off  +-------------------------------------------------------+
                       | worker table: max_workers x WORKER (128 B)            |
-                      |   pid, state, restarts, heartbeat, counters, device   |
+                      |   pid, state, restarts, heartbeat, counters, device,  |
+                      |   name, crash streak, time of the next restart        |
     hist_table_off    +-------------------------------------------------------+
                       | histograms: max_workers x HIST_STAGES x               |
                       |   (HIST_BUCKETS counters + 1 sum), u64: stage times   |
@@ -302,6 +303,9 @@ WORKER = Record("Worker", WORKER_SIZE, [
     ("errors", "Q"),
     ("device", "16s"),
     ("name", "48s"),
+    # Added within the record's spare bytes (an older arena reads 0: no streak, no restart due).
+    ("crash_streak", "I"),  # deaths in a row before a healthy run (shmserve.supervisor)
+    ("restart_at_ns", "Q"),  # CLOCK_MONOTONIC ns of its scheduled restart; 0 when none is scheduled
 ])
 # Worker states (worker table field `state`).
 WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4

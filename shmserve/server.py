@@ -196,7 +196,7 @@ class Frontend:
     async def reload(self) -> None:
         """SIGHUP: re-read the config file; apply what can change while serving.
 
-        Applied: request and queue limits, the allow-lists, and any model whose
+        Applied: request and queue limits, the allow-lists, restart_healthy_s, and any model whose
         settings changed (its workers restart with the new settings).  Not
         applied (logged; needs a restart): instance, socket, arena, spin, added
         or removed models, a model's instance count.
@@ -237,6 +237,7 @@ class Frontend:
             max_regions_per_connection=new.max_regions_per_connection,
             max_region_bytes_per_connection=new.max_region_bytes_per_connection,
             max_region_bytes_per_uid=new.max_region_bytes_per_uid,
+            restart_healthy_s=new.restart_healthy_s,
             models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)

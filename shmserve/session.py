@@ -9,6 +9,11 @@ whether the connection is still usable.  ``Client`` and ``AsyncClient``
 (``shmserve.client``) only pump bytes and descriptors through a
 ``ClientSession`` — after h11, as the front-end does with ``protocol.Connection``.
 
+Who may serve: before a pump sends anything it asks the kernel who listens
+(``SO_PEERCRED``) and ``check_server`` refuses anyone but the uids the client
+trusts (its own, root, and the one it was told: ``config.trusted_server_uids``):
+whoever serves the socket receives the client's tensors and writes its results.
+
 Must not: touch a socket, a clock, an event loop or shared memory.  Framing is
 ``shmserve.protocol``'s; this module speaks it from the client's side.
 
@@ -56,17 +61,38 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from shmserve import layout, protocol
+from shmserve.config import SERVER_UID_ENV
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import NEED_DATA, Frame, Kind, PayloadDone, TensorMeta
 
 __all__ = ["NEED_DATA", "ClientSession", "ConnectionFailed", "InferResult", "Placement", "RegionGranted",
-           "RegionResult", "Reply", "RequestFailed"]
+           "RegionResult", "Reply", "RequestFailed", "check_server"]
 
 READ_BUFFER = 256 * 1024  # scratch for frame headers and metadata; a result's payload goes to its arrays
 
 _DTYPES = {name: np.dtype(name) for name in protocol.SUPPORTED_DTYPES}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # dtype.name is slow
 NOT_SENT = "server answered a request this client did not send"
+
+
+# -- who may serve --------------------------------------------------------------------------
+
+def check_server(path: str, pid: int, uid: int, trusted: frozenset[int]) -> None:
+    """ShmserveError PERMISSION_DENIED unless the process serving ``path`` (``pid`` and ``uid`` as
+    SO_PEERCRED reports them) runs as one of the ``trusted`` uids; the message says whom it found
+    and how to trust it.  Called before the client sends anything."""
+    if uid in trusted:
+        return
+    import pwd
+
+    try:
+        who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        who = f"uid {uid}"
+    raise ShmserveError(ErrorCode.PERMISSION_DENIED,
+                        f"{path} is served by {who}, pid {pid}, not by a uid this client trusts "
+                        f"({', '.join(map(str, sorted(trusted)))}); nothing was sent.  If that is your server, "
+                        f"pass server_uid={uid} or set {SERVER_UID_ENV}={uid}")
 
 
 # -- events (read-only by contract; not frozen, which would cost each one a few hundred ns) -

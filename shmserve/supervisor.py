@@ -9,6 +9,15 @@ with exponential back-off unless its exit code says a restart cannot help
 whose heartbeat (a thread in every worker) stops for ``worker_timeout_s`` is
 *wedged*; at twice that it is terminated (TERM, then KILL) and so restarted.
 
+Back-off: the delay before a restart doubles with the worker's *crash
+streak* — its deaths in a row, each before it had served
+``restart_healthy_s`` — from the first delay of ``restart_backoff_s`` to the
+longest.  A worker that has served ``restart_healthy_s`` is healthy: its
+streak is 0 again, so a kill from outside costs one short delay, however
+many came before.  A streak of ``workerlink.CRASH_LOOP_DEATHS`` is a crash loop: logged,
+and shown by health, info and inspect (the worker table carries the streak
+and the time of the next start).
+
 Workers are spawned as fresh interpreters (``python -m workers.main``), never
 forked: a fork of a process that touched CUDA is unusable.
 
@@ -57,7 +66,6 @@ from shmserve.spec import ModelSpec
 
 log = logging.getLogger("shmserve.supervisor")
 
-HEALTHY_RUN_S = 60.0  # a worker that served this long before dying is not crash-looping: back-off resets
 MAX_BACKOFF_DOUBLINGS = 16  # restart delay = first * 2**restarts, capped by the longest delay anyway
 HEALTH_CHECK_S = 0.25  # how often heartbeats are read (a fraction of any sensible worker_timeout_s)
 TERM_GRACE_S = 2.0  # after SIGTERM, how long a worker may take before SIGKILL
@@ -105,6 +113,9 @@ class WorkerHandle:
     spec: ModelSpec | None = None
     error: str | None = None
     restarts: int = 0
+    crash_streak: int = 0  # deaths in a row, each before it had served restart_healthy_s (the back-off exponent)
+    last_exit: str | None = None  # how its last process ended ("killed by SIGKILL", "exit 1 (error)")
+    restart_at: float | None = None  # time.monotonic() of its scheduled restart; None when none is scheduled
     inflight: set[int] = field(default_factory=set)  # the dispatcher's: arena slots handed to it
     started_at: float = 0.0
     gpu: dict | None = None  # what a GPU worker registered (device, arena addresses)
@@ -119,6 +130,15 @@ class WorkerHandle:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def crash_looping(self) -> bool:
+        """Died ``workerlink.CRASH_LOOP_DEATHS`` times in a row without serving healthily in between."""
+        return self.crash_streak >= workerlink.CRASH_LOOP_DEATHS
+
+    def restart_in(self, now: float) -> float | None:
+        """Seconds until its scheduled restart (``now``: time.monotonic()); None if none is scheduled."""
+        return None if self.restart_at is None else max(0.0, self.restart_at - now)
 
     def set_state(self, state: WorkerState) -> None:
         """Move to ``state``; IllegalTransition if the table forbids it (staying put is allowed)."""
@@ -179,9 +199,10 @@ class Supervisor:
         # A worker that died inside FutexDoorbell.wait left its waiter count raised: reset it so
         # the new one does not cost every push a futex_wake.  Nobody else touches it now.
         atomics.store32(self.arena.buf, w.submissions.waiters_offset, 0)
+        w.restart_at = None
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
                             heartbeat_ns=time.monotonic_ns(), device=w.model.device.encode()[:16],
-                            name=w.model.name.encode()[:48])
+                            name=w.model.name.encode()[:48], crash_streak=w.crash_streak, restart_at_ns=0)
         try:
             w.proc = subprocess.Popen(argv, pass_fds=(child.fileno(), self.completion_fd),
                                       stdin=subprocess.DEVNULL)
@@ -218,12 +239,22 @@ class Supervisor:
             w.set_state(READY)
             w.error = None
             log.info("worker %d (%s) ready in %.2f s", w.index, w.model.name, time.monotonic() - w.started_at)
+            self.loop.call_later(self.config.restart_healthy_s, self._served_healthily, w, w.proc)
             self.on_ready(w)
             if not w.ready_future.done():
                 w.ready_future.set_result(True)
         elif message["event"] == "failed":
             w.error = str(message.get("error"))
             log.error("worker %d (%s): %s", w.index, w.model.name, w.error)
+
+    def _served_healthily(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
+        """``restart_healthy_s`` after ``proc`` reported ready: if it is still the ready one, the worker
+        is healthy and its crash streak ends (its next death is restarted after the first delay)."""
+        if w.proc is proc and w.state == READY and w.crash_streak:
+            log.info("worker %d (%s) served %.0f s: restart back-off reset", w.index, w.model.name,
+                     self.config.restart_healthy_s)
+            w.crash_streak = 0
+            layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(w.index), crash_streak=0)
 
     # -- health ---------------------------------------------------------------------------
 
@@ -273,9 +304,9 @@ class Supervisor:
             self._on_control_drain(w)
         code = w.proc.wait()
         status = (-code) if code < 0 else (code << 8)
-        how = workerlink.describe_exit(status)
-        layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(w.index), state=layout.WORKER_DEAD)
-        was_ready = w.state == READY
+        how = w.last_exit = workerlink.describe_exit(status)
+        base = self.arena.geometry.worker_off(w.index)
+        layout.WORKER.write(self.arena.buf, base, state=layout.WORKER_DEAD)
         w.terminating = False
         if w.replacing and not self.stopping:
             w.replacing = False
@@ -294,13 +325,24 @@ class Supervisor:
             w.set_state(RESTARTING)
         log.log(logging.INFO if self.stopping else logging.ERROR, "worker %d (%s) pid %d %s",
                 w.index, w.model.name, w.proc.pid, how)
+        delay = None
+        if w.state == RESTARTING:  # scheduled before the front-end is told, so that it can say when
+            delay = self.restart_delay(w)
+            w.restarts += 1
+            w.crash_streak += 1
+            w.restart_at = time.monotonic() + delay
+            layout.WORKER.write(self.arena.buf, base, crash_streak=w.crash_streak,
+                                restart_at_ns=int(w.restart_at * 1e9))
         self._tell_exit(w, how)
         if not w.ready_future.done():
             w.ready_future.set_result(False)
-        if w.state == RESTARTING:
-            delay = self.restart_delay(w, was_ready)
-            w.restarts += 1
-            log.info("restarting worker %d in %.1f s (restart %d)", w.index, delay, w.restarts)
+        if delay is not None:
+            if w.crash_looping:
+                log.error("worker %d (%s) is crash-looping: died %d times in a row, none after serving "
+                          "restart_healthy_s = %g s (last: %s); restarting it in %.1f s", w.index,
+                          w.model.name, w.crash_streak, self.config.restart_healthy_s, how, delay)
+            else:
+                log.info("restarting worker %d in %.1f s (restart %d)", w.index, delay, w.restarts)
             self.loop.call_later(delay, self._respawn, w)
         elif w.state == FAILED:
             log.error("worker %d (%s) will not be restarted: %s", w.index, w.model.name, w.error or how)
@@ -313,13 +355,11 @@ class Supervisor:
         except Exception:
             log.exception("recovering what worker %d held failed; restarting it anyway", w.index)
 
-    def restart_delay(self, w: WorkerHandle, was_ready: bool) -> float:
-        """Exponential back-off from the first delay to the longest (config ``restart_backoff_s``),
-        reset to the first once a worker has served HEALTHY_RUN_S before dying."""
+    def restart_delay(self, w: WorkerHandle) -> float:
+        """The delay before restarting ``w`` now: the first of ``restart_backoff_s``, doubled for each
+        death of its crash streak, capped by the longest."""
         first, longest = self.config.restart_backoff_s
-        if was_ready and time.monotonic() - w.started_at > HEALTHY_RUN_S:
-            return first
-        return min(longest, first * 2 ** min(w.restarts, MAX_BACKOFF_DOUBLINGS))
+        return min(longest, first * 2 ** min(w.crash_streak, MAX_BACKOFF_DOUBLINGS))
 
     def _on_control_drain(self, w: WorkerHandle) -> None:
         """Read any last control message (e.g. 'failed'), then close the control socket."""

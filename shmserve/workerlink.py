@@ -44,6 +44,9 @@ EXIT_ARENA_FAILED = 4  # cannot map or register the arena: a host problem, not r
 EXIT_ORPHANED = 5  # the front-end went away
 EXIT_TERMINATED = 6  # SIGTERM from the supervisor: left at once, after releasing what it held
 NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED})
+# Any other death is restarted after a back-off; this many in a row, each before the worker had served
+# restart_healthy_s, is a crash loop: reported (health, info, inspect), and still restarted.
+CRASH_LOOP_DEATHS = 3
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone",
               EXIT_TERMINATED: "terminated"}

@@ -54,3 +54,18 @@ def double_rows(inputs):
 
 double_rows.inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", None]}]
 double_rows.outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", None]}]
+
+
+def dies_soon_after_load(config):
+    """A crash loop: loads (an identity on float32), then its process exits 1 half a second later."""
+    import os
+    import threading
+
+    threading.Timer(0.5, os._exit, (1,)).start()
+
+    def identity(inputs):
+        return {"y": inputs["x"]}
+
+    identity.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+    identity.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+    return identity

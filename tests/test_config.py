@@ -24,6 +24,7 @@ def test_full_config(tmp_path):
         request_timeout_s = 5
         allow_uids = [1000, 1001]
         socket_mode = 0o660
+        restart_healthy_s = 0.5
         [arena]
         slots = 64
         size_classes = [[4096, 8], [1048576, 2]]
@@ -48,6 +49,7 @@ def test_full_config(tmp_path):
     assert a.path == str(tmp_path / "m.onnx") and a.device == "cuda:1" and a.instances == 2
     assert a.inputs[0].shape == ("batch", 3) and b.options == {"threads": 2}
     assert cfg.arena_size_classes() == ((4096, 8), (1048576, 2)) and cfg.socket_mode == 0o660
+    assert cfg.restart_healthy_s == 0.5 and config.ServerConfig(models=()).restart_healthy_s == 10.0
 
 
 @pytest.mark.parametrize("body,key", [
@@ -59,6 +61,7 @@ def test_full_config(tmp_path):
     ('[[models]]\nname="a b"\nbackend="python"\npath="m:f"', "models[0].name"),
     ('[server]\ninstance="x/y"\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.instance"),
     ('[server]\nsocket_mode=0o666\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.socket_mode"),
+    ('[server]\nrestart_healthy_s=0\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.restart_healthy_s"),
     ('[arena]\nsize_classes=[[1]]\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "arena.size_classes[0]"),
     ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\n[[models]]\nname="a"\nbackend="python"\npath="m:g"',
      "models[1].name"),

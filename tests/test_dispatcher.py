@@ -206,8 +206,10 @@ def _refuse_unknown_model(fe, door):
     door.infer("nope", {"x": floats()})
 
 
-def _refuse_restarting(fe, door):
-    fe.workers[0].handle.set_state(RESTARTING)
+def _refuse_never_loaded(fe, door):
+    w = fe.workers[0].handle
+    w.spec = None  # no worker of it was ever ready: its inputs cannot be checked
+    w.set_state(RESTARTING)
     door.infer("add", {"x": floats()})
 
 
@@ -255,7 +257,7 @@ def _refuse_shutting_down(fe, door):
 
 REFUSALS = {
     "unknown model": (_refuse_unknown_model, ErrorCode.UNKNOWN_MODEL, "_unknown", "no model 'nope'"),
-    "no ready worker": (_refuse_restarting, ErrorCode.MODEL_UNAVAILABLE, "add", "no running worker"),
+    "never loaded": (_refuse_never_loaded, ErrorCode.MODEL_UNAVAILABLE, "add", "has not loaded yet"),
     "model failed": (_refuse_failed, ErrorCode.MODEL_UNAVAILABLE, "pair", "no such file"),
     "fixed dimension": (_refuse_shape, ErrorCode.BAD_SHAPE, "pair", "dimension 0 must be 2"),
     "symbolic dimension": (_refuse_symbol, ErrorCode.BAD_SHAPE, "pair", "another input has 'k'"),
@@ -317,8 +319,9 @@ def test_requests_wait_for_a_slot_and_are_admitted_in_arrival_order(fe):
 
 
 def test_a_door_hears_admitted_only_before_the_answer(fe):
-    """A zero-copy request waits for a slot; its model loses its only worker meanwhile: when a slot
-    frees it is answered MODEL_UNAVAILABLE, and its door must not then hear that it was admitted."""
+    """A zero-copy request waits for a slot; its model's only worker fails for good meanwhile
+    (cannot load it): when a slot frees it is answered MODEL_UNAVAILABLE, and its door must not
+    then hear that it was admitted."""
     door, w = fe.door(), fe.workers[0]
     first = fill_slots(fe, door)
     region, buf = open_region(fe, door)
@@ -327,11 +330,11 @@ def test_a_door_hears_admitted_only_before_the_answer(fe):
     jobs = w.claim()
     w.complete(jobs[0])
     assert fe.deliver()
-    w.handle.set_state(RESTARTING)  # it died; the supervisor moves it on before telling anyone
+    w.handle.set_state(FAILED)  # it died; the supervisor moves it on before telling anyone
     door.write(first[0])
     assert door.failure(waiter).code is ErrorCode.MODEL_UNAVAILABLE
     assert door.calls_of(waiter) == ["waiting", "answer"]
-    fe.kill(w)  # then the server hears of the death: the rest fail
+    fe.kill(w, "exit 3 (model failed to load)", state=FAILED)  # then the server hears of the death
     fe.settle()
 
 
@@ -661,28 +664,26 @@ def test_stray_completion_entries_are_ignored(make):
 
 # -- worker death ---------------------------------------------------------------------------
 
-def test_worker_death_fails_what_it_had_queued_or_running(fe):
-    """READY and RUNNING slots of a dead worker are failed WORKER_CRASHED (naming the worker and
-    how it died) and freed; its ring is discarded; its model is unavailable until it is back."""
+def test_worker_death_fails_what_it_was_running_and_the_rest_runs_on_its_restart(fe):
+    """A dead worker's RUNNING slot is failed WORKER_CRASHED (naming the worker and how it died)
+    and freed; its ring is discarded.  What lay unclaimed on it (READY: nothing of it ran) keeps
+    its slot and waits, parked, for the restarted worker, which runs it."""
     door, w = fe.door(), fe.workers[0]
     running = door.infer("add", {"x": floats()})
     w.claim()
-    queued = door.infer("add", {"x": floats()})
+    queued = door.infer("add", {"x": floats(start=7)})
     assert slot_state(fe, running.slot) is SlotState.RUNNING and slot_state(fe, queued.slot) is SlotState.READY
     fe.kill(w)
-    for req in (running, queued):
-        failure = door.failure(req)
-        assert failure.code is ErrorCode.WORKER_CRASHED
-        assert failure.message == "worker 0 for model 'add' killed by SIGKILL while running this request"
-        assert req.state is RS.DONE
-    assert held(fe) == (0, 0) and not w.handle.inflight and w.handle.submissions.empty()
-    with pytest.raises(ShmserveError) as info:
-        door.infer("add", {"x": floats()})
-    assert info.value.code is ErrorCode.MODEL_UNAVAILABLE
+    failure = door.failure(running)
+    assert failure.code is ErrorCode.WORKER_CRASHED and running.state is RS.DONE
+    assert failure.message == "worker 0 for model 'add' killed by SIGKILL while running this request"
+    assert queued.state is RS.QUEUED and door.calls_of(queued) == ["admitted"]
+    assert slot_state(fe, queued.slot) is SlotState.READY and list(fe.dispatcher.parked["add"]) == [queued]
+    assert held(fe) == (1, 4096) and not w.handle.inflight and w.handle.submissions.empty()
     fe.restart(w)
-    again = door.infer("add", {"x": floats()})
+    assert w.handle.inflight == {queued.slot} and not fe.dispatcher.parked["add"]
     fe.settle()
-    np.testing.assert_array_equal(door.results[again]["y"], floats() + 1)
+    np.testing.assert_array_equal(door.results[queued]["y"], floats(start=7) + 1)
 
 
 def test_worker_death_delivers_what_it_finished_but_did_not_hand_back(fe):
@@ -703,6 +704,152 @@ def test_worker_death_delivers_what_it_finished_but_did_not_hand_back(fe):
     assert door.failure(lost).code is ErrorCode.WORKER_CRASHED
     fe.deliver()
     assert fe.dispatcher.outcomes[("add", "ok")] == 2
+
+
+# -- waiting for a restarting worker ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["inline", "zero-copy"])
+def test_a_request_for_a_restarting_model_waits_and_runs_on_the_restarted_worker(fe, kind):
+    """All of the model's workers restarting: the request is not refused but waits (its door stops
+    reading), holding nothing, counted as queued; once a worker reports ready it is admitted and
+    runs there."""
+    door, w = fe.door(), fe.workers[0]
+    fe.kill(w)
+    if kind == "inline":
+        req = door.infer("add", {"x": floats()})
+    else:
+        region, buf = open_region(fe, door)
+        buf[0:64] = floats().tobytes()
+        buf.close()
+        req = door.infer_region(fe.regions, region.id, "add", {"x": (0, "float32", (16,))}, 4096, 64)
+    assert req.state is RS.WAITING and door.calls_of(req) == ["waiting"] and held(fe) == (0, 0)
+    assert fe.dispatcher.queue_depths() == {"add": (1, 0)}
+    fe.clock.advance(4)  # the restart takes a while: within its timeout (5 s)
+    fe.restart(w)
+    assert door.calls_of(req)[:2] == ["waiting", "admitted"] and req.worker is w.handle
+    fe.settle()
+    if kind == "inline":
+        np.testing.assert_array_equal(door.results[req]["y"], floats() + 1)
+    else:
+        assert isinstance(door.answer_of(req), Outputs)
+        fe.regions.close_all()
+
+
+def test_a_request_waiting_for_a_worker_times_out_with_the_reason(fe):
+    """No worker back within its timeout: TIMEOUT, saying it had no ready worker and why."""
+    door, w = fe.door(), fe.workers[0]
+    fe.kill(w)
+    req = door.infer("add", {"x": floats()}, timeout_s=1)
+    fe.clock.advance(1)
+    failure = door.failure(req)
+    assert failure.code is ErrorCode.TIMEOUT and req.state is RS.DONE
+    assert "no ready worker within 1 s" in failure.message and "worker 0 restarting" in failure.message
+    assert not fe.dispatcher.parked["add"] and door.calls_of(req) == ["waiting", "answer"]
+    fe.restart(w)
+
+
+def test_waiting_for_a_worker_counts_against_max_waiting(make):
+    """Requests waiting for a worker before admission and those waiting for space share
+    max_waiting; one more is answered OVERLOADED naming the key."""
+    fe = make(models=(ADD, PAIR), max_waiting=2)
+    door, add = fe.door(), fe.workers[0]
+    fe.kill(add)
+    waiting = [door.infer("add", {"x": floats()}) for _ in range(2)]
+    refused = door.infer("add", {"x": floats()})
+    failure = door.failure(refused)
+    assert failure.code is ErrorCode.OVERLOADED and "server.max_waiting = 2" in failure.message
+    assert "model 'add' is restarting" in failure.message
+    pair = door.infer("pair", {"a": np.zeros((2, 1), np.int32), "b": np.zeros((2, 1), np.int32)})
+    assert pair.state is RS.QUEUED  # another model's worker is ready: it does not wait at all
+    fe.restart(add)
+    fe.settle()
+    assert all(isinstance(door.answer_of(r), Outputs) for r in (*waiting, pair))
+
+
+def test_a_request_whose_workers_died_during_its_upload_keeps_its_space_and_runs_after_restart(fe):
+    """Admitted (payload arriving) when its model's only worker dies: once received it is parked
+    holding its slot and extent, then published to the restarted worker."""
+    door, w = fe.door(receive_now=False), fe.workers[0]
+    req = door.infer("add", {"x": floats(start=3)})
+    fe.kill(w)
+    door.receive(req)
+    assert req.state is RS.ADMITTED and slot_state(fe, req.slot) is SlotState.WRITING
+    assert list(fe.dispatcher.parked["add"]) == [req] and held(fe) == (1, 4096)
+    fe.restart(w)
+    assert req.state is RS.QUEUED and slot_state(fe, req.slot) is SlotState.READY
+    fe.settle()
+    np.testing.assert_array_equal(door.results[req]["y"], floats(start=3) + 1)
+
+
+def test_a_space_waiter_whose_model_died_waits_for_a_worker_without_blocking_others(make):
+    """At the head of the queue for space when its model's workers are all restarting: it leaves
+    that queue (holding nothing) to wait for a worker, and the request behind it gets the space."""
+    fe = make(models=(ADD, PAIR))
+    door, add, pair = fe.door(), fe.workers[0], fe.workers[1]
+    pairs = [door.infer("pair", {"a": np.zeros((2, 1), np.int32), "b": np.zeros((2, 1), np.int32)})
+             for _ in range(4)]
+    add_waiter = door.infer("add", {"x": floats()})
+    pair_waiter = door.infer("pair", {"a": np.ones((2, 1), np.int32), "b": np.ones((2, 1), np.int32)})
+    assert list(fe.dispatcher.waiting) == [add_waiter, pair_waiter]
+    fe.kill(add)
+    jobs = pair.claim()
+    pair.complete(jobs[0])
+    assert fe.deliver()
+    door.write(pairs[0])
+    assert add_waiter.state is RS.WAITING and list(fe.dispatcher.parked["add"]) == [add_waiter]
+    assert pair_waiter.state is RS.QUEUED and not fe.dispatcher.waiting
+    assert door.calls_of(add_waiter) == ["waiting"]
+    fe.restart(add)  # no space free yet: back in the queue for space
+    assert add_waiter.state is RS.WAITING and list(fe.dispatcher.waiting) == [add_waiter]
+    for job in jobs[1:]:
+        pair.complete(job)
+    fe.settle()
+    np.testing.assert_array_equal(door.results[add_waiter]["y"], floats() + 1)
+
+
+def test_requests_waiting_for_a_worker_fail_model_unavailable_once_it_cannot_be_loaded(fe):
+    """The restarted worker cannot load the model (its exit code says so: FAILED): every request
+    parked for it is answered MODEL_UNAVAILABLE with its workers' reason and freed — waiting,
+    admitted, and taken back from the dead worker's ring — and new ones are refused."""
+    door, w = fe.door(receive_now=False), fe.workers[0]
+    uploading = door.infer("add", {"x": floats()})
+    queued = door.infer("add", {"x": floats()})
+    door.receive(queued)
+    fe.kill(w)
+    door.receive(uploading)
+    waiting = door.infer("add", {"x": floats()})
+    assert [r.state for r in (uploading, queued, waiting)] == [RS.ADMITTED, RS.QUEUED, RS.WAITING]
+    w.handle.error = "cannot load model 'add': no such file"
+    fe.kill(w, "exit 3 (model failed to load)", state=FAILED)
+    for req in (uploading, queued, waiting):
+        failure = door.failure(req)
+        assert failure.code is ErrorCode.MODEL_UNAVAILABLE and "no such file" in failure.message
+    assert held(fe) == (0, 0) and not fe.dispatcher.parked["add"]
+    with pytest.raises(ShmserveError) as info:
+        door.infer("add", {"x": floats()})
+    assert info.value.code is ErrorCode.MODEL_UNAVAILABLE
+
+
+def test_requests_waiting_for_a_worker_are_answered_shutting_down_or_freed_when_dropped(fe):
+    """At shutdown every parked request is answered SHUTTING_DOWN; a parked request whose door
+    goes is freed, whatever it holds."""
+    door, other, w = fe.door(receive_now=False), fe.door(receive_now=False), fe.workers[0]
+    reqs = {}
+    for d in (door, other):
+        uploading = d.infer("add", {"x": floats()})
+        queued = d.infer("add", {"x": floats()})
+        d.receive(queued)
+        reqs[d] = [uploading, queued]
+    fe.kill(w)
+    for d in (door, other):
+        d.receive(reqs[d][0])
+        reqs[d].append(d.infer("add", {"x": floats()}))
+    assert sum(map(len, fe.dispatcher.parked.values())) == 6 and held(fe) == (4, 4 * 4096)
+    other.close()
+    assert held(fe) == (2, 2 * 4096) and all(r.state is RS.DONE for r in reqs[other]) and not other.answers
+    fe.dispatcher.stop_admitting()
+    assert [door.failure(r).code for r in reqs[door]] == [ErrorCode.SHUTTING_DOWN] * 3
+    assert held(fe) == (0, 0) and not fe.dispatcher.parked["add"]
 
 
 def test_a_timed_out_request_of_a_dead_worker_is_freed(fe):
@@ -728,8 +875,11 @@ def test_requests_go_to_the_ready_worker_with_the_fewest_in_flight(make):
     assert fe.deliver()
     assert door.infer("add", {"x": floats()}).worker is w1.handle  # w0: 2 in flight, w1: 0
     door.write_all()
-    fe.kill(w0)
-    assert [door.failure(r).code for r in (reqs[0], reqs[2])] == [ErrorCode.WORKER_CRASHED] * 2
+    fe.kill(w0)  # what it had not claimed goes to the other worker
+    assert [r.worker for r in (reqs[0], reqs[2])] == [w1.handle] * 2 and not door.answers.keys() & {reqs[0], reqs[2]}
+    w1.step()
+    assert fe.deliver()
+    door.write_all()
     assert door.infer("add", {"x": floats()}).worker is w1.handle
     fe.restart(w0)
     assert door.infer("add", {"x": floats()}).worker is w0.handle
@@ -1184,7 +1334,8 @@ def test_random_operations_keep_every_invariant(make, seed):
     held.  Replay a seed with SHMSERVE_SEED=<seed> (the "fresh" case)."""
     print(f"dispatcher random walk seed={seed}")
     rng = random.Random(seed)
-    fe = make(models=(ADD2,), slot_count=6, max_waiting=4, spin_s=rng.choice([0.0, 0.001]))
+    # One worker or two: with one, every death leaves requests waiting for its restart.
+    fe = make(models=(rng.choice([ADD, ADD2]),), slot_count=6, max_waiting=4, spin_s=rng.choice([0.0, 0.001]))
     doors = [fe.door(receive_now=False), fe.door(receive_now=True, write_now=True)]
     jobs = {w.index: [] for w in fe.workers}
     submitted = []
@@ -1267,7 +1418,13 @@ def _check_bookkeeping(fe, doors, submitted, where: str) -> None:
     assert len({r.slot for r in holding}) == len(holding), where
     assert set(d.pending.values()) == {r for r in submitted if r.state in (RS.QUEUED, RS.ABANDONED)}, where
     assert all(d.pending[r.slot] is r for r in d.pending.values()), where
-    assert list(d.waiting) == [r for r in submitted if r.state is RS.WAITING], where
+    parked = [r for queue in d.parked.values() for r in queue]
+    waiting = [*d.waiting, *(r for r in parked if r.state is RS.WAITING)]
+    assert len(set(waiting)) == len(waiting), where
+    assert set(waiting) == {r for r in submitted if r.state is RS.WAITING}, where
+    assert all(r.state in (RS.WAITING, RS.ADMITTED, RS.QUEUED) for r in parked), where
+    for name, queue in d.parked.items():  # nothing waits for a worker while one is ready
+        assert not queue or fe.models[name].pick_worker() is None, where
     for r in holding:
         state = slot_state(fe, r.slot)
         expected = {RS.ADMITTED: {SlotState.WRITING}, RS.FLUSHING: {SlotState.DONE}}.get(

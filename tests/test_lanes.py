@@ -25,7 +25,7 @@ from shmserve import _atomics as atomics
 from shmserve.slotstate import SlotState
 
 from conftest import shm_names
-from helpers.server import DOUBLE_BATCHED, SLOW_MODEL, ServerProcess, serving
+from helpers.server import DOUBLE_BATCHED, SLOW_MODEL, ServerProcess, serving, wait_for
 
 CONFIG = """
 [[models]]
@@ -44,16 +44,6 @@ def server(tmp_path_factory):
 def lane_regions(srv) -> set[int]:
     """Regions the server still holds: recorded in its arena, or mapped by any of its processes."""
     return set(srv.recorded_regions()).union(*srv.mapped_regions().values())
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def submit_raw(call, *, offset=None, view=None, out_offset=None, out_capacity=None, name_index=0):

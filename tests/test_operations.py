@@ -21,7 +21,7 @@ import pytest
 from shmserve import Client
 
 from conftest import new_instance, shm_names
-from helpers.server import TESTS_DIR, ServerProcess
+from helpers.server import TESTS_DIR, ServerProcess, wait_for
 
 ROOT = TESTS_DIR.parent
 IDENTITY = """
@@ -37,14 +37,6 @@ def cli(*args, timeout=60, env=None):
                           timeout=timeout, env=env)
 
 
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- systemd units ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -18,9 +19,9 @@ from shmserve import layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.rings import new_eventfd
-from shmserve.supervisor import (COMMAND_RETRY_S, FAILED, HEALTHY_RUN_S, MAX_BACKOFF_DOUBLINGS, READY, RESTARTING,
-                                 STARTING, STOPPED, TRANSITIONS, IllegalTransition, Supervisor, WorkerHandle,
-                                 WorkerState)
+from shmserve.spec import ModelSpec
+from shmserve.supervisor import (COMMAND_RETRY_S, FAILED, MAX_BACKOFF_DOUBLINGS, READY, RESTARTING, STARTING, STOPPED,
+                                 TRANSITIONS, IllegalTransition, Supervisor, WorkerHandle, WorkerState)
 
 from helpers.fake_frontend import no_children_left, no_processes, reachable  # noqa: F401 (fixtures)
 
@@ -135,37 +136,58 @@ def parts(instance_name):
         made.close()
 
 
-def test_restart_delay_doubles_from_the_first_to_the_longest(parts):
-    """The delay doubles per restart from the first delay, capped by the longest; the exponent
-    is capped too (MAX_BACKOFF_DOUBLINGS)."""
+def test_restart_delay_doubles_with_the_crash_streak_from_the_first_to_the_longest(parts):
+    """The delay doubles per death of the crash streak from the first delay, capped by the longest;
+    the exponent is capped too (MAX_BACKOFF_DOUBLINGS).  The total restart count plays no part."""
     def delays(sup, events):
         w = sup.workers[0]
+        w.restarts = 1000
         out = []
-        for restarts in (0, 1, 2, 3, 6, 7, 100):
-            w.restarts = restarts
-            out.append(sup.restart_delay(w, was_ready=False))
+        for streak in (0, 1, 2, 3, 6, 7, 100):
+            w.crash_streak = streak
+            out.append(sup.restart_delay(w))
         return out
 
     def capped(sup, events):
-        sup.workers[0].restarts = 100
-        return sup.restart_delay(sup.workers[0], was_ready=False)
+        sup.workers[0].crash_streak = 100
+        return sup.restart_delay(sup.workers[0])
 
     assert parts.with_supervisor(delays) == [0.5, 1.0, 2.0, 4.0, 30.0, 30.0, 30.0]
     assert parts.with_supervisor(capped, backoff=(1.0, 1e12)) == 2.0 ** MAX_BACKOFF_DOUBLINGS
 
 
-def test_restart_delay_starts_over_after_a_healthy_run(parts):
-    """A worker that was ready and served HEALTHY_RUN_S before dying is not crash-looping: the first
-    delay again.  One that never got ready, or died soon, keeps backing off."""
-    def delays(sup, events):
-        w = sup.workers[0]
-        w.restarts = 4
-        w.started_at = time.monotonic() - HEALTHY_RUN_S - 1
-        long_ready, long_never_ready = sup.restart_delay(w, True), sup.restart_delay(w, False)
-        w.started_at = time.monotonic()
-        return long_ready, long_never_ready, sup.restart_delay(w, True)
+def _ready(sup, w) -> None:
+    """Feed the supervisor a worker's "ready" message, as its control socket would."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with child:
+        child.send(workerlink.encode({"event": "ready", "spec": ModelSpec("m", "fake", (), ()).to_dict()}))
+    w.control, w.ready_future = parent, sup.loop.create_future()
+    sup._on_control(w)
+    parent.close()
+    w.control = None
 
-    assert parts.with_supervisor(delays) == (0.5, 8.0, 8.0)
+
+def test_a_worker_that_served_restart_healthy_s_starts_its_back_off_over(parts):
+    """Ready: a check is scheduled restart_healthy_s later.  If the same process is still ready
+    then, its crash streak ends (here and in the worker table) and its next death is restarted
+    after the first delay; a process that died meanwhile, or a successor, keeps its streak."""
+    def serve(sup, events):
+        w = sup.workers[0]
+        w.proc, w.crash_streak = FakeProc(None), 4
+        _ready(sup, w)
+        [(delay, check, args)] = sup.loop.later
+        streak_entry = lambda: layout.WORKER.read(sup.arena.buf, sup.arena.geometry.worker_off(0)).crash_streak
+        layout.WORKER.write(sup.arena.buf, sup.arena.geometry.worker_off(0), crash_streak=4)
+        replaced = w.proc
+        w.proc = FakeProc(None)  # died and restarted meanwhile: not the process that was checked
+        check(*args)
+        kept = (w.crash_streak, streak_entry())
+        w.proc = replaced
+        check(*args)
+        return delay, kept, (w.crash_streak, streak_entry()), sup.restart_delay(w)
+
+    delay, kept, reset, next_delay = parts.with_supervisor(serve, restart_healthy_s=2.5)
+    assert delay == 2.5 and kept == (4, 4) and reset == (0, 0) and next_delay == 0.5
 
 
 def _exit(sup, w, returncode: int) -> None:
@@ -190,19 +212,24 @@ def test_a_death_moves_the_worker_on_and_tells_the_front_end(parts, before, retu
     restart scheduled after the back-off only when RESTARTING, and the worker table says dead."""
     def die(sup, events):
         w = sup.workers[0]
-        w.state, w.restarts, w.started_at, sup.stopping = before, 2, time.monotonic(), stopping
+        w.state, w.restarts, w.crash_streak, sup.stopping = before, 5, 2, stopping
+        t0 = time.monotonic()
         _exit(sup, w, returncode)
-        return w.state, w.restarts, events, sup.loop.later, w.ready_future.result(), sup._respawn
+        return (w.state, w.restarts, w.crash_streak, w.last_exit, w.restart_in(t0), events, sup.loop.later,
+                w.ready_future.result(), sup._respawn)
 
-    state, restarts, events, later, ready, respawn = parts.with_supervisor(die, backoff=(1.0, 1000.0))
-    assert state is after and events == [("exit", 0, how, after)] and ready is False
-    if after is RESTARTING:
-        [(delay, callback, args)] = later
-        assert restarts == 3 and delay == 4.0 and callback == respawn and args[0].index == 0
-    else:
-        assert restarts == 2 and later == []
+    state, restarts, streak, last_exit, restart_in, events, later, ready, respawn = parts.with_supervisor(
+        die, backoff=(1.0, 1000.0))
+    assert state is after and events == [("exit", 0, how, after)] and ready is False and last_exit == how
     entry = layout.WORKER.read(parts.arena.buf, parts.arena.geometry.worker_off(0))
     assert entry.state == layout.WORKER_DEAD
+    if after is RESTARTING:
+        [(delay, callback, args)] = later
+        assert (restarts, streak) == (6, 3) and delay == 4.0 and callback == respawn and args[0].index == 0
+        assert 4.0 <= restart_in < 4.1 and entry.crash_streak == 3
+        assert 3.9e9 < entry.restart_at_ns - time.monotonic_ns() <= 4e9  # what inspect reads
+    else:
+        assert (restarts, streak, restart_in) == (5, 2, None) and later == []
 
 
 def test_a_worker_stopped_for_a_reload_comes_back_at_once(parts):

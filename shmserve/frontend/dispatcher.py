@@ -3,7 +3,8 @@
 Owns: the arena's slots and data extents (``SlotPool``, ``ExtentAllocator``),
 admission (space now, or a bounded wait for it), the input descriptors and
 publication of a request to the least-loaded ready worker of its model,
-completions (an eventfd wake-up, then bounded polling while requests are in
+waiting for a worker while all of a model's workers restart (*parked*
+requests), completions (an eventfd wake-up, then bounded polling while requests are in
 flight), deadlines, the one answer every request gets, and what an answer
 holds until its front door is done with it.  A request's life follows the
 table in ``shmserve.frontend.requests``.
@@ -14,6 +15,16 @@ with the ``Door`` methods, and five calls into the dispatcher — ``submit``
 (check), ``admit`` (take space), ``received`` (payload landed), ``release``
 (an answer's views written) and ``drop`` (the connection is gone).  The dispatcher knows nothing of sockets
 or wire formats: answers are typed values (``Outputs`` or ``Failure``).
+
+Recovery: a request for a model whose workers are all restarting waits for
+one (parked, per model, in arrival order; its deadline runs): before
+admission it holds nothing and, with those waiting for space, counts against
+``max_waiting``; after admission (its payload in) it holds its slot and
+extent.  A worker's death fails only what it had claimed (RUNNING): what
+still lay unclaimed on its ring (READY: nothing of it ran) goes to another
+ready worker of the model, or is parked too.  A model whose workers failed
+for good (they cannot load it) answers MODEL_UNAVAILABLE, parked requests
+included.
 
 Data path (the copies are the product): an inline request's inputs are
 received by its door straight into arena space (``Door.admitted`` hands it
@@ -37,7 +48,7 @@ from shmserve import layout
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena, SlotConflict
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.models import ModelState
+from shmserve.frontend.models import MODEL_UNAVAILABLE, ModelState
 from shmserve.frontend.regions import Region, check_request
 from shmserve.frontend.requests import Event, Request, RequestState
 from shmserve.protocol import InferRequest
@@ -98,13 +109,14 @@ class Door(Protocol):
         """Requests submitted through this door and not yet written back (the per-door limit)."""
 
     def waiting(self, req: Request) -> None:
-        """No arena space yet: stop reading (the request's payload stays in the socket) until
-        ``admitted`` or ``answer``."""
+        """No arena space yet, or no ready worker of its model: stop reading (the request's payload
+        stays in the socket) until ``admitted`` or ``answer``."""
 
     def admitted(self, req: Request, sinks: list | None) -> None:
         """Arena space is held for ``req``.  With ``sinks`` (inline, with input bytes): receive its
         payload into them, in order, then call ``Dispatcher.received``.  Without (zero-copy, or
-        empty inputs): it is already published.  The door may read again either way."""
+        empty inputs): it needs nothing more from the door (published, or parked for a worker).
+        The door may read again either way."""
 
     def answer(self, req: Request, answer: Answer) -> None:
         """``req``'s one answer.  If it is ``Outputs`` with ``in_arena``, call
@@ -136,7 +148,7 @@ class Limits:
     """What the dispatcher enforces; the server replaces it on reload."""
 
     request_timeout_s: float  # the longest a request may take, whatever the client asks
-    max_waiting: int  # requests waiting for arena space before 'overloaded'
+    max_waiting: int  # requests waiting for arena space or for a worker before 'overloaded'
     max_request_bytes: int  # arena bytes one inline request may take (inputs and outputs)
     max_inflight_per_door: int  # requests one front-door connection may have in flight
     spin_s: float = 0.0  # poll completion rings this long after the last completion before sleeping
@@ -163,7 +175,9 @@ class Dispatcher:
         self.slots = SlotPool(self.geometry.slot_count)
         self.extents = ExtentAllocator(self.geometry)
         self.pending: dict[int, Request] = {}  # slot -> request a worker has or may still touch
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()  # for arena space, in arrival order
+        # Per model: requests waiting for a ready worker (WAITING, ADMITTED or QUEUED; see the header).
+        self.parked: dict[str, collections.deque[Request]] = {name: collections.deque() for name in models}
         self.outcomes: collections.Counter = collections.Counter()  # (model, "ok" | error code) -> answers
         self.stopping = False
         self._polling = False
@@ -184,8 +198,10 @@ class Dispatcher:
         ``payload_bytes``: the inline payload the door holds for it.  ``region``: the door's
         region named by a zero-copy request (``parsed.region``), None if it has none.  Raises
         ShmserveError — the request is refused, holds nothing, and the door answers it — with
-        UNKNOWN_MODEL, SHUTTING_DOWN, MODEL_UNAVAILABLE, BAD_INPUT/BAD_DTYPE/BAD_SHAPE,
-        BAD_REGION, BAD_FRAME (payload size), TOO_LARGE, or OVERLOADED (the door's limit).
+        UNKNOWN_MODEL, SHUTTING_DOWN, MODEL_UNAVAILABLE (its workers cannot load it, or never
+        loaded it: its inputs cannot be checked; a model that is only restarting is waited for),
+        BAD_INPUT/BAD_DTYPE/BAD_SHAPE, BAD_REGION, BAD_FRAME (payload size), TOO_LARGE, or
+        OVERLOADED (the door's limit).
         """
         try:
             return self._check(door, parsed, self.models.get(parsed.model), payload_bytes, region)
@@ -194,19 +210,29 @@ class Dispatcher:
             raise
 
     def admit(self, req: Request) -> None:
-        """Give a submitted request arena space now (``Door.admitted``) or queue it for space
-        (``Door.waiting``); past ``max_waiting`` it is answered OVERLOADED."""
+        """Give a submitted request arena space now (``Door.admitted``), or queue it
+        (``Door.waiting``) for space or, while all its model's workers restart, for a ready worker;
+        past ``max_waiting`` waiting requests it is answered OVERLOADED."""
+        if req.model.pick_worker() is None:
+            self._wait(req, self.parked[req.model.name], f"model {req.model.name!r} is restarting")
+            return
         if not self.waiting and self._allocate(req):
             self.arena.add_stat("bytes_in", req.in_bytes)
             self._admit(req)
             return
-        if len(self.waiting) >= self.limits.max_waiting:
-            self._end(req, Failure(ErrorCode.OVERLOADED, f"arena full and {len(self.waiting)} requests waiting"))
+        self._wait(req, self.waiting, "arena full")
+
+    def _wait(self, req: Request, queue: collections.deque, why: str) -> None:
+        # Those not admitted yet: what is admitted is bounded by the arena's slots.
+        waiting = len(self.waiting) + sum(r.state is RequestState.WAITING for q in self.parked.values() for r in q)
+        if waiting >= self.limits.max_waiting:
+            self._end(req, Failure(ErrorCode.OVERLOADED, f"{why} and {waiting} requests waiting "
+                                                         f"(server.max_waiting = {self.limits.max_waiting})"))
             return
         self.arena.add_stat("bytes_in", req.in_bytes)
         req.advance(Event.WAIT)
         self._arm_deadline(req)
-        self.waiting.append(req)
+        queue.append(req)
         req.door.waiting(req)
 
     def _check(self, door: Door, parsed: InferRequest, model: ModelState | None, payload_bytes: int,
@@ -219,7 +245,7 @@ class Dispatcher:
         if self.stopping:
             raise ShmserveError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         spec = model.spec
-        if spec is None or model.pick_worker() is None:
+        if spec is None or model.state == MODEL_UNAVAILABLE:
             raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
         symbols = bind_inputs(spec, parsed.inputs)
         req = Request(door, parsed.id, model, parsed.inputs, timeout, deadline=self.clock.monotonic() + timeout)
@@ -258,16 +284,18 @@ class Dispatcher:
         """``req``'s door is gone: nobody is left to answer.  What it holds is freed now, or when
         its worker finishes with it."""
         self._cancel_timer(req)
+        parked = self._unpark(req)
         state = req.state
         if state is RequestState.WAITING:
-            self.waiting.remove(req)
+            if not parked:
+                self.waiting.remove(req)
             req.advance(Event.END)
             self._admit_waiting()
         elif state is RequestState.ADMITTED:
             req.advance(Event.END)
             self._free(req)
         elif state is RequestState.QUEUED:
-            if self._take_back(req):  # not claimed yet: nobody will want its result
+            if self._take_back(req):  # not claimed yet (always so when parked): nobody will want its result
                 req.advance(Event.END)
                 self._free(req)
             else:
@@ -326,28 +354,35 @@ class Dispatcher:
             req.door.admitted(req, sinks)
             return
         self._publish(req)
-        if req.state is RequestState.QUEUED:  # not answered at publication (no worker, shutdown)
+        if not req.answered:  # published, or parked for a worker: nothing more to receive
             req.door.admitted(req, None)
 
     def _admit_waiting(self) -> None:
         while self.waiting and not self.stopping:
             req = self.waiting[0]
+            if req.model.pick_worker() is None:  # its model's workers died meanwhile: wait for one, holding nothing
+                self.waiting.popleft()
+                self._park(req)
+                continue
             if not self._allocate(req):
                 return
             self.waiting.popleft()
             self._admit(req)
 
     def _publish(self, req: Request) -> None:
+        """Hand ``req`` to the ready worker of its model with the fewest in flight: an ADMITTED
+        request (its inputs complete), or a QUEUED one taken back unclaimed from a dead worker's
+        ring.  No ready worker: it is parked (or answered, if the model cannot be loaded)."""
+        if self.stopping:
+            self._answer_unclaimed(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            return
         worker = req.model.pick_worker()
-        if worker is None or self.stopping:
-            if self.stopping:
-                self._end(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
-            else:
-                self._end(req, Failure(ErrorCode.MODEL_UNAVAILABLE, req.model.unavailable_reason()))
+        if worker is None:
+            self._park(req)
             return
         if len(worker.submissions) >= worker.submissions.capacity:
-            self._end(req, Failure(ErrorCode.OVERLOADED, f"worker {worker.index}'s queue for model "
-                                                         f"{req.model.name!r} is full"))
+            self._answer_unclaimed(req, Failure(ErrorCode.OVERLOADED, f"worker {worker.index}'s queue for model "
+                                                                     f"{req.model.name!r} is full"))
             return
         if req.region is not None:
             refusal = self.deliver(worker, req.region)
@@ -355,22 +390,66 @@ class Dispatcher:
                 self._end(req, Failure(*refusal))
                 return
         buf, g, index = self.buf, self.geometry, req.slot
+        # A QUEUED request's slot is READY on no live ring: nobody else can touch its record now.
         layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
                                    worker=worker.index, n_inputs=len(req.inputs),
                                    out_region=req.region.id if req.zero_copy else 0, out_off=req.out_offset,
                                    out_capacity=req.out_capacity)
-        self.arena.stamp(index, "t_ready")
-        # Order matters here: descriptors and (inline) input bytes are complete before READY.
-        self.arena.transition(index, req.generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
-        req.advance(Event.PUBLISH)
+        if req.state is RequestState.ADMITTED:
+            self.arena.stamp(index, "t_ready")
+            # Order matters here: descriptors and (inline) input bytes are complete before READY.
+            self.arena.transition(index, req.generation, SlotState.WRITING, SlotState.READY, Actor.FRONTEND)
+            req.advance(Event.PUBLISH)
         req.worker = worker
         self.pending[index] = req
         worker.inflight.add(index)
+        # Order matters here: the record (and READY) before the entry that hands the slot over.
         worker.submissions.push(layout.slot_entry(index, req.generation))  # room checked above; sole producer
         worker.doorbell.notify()
         self._start_polling()
         if req.timer is None:
             self._arm_deadline(req)
+
+    # -- waiting for a worker -------------------------------------------------------------
+
+    def _park(self, req: Request) -> None:
+        """``req``'s model has no ready worker: wait for one (its deadline runs) while its workers
+        restart; answer MODEL_UNAVAILABLE if they failed for good."""
+        model = req.model
+        if model.state == MODEL_UNAVAILABLE:
+            self._answer_unclaimed(req, Failure(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason()))
+            return
+        if req.timer is None:
+            self._arm_deadline(req)
+        self.parked[model.name].append(req)
+
+    def _unpark(self, req: Request) -> bool:
+        """Take ``req`` off its model's parked queue; False if it is not parked."""
+        try:
+            self.parked[req.model.name].remove(req)
+        except ValueError:
+            return False
+        return True
+
+    def _serve_parked(self, model: ModelState) -> None:
+        """A worker of ``model`` is ready: parked requests go on in arrival order — to arena space
+        (or to wait for it) if not admitted yet, to a worker if they hold space."""
+        queue = self.parked[model.name]
+        while queue and not self.stopping and model.pick_worker() is not None:
+            req = queue.popleft()
+            if req.state is not RequestState.WAITING:
+                self._publish(req)
+            elif not self.waiting and self._allocate(req):
+                self._admit(req)
+            else:
+                self.waiting.append(req)
+
+    def _answer_unclaimed(self, req: Request, failure: Failure) -> None:
+        """Answer ``req``, which no worker has: WAITING, ADMITTED, or QUEUED but not on a live ring
+        (its READY slot is taken back first)."""
+        if req.state is RequestState.QUEUED:
+            self._take_back(req)
+        self._end(req, failure)
 
     # -- completions ----------------------------------------------------------------------
 
@@ -534,7 +613,10 @@ class Dispatcher:
 
     def _on_timeout(self, req: Request) -> None:
         req.timer = None
-        if req.state is RequestState.WAITING:
+        if self._unpark(req):
+            self._answer_unclaimed(req, Failure(ErrorCode.TIMEOUT, f"no ready worker within {req.timeout_s:g} s: "
+                                                                   f"{req.model.unavailable_reason()}"))
+        elif req.state is RequestState.WAITING:
             self.waiting.remove(req)
             self._end(req, Failure(ErrorCode.TIMEOUT, f"no arena space within {req.timeout_s:g} s"))
             self._admit_waiting()  # those behind it may fit the space there is
@@ -566,15 +648,23 @@ class Dispatcher:
     # -- workers --------------------------------------------------------------------------
 
     def worker_ready(self, w: WorkerHandle) -> None:
+        """``w`` reported ready: its model's parked requests go on, then those waiting for space."""
+        self._serve_parked(self.models[w.model.name])
         self._admit_waiting()
 
     def worker_exited(self, w: WorkerHandle, how: str) -> None:
-        """Deliver what a dead worker finished, fail what it did not, and forget its queue."""
+        """Deliver what a dead worker finished, fail what it was running, and forget its queue;
+        what it had not claimed yet is published again (to another ready worker, or parked until
+        one is ready).  Once its model cannot be loaded at all, its parked requests are answered."""
         self._drain(w)
+        unclaimed = []
         for index in sorted(w.inflight):
             req = self.pending.get(index)
             generation, state = self.arena.slot_status(index)
             if req is None or generation != req.generation:
+                continue
+            if state == _READY and req.state is RequestState.QUEUED and not self.stopping:
+                unclaimed.append(req)  # nothing of it ran
                 continue
             if state not in FINISHED:
                 layout.encode_error(self.buf, self.geometry, index, ErrorCode.WORKER_CRASHED,
@@ -583,12 +673,24 @@ class Dispatcher:
             self._complete(w, index, generation)
         w.inflight.clear()
         w.submissions.discard()
+        for req in unclaimed:
+            self._publish(req)
+        model = self.models[w.model.name]
+        if model.state == MODEL_UNAVAILABLE:
+            failure, queue = Failure(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason()), self.parked[model.name]
+            while queue:
+                self._answer_unclaimed(queue.popleft(), failure)
 
     # -- shutdown -------------------------------------------------------------------------
 
     def stop_admitting(self) -> None:
-        """Refuse new requests and answer every waiting one with SHUTTING_DOWN."""
+        """Refuse new requests and answer every waiting one (for space or for a worker) with
+        SHUTTING_DOWN."""
         self.stopping = True
+        for queue in self.parked.values():
+            while queue:
+                self._answer_unclaimed(queue.popleft(), Failure(ErrorCode.SHUTTING_DOWN,
+                                                                "the server is shutting down"))
         while self.waiting:
             req = self.waiting.popleft()
             self._end(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
@@ -609,8 +711,8 @@ class Dispatcher:
     # -- status ---------------------------------------------------------------------------
 
     def queue_depths(self) -> dict[str, tuple[int, int]]:
-        """Per model: (requests waiting for space or not yet claimed by a worker, requests
-        handed to workers and not yet finished)."""
+        """Per model: (requests waiting for space or for a worker, or not yet claimed by a worker,
+        requests handed to workers and not yet finished)."""
         depths = {name: [0, 0] for name in self.models}
         for req in self.pending.values():
             counts = depths[req.model.name]
@@ -619,4 +721,6 @@ class Dispatcher:
                 counts[0] += 1
         for req in self.waiting:
             depths[req.model.name][0] += 1
+        for name, queue in self.parked.items():
+            depths[name][0] += sum(req.state is not RequestState.QUEUED for req in queue)  # QUEUED: counted above
         return {name: (queued, inflight) for name, (queued, inflight) in depths.items()}

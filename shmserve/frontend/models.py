@@ -10,6 +10,7 @@ Must not: start or stop workers (``shmserve.supervisor``) or hold requests
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shmserve.config import ModelConfig
@@ -53,8 +54,31 @@ class ModelState:
             return MODEL_UNAVAILABLE
         return MODEL_RESTARTING
 
+    @property
+    def crash_looping(self) -> bool:
+        """Whether a worker of the model is in a crash loop (``WorkerHandle.crash_looping``)."""
+        return any(w.crash_looping for w in self.workers)
+
     def unavailable_reason(self) -> str:
-        errors = sorted({w.error for w in self.workers if w.error})
+        """Why the model has no ready worker: what its workers said when they failed for good, or
+        what each one not ready is doing (how it last died, whether it crash-loops, when it starts
+        again)."""
         if self.state == MODEL_UNAVAILABLE:
+            errors = sorted({w.error for w in self.workers if w.error})
             return f"model {self.name!r} is unavailable: {'; '.join(errors) or 'its workers failed'}"
-        return f"model {self.name!r} has no running worker (restarting)"
+        now = time.monotonic()
+        parts = []
+        for w in self.workers:
+            if w.state == READY:
+                continue
+            part = f"worker {w.index} {w.state}"
+            if w.last_exit:
+                part += f" after it was {w.last_exit}" if w.last_exit.startswith("killed") else f" after {w.last_exit}"
+            if w.crash_looping:
+                part += f", crash-looping ({w.crash_streak} deaths in a row)"
+            wait = w.restart_in(now)
+            if wait is not None:
+                part += f", next start in {wait:.1f} s"
+            parts.append(part)
+        what = "has not loaded yet" if self.spec is None else "has no ready worker"
+        return f"model {self.name!r} {what} ({'; '.join(parts)})"

@@ -13,12 +13,16 @@ Rules
 =========  ========  =========  ===============================================
 from       event     to         when
 =========  ========  =========  ===============================================
-NEW        WAIT      WAITING    no arena space yet: it waits (its front door
-                                stops reading until it is admitted)
+NEW        WAIT      WAITING    no arena space yet, or no ready worker of its
+                                model: it waits (its front door stops reading
+                                until it is admitted)
 NEW        ADMIT     ADMITTED   slot (and, inline, an extent) taken; its inputs
                                 are being written or received
-WAITING    ADMIT     ADMITTED   space freed up
-ADMITTED   PUBLISH   QUEUED     READY on a worker's submission ring
+WAITING    ADMIT     ADMITTED   space freed up (and a worker of its model is
+                                ready)
+ADMITTED   PUBLISH   QUEUED     READY on a worker's submission ring (an
+                                ADMITTED or QUEUED request with no ready
+                                worker waits, holding its slot: parked)
 QUEUED     HOLD      FLUSHING   answered with outputs that are views of the
                                 arena: slot and extent stay held until the
                                 front door has written them
@@ -29,8 +33,9 @@ QUEUED     ABANDON   ABANDONED  answered (timeout, shutdown) or its front door
 ABANDONED  RELEASE   DONE       the worker finished (or died): freed
 NEW        END       DONE       answered (refused: nothing was held)
 WAITING    END       DONE       timed out, shutting down, or its door is gone
-ADMITTED   END       DONE       no worker left, or its door is gone mid-upload:
-                                freed now
+ADMITTED   END       DONE       timed out waiting for a worker, its model
+                                cannot be loaded, or its door is gone
+                                mid-upload: freed now
 QUEUED     END       DONE       answered with a result that holds nothing
                                 (zero-copy), with the worker's error, or taken
                                 back before a worker claimed it: freed now

@@ -6,6 +6,11 @@ at the moment it is asked for, from the parts that own it: models and their
 workers, the dispatcher's queues and outcome counts, the region table's
 lanes, and the arena's counters and worker table.
 
+Who sees what: ``info`` shows process ids, paths and addresses (the
+server's pid and socket, worker pids, a GPU worker's arena addresses) only to
+a client of the server's own uid or root; any other allowed uid gets them as
+null (``info(peer_uid)``).
+
 Must not: change anything, or reach into a part's private state: it reads
 only what each part offers for this (properties and ``queue_depths``).
 """
@@ -26,6 +31,9 @@ from shmserve.frontend.regions import RegionTable
 from shmserve.supervisor import READY, WorkerHandle
 
 
+GPU_ADDRESSES = ("arena_host", "arena_device")  # keys of a GPU worker's registration that are addresses
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     index: int
@@ -34,6 +42,9 @@ class WorkerStatus:
     pid: int | None
     state: str
     restarts: int
+    crash_streak: int  # deaths in a row, each before a healthy run (the restart back-off's exponent)
+    last_exit: str | None  # how its last process ended
+    restart_in_s: float | None  # seconds until its scheduled restart; None when none is scheduled
     inflight: int
     requests: int  # finished by the worker (socket and lane calls), from the arena's worker table
     errors: int
@@ -80,7 +91,9 @@ class Status:
 
     def worker(self, w: WorkerHandle) -> WorkerStatus:
         entry = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index))
-        return WorkerStatus(w.index, w.model.name, w.model.device, w.pid, str(w.state), w.restarts, len(w.inflight),
+        restart_in = w.restart_in(time.monotonic())
+        return WorkerStatus(w.index, w.model.name, w.model.device, w.pid, str(w.state), w.restarts, w.crash_streak,
+                            w.last_exit, None if restart_in is None else round(restart_in, 3), len(w.inflight),
                             entry.requests, entry.errors, self.regions.lanes_of(w),
                             w.model.io_mode if w.model.device != "cpu" else None, w.gpu)
 
@@ -118,18 +131,26 @@ class Status:
         return {"status": status, "models": {
             m.name: {"state": m.state, "workers": len(m.workers),
                      "workers_ready": sum(w.state == READY for w in m.workers),
-                     "restarts": sum(w.restarts for w in m.workers)} for m in self.models.values()}}
+                     "restarts": sum(w.restarts for w in m.workers),
+                     "crash_loop": m.crash_looping} for m in self.models.values()}}
 
-    def info(self) -> dict:
+    def info(self, peer_uid: int) -> dict:
+        """The ``info`` answer for a client of ``peer_uid``: process ids, paths and addresses are
+        null unless it is the server's own uid or root."""
         g, config = self.arena.geometry, self.config
+        private = peer_uid in (os.getuid(), 0)
         workers = []
         for w in self.workers:
             s = self.worker(w)
+            gpu = s.gpu if private or s.gpu is None else {k: v for k, v in s.gpu.items() if k not in GPU_ADDRESSES}
             workers.append({"requests": s.requests, "errors": s.errors, "lanes": s.lanes, "index": s.index,
-                            "model": s.model, "device": s.device, "pid": s.pid, "state": s.state,
-                            "restarts": s.restarts, "inflight": s.inflight, "io_mode": s.io_mode, "gpu": s.gpu})
+                            "model": s.model, "device": s.device, "pid": s.pid if private else None, "state": s.state,
+                            "restarts": s.restarts, "crash_streak": s.crash_streak, "last_exit": s.last_exit,
+                            "restart_in_s": s.restart_in_s, "inflight": s.inflight, "io_mode": s.io_mode,
+                            "gpu": gpu})
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "instance": config.instance,
-                "pid": os.getpid(), "socket": self.socket_path, "uptime_s": round(time.monotonic() - self.started, 3),
+                "pid": os.getpid() if private else None, "socket": self.socket_path if private else None,
+                "uptime_s": round(time.monotonic() - self.started, 3),
                 "arena": {"name": self.arena.name, "size": g.total_size, "slots": g.slot_count,
                           "largest_extent": self.dispatcher.extents.largest},
                 "max_request_bytes": self.dispatcher.max_request, "request_timeout_s": config.request_timeout_s,

@@ -1,7 +1,7 @@
 """The Unix-socket front door: the native protocol over a local stream socket.
 
-Owns: the listening socket (its path, mode, group, and a dead predecessor's
-socket file), who may connect (``SO_PEERCRED`` against the allow-lists), and
+Owns: the listening socket (its path, mode, group, a dead predecessor's
+socket file, and a directory for it that nobody else controls), who may connect (``SO_PEERCRED`` against the allow-lists), and
 each connection: it pumps bytes between the socket and the sans-I/O protocol
 (``shmserve.protocol``), hands inference requests to the dispatcher, answers
 control messages (models, health, info, regions), keeps answers in the order
@@ -14,6 +14,15 @@ the dispatcher gave it (``Door.admitted``), so the kernel copies the bytes
 straight into shared memory.  Results are written with ``writelines`` from
 views of the arena, which are released only once the transport has flushed
 them (the write buffer limit is 0, so ``resume_writing`` means "all sent").
+
+The socket's directory: whoever can write it can replace the socket with
+their own, and a client's tensors go to them.  So the directory must belong
+to the server's uid (or root) and be writable by nobody else (unless sticky,
+like /tmp: then nobody else can remove or rename our entries); one that is
+missing is created 0700 (0750 with ``socket_group``, which it then gets).
+Symbolic links are not followed: not for the directory (opened O_NOFOLLOW,
+checked and changed through that descriptor), not for the socket (its mode is
+set on the socket before ``bind``, its group with ``lchown``).
 
 Must not: decide anything about a request (the dispatcher does), parse bytes
 itself (the protocol module does), or block the loop.
@@ -51,10 +60,39 @@ _PEERCRED = struct.Struct("3i")
 # -- the listening socket -------------------------------------------------------------------
 
 def check_socket_path(path: str) -> None:
-    """SystemExit naming the fix if ``path`` cannot be a Unix socket address."""
+    """SystemExit naming the fix if ``path`` cannot be a Unix socket address, or if its directory
+    exists and is not one the server can trust (see the module header); checked again at bind."""
     if len(os.fsencode(path)) > SUN_PATH_MAX:
         raise SystemExit(f"shmserve: socket path {path!r} is longer than the {SUN_PATH_MAX} bytes a Unix "
                          f"socket address holds; choose a shorter --socket")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return  # missing: made at bind (a path that cannot be made is reported there)
+    problem = socket_dir_problem(directory, st)
+    if problem:
+        raise SystemExit(f"shmserve: cannot listen on {path}: {problem}")
+
+
+def socket_dir_problem(directory: str, st: os.stat_result) -> str | None:
+    """Why ``directory`` (``st``: its lstat) must not hold the server's socket, with the fix; None if
+    it may: a real directory of our uid or root that nobody else can write (or a sticky one)."""
+    if stat.S_ISLNK(st.st_mode):
+        return (f"its directory {directory} is a symbolic link; choose another --socket "
+                f"(or give the real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory; choose another --socket"
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return (f"its directory {directory} belongs to uid {st.st_uid}, not to this server's uid {me} or root, "
+                f"so that user controls the socket; remove the directory or choose another --socket")
+    writable = st.st_mode & 0o022
+    if writable and not st.st_mode & stat.S_ISVTX:
+        who = "others" if writable & 0o002 else "its group"
+        return (f"its directory {directory} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), who could "
+                f"replace the socket; run chmod go-w {directory} or choose another --socket")
+    return None
 
 
 class Listener:
@@ -80,9 +118,12 @@ class Listener:
 
     def _bind(self, mode: int, group: str | None) -> socket.socket:
         path = Path(self.path)
-        if not path.parent.exists():
-            path.parent.mkdir(mode=0o700, parents=True)
-            self.created_dir = path.parent
+        gid = None
+        if group is not None:
+            import grp
+
+            gid = grp.getgrnam(group).gr_gid
+        self._own_directory(path.parent, gid)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise SystemExit(f"shmserve: {path} exists and is not a socket")
@@ -95,8 +136,9 @@ class Listener:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
+        old = os.umask(0o777 & ~mode)
         try:
+            os.fchmod(sock.fileno(), mode)  # bind creates the file with the socket's mode (less the umask)
             sock.bind(str(path))
         except OSError:
             sock.close()
@@ -104,13 +146,38 @@ class Listener:
         finally:
             os.umask(old)
         self._bound = sock  # ours to unlink if what follows fails
-        if group is not None:
-            import grp
-
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        os.chmod(path, mode)
+        if gid is not None:
+            os.chown(path, -1, gid, follow_symlinks=False)
         sock.listen(LISTEN_BACKLOG)
         return sock
+
+    def _own_directory(self, directory: Path, gid: int | None) -> None:
+        """Make the socket's directory (0700, or 0750 with group ``gid``), or check the one there is;
+        SystemExit naming the fix if it is not ours to trust (``socket_dir_problem``)."""
+        if not directory.parent.exists():
+            directory.parent.mkdir(parents=True)
+        try:
+            os.mkdir(directory, 0o700)
+            self.created_dir = directory
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            problem = socket_dir_problem(str(directory), os.lstat(directory))
+            raise SystemExit(f"shmserve: cannot listen on {self.path}: {problem}") from None
+        try:
+            if self.created_dir is not None:  # ours: mode and group through the descriptor, never a path
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+                os.fchmod(fd, 0o750 if gid is not None else 0o700)
+            problem = socket_dir_problem(str(directory), os.fstat(fd))
+        finally:
+            os.close(fd)
+        if problem:
+            raise SystemExit(f"shmserve: cannot listen on {self.path}: {problem}")
 
     def _undo(self) -> None:
         """After a failed bind: remove what this listener made (a bound socket file, its directory)."""
@@ -300,7 +367,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif kind == Kind.HEALTH:
                 self.reply(rid, self.door.status.health())
             elif kind == Kind.INFO:
-                self.reply(rid, self.door.status.info())
+                self.reply(rid, self.door.status.info(self.peer[1]))
             elif kind == Kind.OPEN_REGION:
                 self._open_region(rid, meta)
             elif kind == Kind.CLOSE_REGION:

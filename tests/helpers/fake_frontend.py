@@ -759,6 +759,7 @@ class FakeFrontend:
             "extent bytes in use": d.extents.bytes_in_use,
             "pending requests": len(d.pending),
             "waiting requests": len(d.waiting),
+            "parked requests": sum(map(len, d.parked.values())),
             "live timers": self.clock.timers_pending,
         }
         found += [f"{what}: {value}" for what, value in checks.items() if value]

@@ -191,6 +191,18 @@ class ServerProcess:
             return ""
 
 
+def wait_for(predicate, what: str = "condition", timeout: float = 20.0):
+    """``predicate()``'s first true value, polled every 50 ms; AssertionError naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def serving(workdir: Path, config_text: str, **options):
     """A started ServerProcess for a module's tests; on the way out it must stop with exit 0 and
