@@ -198,3 +198,14 @@ def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_
     for t in threads:
         t.join(120)
     return results
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0):
+    """Poll ``predicate`` until it returns something true (returned), for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
