@@ -22,6 +22,14 @@ File format::
     max_region_bytes_per_connection = 1073741824
     max_region_bytes_per_uid = 4294967296
     restart_healthy_s = 10          # a worker that served this long is healthy: its restart back-off starts over
+    # What one client can make the server hold (a refusal names the key it hit):
+    max_connections = 512           # open connections in all; more are refused 'overloaded'
+    max_connections_per_uid = 256   # open connections of one peer uid; more are refused 'overloaded'
+    max_inflight_per_connection = 64          # requests not yet written back, unread results included
+    max_inflight_bytes_per_connection = 67108864  # their arena bytes; at this, stop reading the socket
+    stall_timeout_s = 10            # answers unread this long: the connection is closed, all it held freed
+    frame_timeout_s = 10            # a frame's header and metadata must arrive within this, once begun
+    upload_timeout_s = 10           # an inline request's payload must arrive within this, once it has space
 
     [arena]
     slots = 256
@@ -110,7 +118,6 @@ class ServerConfig:
     drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight requests may finish
     spin_us: int | None = None  # bounded spin before sleeping; None: auto (spin_default_us); 0: never
     max_waiting: int = 1024  # requests queued for arena space before 'overloaded'
-    max_inflight_per_connection: int = 256
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
     socket_mode: int = 0o600
     socket_group: str | None = None
@@ -123,6 +130,28 @@ class ServerConfig:
     # Recovery.  10 s: a crash loop (a worker dying at load or right after it) dies well within it,
     # while a worker killed from outside after serving 10 s comes back after the first delay.
     restart_healthy_s: float = 10.0  # a worker ready this long is healthy: its restart back-off starts over
+    # -- what one client can make the server hold (the Unix door and the dispatcher enforce these) --
+    # Every open connection costs a descriptor and a 256 KiB read buffer: 512 stay well inside the
+    # usual 1024-descriptor limit and 128 MiB.  One uid may take half, so it cannot lock others out.
+    max_connections: int = 512
+    max_connections_per_uid: int = 256
+    # Requests submitted on one connection and not yet written back (results it has not read
+    # included): each holds a slot, so a quarter of the default arena's 256 slots, leaving the rest
+    # to others.  More are refused 'overloaded'.
+    max_inflight_per_connection: int = 64
+    # The arena bytes (inputs and outputs) of those requests: at this much the server reads no new
+    # frame from the connection until some are written back (backpressure, not an error).  It may
+    # be passed by the one request that reaches it.  Default: the default max_request_bytes.
+    max_inflight_bytes_per_connection: int = 64 * MiB
+    # A connection whose answers wait unread (its socket is full) this long is closed, and every
+    # slot, extent and region it held is freed.  Meanwhile it takes no new frame.
+    stall_timeout_s: float = 10.0
+    # Once a frame's first byte has come, its header and metadata must follow within this; else
+    # 'bad_frame' and the connection is closed (a half-sent header holds a connection forever).
+    frame_timeout_s: float = 10.0
+    # Once an inline request has arena space, its payload must arrive within this; else it is
+    # answered 'timeout', its space is freed and the connection is closed.
+    upload_timeout_s: float = 10.0
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -220,7 +249,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups", "restart_healthy_s"} | REGION_KEYS)
+                              "allow_groups", "restart_healthy_s", *CLIENT_LIMIT_KEYS} | REGION_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -241,8 +270,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
         ("restart_healthy_s", 0.01, 86400),)))
     kw.update(_bounded(server, "server.", _int, (
-        ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20),
-        ("max_inflight_per_connection", 1, 1 << 16))))
+        ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20))))
+    kw.update(_client_limits(server))
     kw.update(_bounded(server, "server.", _int, (
         ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16),
         ("max_region_bytes_per_connection", 0, 1 << 40), ("max_region_bytes_per_uid", 0, 1 << 44))))
@@ -286,6 +315,22 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         names.add(mc.name)
         parsed.append(mc)
     return ServerConfig(models=tuple(parsed), **kw)
+
+
+# -- what one client can make the server hold -----------------------------------------------
+
+CLIENT_LIMIT_KEYS = ("max_connections", "max_connections_per_uid", "max_inflight_per_connection",
+                     "max_inflight_bytes_per_connection", "stall_timeout_s", "frame_timeout_s", "upload_timeout_s")
+
+
+def _client_limits(server: dict) -> dict:
+    """The [server] keys that bound what one client can make the server hold (ServerConfig says why)."""
+    kw = _bounded(server, "server.", _int, (
+        ("max_connections", 1, 1 << 20), ("max_connections_per_uid", 1, 1 << 20),
+        ("max_inflight_per_connection", 1, 1 << 16), ("max_inflight_bytes_per_connection", 1, 1 << 40)))
+    kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
+        ("stall_timeout_s", 0.01, 3600), ("frame_timeout_s", 0.01, 3600), ("upload_timeout_s", 0.01, 3600))))
+    return kw
 
 
 def _model(m, where: str, base_dir: Path) -> ModelConfig:

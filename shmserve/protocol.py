@@ -34,6 +34,7 @@ AWAIT           discard_payload()         DISCARD
 PAYLOAD         data_len bytes stored     HEADER (emit PayloadDone)
 DISCARD         data_len bytes skipped    HEADER (emit PayloadDone)
 any             invalid input             ERROR (emit ProtocolError)
+any             close()                   ERROR
 ==============  ========================  ==============
 
 In ERROR the connection accepts nothing more: the owner answers with an
@@ -230,6 +231,19 @@ class Connection:
         self.state = State.DISCARD
         self._drain_buffer_into_payload()
 
+    def close(self) -> None:
+        """Accept nothing more (the connection is ending): like an error, without an event, so the
+        payload sinks are forgotten and no byte more is put into them."""
+        self.state = State.ERROR
+        self._buf.clear()
+        self._sinks = []
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether bytes of a frame's header or metadata are buffered (after ``next_event`` said
+        NEED_DATA: a frame has begun and its header or metadata is not complete)."""
+        return self.state is State.META or (self.state is State.HEADER and bool(self._buf))
+
     @property
     def payload_remaining(self) -> int:
         return self._remaining if self.state in (State.PAYLOAD, State.DISCARD) else 0
@@ -285,9 +299,7 @@ class Connection:
     # internals
 
     def _fail(self, code: ErrorCode, message: str) -> ProtocolError:
-        self.state = State.ERROR
-        self._buf.clear()
-        self._sinks = []
+        self.close()
         return ProtocolError(code, message)
 
     def _drain_buffer_into_payload(self) -> None:

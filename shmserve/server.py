@@ -34,7 +34,7 @@ from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.models import MODEL_READY, ModelState
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.status import Status
-from shmserve.frontend.unix import Listener, UnixDoor, check_socket_path
+from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
 from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.supervisor import Supervisor, WorkerHandle
 
@@ -57,6 +57,11 @@ def region_limits_of(config: ServerConfig) -> RegionLimits:
     return RegionLimits(max_regions_per_connection=config.max_regions_per_connection,
                         max_region_bytes_per_connection=config.max_region_bytes_per_connection,
                         max_region_bytes_per_uid=config.max_region_bytes_per_uid)
+def door_limits_of(config: ServerConfig) -> DoorLimits:
+    return DoorLimits(max_connections=config.max_connections, max_connections_per_uid=config.max_connections_per_uid,
+                      max_inflight_bytes_per_connection=config.max_inflight_bytes_per_connection,
+                      stall_timeout_s=config.stall_timeout_s, frame_timeout_s=config.frame_timeout_s,
+                      upload_timeout_s=config.upload_timeout_s)
 
 
 class Frontend:
@@ -148,7 +153,8 @@ class Frontend:
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
                              socket_path=self.socket_path)
-        self.door = UnixDoor(self.dispatcher, self.regions, self.status, allow_uids=self.config.allow_uids,
+        self.door = UnixDoor(self.dispatcher, self.regions, self.status, clock=self.dispatcher.clock,
+                             limits=door_limits_of(self.config), allow_uids=self.config.allow_uids,
                              allow_gids=self.config.allow_gids)
         loop.add_reader(self.efd, self._on_completions)
 
@@ -196,7 +202,9 @@ class Frontend:
     async def reload(self) -> None:
         """SIGHUP: re-read the config file; apply what can change while serving.
 
-        Applied: request and queue limits, the allow-lists, restart_healthy_s, and any model whose
+        Applied: request and queue limits, what one client can make the server hold
+        (``config.CLIENT_LIMIT_KEYS`` and the region limits: for connections already open too, but
+        one over a new connection limit is not closed), the allow-lists, restart_healthy_s, and any model whose
         settings changed (its workers restart with the new settings).  Not
         applied (logged; needs a restart): instance, socket, arena, spin, added
         or removed models, a model's instance count.
@@ -239,9 +247,11 @@ class Frontend:
             max_region_bytes_per_uid=new.max_region_bytes_per_uid,
             restart_healthy_s=new.restart_healthy_s,
             models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
+        self.config = dataclasses.replace(self.config, **{key: getattr(new, key) for key in cfgmod.CLIENT_LIMIT_KEYS})
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)
         self.regions.limits = region_limits_of(self.config)
+        self.door.limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         for model in changed:
             self.models[model.name].config = model

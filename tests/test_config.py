@@ -103,3 +103,24 @@ def test_socket_resolution(monkeypatch):
 def test_default_size_classes_hold_the_largest_request():
     cfg = config.ServerConfig(models=(), max_request_bytes=3 * 2**20)
     assert max(size for size, _ in cfg.arena_size_classes()) >= 3 * 2**20
+
+
+MODEL = {"name": "a", "backend": "python", "path": "m:f"}
+
+
+def test_client_limits_are_read_and_bounded_naming_the_key():
+    """Every key of what one client can make the server hold: a default, the value given, and an
+    error naming the key when out of its bounds."""
+    defaults = config.parse({"models": [MODEL]})
+    given = {"max_connections": 3, "max_connections_per_uid": 2, "max_inflight_per_connection": 5,
+             "max_inflight_bytes_per_connection": 4096, "stall_timeout_s": 0.5, "frame_timeout_s": 1,
+             "upload_timeout_s": 2.5}
+    assert set(given) == set(config.CLIENT_LIMIT_KEYS)
+    cfg = config.parse({"server": given, "models": [MODEL]})
+    for key, value in given.items():
+        assert getattr(cfg, key) == value and getattr(defaults, key) > 0
+    assert isinstance(cfg.frame_timeout_s, float)
+    for key in given:
+        with pytest.raises(ConfigError) as info:
+            config.parse({"server": {key: 0}, "models": [MODEL]})
+        assert str(info.value).startswith(f"server.{key}:"), str(info.value)

@@ -208,3 +208,26 @@ def test_encode_frame_layout():
     magic, version, kind, meta_len, data_len = protocol.FRAME_HEADER.unpack_from(raw)
     assert (magic, version, kind, data_len) == (b"SV", protocol.PROTOCOL_VERSION, Kind.MODELS, 0)
     assert orjson.loads(raw[16:16 + meta_len]) == {"id": 1}
+
+
+def test_mid_frame_is_true_exactly_while_a_header_or_metadata_is_incomplete():
+    frame = infer_frame()
+    end_of_meta = len(frame) - 8
+    for cut in range(len(frame) + 1):
+        conn = Connection(Role.SERVER)
+        conn.receive_data(frame[:cut])
+        events(conn, lambda ev: [bytearray(ev.data_len)])
+        assert conn.mid_frame == (0 < cut < end_of_meta), cut
+
+
+def test_close_stops_receiving_into_the_sinks():
+    conn = Connection(Role.SERVER)
+    sink = bytearray(8)
+    conn.receive_data(infer_frame()[:-8])
+    assert isinstance(conn.next_event(), Frame)
+    conn.accept_payload([sink])
+    assert conn.payload_buffer() is not None
+    conn.close()
+    conn.receive_data(b"abcdefgh")
+    assert conn.state is State.ERROR and conn.payload_buffer() is None and conn.next_event() is NEED_DATA
+    assert sink == bytearray(8) and not conn.mid_frame

@@ -264,8 +264,8 @@ class Dispatcher:
                 raise ShmserveError(ErrorCode.TOO_LARGE, f"request needs {req.total_bytes} bytes of arena space "
                                                          f"(inputs {in_bytes}); the limit is {self.max_request}")
         if door.in_flight() >= self.limits.max_inflight_per_door:
-            raise ShmserveError(ErrorCode.OVERLOADED, f"more than {self.limits.max_inflight_per_door} "
-                                                      f"requests in flight on this connection")
+            raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
+                                                      f"this connection (server.max_inflight_per_connection)")
         return req
 
     def received(self, req: Request) -> None:

@@ -6,14 +6,20 @@ each connection: it pumps bytes between the socket and the sans-I/O protocol
 (``shmserve.protocol``), hands inference requests to the dispatcher, answers
 control messages (models, health, info, regions), keeps answers in the order
 the requests came, passes region descriptors (``SCM_RIGHTS``), and frees
-what a connection held when it goes.
+what a connection held when it goes.  It bounds what one client can make the
+server hold (``DoorLimits``): connections in all and per uid, write
+backpressure (a connection whose answers wait unread takes no new frame, and
+is closed after ``stall_timeout_s``), the arena bytes a connection's requests
+may hold before it is read again, and deadlines on a half-sent frame and on a
+stalled upload.
 
 Data path: a connection is an ``asyncio.BufferedProtocol``; while an inline
 request's payload arrives, ``get_buffer`` returns the views of arena space
 the dispatcher gave it (``Door.admitted``), so the kernel copies the bytes
 straight into shared memory.  Results are written with ``writelines`` from
 views of the arena, which are released only once the transport has flushed
-them (the write buffer limit is 0, so ``resume_writing`` means "all sent").
+them (the write buffer limit is 0, so ``pause_writing`` means "not all sent"
+and ``resume_writing`` "all sent").
 
 The socket's directory: whoever can write it can replace the socket with
 their own, and a client's tensors go to them.  So the directory must belong
@@ -38,11 +44,12 @@ import os
 import socket
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from shmserve import lanes, layout, protocol
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
+from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs
 from shmserve.frontend.regions import RegionTable
 from shmserve.frontend.requests import Request
 from shmserve.frontend.status import Status
@@ -53,6 +60,9 @@ log = logging.getLogger("shmserve.unix")
 READ_BUFFER = 256 * 1024  # protocol bytes between payloads; payloads bypass it
 SOCKET_BUFFER = 4 * 1024 * 1024  # kernel socket buffers (capped by net.core.wmem_max/rmem_max)
 LISTEN_BACKLOG = 512
+# Frames one connection takes in one turn of the loop before others are served: one read of
+# tiny frames is thousands of them (measured: ~0.1 s of a burst of 'info' on the 2-vCPU VM).
+FRAMES_PER_TURN = 64
 SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, without its NUL)
 _PEERCRED = struct.Struct("3i")
 
@@ -219,13 +229,30 @@ def _peer_groups(pid: int, gid: int) -> set[int]:
     return groups
 
 
-class UnixDoor:
-    """The door itself: what every connection shares, and the set of open connections."""
+@dataclass(frozen=True)
+class DoorLimits:
+    """What the door bounds per connection and per peer uid; the values (and why they are what
+    they are) come from ``ServerConfig``'s keys of the same names, and the server replaces them on
+    reload.  Each refusal and each deadline names its key."""
 
-    def __init__(self, dispatcher: Dispatcher, regions: RegionTable, status: Status, *,
-                 allow_uids=(), allow_gids=()):
-        self.dispatcher, self.regions, self.status = dispatcher, regions, status
+    max_connections: int  # open connections in all
+    max_connections_per_uid: int  # open connections of one peer uid
+    max_inflight_bytes_per_connection: int  # a connection's requests' arena bytes: no new frame at this
+    stall_timeout_s: float  # answers unread this long: the connection is closed
+    frame_timeout_s: float  # a begun frame's header and metadata must arrive within this
+    upload_timeout_s: float  # an admitted inline request's payload must arrive within this
+
+
+class UnixDoor:
+    """The door itself: what every connection shares, the set of open connections, and how many
+    each peer uid has open."""
+
+    def __init__(self, dispatcher: Dispatcher, regions: RegionTable, status: Status, *, clock: Clock,
+                 limits: DoorLimits, allow_uids=(), allow_gids=()):
+        self.dispatcher, self.regions, self.status, self.clock = dispatcher, regions, status, clock
+        self.limits = limits
         self.connections: set[ClientConnection] = set()
+        self.per_uid: collections.Counter[int] = collections.Counter()
         self.set_access(allow_uids, allow_gids)
 
     def set_access(self, allow_uids, allow_gids) -> None:
@@ -236,6 +263,33 @@ class UnixDoor:
     def allowed(self, pid: int, uid: int, gid: int) -> bool:
         return uid in self.allowed_uids or bool(_peer_groups(pid, gid) & self.allowed_gids)
 
+    def enter(self, conn: "ClientConnection", pid: int, uid: int, gid: int) -> bytes | None:
+        """Count ``conn`` (its peer's credentials) among the open connections; or, if it may not
+        be served, the error frame that says why: PERMISSION_DENIED (not on the allow-lists) or
+        OVERLOADED (``max_connections``, ``max_connections_per_uid``)."""
+        if not self.allowed(pid, uid, gid):
+            log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
+            return protocol.error_frame(None, ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
+        limits, refusal = self.limits, None
+        if len(self.connections) >= limits.max_connections:
+            refusal = f"the server has {len(self.connections)} connections open (server.max_connections)"
+        elif self.per_uid[uid] >= limits.max_connections_per_uid:
+            refusal = f"uid {uid} has {self.per_uid[uid]} connections open (server.max_connections_per_uid)"
+        if refusal is not None:
+            log.warning("refused connection from pid %d uid %d: %s", pid, uid, refusal)
+            return protocol.error_frame(None, ErrorCode.OVERLOADED, refusal)
+        self.connections.add(conn)
+        self.per_uid[uid] += 1
+        return None
+
+    def leave(self, conn: "ClientConnection") -> None:
+        """``conn`` is gone (a refused one was never counted)."""
+        if conn in self.connections:
+            self.connections.remove(conn)
+            self.per_uid[conn.uid] -= 1
+            if not self.per_uid[conn.uid]:
+                del self.per_uid[conn.uid]
+
     def protocol(self) -> "ClientConnection":
         return ClientConnection(self)
 
@@ -244,8 +298,10 @@ class UnixDoor:
         return any(c.transport.get_write_buffer_size() for c in self.connections if not c.transport.is_closing())
 
     def close_all(self) -> None:
+        """At exit, once answers have had their time to flush: drop every connection now (what is
+        still unsent never will be; what it held is freed as each goes)."""
         for conn in list(self.connections):
-            conn.transport.close()
+            conn.transport.abort()
 
 
 class _Entry:
@@ -258,9 +314,30 @@ class _Entry:
         self.req, self.parts, self.held, self.payload_pending = req, parts, False, payload_pending
 
 
+_MID_PAYLOAD = (protocol.State.PAYLOAD, protocol.State.DISCARD)
+_FRAME_TIMEOUT, _UPLOAD_TIMEOUT = "frame_timeout_s", "upload_timeout_s"  # DoorLimits fields, and config keys
+
+
 class ClientConnection(asyncio.BufferedProtocol):
     """One client: pumps bytes between the socket and the sans-I/O protocol, keeps answers in
-    order.  It is the dispatcher's ``Door`` for the requests it submits."""
+    order.  It is the dispatcher's ``Door`` for the requests it submits.
+
+    When it reads (write backpressure): a new frame is taken only while nothing waits in the
+    transport (the client reads its answers), no request of it waits for arena space, fewer than
+    ``max_inflight_per_connection`` refusals wait in order behind a request still running, and its
+    requests in flight hold less than ``max_inflight_bytes_per_connection``; at most
+    ``FRAMES_PER_TURN`` frames are taken in one turn of the loop.  The socket is read exactly while
+    a frame may be taken, or while a payload is arriving.  So what a client can make this
+    connection buffer is one read of frames, the one reply that filled its socket, and the answers
+    of its requests in flight (``max_inflight_per_connection``, enforced by the dispatcher) and of
+    as many refusals.
+
+    Deadlines (``DoorLimits``): answers unread for ``stall_timeout_s`` close the connection; a
+    frame begun must complete its header and metadata within ``frame_timeout_s``, and a payload
+    being received must complete within ``upload_timeout_s``, else the connection is closed with
+    an error frame naming the key.  The input deadlines run only while the server waits for the
+    client (never while this side stopped reading).
+    """
 
     def __init__(self, door: UnixDoor):
         self.door, self.dispatcher = door, door.dispatcher
@@ -270,19 +347,22 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.into_payload = False
         self.order: collections.deque[_Entry] = collections.deque()
         self.entries: dict[Request, _Entry] = {}
-        self.unflushed: list[Request] = []
+        self.unflushed: list[Request] = []  # results written, their views not yet all sent
         self.receiving: Request | None = None
         self.waiting_for_space: Request | None = None  # the request this connection stopped reading for
-        self.paused = False
+        self.reading = True  # the transport's reading, as this connection last set it
+        self.write_blocked = False  # from pause_writing to resume_writing: answers wait in the transport
+        self.stall_timer = None
+        self.input_timer = None  # the deadline of what the client is sending now
+        self.input_phase: str | None = None  # _FRAME_TIMEOUT or _UPLOAD_TIMEOUT while input_timer runs
         self.processing = False
+        self.yielded = False  # FRAMES_PER_TURN taken: the rest waits for the loop's next turn
         self.closed = False
-        self.deferred_fd_frames: list[tuple[bytes, int]] = []
-        self.peer = (-1, -1, -1)  # pid, uid, gid (SO_PEERCRED)
+        self.pid = self.uid = -1
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.door.connections.add(self)
-        transport.set_write_buffer_limits(high=0, low=0)  # resume_writing == "all flushed"
+        transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume_writing: "all sent"
         sock = transport.get_extra_info("socket")
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # big inline tensors: fewer, larger transfers
             try:
@@ -293,13 +373,10 @@ class ClientConnection(asyncio.BufferedProtocol):
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
             pid = uid = gid = -1
-        self.peer = (pid, uid, gid)
-        if not self.door.allowed(pid, uid, gid):
-            log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
-            transport.write(protocol.error_frame(None, ErrorCode.PERMISSION_DENIED,
-                                                 f"uid {uid} is not allowed to use this server"))
-            self.closed = True
-            transport.close()
+        self.pid, self.uid = pid, uid
+        refusal = self.door.enter(self, pid, uid, gid)
+        if refusal is not None:
+            self._close(refusal)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -315,11 +392,44 @@ class ClientConnection(asyncio.BufferedProtocol):
             self.proto.payload_received(nbytes)
         else:
             self.proto.receive_data(self.read_view[:nbytes])
+        self._update()
+
+    def _update(self) -> None:
+        """Take what may be taken now, then read the socket exactly while more may be."""
         self.process()
+        self._set_reading()
+
+    def _set_reading(self) -> None:
+        if self.closed:
+            return
+        want = (self.waiting_for_space is None and not self.yielded
+                and (self.proto.state in _MID_PAYLOAD or self._takes_frames()))
+        if want == self.reading:
+            return
+        self.reading = want
+        if want:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+            self._cancel_input_timer()  # the client is not the one keeping us waiting now
+
+    def _takes_frames(self) -> bool:
+        """Whether a new frame may be taken: not while answers wait unread in the transport, nor
+        while ``max_inflight_per_connection`` refusals wait for their turn behind a request still
+        running, nor while this connection's requests in flight hold
+        ``max_inflight_bytes_per_connection``."""
+        if self.write_blocked:
+            return False
+        if not self.entries and not self.unflushed:
+            return True
+        if len(self.order) - len(self.entries) >= self.dispatcher.limits.max_inflight_per_door:
+            return False
+        held = sum(r.total_bytes for r in self.entries) + sum(r.total_bytes for r in self.unflushed)
+        return held < self.door.limits.max_inflight_bytes_per_connection
 
     def process(self) -> None:
         if self.processing:
-            return  # re-entered (e.g. resume() from inside a frame handler): the outer loop continues
+            return  # re-entered (e.g. an answer from inside a frame handler): the outer loop continues
         self.processing = True
         try:
             self._process()
@@ -327,12 +437,17 @@ class ClientConnection(asyncio.BufferedProtocol):
             self.processing = False
 
     def _process(self) -> None:
-        while not self.closed and not self.paused:
-            if self.proto.state is protocol.State.AWAIT:
-                return  # waiting for arena space
-            event = self.proto.next_event()
-            if event is protocol.NEED_DATA:
+        proto = self.proto
+        for _ in range(FRAMES_PER_TURN):
+            if self.closed or self.yielded or proto.state is protocol.State.AWAIT:
+                return  # AWAIT: waiting for arena space
+            if proto.state not in _MID_PAYLOAD and not self._takes_frames():
                 return
+            event = proto.next_event()
+            if event is protocol.NEED_DATA:
+                self._await_input()
+                return
+            self._cancel_input_timer()  # a frame's header and metadata, or a payload, is complete
             try:
                 if isinstance(event, Frame):
                     self.on_frame(event)
@@ -342,16 +457,60 @@ class ClientConnection(asyncio.BufferedProtocol):
                         self.dispatcher.received(req)
             except Exception:  # our bug: this connection ends, the server goes on
                 log.exception("internal error handling a %s; closing that connection", type(event).__name__)
-                self.send_now(protocol.error_frame(None, ErrorCode.INTERNAL, "internal server error"))
-                self.closed = True
-                self.transport.close()
+                self._close(protocol.error_frame(None, ErrorCode.INTERNAL, "internal server error"))
                 return
             if isinstance(event, ProtocolError):
                 log.info("closing a connection: %s: %s", event.code.wire, event.message)
-                self.send_now(protocol.error_frame(None, event.code, event.message))
-                self.closed = True
-                self.transport.close()
+                self._close(protocol.error_frame(None, event.code, event.message))
                 return
+        self.yielded = True  # the rest on the loop's next turn; not read meanwhile
+        self.door.clock.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self.yielded = False
+        self._update()
+
+    def _await_input(self) -> None:
+        """The protocol needs more bytes: time what the client is in the middle of sending (a
+        frame's header and metadata, or a payload); between frames, an idle client is no harm."""
+        if self.proto.state in _MID_PAYLOAD:
+            phase = _UPLOAD_TIMEOUT
+        elif self.proto.mid_frame:
+            phase = _FRAME_TIMEOUT
+        else:
+            self._cancel_input_timer()
+            return
+        if phase != self.input_phase:
+            self._cancel_input_timer()
+            self.input_phase = phase
+            self.input_timer = self.door.clock.call_later(getattr(self.door.limits, phase), self._input_timed_out)
+
+    def _cancel_input_timer(self) -> None:
+        if self.input_timer is not None:
+            self.input_timer.cancel()
+            self.input_timer = None
+        self.input_phase = None
+
+    def _input_timed_out(self) -> None:
+        """A frame or payload the client began did not complete in time: it is answered (a request
+        receiving its payload: TIMEOUT, and its space is freed now) and the connection closed."""
+        phase, self.input_timer, self.input_phase = self.input_phase, None, None
+        if self.closed:
+            return
+        limit = getattr(self.door.limits, phase)
+        req, self.receiving = self.receiving, None
+        if phase == _FRAME_TIMEOUT:
+            rid, code, what = None, ErrorCode.BAD_FRAME, "a frame's header and metadata"
+        else:
+            rid, code = (req.id if req is not None else None), ErrorCode.TIMEOUT
+            what = f"the payload of request {req.id}" if req is not None else "a payload"
+        message = f"{what} did not all arrive within {limit:g} s (server.{phase})"
+        log.info("closing a connection from pid %d uid %d: %s", self.pid, self.uid, message)
+        frame = protocol.error_frame(rid, code, message)
+        self._close(frame)  # first: nothing more is received into the request's space
+        if req is not None:
+            self.order.remove(self.entries.pop(req))
+            self.dispatcher.drop(req)  # answered here; its space is free for others now
 
     def on_frame(self, frame: Frame) -> None:
         kind, meta = frame.kind, frame.meta
@@ -367,7 +526,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif kind == Kind.HEALTH:
                 self.reply(rid, self.door.status.health())
             elif kind == Kind.INFO:
-                self.reply(rid, self.door.status.info(self.peer[1]))
+                self.reply(rid, self.door.status.info(self.uid))
             elif kind == Kind.OPEN_REGION:
                 self._open_region(rid, meta)
             elif kind == Kind.CLOSE_REGION:
@@ -397,37 +556,25 @@ class ClientConnection(asyncio.BufferedProtocol):
         lane = meta.get("lane")
         if "lane" in meta and not isinstance(lane, str):
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none")
-        pid, uid, _ = self.peer
-        region = self.door.regions.open(self, meta.get("size"), lane, uid=uid, pid=pid)
+        region = self.door.regions.open(self, meta.get("size"), lane, uid=self.uid, pid=self.pid)
         answer = {"id": rid, "region": region.id, "size": region.size}
         if region.is_lane:
             answer["lane"] = {"model": region.lane_model.name, "data_offset": lanes.DATA_FLOOR,
                               "slots": layout.LANE_SLOTS}
         self.send_with_fd(protocol.encode_frame(Kind.REGION, answer), region.fd)
 
-    def pause(self) -> None:
-        if not self.paused and not self.closed:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.paused and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
-        self.process()
-
     def eof_received(self):
         return False
 
     def connection_lost(self, exc) -> None:
-        self.closed = True
-        self.door.connections.discard(self)
-        for req in self.unflushed:
+        self._end_input()
+        self.door.leave(self)
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        held, self.unflushed = self.unflushed, []
+        for req in held:
             self.dispatcher.release(req)
-        self.unflushed.clear()
-        for _, fd in self.deferred_fd_frames:
-            os.close(fd)
-        self.deferred_fd_frames.clear()
         self.receiving = None
         for entry in self.order:
             if entry.req is not None:
@@ -439,20 +586,22 @@ class ClientConnection(asyncio.BufferedProtocol):
     # -- the dispatcher's Door ------------------------------------------------------------
 
     def in_flight(self) -> int:
-        return len(self.order)
+        return len(self.order) + len(self.unflushed)
 
     def waiting(self, req: Request) -> None:
         self.waiting_for_space = req
-        self.pause()  # its payload (and every later request) stays in the socket until there is space
+        self._set_reading()  # its payload (and every later request) stays in the socket until there is space
 
     def admitted(self, req: Request, sinks: list | None) -> None:
         if req is self.waiting_for_space:
             self.waiting_for_space = None
+        if self.closed:
+            return  # ending: connection_lost drops it
         if sinks is not None:
             self.entries[req].payload_pending = False
             self.receiving = req
             self.proto.accept_payload(sinks)
-        self.resume()
+        self._update()
 
     def answer(self, req: Request, answer: Answer) -> None:
         entry = self.entries.get(req)
@@ -460,8 +609,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             if isinstance(answer, Outputs) and answer.in_arena:
                 self.dispatcher.release(req)  # its connection is gone
             return
-        paused_for_it = req is self.waiting_for_space
-        if paused_for_it:
+        if req is self.waiting_for_space:
             self.waiting_for_space = None
         if isinstance(answer, Failure):
             entry.parts = [protocol.error_frame(req.id, answer.code, answer.message)]
@@ -480,8 +628,8 @@ class ClientConnection(asyncio.BufferedProtocol):
                      for o in answer.outputs]
             entry.parts = [protocol.encode_frame(Kind.RESULT_REGION, {"id": req.id, "outputs": metas})]
         self.flush()
-        if paused_for_it:
-            self.resume()  # it stopped reading while this request waited for space
+        if not self.reading:
+            self._update()  # it may take frames again (space, or bytes in flight, freed up)
 
     # -- writing --------------------------------------------------------------------------
 
@@ -519,13 +667,11 @@ class ClientConnection(asyncio.BufferedProtocol):
                     self.unflushed.append(entry.req)
 
     def send_with_fd(self, frame: bytes, fd: int) -> None:
-        """Send a frame with a descriptor attached (SCM_RIGHTS), after anything already queued."""
+        """Send a frame with a descriptor attached (SCM_RIGHTS).  Frames are taken only while
+        nothing waits in the transport, so nothing can be queued ahead of it: the descriptor is
+        never held back (nor duplicated) for a client that does not read."""
         if self.transport.get_write_buffer_size():
-            self.deferred_fd_frames.append((frame, os.dup(fd)))
-            return
-        self._sendmsg_fd(frame, fd)
-
-    def _sendmsg_fd(self, frame: bytes, fd: int) -> None:
+            raise RuntimeError("a descriptor to pass while answers wait in the transport")
         sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
         try:
             sent = socket.send_fds(sock, [frame], [fd])
@@ -539,20 +685,48 @@ class ClientConnection(asyncio.BufferedProtocol):
             sock.close()
         if sent == 0:
             log.warning("socket full while passing a region descriptor; closing the connection")
-            self.transport.close()
+            self._close()
         elif sent < len(frame):
             self.transport.write(frame[sent:])
 
     def pause_writing(self) -> None:
-        pass
+        """Answers wait in the transport (the client is not reading them): take no new frame, and
+        close the connection if they are still there after ``stall_timeout_s``."""
+        self.write_blocked = True
+        if self.stall_timer is None:
+            self.stall_timer = self.door.clock.call_later(self.door.limits.stall_timeout_s, self._stalled)
+        self._set_reading()
 
     def resume_writing(self) -> None:
-        for req in self.unflushed:
+        """Everything written is sent: release the results it held, and take frames again."""
+        self.write_blocked = False
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        held, self.unflushed = self.unflushed, []
+        for req in held:
             self.dispatcher.release(req)
-        self.unflushed.clear()
-        while self.deferred_fd_frames and not self.transport.get_write_buffer_size():
-            frame, fd = self.deferred_fd_frames.pop(0)
-            try:
-                self._sendmsg_fd(frame, fd)
-            finally:
-                os.close(fd)
+        self._update()
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        log.warning("closing the connection of pid %d uid %d: its answers went unread for %g s "
+                    "(server.stall_timeout_s); %d bytes unsent, %d results held", self.pid, self.uid,
+                    self.door.limits.stall_timeout_s, self.transport.get_write_buffer_size(), len(self.unflushed))
+        self._end_input()
+        self.transport.abort()  # now, unsent bytes and all: connection_lost frees what it held
+
+    def _close(self, frame: bytes | None = None) -> None:
+        """End this connection: ``frame`` (if any) is the last it is sent, after what is queued, and
+        nothing more is read.  What it holds is freed in ``connection_lost``, once the transport
+        has let go of its views: as soon as they are sent, or at the stall deadline."""
+        if frame is not None:
+            self.send_now(frame)
+        self._end_input()
+        self.transport.close()
+
+    def _end_input(self) -> None:
+        """Read nothing more: no byte more lands in a request's arena space, no deadline runs."""
+        self.closed = True
+        self.proto.close()
+        self._cancel_input_timer()

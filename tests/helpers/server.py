@@ -191,7 +191,7 @@ class ServerProcess:
             return ""
 
 
-def wait_for(predicate, what: str = "condition", timeout: float = 20.0):
+def wait_for(predicate, what: str = "condition", timeout: float = 30.0):
     """``predicate()``'s first true value, polled every 50 ms; AssertionError naming ``what`` after
     ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
