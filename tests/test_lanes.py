@@ -395,3 +395,33 @@ def test_an_async_lane_call_ends_when_the_server_dies(tmp_path):
         subprocess.run([sys.executable, "-m", "shmserve.cli", "cleanup", "--instance", srv.instance],
                        capture_output=True, timeout=60)
     assert shm_names() == before
+
+
+def test_a_busy_batching_worker_unmaps_a_closed_lane_without_waiting_to_be_idle(server):
+    """Finding 6: a worker used to unmap closed regions only after 0.5 s idle, so under steady load
+    it kept every closed lane mapped.  Now the drop takes effect after the batch in hand."""
+    stop, served = threading.Event(), []
+
+    def load():  # keeps the batching worker busy the whole time (a batch gathers for up to 300 ms)
+        with server.client() as c:
+            while not stop.is_set():
+                c.infer("double", {"x": np.ones((1, 4), np.float32)})
+                served.append(time.monotonic())
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        wait_for(lambda: len(served) >= 3, "the load to run")
+        with server.client() as c:
+            call = c.zero_copy("double", {"x": ((1, 4), np.float32)})
+            call.inputs["x"][...] = 2
+            assert call.run()["y"].tolist() == [[4.0] * 4]
+            lane = call.region.id
+            assert any(lane in ids for ids in server.mapped_regions().values())
+            call.release()
+        wait_for(lambda: not any(lane in ids for ids in server.mapped_regions().values()),
+                 "the closed lane to be unmapped by the busy worker", timeout=10)
+        assert thread.is_alive() and time.monotonic() - served[-1] < 1.0, "the worker was idle meanwhile"
+    finally:
+        stop.set()
+        thread.join(30)

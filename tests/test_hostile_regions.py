@@ -1,0 +1,162 @@
+"""A client attacking its own regions and lanes (issue 11, findings 1 and 2), through a real server.
+
+Regions and lanes are sealed memfds: the descriptor a client receives cannot
+shrink or grow the memory, so a truncation can no longer kill a worker or the
+front-end with SIGBUS, and a grown region can no longer make a worker map (or
+page-lock) more than the server recorded.  What a client can still do to its
+own memory (punch holes in it, scribble over its lane) hurts only that client.
+Each test checks that the attacker alone is affected: the server stays up,
+another client is served, the workers' restart counts do not change, and
+nothing is left: no region record, no mapping in any server process, no
+descriptor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import re
+
+import numpy as np
+import pytest
+
+from shmserve import ErrorCode, ShmserveError, client as client_module
+
+from helpers.server import ServerProcess, standard_models, wait_for
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("hostile-regions"), standard_models()).start()
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.fixture
+def kept_descriptors(monkeypatch):
+    """The descriptors of every region this process's clients receive, kept open (the library
+    closes its own once mapped; an attacker keeps it)."""
+    kept: dict[int, int] = {}
+    real_init = client_module.Region.__init__
+
+    def keep(self, region_id, size, fd, lane=None):
+        kept[region_id] = os.dup(fd)
+        real_init(self, region_id, size, fd, lane)
+
+    monkeypatch.setattr(client_module.Region, "__init__", keep)
+    yield kept
+    for fd in kept.values():
+        os.close(fd)
+
+
+def restarts(srv) -> list[int]:
+    return [w["restarts"] for w in srv.info()["workers"]]
+
+
+def bystander_is_served(srv) -> None:
+    """Another client, inline and through a lane, gets right answers."""
+    x = np.arange(256, dtype=np.uint8)
+    with srv.client() as c:
+        assert np.array_equal(c.infer("identity", {"x": x})["y"], x)
+        with c.zero_copy("identity", {"x": ((256,), np.uint8)}) as call:
+            call.inputs["x"][...] = x
+            assert np.array_equal(call.run()["y"], x)
+
+
+def nothing_left(srv) -> None:
+    wait_for(lambda: not srv.recorded_regions() and not any(srv.mapped_regions().values()),
+             "every region to be closed, unrecorded and unmapped in every server process")
+
+
+def mapping_sizes(srv, region_id: int) -> dict[int, int]:
+    """The size of region ``region_id``'s mapping in each server process that maps it."""
+    marker = f"/memfd:shmserve.{srv.instance}.r{region_id} "
+    sizes = {}
+    for pid in srv.pids():
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if marker in line + " ":
+                    start, end = (int(v, 16) for v in re.match(r"([0-9a-f]+)-([0-9a-f]+)", line).groups())
+                    sizes[pid] = sizes.get(pid, 0) + end - start
+    return sizes
+
+
+def test_a_region_or_lane_cannot_be_shrunk_or_grown_by_its_client(server, kept_descriptors):
+    """Finding 1 (truncate to 0: SIGBUS in the worker, then the front-end) and finding 2 (grown to
+    64 GiB: mapped and page-locked at the client's size)."""
+    before = restarts(server)
+    x = np.arange(100, dtype=np.uint8)
+    with server.client() as c:
+        plain = c.open_region(1 << 20)
+        with c.zero_copy("identity", {"x": ((100,), np.uint8)}) as call:
+            call.inputs["x"][...] = x
+            assert np.array_equal(call.run()["y"], x)  # the lane is attached and mapped by its worker
+            lane_id = call.region.id
+            for region_id in (plain.id, lane_id):
+                fd = kept_descriptors[region_id]
+                assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+                size = os.fstat(fd).st_size
+                for attack in (0, 4096, size + 4096, 64 << 30):
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, attack)
+                with pytest.raises(PermissionError):
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor can the seals change
+                assert os.fstat(fd).st_size == size
+            call.inputs["x"][...] = x[::-1]
+            assert np.array_equal(call.run()["y"], x[::-1])  # the attacker's own lane still works
+            lane_size = call.region.size
+            assert all(size <= lane_size for size in mapping_sizes(server, lane_id).values())
+            assert max(mapping_sizes(server, lane_id).values()) == lane_size  # its worker maps the recorded size
+        bystander_is_served(server)
+    assert restarts(server) == before
+    nothing_left(server)
+
+
+def test_holes_punched_in_a_lane_hurt_only_its_client(server, kept_descriptors):
+    """Punching holes is still the client's right over its own memory (it is not sealed against
+    writes): the pages read back as zeros.  Its lane header and rings become zeros under the
+    worker and the front-end; neither may fault or fail anyone else."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = restarts(server)
+    x = np.arange(64, dtype=np.uint8)
+    with server.client() as c:
+        call = c.zero_copy("identity", {"x": ((64,), np.uint8)})
+        call.inputs["x"][...] = x
+        assert np.array_equal(call.run()["y"], x)
+        fd = kept_descriptors[call.region.id]
+        assert libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, ctypes.c_long(0),
+                              ctypes.c_long(call.region.size)) == 0, os.strerror(ctypes.get_errno())
+        for _ in range(3):  # whatever the lane does now, it ends in an answer or a clear error
+            try:
+                call.inputs["x"][...] = x
+                result = call.run(timeout=2)
+                assert np.array_equal(result["y"], x)
+            except ShmserveError as exc:
+                assert exc.code in (ErrorCode.TIMEOUT, ErrorCode.BAD_FRAME, ErrorCode.BAD_INPUT,
+                                    ErrorCode.BAD_REGION, ErrorCode.INTERNAL), exc
+        bystander_is_served(server)
+        call.release()
+    assert server.proc.poll() is None and restarts(server) == before
+    bystander_is_served(server)
+    nothing_left(server)
+
+
+def test_the_server_records_every_region_for_inspect_and_forgets_it_on_close(server):
+    """No client memory has a name in /dev/shm; ``inspect`` lists it from the arena's records."""
+    with server.client() as c:
+        a = c.open_region(1 << 20)
+        b = c.open_region(4096, lane="identity")
+        records = server.recorded_regions()
+        assert {r: (records[r]["kind"], records[r]["owner_uid"], records[r]["size"]) for r in records} == {
+            a.id: ("region", os.getuid(), a.size), b.id: ("lane", os.getuid(), b.size)}
+        assert records[a.id]["owner_pid"] == os.getpid() and records[b.id]["model"] == "identity"
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.")]
+        c._exchange(c._session.close_region(a.id))  # the protocol's CLOSE_REGION (the client has no call for it)
+        wait_for(lambda: a.id not in server.recorded_regions(), "the closed region's record to go")
+    nothing_left(server)
