@@ -40,6 +40,8 @@ MODEL = "identity"  # uint8 vector in, the same vector out (shmserve.models:iden
 # one row is sent: the table's "tensor" column says what really went, and GB/s counts that.
 UNITS = {"": 1, "B": 1, "KIB": 1024, "KB": 1000, "MIB": 1 << 20, "MB": 1000 ** 2, "GIB": 1 << 30}
 
+RUN_ID = uuid.uuid4().hex[:8]  # names this run's server instance and segments (its JSON says it)
+
 
 def parse_size(text: str) -> int:
     text = text.strip().upper()
@@ -203,7 +205,7 @@ def memcpy_floor(size: int, reps: int) -> float:
     """p50 microseconds of one copy of ``size`` bytes into POSIX shared memory (already touched)."""
     import posix_ipc
 
-    name = f"/shmserve-bench-{uuid.uuid4().hex[:8]}"
+    name = f"/shmserve-bench-{RUN_ID}-{uuid.uuid4().hex[:8]}"
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=size)
     try:
         buf = mmap.mmap(shm.fd, size)
@@ -229,7 +231,7 @@ def spawn_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     from shmserve import Client
     from shmserve.errors import ConnectionClosed
 
-    instance = f"bench-{uuid.uuid4().hex[:8]}"
+    instance = f"bench-{RUN_ID}"
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
     cfg.write_text(f"""[server]
@@ -333,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                                               "model": args.model, "results": results}, indent=2))
+                                               "model": args.model, "run_id": RUN_ID, "results": results},
+                                              indent=2))
     return 0
 
 

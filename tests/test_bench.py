@@ -11,13 +11,14 @@ import os
 from shmserve.arena import SHM_DIR
 
 
-def bench_names() -> set[str]:
-    """What `shmserve bench` creates: its server's arena and regions, its floors' segments."""
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(("shmserve.bench-", "shmserve-bench-"))}
+def bench_names(run_id: str) -> set[str]:
+    """What one `shmserve bench` run created: its server's arena, its floors' segments (named by the
+    run id its JSON reports; another bench running meanwhile has its own)."""
+    return {n for n in os.listdir(SHM_DIR) if n in (f"shmserve.bench-{run_id}",) or
+            n.startswith(f"shmserve-bench-{run_id}-")}
 
 
 def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
-    before = bench_names()
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64,1MiB",
                         "--mode", "both", "--clients", "2", "--requests", "20", "--json", str(out)],
@@ -31,7 +32,7 @@ def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
         assert c["echo_floor_p50_us"] > 0 and c["rps"] > 0
         assert (c["memcpy_p50_us"] > 0) == (c["payload"] >= 1 << 20)
     assert "| 64 B |" in r.stdout and "p50 / floor" in r.stdout
-    assert bench_names() <= before  # its server, its floors' segments: all gone
+    assert len(report["run_id"]) == 8 and not bench_names(report["run_id"])  # its server, its floors' segments
 
 
 def test_bench_on_the_demo_model(tmp_path):

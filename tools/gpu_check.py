@@ -12,7 +12,10 @@ Runs without editing (needs torch with CUDA, cuda-python, onnx and onnxruntime):
   3. measures, in the same run: H2D/D2H bandwidth from a registered arena vs
      cudaHostAlloc memory vs pageable memory; 4 KiB request p50/p99 end to end
      vs the bare model on the GPU; 16 MiB request throughput in both modes;
-  4. shows both workers of one model registered the same arena and both served.
+  4. shows both workers of one model registered the same arena and both served;
+  5. shows client regions are sealed memfds (no /dev/shm name), received by the
+     GPU workers by descriptor, mapped at the recorded size and page-locked
+     there (mapped mode reads them through their device addresses).
 
 usage: python tools/gpu_check.py [--json FILE] [--quick]
 Exit status 0 only if every correctness check passed.
@@ -341,6 +344,62 @@ def two_workers(server: Server) -> dict:
             "both_served": all(w["requests"] > 0 for w in workers)}
 
 
+def sealed_regions(server: Server) -> dict:
+    """Zero-copy calls through a lane of each I/O mode: the region's descriptor (kept here, as a
+    hostile client would) is sealed and cannot be resized; the GPU worker that served it maps it
+    as a memfd of the recorded size; the answers are right (mapped mode reads it on the device)."""
+    import fcntl
+
+    from shmserve import client as client_module
+
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    kept, real_init = {}, client_module.Region.__init__
+
+    def keep(self, region_id, size, fd, lane=None):
+        kept[region_id] = os.dup(fd)
+        real_init(self, region_id, size, fd, lane)
+
+    client_module.Region.__init__ = keep
+    rows = []
+    try:
+        with Client(server.socket, timeout=60) as c:
+            pids = [w["pid"] for w in c.info()["workers"]]
+            for model in ("scale_mapped", "scale_copy"):
+                x = np.random.default_rng().standard_normal(4096, dtype=np.float32)
+                with c.zero_copy(model, {"x": (x.shape, np.float32)}) as call:
+                    call.inputs["x"][...] = x
+                    np.testing.assert_allclose(call.run()["y"], x * 2, **TOLERANCE)
+                    rid, size = call.region.id, call.region.size
+                    fd = kept[rid]
+                    refused = []
+                    for attack in (0, size * 2):
+                        try:
+                            os.ftruncate(fd, attack)
+                        except PermissionError:
+                            refused.append(attack)
+                    marker = f"/memfd:shmserve.{server.instance}.r{rid} "
+                    mapped = {}
+                    for pid in pids:
+                        with open(f"/proc/{pid}/maps") as f:
+                            for line in f:
+                                if marker in line + " ":
+                                    lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                                    mapped[pid] = mapped.get(pid, 0) + hi - lo
+                rows.append({"model": model, "region": rid, "size": size,
+                             "sealed": fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals,
+                             "resize_refused": len(refused) == 2, "worker_maps_bytes": sorted(mapped.values()),
+                             "in_dev_shm": any(n.startswith(f"shmserve.{server.instance}.r")
+                                               for n in os.listdir("/dev/shm"))})
+                print(f"  {rows[-1]}", flush=True)
+    finally:
+        client_module.Region.__init__ = real_init
+        for fd in kept.values():
+            os.close(fd)
+    ok = all(r["sealed"] and r["resize_refused"] and r["size"] in r["worker_maps_bytes"] and not r["in_dev_shm"]
+             for r in rows)
+    return {"regions": rows, "ok": ok}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -367,6 +426,8 @@ def main() -> int:
                 ok = False
                 report["correctness_failure"] = str(exc)[:2000]
                 print(f"  FAILED: {exc}", flush=True)
+            print("sealed client regions on GPU workers:", flush=True)
+            report["sealed_regions"] = sealed_regions(server)
             report["two_workers_one_gpu"] = two_workers(server)
             print(f"two workers on one GPU: {report['two_workers_one_gpu']}", flush=True)
             report["latency_4KiB"] = latency(server, 300 if args.quick else 2000)
@@ -399,7 +460,8 @@ def main() -> int:
     print("\n| 16 MiB request | GB/s |\n| --- | ---: |")
     for k, v in report["throughput_16MiB_GBps"].items():
         print(f"| {k} | {v} |")
-    ok = ok and report["server_exit"] == 0 and report["two_workers_one_gpu"]["both_registered"] \
+    ok = ok and report["server_exit"] == 0 and report["sealed_regions"]["ok"] \
+        and report["two_workers_one_gpu"]["both_registered"] \
         and report["two_workers_one_gpu"]["both_served"]
     report["ok"] = ok
     Path(args.json).write_text(json.dumps(report, indent=2))
