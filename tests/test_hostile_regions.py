@@ -17,6 +17,8 @@ import ctypes
 import fcntl
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -157,6 +159,12 @@ def test_the_server_records_every_region_for_inspect_and_forgets_it_on_close(ser
             a.id: ("region", os.getuid(), a.size), b.id: ("lane", os.getuid(), b.size)}
         assert records[a.id]["owner_pid"] == os.getpid() and records[b.id]["model"] == "identity"
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve.{server.instance}.")]
+        shown = subprocess.run([sys.executable, "-m", "shmserve.cli", "inspect", "--instance", server.instance],
+                               capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+        assert shown.returncode == 0, shown.stderr
+        table = shown.stdout[shown.stdout.index("client regions and lanes"):]
+        assert re.search(rf"\b{a.id}\b.*\bregion\b.*{a.size:,}", table)
+        assert re.search(rf"\b{b.id}\b.*\blane\b.*{b.size:,}.*identity", table)
         c._exchange(c._session.close_region(a.id))  # the protocol's CLOSE_REGION (the client has no call for it)
         wait_for(lambda: a.id not in server.recorded_regions(), "the closed region's record to go")
     nothing_left(server)
