@@ -352,9 +352,9 @@ def _place(region: Region, specs: dict, sizes: dict, output_capacity: int) -> tu
     return placed, region.allocator.allocate(output_capacity)
 
 
-def _region_size(sizes: dict, output_capacity: int) -> int:
-    return max(DEFAULT_REGION_BYTES,
-               sum(layout.tensor_span(s) for s in sizes.values()) + layout.tensor_span(output_capacity))
+def _needed_bytes(sizes: dict, output_capacity: int) -> int:
+    """The least region space one call needs: its inputs and its output area."""
+    return sum(layout.tensor_span(s) for s in sizes.values()) + layout.tensor_span(output_capacity)
 
 
 def _estimate(spec: ModelSpec | None, specs: dict) -> int:
@@ -395,7 +395,8 @@ class _ZeroCopyPlan:
         self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
-        self.region_size = _region_size(self.sizes, self.output_capacity)
+        self.needed = _needed_bytes(self.sizes, self.output_capacity)
+        self.region_size = max(DEFAULT_REGION_BYTES, self.needed)  # room for the calls that follow
         self.regions = regions
         self.region = self._region_in()
 
@@ -403,12 +404,18 @@ class _ZeroCopyPlan:
         self.region = region
 
     def refused(self, exc: ShmserveError) -> None:
-        """The server refused the region: a lane whose workers serve all they can (overloaded)
-        makes the plan one without a lane; any other refusal is raised."""
-        if exc.code is not ErrorCode.OVERLOADED or self.lane is None:
+        """The server refused the region.  Overloaded (a region limit of the connection or uid,
+        or a lane whose workers serve all they can): first ask for only what this call needs,
+        then for a region without a lane; any other refusal, or the last, is raised."""
+        if exc.code is not ErrorCode.OVERLOADED:
             raise exc
-        self.lane = None
-        self.region = self._region_in()
+        if self.region_size > self.needed:
+            self.region_size = self.needed
+        elif self.lane is not None:
+            self.lane = None
+            self.region = self._region_in()
+        else:
+            raise exc
 
     def place(self) -> tuple:
         """(region, inputs placed, output offset, output capacity): ZeroCopyCall's arguments."""

@@ -281,3 +281,28 @@ def test_a_region_granted_after_its_async_caller_gave_up_is_closed(peer):
     os.close(write_end)
     assert wait_closed(read_end)
     os.close(read_end)
+
+
+def test_a_refused_zero_copy_region_is_asked_again_smaller_then_without_a_lane():
+    """A region limit (overloaded) refuses the default 64 MiB region: the plan asks next for only
+    what the call needs, then for a region without a lane, then gives up with the server's
+    answer; any other refusal is raised at once."""
+    from shmserve.client import DEFAULT_REGION_BYTES, _ZeroCopyPlan
+    from shmserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dict({"name": "m", "backend": "python",
+                                "inputs": [{"name": "x", "dtype": "uint8", "shape": ["n"]}],
+                                "outputs": [{"name": "y", "dtype": "uint8", "shape": ["n"]}]})
+    overloaded = ShmserveError(ErrorCode.OVERLOADED, "limit (max_region_bytes_per_uid)")
+    plan = _ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
+    assert plan.region_size == DEFAULT_REGION_BYTES and plan.lane == "m"
+    plan.refused(overloaded)
+    assert plan.region_size == plan.needed < 4096 and plan.lane == "m"
+    plan.refused(overloaded)
+    assert plan.lane is None and plan.region is None
+    with pytest.raises(ShmserveError) as info:
+        plan.refused(overloaded)
+    assert info.value is overloaded
+    plan = _ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
+    with pytest.raises(ShmserveError):
+        plan.refused(ShmserveError(ErrorCode.TOO_LARGE, "too large"))

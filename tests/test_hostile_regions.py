@@ -168,3 +168,66 @@ def test_the_server_records_every_region_for_inspect_and_forgets_it_on_close(ser
         c._exchange(c._session.close_region(a.id))  # the protocol's CLOSE_REGION (the client has no call for it)
         wait_for(lambda: a.id not in server.recorded_regions(), "the closed region's record to go")
     nothing_left(server)
+
+
+def test_lane_ring_indices_at_the_top_of_u64_hurt_only_their_client(server):
+    """Finding 3: two 64-bit stores (a lane's ring indices set to 2**64 - 1) made the worker's
+    ``tail + 1`` overflow and the front-end's own push raise inside its worker-exit handler, so the
+    model stayed 'restarting' for good.  Now nothing overflows: the worker serves on, and when the
+    lane's worker dies the front-end still fails the lane's calls and restarts the worker."""
+    from shmserve import _atomics as atomics, layout
+
+    x = np.arange(32, dtype=np.uint8)
+    before = restarts(server)
+    with server.client() as c:
+        call = c.zero_copy("identity", {"x": ((32,), np.uint8)})
+        call.inputs["x"][...] = x
+        assert np.array_equal(call.run()["y"], x)
+        buf = call.region.buf
+        for ring in (layout.LANE.submission_off, layout.LANE.completion_off):
+            for field in (0, 64):  # tail, head: each on its own cache line
+                atomics.store64(buf, ring + field, 2**64 - 1)
+        lane = call.region.lane
+        lane.submissions.push(layout.slot_entry(0, 1))  # a push over the top: it wraps, never raises
+        lane.bell.notify()
+        bystander_is_served(server)
+        assert restarts(server) == before
+        assert all(w["state"] == "ready" for w in server.info()["workers"] if w["model"] == "identity")
+        worker = next(w for w in server.info()["workers"] if w["lanes"] and w["model"] == "identity")
+        os.kill(worker["pid"], 9)  # its worker dies: the front-end fails the lane and moves it on
+        wait_for(lambda: [w for w in server.info()["workers"] if w["index"] == worker["index"]
+                          and w["state"] == "ready" and w["pid"] != worker["pid"]], "the killed worker to restart")
+        call.release()
+    after = restarts(server)
+    assert after[worker["index"]] == before[worker["index"]] + 1
+    assert [r for i, r in enumerate(after) if i != worker["index"]] == [
+        r for i, r in enumerate(before) if i != worker["index"]]
+    bystander_is_served(server)
+    nothing_left(server)
+
+
+def test_region_limits_are_refused_naming_their_key_and_hold_nothing(tmp_path):
+    """Finding 6 (regions): a connection's count and bytes of regions and a uid's bytes are
+    bounded; each refusal is 'overloaded' naming its config key; closing frees the budget."""
+    section = ("max_regions_per_connection = 3\nmax_region_bytes_per_connection = 262144\n"
+               "max_region_bytes_per_uid = 393216\n")
+    srv = ServerProcess(tmp_path, standard_models(1), server_section=section).start()
+    try:
+        def refused(c, size, key):
+            with pytest.raises(ShmserveError) as info:
+                c.open_region(size)
+            assert info.value.code is ErrorCode.OVERLOADED and f"({key})" in info.value.message, info.value.message
+
+        with srv.client() as a, srv.client() as b, srv.client() as c:
+            for _ in range(3):
+                a.open_region(4096)
+            refused(a, 4096, "max_regions_per_connection")
+            b.open_region(200_000)
+            refused(b, 100_000, "max_region_bytes_per_connection")
+            refused(c, 200_000, "max_region_bytes_per_uid")  # a holds 3 pages, b 200 KB: the uid's budget
+            bystander_is_served(srv)
+        nothing_left(srv)
+        with srv.client() as c:  # the budget came back with the connections
+            c.open_region(262144)
+    finally:
+        assert srv.stop() == 0
