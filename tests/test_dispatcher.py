@@ -1255,7 +1255,7 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     def refused(owner, size, key, uid=-1):
         with pytest.raises(ShmserveError) as info:
             regions.open(owner, size, uid=uid)
-        assert info.value.code is ErrorCode.OVERLOADED and f"({key})" in info.value.message, info.value.message
+        assert info.value.code is ErrorCode.OVERLOADED and f"(server.{key})" in info.value.message, info.value.message
 
     per_connection = RegionLimits().max_regions_per_connection
     for _ in range(per_connection):

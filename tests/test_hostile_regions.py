@@ -216,7 +216,7 @@ def test_region_limits_are_refused_naming_their_key_and_hold_nothing(tmp_path):
         def refused(c, size, key):
             with pytest.raises(ShmserveError) as info:
                 c.open_region(size)
-            assert info.value.code is ErrorCode.OVERLOADED and f"({key})" in info.value.message, info.value.message
+            assert info.value.code is ErrorCode.OVERLOADED and f"(server.{key})" in info.value.message, info.value.message
 
         with srv.client() as a, srv.client() as b, srv.client() as c:
             for _ in range(3):

@@ -262,7 +262,9 @@ class Dispatcher:
             req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
             if req.total_bytes > self.max_request:
                 raise ShmserveError(ErrorCode.TOO_LARGE, f"request needs {req.total_bytes} bytes of arena space "
-                                                         f"(inputs {in_bytes}); the limit is {self.max_request}")
+                                                         f"(inputs {in_bytes}); the limit is {self.max_request} "
+                                                         f"(server.max_request_bytes, and the arena's "
+                                                         f"largest extent)")
         if door.in_flight() >= self.limits.max_inflight_per_door:
             raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
                                                       f"this connection (server.max_inflight_per_connection)")
@@ -614,11 +616,11 @@ class Dispatcher:
     def _on_timeout(self, req: Request) -> None:
         req.timer = None
         if self._unpark(req):
-            self._answer_unclaimed(req, Failure(ErrorCode.TIMEOUT, f"no ready worker within {req.timeout_s:g} s: "
-                                                                   f"{req.model.unavailable_reason()}"))
+            self._answer_unclaimed(req, Failure(ErrorCode.TIMEOUT, self._timed_out(req, "no ready worker") +
+                                                f": {req.model.unavailable_reason()}"))
         elif req.state is RequestState.WAITING:
             self.waiting.remove(req)
-            self._end(req, Failure(ErrorCode.TIMEOUT, f"no arena space within {req.timeout_s:g} s"))
+            self._end(req, Failure(ErrorCode.TIMEOUT, self._timed_out(req, "no arena space")))
             self._admit_waiting()  # those behind it may fit the space there is
         elif req.state is RequestState.QUEUED:
             self._time_out_queued(req)
@@ -637,13 +639,18 @@ class Dispatcher:
 
     def _time_out_queued(self, req: Request) -> None:
         if self._take_back(req):  # not claimed yet: take it back now rather than when the worker gets to it
-            self._end(req, Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s"))
+            self._end(req, Failure(ErrorCode.TIMEOUT, self._timed_out(req)))
             return
         generation, state = self.arena.slot_status(req.slot)
         if generation == req.generation and state in FINISHED:  # finished, not yet collected: deliver it
             self._complete(req.worker, req.slot, generation)
             return
-        self._abandon(req, Failure(ErrorCode.TIMEOUT, f"no result within {req.timeout_s:g} s"))  # running
+        self._abandon(req, Failure(ErrorCode.TIMEOUT, self._timed_out(req)))  # running
+
+    def _timed_out(self, req: Request, what: str = "no result") -> str:
+        """A timeout's message; it names the server's cap when that, not the client, set it."""
+        capped = req.timeout_s >= self.limits.request_timeout_s
+        return f"{what} within {req.timeout_s:g} s" + (" (server.request_timeout_s)" if capped else "")
 
     # -- workers --------------------------------------------------------------------------
 

@@ -137,7 +137,7 @@ class RegionTable:
         limit = self.max_request_bytes + REGION_SLACK
         if type(size) is not int or not 0 < size <= limit:
             raise ShmserveError(ErrorCode.TOO_LARGE if type(size) is int and size > 0 else ErrorCode.BAD_FRAME,
-                                f"'size' must be an integer in [1, {limit}] (max_request_bytes + 1 MiB)")
+                                f"'size' must be an integer in [1, {limit}] (server.max_request_bytes + 1 MiB)")
         lane_model = None
         if lane is not None:
             lane_model = self.models.get(lane) if isinstance(lane, str) else None
@@ -183,18 +183,18 @@ class RegionTable:
         lim = self.limits
         if len(self.by_owner.get(owner, ())) >= lim.max_regions_per_connection:
             raise ShmserveError(ErrorCode.OVERLOADED, f"this connection holds {lim.max_regions_per_connection} "
-                                                      f"regions (max_regions_per_connection); close one first")
+                                                      f"regions (server.max_regions_per_connection); close one first")
         if self.bytes_of_owner[owner] + size > lim.max_region_bytes_per_connection:
             raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take this connection past "
                                                       f"{lim.max_region_bytes_per_connection} bytes of regions "
-                                                      f"(max_region_bytes_per_connection)")
+                                                      f"(server.max_region_bytes_per_connection)")
         if self.bytes_of_uid[uid] + size > lim.max_region_bytes_per_uid:
             raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take uid {uid} past "
                                                       f"{lim.max_region_bytes_per_uid} bytes of regions "
-                                                      f"(max_region_bytes_per_uid)")
+                                                      f"(server.max_region_bytes_per_uid)")
         if not self.free_records:
             raise ShmserveError(ErrorCode.OVERLOADED, f"the server holds {self.arena.geometry.max_regions} "
-                                                      f"regions, its most (max_regions)")
+                                                      f"regions, its most (server.max_regions)")
 
     def get(self, owner: Hashable, region_id) -> Region | None:
         """``owner``'s region ``region_id``, or None: a region is reachable only from its owner."""
