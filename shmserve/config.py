@@ -26,6 +26,7 @@ File format::
     max_connections = 512           # open connections in all; more are refused 'overloaded'
     max_connections_per_uid = 256   # open connections of one peer uid; more are refused 'overloaded'
     max_inflight_per_connection = 64          # requests not yet written back, unread results included
+    max_inflight_per_uid = 512      # the same, all connections of one peer uid together
     max_inflight_bytes_per_connection = 67108864  # their arena bytes; at this, stop reading the socket
     stall_timeout_s = 10            # answers unread this long: the connection is closed, all it held freed
     frame_timeout_s = 10            # a frame's header and metadata must arrive within this, once begun
@@ -139,6 +140,10 @@ class ServerConfig:
     # included): each holds a slot, so a quarter of the default arena's 256 slots, leaving the rest
     # to others.  More are refused 'overloaded'.
     max_inflight_per_connection: int = 64
+    # The same, all connections of one peer uid together: several processes of one uid cannot hold
+    # more.  512 is twice the default slots (requests waiting for space count too); where several
+    # uids share a server, set it to a fair share of arena.slots + max_waiting.
+    max_inflight_per_uid: int = 512
     # The arena bytes (inputs and outputs) of those requests: at this much the server reads no new
     # frame from the connection until some are written back (backpressure, not an error).  It may
     # be passed by the one request that reaches it.  Default: the default max_request_bytes.
@@ -319,7 +324,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
 
 # -- what one client can make the server hold -----------------------------------------------
 
-CLIENT_LIMIT_KEYS = ("max_connections", "max_connections_per_uid", "max_inflight_per_connection",
+CLIENT_LIMIT_KEYS = ("max_connections", "max_connections_per_uid", "max_inflight_per_connection", "max_inflight_per_uid",
                      "max_inflight_bytes_per_connection", "stall_timeout_s", "frame_timeout_s", "upload_timeout_s")
 
 
@@ -327,7 +332,8 @@ def _client_limits(server: dict) -> dict:
     """The [server] keys that bound what one client can make the server hold (ServerConfig says why)."""
     kw = _bounded(server, "server.", _int, (
         ("max_connections", 1, 1 << 20), ("max_connections_per_uid", 1, 1 << 20),
-        ("max_inflight_per_connection", 1, 1 << 16), ("max_inflight_bytes_per_connection", 1, 1 << 40)))
+        ("max_inflight_per_connection", 1, 1 << 16), ("max_inflight_per_uid", 1, 1 << 20),
+        ("max_inflight_bytes_per_connection", 1, 1 << 40)))
     kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
         ("stall_timeout_s", 0.01, 3600), ("frame_timeout_s", 0.01, 3600), ("upload_timeout_s", 0.01, 3600))))
     return kw

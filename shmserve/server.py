@@ -59,6 +59,7 @@ def region_limits_of(config: ServerConfig) -> RegionLimits:
                         max_region_bytes_per_uid=config.max_region_bytes_per_uid)
 def door_limits_of(config: ServerConfig) -> DoorLimits:
     return DoorLimits(max_connections=config.max_connections, max_connections_per_uid=config.max_connections_per_uid,
+                      max_inflight_per_uid=config.max_inflight_per_uid,
                       max_inflight_bytes_per_connection=config.max_inflight_bytes_per_connection,
                       stall_timeout_s=config.stall_timeout_s, frame_timeout_s=config.frame_timeout_s,
                       upload_timeout_s=config.upload_timeout_s)

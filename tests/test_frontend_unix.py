@@ -19,7 +19,8 @@ from shmserve.protocol import Frame, Kind, PayloadDone
 from helpers.fake_frontend import make_fixture, no_children_left, no_processes  # noqa: F401 (fixtures)
 
 
-LIMITS = DoorLimits(max_connections=8, max_connections_per_uid=4, max_inflight_bytes_per_connection=1 << 20,
+LIMITS = DoorLimits(max_connections=8, max_connections_per_uid=4, max_inflight_per_uid=1024,
+                    max_inflight_bytes_per_connection=1 << 20,
                     stall_timeout_s=10.0, frame_timeout_s=5.0, upload_timeout_s=5.0)
 
 
@@ -384,6 +385,30 @@ def test_connections_over_a_limit_are_refused_naming_the_key(make, clients):
     refused = clients(fe, door)
     [(error, _)] = refused.frames()
     assert error.meta["code"] == ErrorCode.OVERLOADED.wire and "server.max_connections" in error.meta["message"]
+
+
+def test_requests_in_flight_of_one_uid_are_bounded_across_its_connections(make, clients):
+    """max_inflight_per_uid: two connections of one uid together hold at most 3 requests in flight;
+    the next is refused 'overloaded' naming the key (after its connection's earlier answers), and
+    once one is answered and written the uid may send again."""
+    fe = make(max_inflight_per_door=2)
+    door = UnixDoor(fe.dispatcher, fe.regions, status=None, clock=fe.clock,
+                    limits=dataclasses.replace(LIMITS, max_inflight_per_uid=3))
+    a, b = clients(fe, door), clients(fe, door)
+    x = np.zeros(16, np.float32)
+    a.send(infer_frame(1, x) + x.tobytes() + infer_frame(2, x) + x.tobytes())
+    b.send(infer_frame(3, x) + x.tobytes() + infer_frame(4, x) + x.tobytes())
+    assert fe.arena.stat("slots_in_use") == 3  # the fourth was refused, holding nothing
+    fe.settle()
+    answers = sorted((f.meta["id"], f.kind, f.meta.get("code"), f.meta.get("message", ""))
+                     for c in (a, b) for f, _ in c.frames())
+    assert [(i, k) for i, k, _, _ in answers] == [(1, Kind.RESULT), (2, Kind.RESULT), (3, Kind.RESULT),
+                                                   (4, Kind.ERROR)]
+    assert answers[3][2] == ErrorCode.OVERLOADED.wire and "(server.max_inflight_per_uid)" in answers[3][3]
+    b.send(infer_frame(5, x) + x.tobytes())
+    fe.settle()
+    assert [(f.meta["id"], f.kind) for f, _ in b.frames()] == [(5, Kind.RESULT)]
+    assert fe.arena.stat("slots_in_use") == 0
 
 
 def test_a_connection_holding_its_bytes_in_flight_is_read_again_once_they_are_written(make, clients):

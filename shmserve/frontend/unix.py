@@ -237,6 +237,7 @@ class DoorLimits:
 
     max_connections: int  # open connections in all
     max_connections_per_uid: int  # open connections of one peer uid
+    max_inflight_per_uid: int  # requests in flight on all connections of one peer uid
     max_inflight_bytes_per_connection: int  # a connection's requests' arena bytes: no new frame at this
     stall_timeout_s: float  # answers unread this long: the connection is closed
     frame_timeout_s: float  # a begun frame's header and metadata must arrive within this
@@ -253,6 +254,7 @@ class UnixDoor:
         self.limits = limits
         self.connections: set[ClientConnection] = set()
         self.per_uid: collections.Counter[int] = collections.Counter()
+        self.of_uid: dict[int, set[ClientConnection]] = {}
         self.set_access(allow_uids, allow_gids)
 
     def set_access(self, allow_uids, allow_gids) -> None:
@@ -280,6 +282,7 @@ class UnixDoor:
             return protocol.error_frame(None, ErrorCode.OVERLOADED, refusal)
         self.connections.add(conn)
         self.per_uid[uid] += 1
+        self.of_uid.setdefault(uid, set()).add(conn)
         return None
 
     def leave(self, conn: "ClientConnection") -> None:
@@ -287,8 +290,20 @@ class UnixDoor:
         if conn in self.connections:
             self.connections.remove(conn)
             self.per_uid[conn.uid] -= 1
+            self.of_uid[conn.uid].discard(conn)
             if not self.per_uid[conn.uid]:
-                del self.per_uid[conn.uid]
+                del self.per_uid[conn.uid], self.of_uid[conn.uid]
+
+    def check_uid_in_flight(self, uid: int) -> None:
+        """OVERLOADED if ``uid``'s connections together have ``max_inflight_per_uid`` requests in
+        flight.  Summed only when its connections could reach it at all (few connections: free)."""
+        limit, conns = self.limits.max_inflight_per_uid, self.of_uid.get(uid, ())
+        if len(conns) * self.dispatcher.limits.max_inflight_per_door <= limit:
+            return
+        held = sum(c.in_flight() for c in conns)
+        if held >= limit:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"uid {uid} has {held} requests in flight on its "
+                                                      f"{len(conns)} connections (server.max_inflight_per_uid)")
 
     def protocol(self) -> "ClientConnection":
         return ClientConnection(self)
@@ -546,6 +561,11 @@ class ClientConnection(asyncio.BufferedProtocol):
     def _on_infer(self, frame: Frame) -> None:
         parsed = protocol.parse_infer(frame.meta, zero_copy=frame.kind == Kind.INFER_REGION)
         region = self.door.regions.get(self, parsed.region) if parsed.region is not None else None
+        try:
+            self.door.check_uid_in_flight(self.uid)
+        except ShmserveError as exc:
+            self.dispatcher.refused(parsed.model, exc.code)
+            raise
         req = self.dispatcher.submit(self, parsed, payload_bytes=frame.data_len, region=region)
         entry = _Entry(req, payload_pending=frame.data_len > 0)
         self.order.append(entry)
