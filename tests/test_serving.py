@@ -517,6 +517,23 @@ def test_peer_credentials_refuse_other_users(tmp_path):
             assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].sum() == 3
 
 
+def test_a_supplementary_group_on_the_allow_list_lets_its_members_in(tmp_path):
+    """allow_gids counts a peer's supplementary groups, read from the socket (SO_PEERGROUPS: the
+    groups it had when it connected, whatever its pid is by the time the server looks)."""
+    member_gid = 4242  # any gid will do for setgroups; nothing else on the machine uses it here
+    with server_nobody_can_reach(tmp_path, server_section=f"allow_gids = [{member_gid}]") as srv:
+        def health():
+            try:
+                with Client(srv.socket, timeout=10) as c:
+                    c.health()
+                return "served"
+            except ShmserveError as exc:
+                return exc.code.wire
+
+        assert as_nobody(health, groups=(member_gid,)) == "served"
+        assert as_nobody(health) == "permission_denied"
+
+
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

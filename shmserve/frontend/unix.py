@@ -36,6 +36,7 @@ itself (the protocol module does), or block the loop.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import errno
@@ -215,17 +216,20 @@ class Listener:
                 pass  # not empty: somebody else's files live there too
 
 
-def _peer_groups(pid: int, gid: int) -> set[int]:
-    """The peer's primary gid (SO_PEERCRED) and its supplementary groups (from /proc)."""
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+
+
+def peer_groups(sock: socket.socket, gid: int) -> set[int]:
+    """The peer's primary gid (SO_PEERCRED) and its supplementary groups as they were when it
+    connected (SO_PEERGROUPS, from the socket itself: reading /proc/<pid>/status instead could
+    read another process's groups once that pid has exited and been reused).  A peer in more
+    groups than one getsockopt can return (256) is judged by its primary gid alone."""
     groups = {gid}
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-                    break
-    except (OSError, ValueError):
-        pass
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError:
+        return groups
+    groups.update(int(g) for g in array.array("I", raw[:len(raw) - len(raw) % 4]))
     return groups
 
 
@@ -262,14 +266,15 @@ class UnixDoor:
         self.allowed_uids = {os.getuid(), 0, *allow_uids}
         self.allowed_gids = set(allow_gids)
 
-    def allowed(self, pid: int, uid: int, gid: int) -> bool:
-        return uid in self.allowed_uids or bool(_peer_groups(pid, gid) & self.allowed_gids)
+    def allowed(self, uid: int, groups: set[int]) -> bool:
+        return uid in self.allowed_uids or bool(groups & self.allowed_gids)
 
-    def enter(self, conn: "ClientConnection", pid: int, uid: int, gid: int) -> bytes | None:
-        """Count ``conn`` (its peer's credentials) among the open connections; or, if it may not
-        be served, the error frame that says why: PERMISSION_DENIED (not on the allow-lists) or
-        OVERLOADED (``max_connections``, ``max_connections_per_uid``)."""
-        if not self.allowed(pid, uid, gid):
+    def enter(self, conn: "ClientConnection", pid: int, uid: int, gid: int, groups: set[int]) -> bytes | None:
+        """Count ``conn`` (its peer's credentials: ``groups`` are its gid and supplementary groups)
+        among the open connections; or, if it may not be served, the error frame that says why:
+        PERMISSION_DENIED (not on the allow-lists) or OVERLOADED (``max_connections``,
+        ``max_connections_per_uid``)."""
+        if not self.allowed(uid, groups):
             log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
             return protocol.error_frame(None, ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
         limits, refusal = self.limits, None
@@ -389,7 +394,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         except OSError:
             pid = uid = gid = -1
         self.pid, self.uid = pid, uid
-        refusal = self.door.enter(self, pid, uid, gid)
+        refusal = self.door.enter(self, pid, uid, gid, peer_groups(sock, gid))
         if refusal is not None:
             self._close(refusal)
 

@@ -36,16 +36,16 @@ def nobody_group() -> str:
         pytest.skip("no user and group 65534 on this machine")
 
 
-def as_nobody(fn) -> str:
-    """Run ``fn()`` in a forked child that has dropped to nobody:nogroup (the interpreter is loaded
-    already, so nothing under root's home needs to be readable by nobody); returns what it returned
-    (a str), or the repr of what it raised."""
+def as_nobody(fn, groups: tuple[int, ...] = ()) -> str:
+    """Run ``fn()`` in a forked child that has dropped to nobody:nogroup with the supplementary
+    ``groups`` (the interpreter is loaded already, so nothing under root's home needs to be
+    readable by nobody); returns what it returned (a str), or the repr of what it raised."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read_end)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             answer = fn()
