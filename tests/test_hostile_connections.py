@@ -91,6 +91,21 @@ def read_to_end(s: socket.socket) -> list[protocol.Frame]:
     return frames
 
 
+def read_frames(s: socket.socket, count: int) -> list[protocol.Frame]:
+    """The next ``count`` frames the server sends on ``s`` (bounded by the socket's timeout)."""
+    conn, frames = protocol.Connection(protocol.Role.CLIENT), []
+    while len(frames) < count:
+        chunk = s.recv(1 << 20)
+        assert chunk, f"closed after {len(frames)} of {count} frames"
+        conn.receive_data(chunk)
+        while isinstance(event := conn.next_event(), (protocol.Frame, protocol.PayloadDone)):
+            if isinstance(event, protocol.Frame):
+                frames.append(event)
+                if event.data_len:
+                    conn.discard_payload()
+    return frames
+
+
 def closed_by_server(s: socket.socket) -> bool:
     """Whether the server has closed ``s`` (what it sent before is drained first)."""
     try:
@@ -253,3 +268,32 @@ def test_connections_over_the_limits_are_refused_naming_the_key(server):
         server.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: server.log().count("reload: done") > reloads, "the reload back")
     served_within_a_second(server)
+
+
+def test_requests_in_flight_of_one_uid_are_bounded_across_its_connections(tmp_path):
+    """max_inflight_per_uid: several connections of one uid together hold at most that many
+    requests; the next is answered 'overloaded' naming the key, and once answers are read the uid
+    is served again."""
+    from helpers.server import SLOW_MODEL
+
+    section = "max_inflight_per_connection = 2\nmax_inflight_per_uid = 3\n"
+    with serving(tmp_path, SLOW_MODEL, server_section=section) as srv:
+        def slow_frame(rid: int, seconds: float) -> bytes:
+            x = np.array([seconds], np.float32)
+            meta = {"id": rid, "model": "slow", "inputs": [{"name": "x", "dtype": "float32", "shape": [1]}]}
+            return protocol.encode_frame(Kind.INFER, meta, x.nbytes) + x.tobytes()
+
+        a, b = connect(srv), connect(srv)
+        try:
+            a.sendall(slow_frame(1, 1.0) + slow_frame(2, 0.0))
+            wait_for(lambda: srv.info()["stats"]["slots_in_use"] >= 1, "the first requests to be admitted")
+            b.sendall(slow_frame(3, 0.0) + slow_frame(4, 0.0))
+            answers = {f.meta["id"]: f for f in read_frames(a, 2) + read_frames(b, 2)}
+        finally:
+            a.close()
+            b.close()
+        assert {i for i, f in answers.items() if f.kind is Kind.RESULT} == {1, 2, 3}
+        assert answers[4].kind is Kind.ERROR and answers[4].meta["code"] == "overloaded"
+        assert "(server.max_inflight_per_uid)" in answers[4].meta["message"]
+        with srv.client() as c:
+            assert c.infer("slow", {"x": np.zeros(1, np.float32)})["y"].tolist() == [0.0]
