@@ -112,7 +112,7 @@ def test_client_limits_are_read_and_bounded_naming_the_key():
     """Every key of what one client can make the server hold: a default, the value given, and an
     error naming the key when out of its bounds."""
     defaults = config.parse({"models": [MODEL]})
-    given = {"max_connections": 3, "max_connections_per_uid": 2, "max_inflight_per_connection": 5,
+    given = {"max_connections": 3, "max_connections_per_uid": 2, "max_inflight_per_connection": 5, "max_inflight_per_uid": 9,
              "max_inflight_bytes_per_connection": 4096, "stall_timeout_s": 0.5, "frame_timeout_s": 1,
              "upload_timeout_s": 2.5}
     assert set(given) == set(config.CLIENT_LIMIT_KEYS)
@@ -123,4 +123,18 @@ def test_client_limits_are_read_and_bounded_naming_the_key():
     for key in given:
         with pytest.raises(ConfigError) as info:
             config.parse({"server": {key: 0}, "models": [MODEL]})
+        assert str(info.value).startswith(f"server.{key}:"), str(info.value)
+
+
+def test_region_limits_are_read_and_bounded_naming_the_key():
+    defaults = config.parse({"models": [MODEL]})
+    assert (defaults.max_regions, defaults.max_regions_per_connection) == (1024, 16)
+    given = {"max_regions": 8, "max_regions_per_connection": 2, "max_region_bytes_per_connection": 1 << 20,
+             "max_region_bytes_per_uid": 1 << 22}
+    assert set(given) == config.REGION_KEYS
+    cfg = config.parse({"server": given, "models": [MODEL]})
+    assert all(getattr(cfg, key) == value for key, value in given.items())
+    for key, bad in (("max_regions", 0), ("max_regions", 1 << 17), ("max_regions_per_connection", -1)):
+        with pytest.raises(ConfigError) as info:
+            config.parse({"server": {key: bad}, "models": [MODEL]})
         assert str(info.value).startswith(f"server.{key}:"), str(info.value)
