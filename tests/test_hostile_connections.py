@@ -21,6 +21,7 @@ import pytest
 from shmserve import protocol
 from shmserve.protocol import Kind
 
+from helpers.raw_frames import connect, infer_frame, read_frames, read_to_end
 from helpers.server import serving, wait_for
 
 STALL_S, FRAME_S, UPLOAD_S = 2, 2, 3
@@ -51,59 +52,6 @@ instances = 2
 def server(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("hostile"), MODELS, server_section=SERVER_SECTION) as srv:
         yield srv
-
-
-def infer_frame(rid: int, n: int) -> bytes:
-    """An inline identity request of ``n`` bytes, payload included."""
-    meta = {"id": rid, "model": "identity", "inputs": [{"name": "x", "dtype": "uint8", "shape": [n]}]}
-    return protocol.encode_frame(Kind.INFER, meta, n) + bytes(n)
-
-
-def connect(server, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(30)
-    s.connect(server.socket)
-    return s
-
-
-def read_to_end(s: socket.socket) -> list[protocol.Frame]:
-    """Every frame the server sends until it closes ``s`` (bounded by the socket's timeout)."""
-    data = bytearray()
-    while True:
-        try:
-            chunk = s.recv(1 << 20)
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            break
-        data += chunk
-    conn = protocol.Connection(protocol.Role.CLIENT)
-    conn.receive_data(data)
-    frames = []
-    while isinstance(event := conn.next_event(), protocol.Frame):
-        frames.append(event)
-        if event.data_len:
-            conn.discard_payload()
-            if not isinstance(conn.next_event(), protocol.PayloadDone):
-                break
-    return frames
-
-
-def read_frames(s: socket.socket, count: int) -> list[protocol.Frame]:
-    """The next ``count`` frames the server sends on ``s`` (bounded by the socket's timeout)."""
-    conn, frames = protocol.Connection(protocol.Role.CLIENT), []
-    while len(frames) < count:
-        chunk = s.recv(1 << 20)
-        assert chunk, f"closed after {len(frames)} of {count} frames"
-        conn.receive_data(chunk)
-        while isinstance(event := conn.next_event(), (protocol.Frame, protocol.PayloadDone)):
-            if isinstance(event, protocol.Frame):
-                frames.append(event)
-                if event.data_len:
-                    conn.discard_payload()
-    return frames
 
 
 def closed_by_server(s: socket.socket) -> bool:
@@ -147,7 +95,7 @@ def test_a_client_that_never_reads_is_stopped_then_closed_and_frees_everything(s
     its max_inflight_per_connection slots meanwhile, serves others, and at the stall deadline
     closes it and frees every slot and extent."""
     n, size = 128, 256 * 1024
-    attacker = connect(server, rcvbuf=4096)
+    attacker = connect(server.socket, rcvbuf=4096)
     sender = Sender(attacker, b"".join(infer_frame(rid, size) for rid in range(1, n + 1)))
     mark = len(server.log())
     sender.start()
@@ -168,7 +116,7 @@ def test_a_client_that_never_reads_is_stopped_then_closed_and_frees_everything(s
 def test_control_replies_a_client_does_not_read_are_not_buffered(server):
     """A burst of info requests, never read: the server stops taking them once a reply waits; at
     the deadline it has at most the one reply that filled the socket left to send."""
-    attacker = connect(server, rcvbuf=4096)
+    attacker = connect(server.socket, rcvbuf=4096)
     burst = b"".join(protocol.encode_frame(Kind.INFO, {"id": rid}) for rid in range(1, 100_001))
     sender = Sender(attacker, burst)
     mark = len(server.log())
@@ -190,7 +138,7 @@ def test_control_replies_a_client_does_not_read_are_not_buffered(server):
 
 def test_a_stalled_upload_is_failed_and_its_space_freed(server):
     n = 1 << 20
-    attacker = connect(server)
+    attacker = connect(server.socket)
     try:
         attacker.sendall(infer_frame(1, n)[:-(n - 1000)])  # the header and 1000 bytes of the payload
         wait_for(lambda: server.info()["stats"]["extent_bytes_in_use"], "the upload holds arena space")
@@ -205,7 +153,7 @@ def test_a_stalled_upload_is_failed_and_its_space_freed(server):
 
 @pytest.mark.parametrize("cut", [5, protocol.HEADER_SIZE + 10], ids=["header", "metadata"])
 def test_a_half_sent_frame_is_closed_after_the_frame_timeout(server, cut):
-    attacker = connect(server)
+    attacker = connect(server.socket)
     try:
         attacker.sendall(protocol.encode_frame(Kind.HEALTH, {"id": 1, "padding": "x" * 100})[:cut])
         served_within_a_second(server)
@@ -227,7 +175,7 @@ def open_until_refused(server, limit: int) -> tuple[int, protocol.Frame]:
         opened = []
         try:
             for rid in range(limit + 1):
-                s = connect(server)
+                s = connect(server.socket)
                 opened.append(s)
                 s.sendall(protocol.encode_frame(Kind.HEALTH, {"id": rid}))
                 conn = protocol.Connection(protocol.Role.CLIENT)
@@ -283,7 +231,7 @@ def test_requests_in_flight_of_one_uid_are_bounded_across_its_connections(tmp_pa
             meta = {"id": rid, "model": "slow", "inputs": [{"name": "x", "dtype": "float32", "shape": [1]}]}
             return protocol.encode_frame(Kind.INFER, meta, x.nbytes) + x.tobytes()
 
-        a, b = connect(srv), connect(srv)
+        a, b = connect(srv.socket), connect(srv.socket)
         try:
             a.sendall(slow_frame(1, 1.0) + slow_frame(2, 0.0))
             wait_for(lambda: srv.info()["stats"]["slots_in_use"] >= 1, "the first requests to be admitted")

@@ -206,12 +206,16 @@ def wait_for(predicate, what: str = "condition", timeout: float = 30.0):
 @contextlib.contextmanager
 def serving(workdir: Path, config_text: str, **options):
     """A started ServerProcess for a module's tests; on the way out it must stop with exit 0 and
-    leave /dev/shm and its socket directory as they were."""
+    leave /dev/shm and its socket directory as they were.  It is stopped if the test fails too."""
     from conftest import shm_names
 
     before = shm_names()
     srv = ServerProcess(workdir, config_text, **options).start()
-    yield srv
+    try:
+        yield srv
+    except BaseException:
+        srv.stop()  # a failed test leaves no server running (nor its arena behind)
+        raise
     code = srv.stop()
     assert code == 0, srv.log()
     assert shm_names() == before, "the server left segments in /dev/shm"
