@@ -170,8 +170,10 @@ class Frontend:
         self.dispatcher.worker_ready(w)
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
-        self.dispatcher.worker_exited(w, how)
-        self.regions.worker_lost(w, how)
+        try:
+            self.dispatcher.worker_exited(w, how)
+        finally:  # whatever happened there, the dead worker holds no region and its lanes move on
+            self.regions.worker_lost(w, how)
 
     async def _heartbeat(self) -> None:
         while True:

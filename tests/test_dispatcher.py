@@ -735,6 +735,25 @@ def test_a_request_for_a_restarting_model_waits_and_runs_on_the_restarted_worker
         fe.regions.close_all()
 
 
+def test_a_queued_request_whose_region_closed_before_its_worker_came_back_is_taken_back(fe):
+    """A zero-copy request queued on a worker that dies; its client closes the region meanwhile;
+    republished to the restarted worker, it cannot be given the region: answered BAD_REGION, its
+    slot taken back, nothing left pending (the metrics' queue depths and the drain read it)."""
+    door, w = fe.door(), fe.workers[0]
+    region, buf = open_region(fe, door)
+    buf[0:64] = floats().tobytes()
+    buf.close()
+    req = door.infer_region(fe.regions, region.id, "add", {"x": (0, "float32", (16,))}, 4096, 64)
+    assert req.state is RS.QUEUED
+    fe.kill(w)  # it never claimed it: the request waits for the restart
+    fe.regions.close(door, region.id)
+    fe.restart(w)
+    failure = door.failure(req)
+    assert failure.code is ErrorCode.BAD_REGION and "closed" in failure.message
+    assert not fe.dispatcher.pending and fe.dispatcher.in_flight == 0 and held(fe) == (0, 0)
+    assert fe.dispatcher.queue_depths() == {"add": (0, 0)}
+
+
 def test_a_request_waiting_for_a_worker_times_out_with_the_reason(fe):
     """No worker back within its timeout: TIMEOUT, saying it had no ready worker and why."""
     door, w = fe.door(), fe.workers[0]

@@ -388,8 +388,8 @@ class Dispatcher:
             return
         if req.region is not None:
             refusal = self.deliver(worker, req.region)
-            if refusal is not None:
-                self._end(req, Failure(*refusal))
+            if refusal is not None:  # a QUEUED one (republished after its worker died) is taken back
+                self._answer_unclaimed(req, Failure(*refusal))
                 return
         buf, g, index = self.buf, self.geometry, req.slot
         # A QUEUED request's slot is READY on no live ring: nobody else can touch its record now.
