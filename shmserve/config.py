@@ -19,6 +19,7 @@ File format::
     socket_group = "shmserve-clients"
     max_regions = 1024              # client regions and lanes held at once, all connections together
     max_regions_per_connection = 16
+    max_regions_per_uid = 256
     max_region_bytes_per_connection = 1073741824
     max_region_bytes_per_uid = 4294967296
     restart_healthy_s = 10          # a worker that served this long is healthy: its restart back-off starts over
@@ -126,6 +127,7 @@ class ServerConfig:
     # Client regions (sealed memfds, charged to the server's memory): what clients may make it hold.
     max_regions: int = 1024  # all connections together (the arena's region table)
     max_regions_per_connection: int = 16
+    max_regions_per_uid: int = 256  # a quarter of max_regions: one uid cannot take every record
     max_region_bytes_per_connection: int = 1 << 30
     max_region_bytes_per_uid: int = 4 << 30
     # Recovery.  10 s: a crash loop (a worker dying at load or right after it) dies well within it,
@@ -243,7 +245,7 @@ def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfi
     return parse(raw, base_dir=path.parent, instance=instance)
 
 
-REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_region_bytes_per_connection",
+REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_regions_per_uid", "max_region_bytes_per_connection",
                "max_region_bytes_per_uid"}
 
 
@@ -278,7 +280,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20))))
     kw.update(_client_limits(server))
     kw.update(_bounded(server, "server.", _int, (
-        ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16),
+        ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16), ("max_regions_per_uid", 0, 1 << 16),
         ("max_region_bytes_per_connection", 0, 1 << 40), ("max_region_bytes_per_uid", 0, 1 << 44))))
     for key in ("allow_uids", "allow_gids"):
         if key in server:

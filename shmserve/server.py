@@ -55,6 +55,7 @@ def limits_of(config: ServerConfig) -> Limits:
 
 def region_limits_of(config: ServerConfig) -> RegionLimits:
     return RegionLimits(max_regions_per_connection=config.max_regions_per_connection,
+                        max_regions_per_uid=config.max_regions_per_uid,
                         max_region_bytes_per_connection=config.max_region_bytes_per_connection,
                         max_region_bytes_per_uid=config.max_region_bytes_per_uid)
 def door_limits_of(config: ServerConfig) -> DoorLimits:
@@ -148,7 +149,9 @@ class Frontend:
             w.completion_bell.arm()  # the loop is idle: the first completion must wake it
         self.regions = RegionTable(self.arena, self.models, self.supervisor.command,
                                    max_request_bytes=self.config.max_request_bytes,
-                                   limits=region_limits_of(self.config))
+                                   limits=region_limits_of(self.config),
+                                   offload=lambda work: loop.run_in_executor(None, work))
+        self.supervisor.on_dropped = self.regions.worker_dropped
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
                                      LoopClock(loop), self.regions.deliver)
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
@@ -246,6 +249,7 @@ class Frontend:
             max_waiting=new.max_waiting, max_inflight_per_connection=new.max_inflight_per_connection,
             allow_uids=new.allow_uids, allow_gids=new.allow_gids, worker_timeout_s=new.worker_timeout_s,
             max_regions_per_connection=new.max_regions_per_connection,
+            max_regions_per_uid=new.max_regions_per_uid,
             max_region_bytes_per_connection=new.max_region_bytes_per_connection,
             max_region_bytes_per_uid=new.max_region_bytes_per_uid,
             restart_healthy_s=new.restart_healthy_s,

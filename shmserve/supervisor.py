@@ -152,6 +152,7 @@ class Supervisor:
                  on_ready: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle, str], None]):
         self.arena, self.config, self.completion_fd = arena, config, completion_fd
         self.on_ready, self.on_exit = on_ready, on_exit
+        self.on_dropped: Callable[[WorkerHandle, object], None] = lambda w, region: None  # RegionTable.worker_dropped
         self.loop = asyncio.get_running_loop()
         self.workers: list[WorkerHandle] = []
         self.stopping = False
@@ -246,6 +247,8 @@ class Supervisor:
         elif message["event"] == "failed":
             w.error = str(message.get("error"))
             log.error("worker %d (%s): %s", w.index, w.model.name, w.error)
+        elif message["event"] == "dropped":
+            self.on_dropped(w, message.get("region"))
 
     def _served_healthily(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
         """``restart_healthy_s`` after ``proc`` reported ready: if it is still the ready one, the worker

@@ -10,6 +10,8 @@ Worker -> front-end:
 
     {"event": "ready", "spec": {...ModelSpec.to_dict()...}}   loaded and warmed
     {"event": "failed", "error": "..."}                        could not load
+    {"event": "dropped", "region": id}                         a region it was told to drop is
+                                                               unmapped and its descriptor closed
 
 Front-end -> worker, only client regions (``send_region``):
 
@@ -93,12 +95,22 @@ def send_region(sock: socket.socket, region: int, size: int, fd: int) -> bool:
     """Front-end: pass region ``region`` (``size`` bytes, descriptor ``fd``) to a worker over its
     control socket without blocking.  False if it cannot take it now (its socket is full: the
     worker is busy or wedged) or is gone."""
-    try:
-        socket.send_fds(sock, [encode({"event": "region", "region": region, "size": size})], [fd],
-                        socket.MSG_DONTWAIT)
+    try:  # not socket.send_fds: before Python 3.12 it drops its flags (and could block here)
+        sock.sendmsg([encode({"event": "region", "region": region, "size": size})],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], socket.MSG_DONTWAIT)
     except OSError:
         return False
     return True
+
+
+def tell_dropped(sock: socket.socket, region: int) -> None:
+    """Worker: region ``region`` is unmapped and its descriptor closed (the front-end frees its
+    pages once every worker that had it said so).  Blocks only while the front-end's side is
+    full, which it never leaves for long."""
+    try:
+        sock.send(encode({"event": "dropped", "region": region}))
+    except OSError:
+        pass  # the front-end is gone
 
 
 def receive_regions(sock: socket.socket) -> list[tuple[int, int, int]]:

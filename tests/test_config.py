@@ -129,7 +129,8 @@ def test_client_limits_are_read_and_bounded_naming_the_key():
 def test_region_limits_are_read_and_bounded_naming_the_key():
     defaults = config.parse({"models": [MODEL]})
     assert (defaults.max_regions, defaults.max_regions_per_connection) == (1024, 16)
-    given = {"max_regions": 8, "max_regions_per_connection": 2, "max_region_bytes_per_connection": 1 << 20,
+    given = {"max_regions": 8, "max_regions_per_connection": 2, "max_regions_per_uid": 4,
+             "max_region_bytes_per_connection": 1 << 20,
              "max_region_bytes_per_uid": 1 << 22}
     assert set(given) == config.REGION_KEYS
     cfg = config.parse({"server": given, "models": [MODEL]})

@@ -1118,7 +1118,11 @@ def test_a_lane_goes_to_the_ready_worker_with_the_fewest_lanes(make):
         for c in clients:
             c.close()
         fe.regions.drop_owner(owner)
-    assert fe.regions.lane_count == 0 and not recorded(fe) and all(c.region.closed for c in clients)
+    assert fe.regions.lane_count == 0 and all(c.region.closed for c in clients)
+    assert len(recorded(fe)) == 3  # closed, but released only once their workers have dropped them
+    for w in fe.workers:
+        w.read_commands()
+    assert not recorded(fe) and not fe.regions.closing and not fe.regions.bytes_of_uid
 
 
 def test_lane_calls_run_on_the_worker_it_is_attached_to(fe):
@@ -1294,7 +1298,13 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     regions.open("f", 4096, uid=8)  # another uid has its own budget
     regions.drop_owner("d")
     regions.open("f", 2 * 4096, uid=7)  # what a closed connection held counts no more
-    regions.limits = RegionLimits()
+    regions.limits = RegionLimits(max_regions_per_uid=2)
+    regions.open("u1", 4096, uid=9)
+    regions.open("u2", 4096, uid=9)
+    refused("u3", 4096, "max_regions_per_uid", uid=9)
+    for owner in ("u1", "u2"):
+        regions.drop_owner(owner)
+    regions.limits = RegionLimits(max_regions_per_uid=1 << 16)
     table = fe.arena.geometry.max_regions
     held = len(regions.regions)
     for i in range(table - held):
@@ -1312,6 +1322,8 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     assert len(recorded(fe)) == per_connection + 6
     for owner in ("a", "b", "c", "e", "f"):
         regions.drop_owner(owner)
+    for w in fe.workers:  # the lanes' worker drops them: then they are released
+        w.read_commands()
     assert not regions.regions and not recorded(fe) and not regions.bytes_of_uid
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
@@ -1453,3 +1465,25 @@ def _check_bookkeeping(fe, doors, submitted, where: str) -> None:
         for r in door.requests:
             if r not in door.dropped:
                 assert (r in door.answers) == (r.state not in UNANSWERED), (where, r.id, r.state)
+
+
+def test_a_lane_no_ready_worker_can_take_now_is_refused_and_holds_nothing(fe):
+    """A ready worker whose control socket is full (busy: it takes descriptors only when it meets
+    a region it lacks) cannot be given a lane: the open is refused 'overloaded' (the client then
+    uses a region without a lane) rather than left unattached with nobody to retry it."""
+    w = fe.workers[0]
+    filler = os.memfd_create("filler")
+    try:
+        sent = 0
+        while workerlink.send_region(w.handle.control, 1_000_000 + sent, 4096, filler):
+            sent += 1
+        assert sent > 10
+        with pytest.raises(ShmserveError) as info:
+            fe.regions.open("owner", 4096, "add")
+        assert info.value.code is ErrorCode.OVERLOADED and "can take a new lane" in info.value.message
+        assert not recorded(fe) and not fe.regions.regions and not fe.regions.closing
+        region = fe.regions.open("owner", 4096)  # a plain region is still fine
+        fe.regions.close("owner", region.id)
+        assert not recorded(fe)
+    finally:
+        os.close(filler)

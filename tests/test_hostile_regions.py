@@ -231,3 +231,25 @@ def test_region_limits_are_refused_naming_their_key_and_hold_nothing(tmp_path):
             c.open_region(262144)
     finally:
         assert srv.stop() == 0
+
+
+def test_a_closed_region_is_emptied_even_if_its_client_kept_the_descriptor(server, kept_descriptors):
+    """Review H1: the client can keep a region's descriptor after closing it, and with it the
+    memory.  Once every worker that had the region has dropped it, the server punches all its
+    pages out: the kept descriptor reads zeros and holds no memory, and what the client touches
+    again is its own.  Until then the region still counts against its uid (and shows in inspect)."""
+    with server.client() as c:
+        plain = c.open_region(8 << 20)
+        plain.buf[:] = b"\x07" * len(plain.buf)  # every page touched
+        x = np.arange(64, dtype=np.uint8)
+        with c.zero_copy("identity", {"x": ((64,), np.uint8)}) as call:
+            call.inputs["x"][...] = x
+            assert np.array_equal(call.run()["y"], x)  # the lane's worker maps it
+            lane_id = call.region.id
+        fds = {plain.id: kept_descriptors[plain.id], lane_id: kept_descriptors[lane_id]}
+        assert os.fstat(fds[plain.id]).st_blocks * 512 >= 8 << 20
+        c._exchange(c._session.close_region(plain.id))
+    nothing_left(server)  # the lane closed with its connection; both released
+    for region_id, fd in fds.items():  # the pages are freed off the server's event loop: soon after
+        wait_for(lambda: os.fstat(fd).st_blocks == 0, f"region {region_id}'s memory to be freed")
+        assert os.pread(fd, 4096, 0) == bytes(4096)

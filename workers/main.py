@@ -72,7 +72,8 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
         except Exception as exc:
             raise device_unusable(config, exc) from None
     return open_worker(stack, arena, args.index, config, args.completion_fd, args.spin_us / 1e6,
-                       functools.partial(workerlink.receive_regions, control), gpu)
+                       functools.partial(workerlink.receive_regions, control), gpu,
+                       functools.partial(workerlink.tell_dropped, control))
 
 
 def main(argv: list[str] | None = None) -> int:

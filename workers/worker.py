@@ -78,10 +78,12 @@ def heartbeat(arena: Arena, index: int):
 
 def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: ModelConfig, completion_fd: int,
                 spin_s: float, fetch_regions: Callable[[], list[tuple[int, int, int]]],
-                gpu: GpuMemory | None = None) -> "Worker":
+                gpu: GpuMemory | None = None,
+                tell_dropped: Callable[[int], None] = lambda region: None) -> "Worker":
     """Everything worker ``index`` holds, entered on ``stack`` above ``arena``'s mapping (which the
     caller entered first); a Worker ready to serve.  ``fetch_regions``: the region descriptors the
-    front-end has sent (``RegionCache``).  ``gpu``: the device's page-locked memory on a
+    front-end has sent (``RegionCache``); ``tell_dropped(region)``: tells it a region it closed
+    is dropped here.  ``gpu``: the device's page-locked memory on a
     GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
 
     Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked, EXIT_LOAD_FAILED if the
@@ -103,7 +105,8 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
                           f"{type(exc).__name__}: {exc}") from None
     regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
-    return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info)
+    return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info,
+                  tell_dropped)
 
 
 class Worker:
@@ -115,7 +118,7 @@ class Worker:
     """
 
     def __init__(self, arena: Arena, index: int, config: ModelConfig, completion_fd: int, spin_s: float, step: Step,
-                 gpu_info: dict | None = None):
+                 gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None):
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
@@ -124,6 +127,7 @@ class Worker:
                           EventfdDoorbell(completions, completion_fd))
         self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
         self.dropped: set[int] = set()  # regions the front-end closed, unmapped once no work in hand uses them
+        self.tell_dropped = tell_dropped
         self._rings = [self.main.submissions]
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
@@ -223,4 +227,5 @@ class Worker:
             keep = set().union(*(self.step.regions_of(space, entry) for space, entry in backlog))
             for region in self.dropped - keep:
                 self.regions.forget(region)
+                self.tell_dropped(region)
             self.dropped &= keep

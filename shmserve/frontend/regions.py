@@ -1,13 +1,18 @@
 """Client regions and lanes: memory a front door's client writes tensors into.
 
-Owns: creating a region (a ``memfd`` of the recorded size, allocated up
-front and sealed against shrinking and growing before its descriptor leaves
-this process, so no client can pull memory out from under a worker or the
-front-end, and it needs no name in /dev/shm), the record of each region in
-the arena's region table (``inspect`` reads them), the limits on what one
-connection and one uid may hold, passing a region's descriptor to a worker
-before the first request that names it (``deliver``) and telling every
-worker that has it to drop it when it closes, the bounds check of a
+Owns: creating a region (a ``memfd`` of the recorded size, sealed against
+shrinking and growing before its descriptor leaves this process, so no
+client can pull memory out from under a worker or the front-end, and it
+needs no name in /dev/shm; its pages are charged to whoever first touches
+them, the client for its inputs), the record of each region in the arena's
+region table (``inspect`` reads them), the limits on what one connection
+and one uid may hold, passing a region's descriptor to a worker before the
+first request that names it (``deliver``), and a region's release: closed,
+it is unreachable at once; every worker that has it is told to drop it and
+says when it has (``worker_dropped``); then its pages are punched out (a
+client that kept the descriptor keeps an empty file, any page it touches
+again is its own), its record freed and its bytes no longer counted against
+its owner and uid.  Also the bounds check of a
 zero-copy request against its region, and the lanes among them: which
 worker serves each lane (``shmserve.lanes`` header and the worker's
 attach/detach commands), moving a lane when its worker dies (failing what
@@ -21,6 +26,7 @@ tensor bytes.
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -47,6 +53,7 @@ class RegionLimits(NamedTuple):
     """What one connection and one uid may hold (config keys of the same names)."""
 
     max_regions_per_connection: int = 16
+    max_regions_per_uid: int = 256
     max_region_bytes_per_connection: int = 1 << 30
     max_region_bytes_per_uid: int = 4 << 30
 
@@ -63,6 +70,7 @@ class Region:
     lane_worker: WorkerHandle | None = None  # the worker it is attached to (None: waiting for one)
     lane_buf: mmap.mmap | None = None  # the front-end's mapping of the lane's queue (LANE_BYTES)
     sent_to: set = field(default_factory=set)  # workers (handles) that were passed its descriptor
+    closing: bool = False  # closed: unreachable, waiting for the workers in ``sent_to`` to drop it
 
     @property
     def is_lane(self) -> bool:
@@ -70,7 +78,7 @@ class Region:
 
     @property
     def closed(self) -> bool:
-        return self.fd < 0
+        return self.closing or self.fd < 0
 
 
 def check_request(region: Region, inputs: tuple[TensorMeta, ...], out_offset: int, out_capacity: int) -> None:
@@ -87,19 +95,34 @@ def check_request(region: Region, inputs: tuple[TensorMeta, ...], out_offset: in
 
 
 def sealed_memfd(name: str, size: int) -> int:
-    """A memfd of ``size`` bytes, every page allocated, sealed against shrinking, growing and
-    further sealing (the client may write it, never resize it); its descriptor.
+    """A memfd of ``size`` bytes, sealed against shrinking, growing and further sealing (the
+    client may write it, never resize it); its descriptor.  No page is allocated here: each is
+    charged to the process that first touches it, and making one costs the same at any size.
 
-    OSError if it cannot be made (ENOMEM/ENOSPC: no memory for it)."""
+    OSError if it cannot be made (EMFILE, ENOMEM)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def empty_and_close(fd: int, size: int) -> None:
+    """Free every page of a released region (punch a hole over all of it: whoever still holds a
+    descriptor or mapping of it sees zeros, and pages touched again are charged to whoever
+    touches them), then close our descriptor."""
+    try:
+        _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size)
+    finally:
+        os.close(fd)
 
 
 class RegionTable:
@@ -111,9 +134,13 @@ class RegionTable:
 
     def __init__(self, arena: Arena, models: dict[str, ModelState],
                  command: Callable[[WorkerHandle, int], None], *, max_request_bytes: int,
-                 limits: RegionLimits = RegionLimits(), cpus: int | None = None):
+                 limits: RegionLimits = RegionLimits(), cpus: int | None = None,
+                 offload: Callable[[Callable[[], None]], None] = lambda work: work()):
         self.arena, self.models, self.command = arena, models, command
         self.max_request_bytes, self.limits = max_request_bytes, limits
+        self.offload = offload  # runs a released region's page freeing (the server: off the event loop)
+        self.closing: dict[int, Region] = {}  # closed, waiting for workers to drop them
+        self.count_of_uid: collections.Counter = collections.Counter()
         self.cpus = cpus or os.cpu_count() or 1
         self.regions: dict[int, Region] = {}
         self.by_owner: dict[Hashable, dict[int, Region]] = {}
@@ -132,7 +159,8 @@ class RegionTable:
 
         Raises ShmserveError: BAD_FRAME/TOO_LARGE for a bad size, UNKNOWN_MODEL for a lane of no
         model, OVERLOADED when a limit (named in the message) is reached, the model's workers
-        serve all the lanes they can, or there is no memory for it.
+        serve all the lanes they can or none of its ready workers can take the lane now, or the
+        region cannot be made.
         """
         limit = self.max_request_bytes + REGION_SLACK
         if type(size) is not int or not 0 < size <= limit:
@@ -155,7 +183,7 @@ class RegionTable:
         try:
             fd = sealed_memfd(f"shmserve.{self.arena.instance}.r{region_id}", size)
         except OSError as exc:
-            raise ShmserveError(ErrorCode.OVERLOADED, f"no memory for a {size}-byte region: {exc.strerror}") from None
+            raise ShmserveError(ErrorCode.OVERLOADED, f"cannot make a {size}-byte region: {exc.strerror}") from None
         try:
             lane_buf = mmap.mmap(fd, layout.LANE_BYTES) if lane_model is not None else None
         except OSError as exc:
@@ -166,6 +194,7 @@ class RegionTable:
         self.by_owner.setdefault(owner, {})[region_id] = region
         self.bytes_of_owner[owner] += size
         self.bytes_of_uid[uid] += size
+        self.count_of_uid[uid] += 1
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record),
                             kind=layout.REGION_LANE if lane_model is not None else layout.REGION_PLAIN,
                             id=region_id, size=size, owner_pid=max(pid, 0), owner_uid=uid & 0xFFFFFFFF,
@@ -173,7 +202,10 @@ class RegionTable:
                             created_unix_ns=time.time_ns())
         if lane_model is not None:
             lanes.init_header(lane_buf, lane_model.index)
-            self._attach(region)
+            if not self._attach(region):
+                self._close(region)
+                raise ShmserveError(ErrorCode.OVERLOADED, f"no worker of model {lane_model.name!r} can take a "
+                                                          f"new lane now (busy); use a region without a lane")
             self._tune_spin()
         return region
 
@@ -188,6 +220,9 @@ class RegionTable:
             raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take this connection past "
                                                       f"{lim.max_region_bytes_per_connection} bytes of regions "
                                                       f"(server.max_region_bytes_per_connection)")
+        if self.count_of_uid[uid] >= lim.max_regions_per_uid:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"uid {uid} holds {self.count_of_uid[uid]} regions "
+                                                      f"(server.max_regions_per_uid); close some first")
         if self.bytes_of_uid[uid] + size > lim.max_region_bytes_per_uid:
             raise ShmserveError(ErrorCode.OVERLOADED, f"a {size}-byte region would take uid {uid} past "
                                                       f"{lim.max_region_bytes_per_uid} bytes of regions "
@@ -203,37 +238,38 @@ class RegionTable:
         return self.by_owner.get(owner, {}).get(region_id)
 
     def close(self, owner: Hashable, region_id) -> Region:
-        """Remove ``owner``'s region ``region_id``; BAD_REGION if it holds none of that id."""
+        """Close ``owner``'s region ``region_id``; BAD_REGION if it holds none of that id."""
         region = self.get(owner, region_id)
         if region is None:
             raise ShmserveError(ErrorCode.BAD_REGION, "no such region on this connection")
-        self._drop(region)
+        self._close(region)
         return region
 
     def drop_owner(self, owner: Hashable) -> None:
-        """Remove every region of ``owner`` (its connection is gone)."""
+        """Close every region of ``owner`` (its connection is gone)."""
         for region in list(self.by_owner.get(owner, {}).values()):
-            self._drop(region)
+            self._close(region)
         self.by_owner.pop(owner, None)
-        self.bytes_of_owner.pop(owner, None)
 
     def close_all(self) -> None:
+        """At shutdown (the workers are stopped): close and release every region now."""
         self.stopping = True
         for region in list(self.regions.values()):
-            self._drop(region)
+            self._close(region)
+        for region in list(self.closing.values()):
+            region.sent_to.clear()
+            self._release(region)
         self.by_owner.clear()
 
-    def _drop(self, region: Region) -> None:
-        """Forget ``region``: detach its lane, tell every worker that has it to drop it, free its
-        record and close our descriptor (the memory goes with the last mapping)."""
+    def _close(self, region: Region) -> None:
+        """``region`` is closed: nobody may name it any more; detach its lane and tell every worker
+        that has it to drop it (after the requests of it in hand: a drop detaches a lane too).
+        It is released once they all have (``worker_dropped``, ``worker_lost``)."""
         self.regions.pop(region.id, None)
         owned = self.by_owner.get(region.owner)
         if owned is not None:
             owned.pop(region.id, None)
-        self.bytes_of_owner[region.owner] -= region.size
-        self.bytes_of_uid[region.uid] -= region.size
-        if not self.bytes_of_uid[region.uid]:
-            del self.bytes_of_uid[region.uid]
+        region.closing = True
         if region.lane_buf is not None:
             if region.lane_worker is not None:
                 region.lane_worker = None
@@ -241,13 +277,35 @@ class RegionTable:
             region.lane_buf.close()
             region.lane_buf = None
             self._tune_spin()
-        for w in region.sent_to:  # a drop detaches a lane too; it waits for requests in hand
+        for w in region.sent_to:
             self.command(w, layout.command_entry(layout.CMD_DROP_REGION, region.id))
-        region.sent_to.clear()
+        self.closing[region.id] = region
+        if not region.sent_to:
+            self._release(region)
+
+    def worker_dropped(self, w: WorkerHandle, region_id) -> None:
+        """Worker ``w`` says it dropped region ``region_id`` (unmapped, descriptor closed)."""
+        region = self.closing.get(region_id) if type(region_id) is int else None
+        if region is not None:
+            region.sent_to.discard(w)
+            if not region.sent_to:
+                self._release(region)
+
+    def _release(self, region: Region) -> None:
+        """Nobody in the server uses ``region`` any more: free its pages (whoever else still holds
+        it), its record and what it counted against its owner and uid."""
+        del self.closing[region.id]
+        fd, region.fd = region.fd, -1
+        self.offload(lambda: empty_and_close(fd, region.size))
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), kind=layout.REGION_FREE)
         self.free_records.append(region.record)
-        os.close(region.fd)
-        region.fd = -1
+        for counter, key in ((self.bytes_of_owner, region.owner), (self.bytes_of_uid, region.uid)):
+            counter[key] -= region.size
+            if not counter[key]:
+                del counter[key]
+        self.count_of_uid[region.uid] -= 1
+        if not self.count_of_uid[region.uid]:
+            del self.count_of_uid[region.uid]
 
     def deliver(self, w: WorkerHandle, region: Region) -> tuple[ErrorCode, str] | None:
         """Make sure worker ``w`` has ``region``'s descriptor before a ring entry naming the
@@ -279,8 +337,10 @@ class RegionTable:
                 self._attach(region)
 
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
-        """Worker ``w`` died: it holds no region any more; fail what its lanes had queued or
-        running, and move them on."""
+        """Worker ``w`` died: it holds no region any more (closed ones it had may be released);
+        fail what its lanes had queued or running, and move them on."""
+        for region in list(self.closing.values()):
+            self.worker_dropped(w, region.id)
         for region in list(self.regions.values()):
             region.sent_to.discard(w)
             if region.lane_worker is not w:
@@ -290,10 +350,11 @@ class RegionTable:
                             f"worker {w.index} for model {w.model.name!r} {how} while running this request")
             self._attach(region)
 
-    def _attach(self, region: Region) -> None:
+    def _attach(self, region: Region) -> bool:
         """Give a lane to the ready worker of its model that has the fewest and can take its
-        descriptor (none: it waits for ``attach_waiting``; calls queued meanwhile run once it is
-        attached)."""
+        descriptor now.  None ready: it waits for ``attach_waiting`` (calls queued meanwhile run
+        once it is attached).  False if ready workers there are but none can take it (their
+        control sockets are full: busy or stuck)."""
         load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
         ready = [w for w in region.lane_model.workers if w.state == READY and load[w] < workerlink.MAX_LANES]
         worker = None
@@ -308,6 +369,7 @@ class RegionTable:
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), worker=index)
         if worker is not None:
             self.command(worker, layout.command_entry(layout.CMD_ATTACH_LANE, region.id))
+        return worker is not None or not ready or self.stopping
 
     def _tune_spin(self) -> None:
         """Tell lane clients whether to spin for completions: only while there are at most half as

@@ -467,6 +467,7 @@ class FakeWorker:
             elif op == layout.CMD_DROP_REGION:
                 self.lanes.pop(argument, None)
                 self._unmap(argument)
+                self.tell_dropped(argument)
         for lane in list(self.lanes.values()):
             work.extend((lane, entry) for entry in lane.submissions.pop_all())
         return work
@@ -816,6 +817,8 @@ def build(instance: str, *, models: tuple[FakeModel, ...] = (ADD,), slot_count: 
         limits = dataclasses.replace(limits, **limit_changes)
         fe = FakeFrontend(arena, states, workers, None, None, clock, efd)
         fe.regions = RegionTable(arena, states, fe.command, max_request_bytes=limits.max_request_bytes, cpus=2)
+        for w in workers:
+            w.tell_dropped = lambda region, handle=w.handle: fe.regions.worker_dropped(handle, region)
         fe.dispatcher = Dispatcher(arena, states, [w.handle for w in workers], limits, clock, fe.regions.deliver)
         return fe
     except BaseException:
