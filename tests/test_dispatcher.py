@@ -1487,3 +1487,31 @@ def test_a_lane_no_ready_worker_can_take_now_is_refused_and_holds_nothing(fe):
         assert not recorded(fe)
     finally:
         os.close(filler)
+
+
+def test_lane_churn_on_a_busy_worker_cannot_crowd_requests_off_its_ring(make):
+    """Review M3: each lane open and close puts a command on its worker's ring.  A client cycling
+    lanes while the worker is busy (it reads nothing) is refused once region commands fill the half
+    of the ring the slots never need; every slot's request still finds room there."""
+    fe = make(slot_count=4)
+    w = fe.workers[0]
+    ring = w.handle.submissions
+    refused = 0
+    for _ in range(3 * ring.capacity):
+        try:
+            lane = LaneClient(fe.regions, "churn", "add")
+        except ShmserveError as exc:
+            assert exc.code is ErrorCode.OVERLOADED
+            refused += 1
+            continue
+        lane.close()
+        fe.regions.close("churn", lane.region.id)
+    assert refused and len(ring) <= ring.capacity - fe.arena.geometry.slot_count + 1
+    door = fe.door()
+    reqs = [door.infer("add", {"x": floats(start=i)}) for i in range(4)]  # every slot
+    assert all(r.state is RS.QUEUED for r in reqs), [door.calls_of(r) for r in reqs]
+    fe.settle()
+    for i, r in enumerate(reqs):
+        np.testing.assert_array_equal(door.results[r]["y"], floats(start=i) + 1)
+    w.read_commands()
+    assert not recorded(fe) and not fe.regions.closing

@@ -310,16 +310,26 @@ class RegionTable:
     def deliver(self, w: WorkerHandle, region: Region) -> tuple[ErrorCode, str] | None:
         """Make sure worker ``w`` has ``region``'s descriptor before a ring entry naming the
         region reaches it; None once it has, else why not (the request is failed with it):
-        BAD_REGION if the region was closed, OVERLOADED if the worker's control socket is full."""
+        BAD_REGION if the region was closed, OVERLOADED if the worker's control socket is full or
+        its ring has no room for more commands (``ring_has_room``)."""
         if region.closed:
             return ErrorCode.BAD_REGION, f"region {region.id} was closed before this request ran"
         if w in region.sent_to:
             return None
-        if w.control is None or not workerlink.send_region(w.control, region.id, region.size, region.fd):
+        if not self.ring_has_room(w) or w.control is None or \
+                not workerlink.send_region(w.control, region.id, region.size, region.fd):
             return ErrorCode.OVERLOADED, (f"worker {w.index} of model {w.model.name!r} is not taking new "
                                           f"regions now (busy or stuck); retry")
         region.sent_to.add(w)
         return None
+
+    def ring_has_room(self, w: WorkerHandle) -> bool:
+        """Whether a region may be given to worker ``w`` now.  Each one given costs commands on
+        its submission ring later (attach, drop), and the ring holds twice the arena's slots: the
+        commands of region ops may take only the half the slots never need, so a client opening
+        and closing lanes quickly while the worker is busy cannot crowd out anyone's requests."""
+        ring = w.submissions
+        return len(ring) < ring.capacity - self.arena.geometry.slot_count
 
     # -- lanes ----------------------------------------------------------------------------
 
