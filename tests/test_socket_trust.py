@@ -65,6 +65,35 @@ def test_a_socket_directory_someone_else_controls_is_refused(tmp_path, case):
     assert "\n" not in message and owner_and_mode(d) == before and os.listdir(d) == []
 
 
+def test_a_live_but_busy_server_at_the_path_is_left_alone_without_hanging(tmp_path):
+    """The liveness probe of a socket file at our path has a timeout: a live server whose backlog
+    is full is a live server (not a dead one's file to remove), and start-up says so at once."""
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    path = str(d / "s.sock")
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(path)
+    busy.listen(0)
+    queued = []
+    try:
+        for _ in range(4):  # fill its backlog: nobody accepts
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+        with pytest.raises(SystemExit) as info:
+            Listener(path)
+        assert "another server is listening" in str(info.value) and "busy" in str(info.value)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)  # not removed
+    finally:
+        for c in queued:
+            c.close()
+        busy.close()
+
+
 def test_a_sticky_directory_like_tmp_is_trusted(tmp_path):
     """Writable by all but sticky (nobody else can remove or rename our entries): accepted."""
     d = tmp_path / "sticky"

@@ -106,6 +106,8 @@ def socket_dir_problem(directory: str, st: os.stat_result) -> str | None:
     return None
 
 
+PROBE_TIMEOUT_S = 2.0  # is a socket file at our path a live server?
+
 class Listener:
     """A bound, listening socket at ``path`` (mode and group applied), or one handed over by
     systemd socket activation (then not ours to unlink)."""
@@ -139,9 +141,13 @@ class Listener:
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise SystemExit(f"shmserve: {path} exists and is not a socket")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(PROBE_TIMEOUT_S)  # a live server with a full backlog would hold a blocking connect
             try:
                 probe.connect(str(path))
                 raise SystemExit(f"shmserve: another server is listening on {path}")
+            except (TimeoutError, BlockingIOError):  # EAGAIN: its backlog is full
+                raise SystemExit(f"shmserve: another server is listening on {path} (busy: it did not "
+                                 f"accept within {PROBE_TIMEOUT_S:g} s)") from None
             except (ConnectionRefusedError, FileNotFoundError):
                 path.unlink()  # left behind by a server that died
             finally:
