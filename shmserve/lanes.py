@@ -82,8 +82,8 @@ def fail_lane(buf, code: ErrorCode, message: str) -> int:
     pushed on its completion ring, and wake the client (also for a call the worker finished but
     did not get to push).  Returns how many calls were failed.
 
-    Only the front-end calls this, once the lane's worker is known dead: it is then the
-    completion ring's only producer.
+    Only the front-end calls this, once the lane's worker is known dead or has said it cannot
+    attach the lane: it is then the completion ring's only producer.
     """
     _, completions = _rings(buf)
     failed = 0

@@ -152,6 +152,7 @@ class Frontend:
                                    limits=region_limits_of(self.config),
                                    offload=lambda work: loop.run_in_executor(None, work))
         self.supervisor.on_dropped = self.regions.worker_dropped
+        self.supervisor.on_lane_failed = self.regions.lane_failed
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
                                      LoopClock(loop), self.regions.deliver)
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,

@@ -153,6 +153,7 @@ class Supervisor:
         self.arena, self.config, self.completion_fd = arena, config, completion_fd
         self.on_ready, self.on_exit = on_ready, on_exit
         self.on_dropped: Callable[[WorkerHandle, object], None] = lambda w, region: None  # RegionTable.worker_dropped
+        self.on_lane_failed: Callable[[WorkerHandle, object, str], None] = lambda w, region, why: None
         self.loop = asyncio.get_running_loop()
         self.workers: list[WorkerHandle] = []
         self.stopping = False
@@ -249,6 +250,8 @@ class Supervisor:
             log.error("worker %d (%s): %s", w.index, w.model.name, w.error)
         elif message["event"] == "dropped":
             self.on_dropped(w, message.get("region"))
+        elif message["event"] == "lane_failed":
+            self.on_lane_failed(w, message.get("region"), str(message.get("error")))
 
     def _served_healthily(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
         """``restart_healthy_s`` after ``proc`` reported ready: if it is still the ready one, the worker

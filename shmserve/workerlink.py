@@ -12,6 +12,8 @@ Worker -> front-end:
     {"event": "failed", "error": "..."}                        could not load
     {"event": "dropped", "region": id}                         a region it was told to drop is
                                                                unmapped and its descriptor closed
+    {"event": "lane_failed", "region": id, "error": "..."}     a lane it was told to attach cannot
+                                                               be served (not mapped or not locked)
 
 Front-end -> worker, only client regions (``send_region``):
 
@@ -101,6 +103,14 @@ def send_region(sock: socket.socket, region: int, size: int, fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def tell_lane_failed(sock: socket.socket, region: int, why: str) -> None:
+    """Worker: the lane of region ``region`` cannot be served here (``why``)."""
+    try:
+        sock.send(encode({"event": "lane_failed", "region": region, "error": why[:500]}))
+    except OSError:
+        pass  # the front-end is gone
 
 
 def tell_dropped(sock: socket.socket, region: int) -> None:

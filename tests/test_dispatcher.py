@@ -1142,6 +1142,27 @@ def test_lane_calls_run_on_the_worker_it_is_attached_to(fe):
         fe.regions.close_all()
 
 
+def test_a_lane_its_worker_cannot_serve_fails_its_calls_and_has_no_worker(fe):
+    """Review L3: a worker told to attach a lane it cannot map or page-lock says so; the front-end
+    fails the calls queued in it (INTERNAL, saying why) and takes the worker off its header, where
+    it was silently left attached, its client's calls timing out."""
+    w = fe.workers[0]
+    lane = LaneClient(fe.regions, object(), "add")
+    try:
+        index, generation = lane.submit(floats(4))
+        fe.regions.lane_failed(w.handle, lane.region.id, "cannot page-lock region 1: memlock")
+        assert lane.lane.finished(index, generation)
+        with pytest.raises(ShmserveError) as info:
+            lane.read(index, generation)
+        assert info.value.code is ErrorCode.INTERNAL and "memlock" in info.value.message
+        assert lane.header().worker == layout.NO_WORKER and fe.regions.lanes_of(w.handle) == 0
+        assert recorded(fe)[lane.region.id][2] == layout.NO_WORKER
+        fe.regions.lane_failed(w.handle, 999, "no such lane")  # ignored
+    finally:
+        lane.close()
+        fe.regions.close_all()
+
+
 def test_a_lane_waits_for_a_ready_worker_and_attaches_when_one_is_ready(fe):
     """No ready worker: the lane is created unattached (header: no worker) and calls queue in it;
     once a worker reports ready it is attached and runs them."""

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from shmserve import workerlink
+from shmserve import layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
@@ -225,3 +225,25 @@ def test_an_arena_that_cannot_be_page_locked_stops_the_worker_with_what_to_chang
                 open_worker(stack, arena, 0, config, -1, 0.0, list, LockRecorder(fail=f"arena {arena.name}"))
     assert info.value.exit_code == workerlink.EXIT_ARENA_FAILED
     assert info.value.message == "cannot use cuda:0 for model 'm': cudaHostRegister failed: memlock"
+
+
+def test_a_lane_the_worker_cannot_map_is_reported_not_silently_dropped(instance_name, region_maker):
+    """An attach command for a region the worker cannot map (here: never given to it) is told to
+    the front-end (``tell_lane_failed``), which fails the lane's calls; the worker serves on."""
+    from shmserve.rings import Ring
+
+    instance = instance_name("lanefail")
+    config = ModelConfig(name="m", backend="python", path="shmserve.models:identity")
+    told = []
+    with Arena.create(instance, slot_count=4, max_workers=1, size_classes=[(4096, 4)], prefault=False):
+        completion_fd = os.eventfd(0)
+        try:
+            with contextlib.ExitStack() as stack:
+                arena = stack.enter_context(Arena.attach(instance))
+                worker = open_worker(stack, arena, 0, config, completion_fd, 0.0, region_maker.fetch,
+                                     tell_lane_failed=lambda region, why: told.append((region, why)))
+                Ring.of_worker(arena, 0, completion=False).push(layout.command_entry(layout.CMD_ATTACH_LANE, 5))
+                assert worker.gather() == ([], False)
+                assert told == [(5, "region 5 is not open (closed, or never opened)")] and 5 not in worker.lanes
+        finally:
+            os.close(completion_fd)

@@ -73,7 +73,8 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
             raise device_unusable(config, exc) from None
     return open_worker(stack, arena, args.index, config, args.completion_fd, args.spin_us / 1e6,
                        functools.partial(workerlink.receive_regions, control), gpu,
-                       functools.partial(workerlink.tell_dropped, control))
+                       functools.partial(workerlink.tell_dropped, control),
+                       functools.partial(workerlink.tell_lane_failed, control))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,12 +78,12 @@ def heartbeat(arena: Arena, index: int):
 
 def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: ModelConfig, completion_fd: int,
                 spin_s: float, fetch_regions: Callable[[], list[tuple[int, int, int]]],
-                gpu: GpuMemory | None = None,
-                tell_dropped: Callable[[int], None] = lambda region: None) -> "Worker":
+                gpu: GpuMemory | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
+                tell_lane_failed: Callable[[int, str], None] = lambda region, why: None) -> "Worker":
     """Everything worker ``index`` holds, entered on ``stack`` above ``arena``'s mapping (which the
     caller entered first); a Worker ready to serve.  ``fetch_regions``: the region descriptors the
     front-end has sent (``RegionCache``); ``tell_dropped(region)``: tells it a region it closed
-    is dropped here.  ``gpu``: the device's page-locked memory on a
+    is dropped here; ``tell_lane_failed(region, why)``: that a lane it attached cannot be served.  ``gpu``: the device's page-locked memory on a
     GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
 
     Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked, EXIT_LOAD_FAILED if the
@@ -106,7 +106,7 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
     return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info,
-                  tell_dropped)
+                  tell_dropped, tell_lane_failed)
 
 
 class Worker:
@@ -118,7 +118,8 @@ class Worker:
     """
 
     def __init__(self, arena: Arena, index: int, config: ModelConfig, completion_fd: int, spin_s: float, step: Step,
-                 gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None):
+                 gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
+                 tell_lane_failed: Callable[[int, str], None] = lambda region, why: None):
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
@@ -127,7 +128,7 @@ class Worker:
                           EventfdDoorbell(completions, completion_fd))
         self.lanes: dict[int, Space] = {}  # region id -> lane attached by the front-end
         self.dropped: set[int] = set()  # regions the front-end closed, unmapped once no work in hand uses them
-        self.tell_dropped = tell_dropped
+        self.tell_dropped, self.tell_lane_failed = tell_dropped, tell_lane_failed
         self._rings = [self.main.submissions]
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
@@ -202,10 +203,12 @@ class Worker:
             return
         try:
             self.regions.ensure(region)
-        except RequestFailed:
-            return  # the client left before we got here
+        except RequestFailed as exc:  # not mapped (no memory, no descriptor left) or not page-locked
+            self.tell_lane_failed(region, exc.message)
+            return
         buf = self.regions.maps[region]
-        if buf is None or not lanes.usable(self.regions.sizes[region]):
+        if not lanes.usable(self.regions.sizes[region]):
+            self.tell_lane_failed(region, "too small for a lane")
             return
         submissions, completions, doorbell = lanes.worker_rings(buf)
         self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,

@@ -346,6 +346,20 @@ class RegionTable:
             if region.lane_model is model and region.lane_worker is None and region.is_lane:
                 self._attach(region)
 
+    def lane_failed(self, w: WorkerHandle, region_id, why: str) -> None:
+        """Worker ``w`` cannot serve the lane of region ``region_id`` it was told to attach (it
+        could not map or page-lock it): fail the calls queued in it, and leave it without a
+        worker (a later ready worker may take it); its client is told why."""
+        region = self.regions.get(region_id) if type(region_id) is int else None
+        if region is None or region.lane_worker is not w:
+            return
+        log.warning("worker %d cannot serve lane %d: %s", w.index, region.id, why)
+        region.lane_worker = None
+        lanes.fail_lane(region.lane_buf, ErrorCode.INTERNAL, f"worker {w.index} of model {w.model.name!r} "
+                                                             f"cannot serve this lane: {why}")
+        lanes.assign_worker(region.lane_buf, layout.NO_WORKER)
+        layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), worker=layout.NO_WORKER)
+
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
         """Worker ``w`` died: it holds no region any more (closed ones it had may be released);
         fail what its lanes had queued or running, and move them on."""
