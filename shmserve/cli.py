@@ -187,8 +187,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from shmserve.config import DEFAULT_INSTANCE
 
     def instances() -> list[str]:
-        if args.all:
-            return sorted({r.instance for r in stale.list_arenas() if r.valid})
+        if args.all:  # only our own and root's: another user could shrink its arena under our mapping
+            trusted = stale.trusted_uids()
+            return sorted({r.instance for r in stale.list_arenas() if r.valid and r.uid in trusted})
         return [args.instance or DEFAULT_INSTANCE]
 
     def take() -> dict:
@@ -313,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="read-only view of a live or dead instance's arena")
     which = inspect.add_mutually_exclusive_group()
     which.add_argument("--instance", help="instance name (default: default)")
-    which.add_argument("--all", action="store_true", help="every instance found in /dev/shm")
+    which.add_argument("--all", action="store_true",
+                       help="every instance in /dev/shm owned by you or root (name another with --instance)")
     inspect.add_argument("--json", action="store_true", help="JSON for scripts (includes owner_alive)")
     inspect.add_argument("--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="live view")
     inspect.add_argument("--check", action="store_true", help="exit 1 with the reasons if anything is unhealthy")

@@ -203,6 +203,21 @@ def test_cleanup_as_root_leaves_an_arena_of_another_uid_and_the_socket_its_heade
 
 
 @needs_root
+def test_inspect_all_maps_only_its_own_and_roots_arenas(dead_arena, tmp_path):
+    """Review L5: another user could shrink its own arena under our read-only mapping (SIGBUS in
+    ``inspect``); ``--all`` shows only the caller's and root's instances, and another uid's only
+    when it is named with --instance."""
+    mine = dead_arena(str(tmp_path / "a.sock"))
+    theirs = dead_arena(str(tmp_path / "b.sock"))
+    os.chown(segment_path(arena_name(theirs)), NOBODY, -1)
+    r = cli("inspect", "--all", "--json")
+    listed = {snap["instance"] for snap in json.loads(r.stdout)["instances"]}
+    assert mine in listed and theirs not in listed, r.stdout[-2000:]
+    named = cli("inspect", "--instance", theirs, "--json")
+    assert named.returncode == 0 and json.loads(named.stdout)["instance"] == theirs, named.stderr
+
+
+@needs_root
 @pytest.mark.parametrize("case", ["socket of another uid", "symlink to a socket", "symlinked directory",
                                   "directory of another uid", "regular file", "listening"])
 def test_cleanup_leaves_a_socket_it_cannot_prove_is_the_dead_instances(case, dead_arena, tmp_path):
