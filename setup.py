@@ -26,7 +26,8 @@ setup(
         "rich>=13,<16",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2",
+        "plot": ["matplotlib>=3.7,<4"],  # shmserve bench --plot
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2", "matplotlib>=3.7,<4",
                  # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU
                  "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'"],
         "gpu": ["cuda-python>=12.4,<14"],

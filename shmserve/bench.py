@@ -1,9 +1,16 @@
 """`shmserve bench`: request latency and throughput next to floors measured in the same run.
 
-Owns: the benchmark.  For each payload size and mode it runs N client
-processes against a server (its own with ``--spawn-server``, else the one at
-``--socket``) and reports p50/p90/p99/max latency, requests/s and GB/s, with
-the ratio to the floor measured in the same run on the same machine:
+Owns: the benchmark.  For each payload size, mode and client count (a sweep:
+``--clients 1,2,4,8``) it runs that many client processes against a server
+(its own with ``--spawn-server``, else the one at ``--socket``, measuring a
+model it lists) and reports p50/p90/p99/max latency, requests/s and GB/s,
+with the ratio to the floor measured in the same run on the same machine.
+Clients send back to back (closed loop), or at a fixed total rate
+(``--rate N``, open loop, like perf_analyzer's request-rate mode: each
+request is due at its time whether or not the last one is back, and its
+latency counts from when it was due, so a server that falls behind shows it).
+``--plot`` draws the latency percentiles of every case (matplotlib, the
+``plot`` extra).  The floors:
 
 * the floor for a round trip: a uvloop Unix-socket echo of the same payload
   (a server process echoing, a client sending and reading it back);
@@ -81,10 +88,13 @@ def make_input(spec: dict, size: int, rng) -> tuple[str, np.ndarray]:
 WARMUP = 20  # requests per client before it reports ready
 
 
-def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str) -> None:
+def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str,
+                rate: float = 0.0) -> None:
     """One benchmark client (a child process): connects and warms up, says "ready", waits for
     "go" on stdin (so that every client measures the same window, not its neighbours' start-up),
-    then prints its latencies in microseconds and its measuring window as JSON."""
+    then prints its latencies in microseconds and its measuring window as JSON.  With ``rate``
+    (requests/s of this client) request i is due at start + i / rate, and its latency counts
+    from then."""
     from shmserve import Client
 
     samples = []
@@ -104,8 +114,15 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
         sys.stdin.readline()
         start = time.monotonic()
         deadline = start + duration if duration else None
+        t_start = time.perf_counter_ns()
+        interval_ns = int(1e9 / rate) if rate else 0
         for i in range(requests):
             t0 = time.perf_counter_ns()
+            if interval_ns:
+                due = t_start + i * interval_ns
+                if due > t0:
+                    time.sleep((due - t0) / 1e9)
+                t0 = due
             run()
             samples.append((time.perf_counter_ns() - t0) / 1e3)
             if deadline and time.monotonic() > deadline and i >= 10:
@@ -117,10 +134,12 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
 
 
 def run_case(path: str, mode: str, size: int, clients: int, requests: int, duration: float,
-             model: str) -> dict:
-    """Run ``clients`` client processes over one common window; requests/s counts that window only."""
+             model: str, rate: float = 0.0) -> dict:
+    """Run ``clients`` client processes over one common window; requests/s counts that window only.
+    ``rate``: requests/s of all of them together (0: each sends back to back)."""
     procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
-                               str(requests if not duration else 1 << 62), str(duration), model],
+                               str(requests if not duration else 1 << 62), str(duration), model,
+                               str(rate / clients if rate else 0.0)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
     try:
@@ -277,33 +296,95 @@ def _demo_path() -> str:
     return demo_config().models[0].path
 
 
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"bad client counts {text!r} (use e.g. 1 or 1,2,4,8)")
+    return counts
+
+
+def pick_model(path: str, wanted: str | None) -> str:
+    """``wanted``, or the model a running server lists that bench can drive: ``identity`` if it
+    has one, else the first with a single input.  SystemExit naming the fix if none fits."""
+    from shmserve import Client
+
+    with Client(path) as c:
+        listing = c.models()
+    names = [m["name"] for m in listing if len(m.get("inputs") or ()) == 1]
+    if wanted is not None:
+        if wanted not in names:
+            raise SystemExit(f"shmserve bench: the server has no one-input model {wanted!r} "
+                             f"(it has: {', '.join(names) or 'none'}); pick one with --model")
+        return wanted
+    if not names:
+        raise SystemExit("shmserve bench: the server lists no model with a single input; use --spawn-server")
+    return MODEL if MODEL in names else names[0]
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    """Latency percentiles (p50, p90, p99) of every case, one group of bars per case."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("shmserve bench: --plot needs matplotlib: pip install 'shmserve[plot]'") from None
+    labels = [f"{human(r['payload'])}\n{r['mode']}\n{r['clients']} cl." for r in results]
+    x = np.arange(len(results))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results)), 4.5))
+    for i, (key, name) in enumerate((("p50_us", "p50"), ("p90_us", "p90"), ("p99_us", "p99"))):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in results], 0.27, label=name)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("latency, µs (log)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
-                                                                   "measured in the same run.")
+                                                                   "measured in the same run.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--socket", help="server to measure (default: as for the other commands)")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
-    p.add_argument("--model", default=MODEL, help="a model with one input; its leading dimension is sized to "
-                                                  "the payload (--spawn-server has identity, identity_batched, demo)")
+    p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
+                                   "(default: identity, or the running server's first one-input model; "
+                                   "--spawn-server has identity, identity_batched, demo)")
     p.add_argument("--payload", default="64,4KiB,1MiB,16MiB", help="comma-separated sizes")
     p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both")
-    p.add_argument("--clients", type=int, default=1, help="client processes per case")
+    p.add_argument("--clients", type=parse_counts, default=[1], metavar="N[,N...]",
+                   help="client processes per case; a list sweeps them (1,2,4,8)")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
     p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
+    p.add_argument("--rate", type=float, default=0.0, metavar="N",
+                   help="requests/s of all clients together, each due at its time (open loop); 0: back to back")
     p.add_argument("--json", help="write the results here too")
+    p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.rate < 0:
+        p.error("--rate must be 0 or more")
     sizes = [parse_size(s) for s in args.payload.split(",")]
     modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
         proc, path = spawn_server(Path(tmp.name))
+        model = args.model or MODEL
     else:
         from shmserve.config import DEFAULT_INSTANCE, resolve_socket
 
         path = resolve_socket(args.socket, None, DEFAULT_INSTANCE)
+        model = pick_model(path, args.model)
     results = []
     try:
-        total = len(sizes) * (len(modes) + 1)
+        total = len(sizes) * (len(modes) * len(args.clients) + 1)
         step = 0
         for size in sizes:
             reps = max(20, min(2000, (256 << 20) // max(size, 1)))
@@ -312,36 +393,42 @@ def main(argv: list[str] | None = None) -> int:
             floor = echo_floor(size, reps)
             copy = memcpy_floor(size, min(reps, 50)) if size >= (1 << 20) else 0.0
             for mode in modes:
-                step += 1
-                print(f"[{step}/{total}] {mode} {human(size)} x {args.clients} client(s)", file=sys.stderr, flush=True)
-                r = run_case(path, mode, size, args.clients, args.requests, args.duration, args.model)
-                r.update(payload=size, mode=mode, clients=args.clients, echo_floor_p50_us=round(floor, 1),
-                         memcpy_p50_us=round(copy, 1),
-                         ratio_to_floor=round(r["p50_us"] / (floor + copy), 2))
-                results.append(r)
+                for clients in args.clients:
+                    step += 1
+                    print(f"[{step}/{total}] {mode} {human(size)} x {clients} client(s)", file=sys.stderr, flush=True)
+                    r = run_case(path, mode, size, clients, args.requests, args.duration, model, args.rate)
+                    r.update(payload=size, mode=mode, clients=clients, rate=args.rate,
+                             echo_floor_p50_us=round(floor, 1), memcpy_p50_us=round(copy, 1),
+                             ratio_to_floor=round(r["p50_us"] / (floor + copy), 2))
+                    results.append(r)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
         tmp.cleanup()
-    print(f"\nshmserve bench, model {args.model}, {args.clients} client process(es), {os.cpu_count()} CPUs, "
+    pacing = f"at {args.rate:g} req/s in all (latency from each request's due time)" if args.rate else "back to back"
+    print(f"\nshmserve bench, model {model}, clients {pacing}, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d')}\n")
-    print("| payload | tensor | mode | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs | p50 / floor |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| payload | tensor | mode | clients | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs "
+          "| p50 / floor |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         floor = r["echo_floor_p50_us"] + r["memcpy_p50_us"]
-        print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['mode']} | {r['p50_us']} | {r['p90_us']} | "
-              f"{r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | {r['ratio_to_floor']} |")
+        print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['mode']} | {r['clients']} | {r['p50_us']} | "
+              f"{r['p90_us']} | {r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | "
+              f"{r['ratio_to_floor']} |")
     print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                                               "model": args.model, "run_id": RUN_ID, "results": results},
-                                              indent=2))
+                                               "model": model, "run_id": RUN_ID, "rate": args.rate,
+                                               "results": results}, indent=2))
+    if args.plot:
+        plot(results, args.plot, f"shmserve bench, model {model}, {pacing}, {time.strftime('%Y-%m-%d')}")
     return 0
-
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
+        client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), sys.argv[7],
+                    float(sys.argv[8]))
     else:
         sys.exit(main())

@@ -31,7 +31,7 @@ def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
         assert c["n"] == 2 * 20 and 0 < c["p50_us"] <= c["p90_us"] <= c["p99_us"] <= c["max_us"]
         assert c["echo_floor_p50_us"] > 0 and c["rps"] > 0
         assert (c["memcpy_p50_us"] > 0) == (c["payload"] >= 1 << 20)
-    assert "| 64 B |" in r.stdout and "p50 / floor" in r.stdout
+    assert "| 64 B | 64 B | inline | 2 |" in r.stdout and "p50 / floor" in r.stdout
     assert len(report["run_id"]) == 8 and not bench_names(report["run_id"])  # its server, its floors' segments
 
 
@@ -41,3 +41,43 @@ def test_bench_on_the_demo_model(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| 4 KiB | 12 KiB | zero-copy |" in r.stdout  # one 3x32x32 float32 image
+
+
+def test_bench_sweeps_client_counts_paces_an_open_loop_and_plots(tmp_path):
+    """``--clients 1,2`` runs every case at each count; ``--rate`` paces all clients together
+    (open loop: no request goes out before it is due, so the rate is never exceeded); ``--plot``
+    draws the percentiles of every case into a PNG."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "4KiB",
+                        "--mode", "zero-copy", "--clients", "1,2", "--requests", "30", "--rate", "200",
+                        "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert [c["clients"] for c in report["results"]] == [1, 2] and report["rate"] == 200
+    for c in report["results"]:
+        assert c["n"] == 30 * c["clients"] and c["rate"] == 200
+        assert c["rps"] <= 200 * 1.05, c  # due times are never run ahead of
+    assert "| 4 KiB | 4 KiB | zero-copy | 2 |" in r.stdout and "at 200 req/s in all" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not bench_names(report["run_id"])
+
+
+def test_bench_measures_a_running_server_on_a_model_it_lists(tmp_path):
+    """Without --spawn-server the defaults work against whatever server runs: identity if it has
+    one, else its first one-input model; a model it does not list is a one-line error."""
+    from helpers.server import serving
+
+    with serving(tmp_path, """
+[[models]]
+name = "echo"
+backend = "python"
+path = "shmserve.models:identity"
+""") as srv:
+        r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--payload", "64",
+                            "--mode", "inline", "--requests", "10"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "model echo" in r.stdout and "| 64 B | 64 B | inline | 1 |" in r.stdout
+        bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--model", "nope",
+                              "--payload", "64", "--requests", "10"], capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and "no one-input model 'nope'" in bad.stderr and "echo" in bad.stderr
+        assert "Traceback" not in bad.stderr
