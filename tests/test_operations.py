@@ -97,38 +97,47 @@ def clients_group_and_two_users():
 
 def test_clients_group_reaches_the_socket_others_do_not(tmp_path, clients_group_and_two_users):
     """docs/systemd.md's access, with two real users: the runtime directory as systemd makes it
-    (the server's uid, the clients' group, 0750), the example config's socket_mode, socket_group and
-    allow_groups.  A member of the group infers; a user outside it cannot reach the socket.  The
-    server runs as root here, standing for the service user (the interpreter under /root is not
-    reachable by other users); the users connect from forked children that dropped to them."""
+    (the server's uid, the clients' group, 0750) and the example config systemd/shmserve.toml as
+    shipped (its group, instance and model path substituted).  A member of the group infers; a user
+    outside it cannot reach the socket.  The server runs as root here, standing for the service user
+    (the interpreter under /root is not reachable by other users); the users connect from forked
+    children that dropped to them."""
     import grp
     import tempfile
 
     from helpers.other_user import as_user
+    from shmserve.config import demo_config
 
     group, member, outsider = clients_group_and_two_users
     gid = grp.getgrnam(group).gr_gid
     rundir = Path(tempfile.mkdtemp(prefix="shmserve-run-"))
     os.chown(rundir, os.getuid(), gid)
     os.chmod(rundir, 0o750)
-    srv = ServerProcess(tmp_path, IDENTITY, socket_dir=rundir, server_section=(
-        f'socket_mode = 0o660\nsocket_group = "{group}"\nallow_groups = ["{group}"]')).start()
+    srv = ServerProcess(tmp_path, "", socket_dir=rundir)
+    example = (ROOT / "systemd" / "shmserve.toml").read_text()
+    substitutions = (('"shmserve-clients"', f'"{group}"'), ('instance = "shmserve"', f'instance = "{srv.instance}"'),
+                     ("/var/lib/shmserve/models/demo.onnx", demo_config().models[0].path))
+    for old, new in substitutions:
+        assert old in example, old
+        example = example.replace(old, new)
+    srv.config_path.write_text(example)
+    srv.start()
     try:
         st = os.stat(srv.socket)
         assert (st.st_mode & 0o777, st.st_gid) == (0o660, gid)
 
         def infer() -> str:
             with Client(srv.socket, timeout=30) as c:
-                return str(c.infer("identity", {"x": np.arange(3, dtype=np.uint8)})["y"].tolist())
+                return str(c.infer("demo", {"image": np.zeros((1, 3, 32, 32), np.float32)})["probabilities"].shape)
 
         def groups(pw) -> tuple[int, ...]:
             return tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
 
         assert gid in groups(member) and gid not in groups(outsider)
-        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "[0, 1, 2]"
+        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "(1, 10)"
         refused = as_user(outsider.pw_uid, outsider.pw_gid, groups(outsider), infer)
         assert "ermission" in refused, refused
-        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "[0, 1, 2]"  # still serving
+        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "(1, 10)"  # still serving
     finally:
         assert srv.stop() == 0, srv.log()
         os.rmdir(rundir)
