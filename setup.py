@@ -1,13 +1,13 @@
 """Build and install shmserve: the packages `shmserve` and `workers`, the C extension, the CLI."""
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="shmserve",
     version="0.1.0",
     description="Single-host inference serving over POSIX shared memory",
     python_requires=">=3.11",
-    packages=["shmserve", "shmserve.models", "workers", "workers.backends"],
+    packages=find_packages(include=["shmserve", "shmserve.*", "workers", "workers.*"]),  # every subpackage
     package_data={"shmserve.models": ["demo.onnx"]},
     ext_modules=[
         Extension(

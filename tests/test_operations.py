@@ -46,7 +46,7 @@ def test_units_verify(tmp_path):
         pytest.skip("systemd-analyze is not installed on this machine")
     exe = shutil.which("shmserve") or str(Path(sys.executable).parent / "shmserve")
     for unit in ("shmserve.service", "shmserve.socket"):
-        text = (ROOT / "systemd" / unit).read_text().replace("/usr/local/bin/shmserve", exe)
+        text = (ROOT / "systemd" / unit).read_text().replace("/opt/shmserve/bin/shmserve", exe)
         (tmp_path / unit).write_text(text)
     r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "shmserve.service"),
                         str(tmp_path / "shmserve.socket")], capture_output=True, text=True, timeout=60)
@@ -56,6 +56,91 @@ def test_units_verify(tmp_path):
                  "RuntimeDirectory=shmserve", "DevicePolicy=closed", "ProtectSystem=strict", "NoNewPrivileges=yes"):
         assert line in service
     assert "PrivateDevices" not in service.replace("no PrivateDevices=", "")
+    # docs/systemd.md installs into the virtual environment ExecStart names, and the runtime
+    # directory's group is the clients' group (test_clients_group_reaches_the_socket_others_do_not)
+    doc = (ROOT / "docs" / "systemd.md").read_text()
+    assert "ExecStart=/opt/shmserve/bin/shmserve serve" in service
+    assert "sudo python3 -m venv /opt/shmserve" in doc and "sudo /opt/shmserve/bin/pip install ." in doc
+    for line in ("User=shmserve", "Group=shmserve-clients", "RuntimeDirectoryMode=0750"):
+        assert line in service.splitlines()
+    socket_unit = (ROOT / "systemd" / "shmserve.socket").read_text().splitlines()
+    assert "SocketGroup=shmserve-clients" in socket_unit and "SocketMode=0660" in socket_unit
+    example = (ROOT / "systemd" / "shmserve.toml").read_text()
+    assert 'path = "/var/lib/shmserve/models/demo.onnx"' in example and "/var/lib/shmserve/models/demo.onnx" in doc
+
+
+@pytest.fixture
+def clients_group_and_two_users():
+    """A clients' group, a user in it and a user outside it, made with groupadd/useradd (root only)
+    and removed again: (group name, member's passwd entry, outsider's passwd entry)."""
+    import pwd
+    import uuid
+
+    tools = ("groupadd", "groupdel", "useradd", "userdel")
+    if os.getuid() != 0 or not all(shutil.which(t) for t in tools):
+        pytest.skip("needs root and " + ", ".join(tools))
+    tag = uuid.uuid4().hex[:8]
+    group, member, outsider = f"ssg{tag}", f"ssm{tag}", f"sso{tag}"
+    made: list[list[str]] = []
+    try:
+        subprocess.run(["groupadd", group], check=True, capture_output=True)
+        made.append(["groupdel", group])
+        for name, extra in ((member, ["-G", group]), (outsider, [])):
+            subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", *extra, name], check=True,
+                           capture_output=True)
+            made.append(["userdel", name])
+        yield group, pwd.getpwnam(member), pwd.getpwnam(outsider)
+    finally:
+        for argv in reversed(made):
+            subprocess.run(argv, capture_output=True)
+
+
+def test_clients_group_reaches_the_socket_others_do_not(tmp_path, clients_group_and_two_users):
+    """docs/systemd.md's access, with two real users: the runtime directory as systemd makes it
+    (the server's uid, the clients' group, 0750) and the example config systemd/shmserve.toml as
+    shipped (its group, instance and model path substituted).  A member of the group infers; a user
+    outside it cannot reach the socket.  The server runs as root here, standing for the service user
+    (the interpreter under /root is not reachable by other users); the users connect from forked
+    children that dropped to them."""
+    import grp
+    import tempfile
+
+    from helpers.other_user import as_user
+    from shmserve.config import demo_config
+
+    group, member, outsider = clients_group_and_two_users
+    gid = grp.getgrnam(group).gr_gid
+    rundir = Path(tempfile.mkdtemp(prefix="shmserve-run-"))
+    os.chown(rundir, os.getuid(), gid)
+    os.chmod(rundir, 0o750)
+    srv = ServerProcess(tmp_path, "", socket_dir=rundir)
+    example = (ROOT / "systemd" / "shmserve.toml").read_text()
+    substitutions = (('"shmserve-clients"', f'"{group}"'), ('instance = "shmserve"', f'instance = "{srv.instance}"'),
+                     ("/var/lib/shmserve/models/demo.onnx", demo_config().models[0].path))
+    for old, new in substitutions:
+        assert old in example, old
+        example = example.replace(old, new)
+    srv.config_path.write_text(example)
+    srv.start()
+    try:
+        st = os.stat(srv.socket)
+        assert (st.st_mode & 0o777, st.st_gid) == (0o660, gid)
+
+        def infer() -> str:
+            with Client(srv.socket, timeout=30) as c:
+                return str(c.infer("demo", {"image": np.zeros((1, 3, 32, 32), np.float32)})["probabilities"].shape)
+
+        def groups(pw) -> tuple[int, ...]:
+            return tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
+
+        assert gid in groups(member) and gid not in groups(outsider)
+        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "(1, 10)"
+        refused = as_user(outsider.pw_uid, outsider.pw_gid, groups(outsider), infer)
+        assert "ermission" in refused, refused
+        assert as_user(member.pw_uid, member.pw_gid, groups(member), infer) == "(1, 10)"  # still serving
+    finally:
+        assert srv.stop() == 0, srv.log()
+        os.rmdir(rundir)
 
 
 def test_socket_activation(tmp_path):

@@ -40,14 +40,19 @@ def as_nobody(fn, groups: tuple[int, ...] = ()) -> str:
     """Run ``fn()`` in a forked child that has dropped to nobody:nogroup with the supplementary
     ``groups`` (the interpreter is loaded already, so nothing under root's home needs to be
     readable by nobody); returns what it returned (a str), or the repr of what it raised."""
+    return as_user(NOBODY, NOBODY, groups, fn)
+
+
+def as_user(uid: int, gid: int, groups: tuple[int, ...], fn) -> str:
+    """``as_nobody`` for any uid, primary gid and supplementary groups."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read_end)
             os.setgroups(list(groups))
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setgid(gid)
+            os.setuid(uid)
             answer = fn()
         except BaseException as exc:
             answer = repr(exc)

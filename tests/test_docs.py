@@ -1,0 +1,213 @@
+"""The documentation against the code it describes: every configuration key in docs/config.md with
+its type and default, the README's rules (no link out of the repository, the commands a user needs)
+and its Python example run against a real server.  Adding a key to shmserve/config.py means adding
+its line to docs/config.md; this file says which line is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shmserve import config
+from shmserve.config import ConfigError, ModelConfig, ServerConfig
+
+from helpers.server import TESTS_DIR, ServerProcess
+
+ROOT = TESTS_DIR.parent
+CONFIG_DOC = ROOT / "docs" / "config.md"
+README = ROOT / "README.md"
+
+# Which sections of docs/config.md document which table of the file.
+SECTIONS = {"server": ("`[server]`: the service", "What one client can make the server hold"),
+            "arena": ("`[arena]`",), "models": ("`[[models]]`",)}
+# A key whose dataclass field has another name.
+FIELD_OF = {("arena", "slots"): "arena_slots"}
+# Defaults the code holds as a placeholder (None, empty) and the doc describes in words.
+IN_WORDS = {("server", "spin_us"): "automatic", ("arena", "size_classes"): "derived from",
+            ("models", "inputs"): "from the model", ("models", "outputs"): "from the model"}
+TYPE_WORDS = {int: "integer", float: "number", str: "string", tuple: "list", dict: "table"}
+
+
+def allowed_keys(raw: dict) -> set[str]:
+    """The keys parse() accepts where ``raw`` has an unknown one, from its error message."""
+    with pytest.raises(ConfigError) as err:
+        config.parse(raw)
+    m = re.search(r"unknown key \(allowed: (.*)\)$", str(err.value))
+    assert m, str(err.value)
+    return set(m.group(1).split(", "))
+
+
+def parsed_keys() -> dict[str, set[str]]:
+    return {"server": allowed_keys({"server": {"zz_not_a_key": 1}}),
+            "arena": allowed_keys({"arena": {"zz_not_a_key": 1}}),
+            "models": allowed_keys({"models": [{"zz_not_a_key": 1}]})}
+
+
+def documented_keys() -> dict[str, dict[str, tuple[str, str]]]:
+    """{table: {key: (type, default)}} from the reference tables and the **`key`** — type, default
+    paragraphs of each table's sections."""
+    sections: dict[str, str] = {}
+    for chunk in CONFIG_DOC.read_text().split("\n## ")[1:]:
+        heading, _, body = chunk.partition("\n")
+        sections[heading.strip()] = body
+    found: dict[str, dict[str, tuple[str, str]]] = {}
+    for table, headings in SECTIONS.items():
+        keys: dict[str, tuple[str, str]] = {}
+        for heading in headings:
+            assert heading in sections, f"docs/config.md has no section '## {heading}'"
+            body = sections[heading]
+            for row in re.finditer(r"^\| ((?:`\w+`(?:, )?)+) \| ([^|]*) \| ([^|]*) \|", body, re.M):
+                for key in re.findall(r"`(\w+)`", row.group(1)):
+                    keys[key] = (row.group(2).strip(), row.group(3).strip())
+            for para in re.split(r"\n\s*\n", body):
+                para = " ".join(para.split())
+                m = re.match(r"\*\*`(\w+)`\*\* — ([\w ]+?), default (`[^`]+`|\w+)", para)
+                if m:
+                    keys[m.group(1)] = (m.group(2), m.group(3))
+        found[table] = keys
+    return found
+
+
+def code_default(table: str, key: str):
+    """(has_default, default, annotation's type) of the dataclass field behind ``key``."""
+    cls = ModelConfig if table == "models" else ServerConfig
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    f = fields.get(FIELD_OF.get((table, key), key))
+    if f is None:
+        return None
+    if f.default is not dataclasses.MISSING:
+        return True, f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return True, f.default_factory()
+    return False, None
+
+
+def rendered(key: str, value) -> str:
+    """A default as docs/config.md writes it (TOML)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return oct(value) if key.endswith("_mode") else str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(rendered(key, v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else repr(value)
+    raise AssertionError(f"{key}: no rendering for {value!r}")
+
+
+def test_every_config_key_is_documented_with_its_type_and_default():
+    parsed, documented = parsed_keys(), documented_keys()
+    problems = []
+    for table, keys in parsed.items():
+        for key in sorted(keys):
+            where = f"{table}.{key}"
+            if key not in documented[table]:
+                problems.append(f"{where}: not in docs/config.md (a table row or a **`{key}`** paragraph)")
+                continue
+            doc_type, doc_default = documented[table][key]
+            code = code_default(table, key)
+            if code is None:  # parsed into another field (allow_groups into allow_gids): a default in words
+                if not doc_default:
+                    problems.append(f"{where}: docs/config.md gives no default")
+                continue
+            has_default, value = code
+            if not has_default:
+                if doc_default != "required":
+                    problems.append(f"{where}: required, docs/config.md says default {doc_default!r}")
+                continue
+            if (table, key) in IN_WORDS:
+                if IN_WORDS[table, key] not in doc_default:
+                    problems.append(f"{where}: docs/config.md default {doc_default!r}, "
+                                    f"expected {IN_WORDS[table, key]!r}")
+                continue
+            if value is None:
+                if doc_default != "none":
+                    problems.append(f"{where}: default None, docs/config.md says {doc_default!r}")
+                continue
+            if f"`{rendered(key, value)}`" not in doc_default:
+                problems.append(f"{where}: default {rendered(key, value)}, docs/config.md says {doc_default}")
+            kind = TYPE_WORDS.get(type(value))
+            if kind and kind not in doc_type and not (kind == "list" and "list" in doc_type):
+                problems.append(f"{where}: a {kind}, docs/config.md says {doc_type!r}")
+    for table, keys in documented.items():
+        for key in sorted(set(keys) - parsed[table]):
+            problems.append(f"{table}.{key}: in docs/config.md but not a key parse() accepts")
+    assert not problems, "\n".join(problems)
+
+
+def test_config_doc_states_the_units():
+    text = " ".join(CONFIG_DOC.read_text().split())
+    assert "`*_s`" in text and "seconds" in text
+    assert "`*_us`" in text and "microseconds" in text
+    assert "`*_bytes`" in text and "`*_bytes_per_*`" in text
+
+
+# -- README ----------------------------------------------------------------------------------
+
+def test_readme_links_stay_in_the_repository_and_show_what_a_user_needs():
+    text = README.read_text()
+    assert text.startswith("# shmserve\n\n```sh\n"
+                           "make serve   # install into .venv and run the service on its embedded demo model (CPU)\n"
+                           "make test    # install into .venv with the test extras and run the whole test suite\n"
+                           "```\n")
+    assert not re.search(r"https?://(?!localhost)", text), "a link outside the repository"
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        path = target.split("#")[0]
+        assert not path.startswith(("..", "/")), target
+        assert (ROOT / path).exists(), f"README links to {target}, which is not in the repository"
+    for needed in ("make serve SERVE_ARGS=", "max_batch_size", "max_queue_delay_us", "'.[onnx]'"):
+        assert needed in text, needed
+
+
+def readme_python() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    return "\n".join(blocks)
+
+
+def test_readme_python_examples_run_against_the_demo_model(tmp_path):
+    """Every ```python block of the README, as written, against a server on the demo model."""
+    demo = config.demo_config().models[0].path
+    srv = ServerProcess(tmp_path, f'[[models]]\nname = "demo"\nbackend = "onnxruntime"\npath = "{demo}"\n').start()
+    try:
+        script = tmp_path / "readme_example.py"
+        script.write_text(readme_python())
+        env = dict(os.environ, SHMSERVE_SOCKET=srv.socket)
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                           cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_an_install_carries_every_module_and_the_demo_model(tmp_path):
+    """docs/systemd.md installs with `pip install .` (not -e): the built tree must hold every module
+    of the source tree (a subpackage missing from setup.py breaks only such installs) and the demo model."""
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for package in ("shmserve", "workers"):
+        for source in (ROOT / package).rglob("*.py"):
+            assert (tmp_path / source.relative_to(ROOT)).is_file(), f"{source.relative_to(ROOT)} is not installed"
+    assert (tmp_path / "shmserve" / "models" / "demo.onnx").is_file()
+
+
+def test_readme_config_example_is_a_valid_config(tmp_path):
+    """The README's models.toml parses as written (its model file stands in as an empty file)."""
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        for path in re.findall(r'^path = "([^"]+)"', block, re.M):
+            (tmp_path / path).touch()
+        (tmp_path / "models.toml").write_text(block)
+        cfg = config.load(tmp_path / "models.toml")
+        assert any(m.max_batch_size > 1 and m.max_queue_delay_us > 0 for m in cfg.models)
