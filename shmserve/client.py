@@ -368,6 +368,14 @@ def _estimate(spec: ModelSpec | None, specs: dict) -> int:
     return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
 
 
+def region_limit(info: dict) -> int:
+    """The largest region a server makes, from its ``info`` (its max_request_bytes + slack)."""
+    limit = info.get("max_request_bytes")
+    if type(limit) is not int or limit <= 0:
+        raise ShmserveError(ErrorCode.INTERNAL, f"the server's info has no usable max_request_bytes: {limit!r}")
+    return limit + protocol.REGION_SLACK
+
+
 def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
     """The spec the server lists for ``model`` (None: not listed, or listed without inputs)."""
     entry = next((m for m in listing if m["name"] == model and m.get("inputs")), None)
@@ -387,26 +395,43 @@ class _ZeroCopyPlan:
     ``region`` is an open region of the planned kind with room for the call, or None: then
     open one of ``region_size`` (with ``lane``) and report it with ``opened``, or the server's
     refusal with ``refused``, until ``region`` is set; then ``place``.
+
+    ``region_limit``: the largest region the server makes (``region_limit``), None while
+    unknown; the default region is cut to it, never below what the call needs (a call larger
+    than the server allows gets the server's TOO_LARGE, which names the key to raise).
     """
 
     def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
-                 output_capacity: int | None, regions: list[Region]):
+                 output_capacity: int | None, regions: list[Region], region_limit: int | None = None):
         self.specs, self.sizes = _normalize(inputs)
         self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
         self.needed = _needed_bytes(self.sizes, self.output_capacity)
-        self.region_size = max(DEFAULT_REGION_BYTES, self.needed)  # room for the calls that follow
+        self.region_limit = region_limit
+        self.region_size = self._sized(DEFAULT_REGION_BYTES)  # room for the calls that follow
         self.regions = regions
         self.region = self._region_in()
 
     def opened(self, region: Region) -> None:
         self.region = region
 
-    def refused(self, exc: ShmserveError) -> None:
-        """The server refused the region.  Overloaded (a region limit of the connection or uid,
-        or a lane whose workers serve all they can): first ask for only what this call needs,
-        then for a region without a lane; any other refusal, or the last, is raised."""
+    def limited(self, region_limit: int) -> int:
+        """The server makes regions of at most ``region_limit`` bytes: ask for no more unless the
+        call needs more.  Returns ``region_limit`` (the client keeps it for its next plans)."""
+        self.region_limit = region_limit
+        self.region_size = self._sized(self.region_size)
+        return region_limit
+
+    def refused(self, exc: ShmserveError) -> bool:
+        """The server refused the region.  Too large while the server's limit is unknown and
+        the region is larger than the call needs: returns True, the caller learns the limit
+        (``region_limit`` of its ``info``), passes it to ``limited`` and asks again.  Overloaded
+        (a region limit of the connection or uid, or a lane whose workers serve all they can):
+        first ask for only what this call needs, then for a region without a lane.  Any other
+        refusal, or the last, is raised."""
+        if exc.code is ErrorCode.TOO_LARGE and self.region_limit is None and self.region_size > self.needed:
+            return True
         if exc.code is not ErrorCode.OVERLOADED:
             raise exc
         if self.region_size > self.needed:
@@ -416,11 +441,16 @@ class _ZeroCopyPlan:
             self.region = self._region_in()
         else:
             raise exc
+        return False
 
     def place(self) -> tuple:
         """(region, inputs placed, output offset, output capacity): ZeroCopyCall's arguments."""
         placed, out_off = _place(self.region, self.specs, self.sizes, self.output_capacity)
         return self.region, placed, out_off, self.output_capacity
+
+    def _sized(self, size: int) -> int:
+        limit = self.region_limit
+        return max(self.needed, size if limit is None else min(size, limit))
 
     def _region_in(self) -> Region | None:
         return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane],
@@ -444,6 +474,7 @@ class _ClientBase:
         self._session = ClientSession()
         self._regions: list[Region] = []
         self._specs: dict[str, ModelSpec | None] = {}
+        self._region_limit: int | None = None  # the server's largest region, learned when one is refused
 
     def _add_region(self, grant: RegionGranted) -> Region:
         region = Region(grant.region, grant.size, grant.fd, grant.lane)
@@ -452,7 +483,7 @@ class _ClientBase:
 
     def _plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> _ZeroCopyPlan:
         return _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity,
-                             self._regions)
+                             self._regions, self._region_limit)
 
     def _release(self) -> None:
         """Unmap the regions; the session closes the descriptors it still holds."""
@@ -531,7 +562,8 @@ class Client(_ClientBase):
             try:
                 plan.opened(self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                plan.refused(exc)
+                if plan.refused(exc):
+                    self._region_limit = plan.limited(region_limit(self.info()))
         return ZeroCopyCall(self, model, *plan.place())
 
     def close(self) -> None:
@@ -706,7 +738,8 @@ class AsyncClient(_ClientBase):
             try:
                 plan.opened(await self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                plan.refused(exc)
+                if plan.refused(exc):
+                    self._region_limit = plan.limited(region_limit(await self.info()))
         return AsyncZeroCopyCall(self, model, *plan.place())
 
     # -- the pump -------------------------------------------------------------------------

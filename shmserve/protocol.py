@@ -65,6 +65,7 @@ MAX_TENSORS_PER_MESSAGE = 16  # the arena's MAX_TENSORS: a slot holds inputs and
 MAX_NAME = 256
 MAX_DIMS = 8
 MAX_REQUEST_ID = 2**63 - 1
+REGION_SLACK = 1 << 20  # a region may hold one largest request (server.max_request_bytes) plus this much
 SUPPORTED_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                     "float16", "float32", "float64")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, protocol
+from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, layout, protocol
 from shmserve.protocol import Kind
 
 from conftest import shm_names
@@ -144,6 +145,50 @@ def test_zero_copy_descriptors_are_bounds_checked(server):
             c.open_region(2**40)
         assert info.value.code is ErrorCode.TOO_LARGE
         assert infer_region(c, region.id).outputs[0].offset == 4096
+
+
+IDENTITY_ONLY = """
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+"""
+
+
+def test_zero_copy_fits_its_regions_to_a_small_max_request_bytes(tmp_path):
+    """With max_request_bytes = 1 MiB the default 64 MiB region is refused: both clients learn
+    the server's limit once and ask for regions within it; a call larger than the limit gets the
+    server's TOO_LARGE, which names the key to raise."""
+    x = np.arange(100_000, dtype=np.uint8)
+    with serving(tmp_path, IDENTITY_ONLY, server_section="max_request_bytes = 1048576") as srv:
+        limit = srv.info()["max_request_bytes"] + protocol.REGION_SLACK
+        for lanes in (True, False):
+            with Client(srv.socket, lanes=lanes) as c:
+                for _ in range(2):
+                    with c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                        call.inputs["x"][...] = x
+                        np.testing.assert_array_equal(call.run()["y"], x)
+                assert c._region_limit == limit
+                assert all(r.size - (layout.LANE_BYTES if r.lane else 0) <= limit for r in c._regions)
+                with pytest.raises(ShmserveError) as info:
+                    c.zero_copy("identity", {"x": ((2 << 20,), np.uint8)})
+                assert info.value.code is ErrorCode.TOO_LARGE
+                assert "raise [server] max_request_bytes" in info.value.message, info.value
+                with pytest.raises(ShmserveError) as info:  # inline: the same key, in the same words
+                    c.infer("identity", {"x": np.zeros(2 << 20, np.uint8)})
+                assert info.value.code is ErrorCode.TOO_LARGE
+                assert "request needs 4.00 MiB > max_request_bytes (1 MiB): raise [server] max_request_bytes" \
+                    in info.value.message, info.value
+
+        async def main():
+            async with AsyncClient(srv.socket) as c:
+                async with await c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                    call.inputs["x"][...] = x
+                    np.testing.assert_array_equal((await call.run())["y"], x)
+                return c._region_limit
+
+        assert asyncio.run(main()) == limit
+        srv.wait_idle()
 
 
 def test_another_clients_region_is_out_of_reach(server):
