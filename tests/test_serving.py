@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, layout, protocol
+from shmserve import AsyncClient, BadArgument, Client, ErrorCode, ShmserveError, layout, protocol
 from shmserve.protocol import Kind
 
 from conftest import shm_names
@@ -110,6 +110,48 @@ def test_bad_requests_get_stable_codes_and_the_server_keeps_serving(server, mode
         assert info.value.message
         np.testing.assert_array_equal(c.infer("identity", {"x": np.arange(9, dtype=np.uint8)})["y"], np.arange(9))
     server.wait_idle()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 86401, True, "5"])
+def test_bad_timeouts_are_refused_by_the_client_before_sending(server, timeout):
+    """A timeout out of (0, 86400] s is the caller's mistake, said in its own process (BadArgument:
+    a ShmserveError with code bad_argument and a ValueError), not a server's bad_frame."""
+    with pytest.raises(BadArgument) as info:
+        Client(server.socket, timeout=timeout)
+    assert info.value.code is ErrorCode.BAD_ARGUMENT and isinstance(info.value, ValueError)
+    assert "timeout must be a number of seconds in (0, 86400]" in info.value.message
+    x = np.ones(4, np.uint8)
+    with server.client() as c:
+        with pytest.raises(BadArgument):
+            c.infer("identity", {"x": x}, timeout=timeout)
+        for lanes in (True, False):
+            c.lanes = lanes
+            with c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                with pytest.raises(BadArgument):
+                    call.run(timeout=timeout)
+        assert c.infer("identity", {"x": x}, timeout=5)["y"].tolist() == [1] * 4  # nothing was sent: still in step
+
+    async def main():
+        async with AsyncClient(server.socket) as c:
+            with pytest.raises(BadArgument):
+                await c.infer("identity", {"x": x}, timeout=timeout)
+            return (await c.infer("identity", {"x": x}))["y"].tolist()
+
+    assert asyncio.run(main()) == [1] * 4
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("shape,dtype,code", [
+    ((4,), np.complex64, ErrorCode.BAD_DTYPE), ((4,), "nope", ErrorCode.BAD_DTYPE), ((4,), ">f4", ErrorCode.BAD_DTYPE),
+    ((-4,), np.uint8, ErrorCode.BAD_SHAPE), (4, np.uint8, ErrorCode.BAD_SHAPE), ((1.5,), np.uint8, ErrorCode.BAD_SHAPE),
+    ((1,) * 9, np.uint8, ErrorCode.BAD_SHAPE),
+])
+def test_bad_zero_copy_inputs_are_refused_by_the_client(server, shape, dtype, code):
+    with server.client() as c:
+        with pytest.raises(BadArgument) as info:
+            c.zero_copy("identity", {"x": (shape, dtype)})
+        assert info.value.code is code and "input 'x'" in info.value.message, info.value
+        assert not c._regions  # refused before any region was asked for
 
 
 def test_timeout(server):
