@@ -658,16 +658,31 @@ def _exercise_everything(server):
     raw_exchange(server.socket, b"garbage that is not a frame")
 
 
+def _second_serve(server, *args: str, instance: str | None = None) -> subprocess.CompletedProcess:
+    """``serve`` with the running server's config file; returns once it exited."""
+    instance_args = ["--instance", instance] if instance else []
+    return subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
+                           *instance_args, *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+
+
 def test_a_second_server_for_the_same_instance_refuses_cleanly(server, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
-                        "--socket", str(tmp_path / "second.sock")], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
-    assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    """A second serve for a live instance names the pid that serves it and its socket and suggests
+    another --instance; one for another instance on a live server's socket names that server's pid.
+    Both say so before spawning a worker (no model is loaded for nothing)."""
+    r = _second_serve(server, "--socket", str(tmp_path / "second.sock"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (f"instance {server.instance!r} is already served by pid {server.proc.pid}, listening on "
+            f"{server.socket}; stop that server first, or start this one with another --instance") in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "worker" not in r.stderr, r.stderr
+    assert not (tmp_path / "second.sock").exists()
+    r = _second_serve(server, "--socket", server.socket, instance="other-" + server.instance[-8:])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"another server (pid {server.proc.pid}) is listening on {server.socket}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "worker" not in r.stderr, r.stderr
     with server.client() as c:  # the first one is untouched
         assert c.infer("identity", {"x": np.ones(2, np.uint8)})["y"].sum() == 2
-    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
-                        "--instance", "other-" + server.instance[-8:], "--socket", "/tmp/" + "s" * 120],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+    r = _second_serve(server, "--socket", "/tmp/" + "s" * 120, instance="other-" + server.instance[-8:])
     assert r.returncode != 0 and "107 bytes" in r.stderr
 
 
