@@ -78,6 +78,12 @@ def check_not_served(instance: str) -> None:
                      f"start this one with another --instance")
 
 
+def strict_refusal(unready: list[ModelState], n_models: int) -> str:
+    """The one line a strict start ends with: which models did not load, and why."""
+    why = "; ".join(" ".join(m.unavailable_reason().split()) for m in unready)
+    return f"shmserve serve: strict: {len(unready)} of {n_models} models did not load, not serving: {why}"
+
+
 class Frontend:
     def __init__(self, config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
                  config_path: str | None = None, metrics_address: str | None = None):
@@ -119,9 +125,11 @@ class Frontend:
             systemd.notify(f"STATUS=loading {n_workers} worker(s)")
             tasks.append(loop.create_task(self.supervisor.watch_health()))
             await self.supervisor.start_all(STARTUP_TIMEOUT_S)
-            for m in self.models.values():
-                if m.state != MODEL_READY:
-                    log.error("%s", m.unavailable_reason())
+            unready = [m for m in self.models.values() if m.state != MODEL_READY]
+            for m in unready:
+                log.error("%s", m.unavailable_reason())
+            if unready and self.config.strict:  # stopped in order by the finally below
+                raise SystemExit(strict_refusal(unready, len(self.models)))
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
             server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)

@@ -23,7 +23,7 @@ from shmserve.protocol import Kind
 
 from conftest import shm_names
 from helpers.other_user import as_nobody, server_nobody_can_reach
-from helpers.server import DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
+from helpers.server import BROKEN_MODEL, DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
 
 MiB = 1024 * 1024
 @pytest.fixture(scope="module")
@@ -684,6 +684,26 @@ def test_a_second_server_for_the_same_instance_refuses_cleanly(server, tmp_path)
         assert c.infer("identity", {"x": np.ones(2, np.uint8)})["y"].sum() == 2
     r = _second_serve(server, "--socket", "/tmp/" + "s" * 120, instance="other-" + server.instance[-8:])
     assert r.returncode != 0 and "107 bytes" in r.stderr
+
+
+@pytest.mark.parametrize("how", ["--strict", "strict = true"])
+def test_strict_serve_stops_when_a_model_cannot_load(tmp_path, how):
+    """``serve --strict`` (or [server] strict = true): a model that cannot load stops the start
+    with exit 1 and one line naming it and why; nothing is left behind.  Without it the others
+    are served (the module's server has a broken model too)."""
+    before = shm_names()
+    srv = ServerProcess(tmp_path, IDENTITY_ONLY + BROKEN_MODEL, extra_args=[how] if how.startswith("--") else [],
+                        server_section="" if how.startswith("--") else how)
+    with pytest.raises(RuntimeError) as info:
+        srv.start()
+    assert srv.proc.returncode == 1
+    last = srv.log().strip().splitlines()[-1]
+    assert last == ("shmserve serve: strict: 1 of 2 models did not load, not serving: model 'broken' is "
+                    "unavailable: cannot load model 'broken' (python, serving_models:broken_factory): "
+                    "RuntimeError: this model cannot be loaded"), info.value
+    assert "Traceback" not in srv.log().split("cannot be loaded")[-1]
+    assert shm_names() == before and not os.path.exists(srv.socket)
+    srv.stop()
 
 
 def test_a_refused_request_is_answered_after_earlier_ones_on_its_connection(server):
