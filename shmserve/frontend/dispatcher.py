@@ -74,7 +74,6 @@ def _size(nbytes: int) -> str:
 
 # Answers are tuples (NamedTuple): one or two are made per request, so they must be cheap.
 
-
 class Output(NamedTuple):
     """One output tensor of a result.  ``offset``: where it lies in the request's region
     (zero-copy) or the arena (inline); ``view``: inline only, the bytes, a view of the arena."""
