@@ -19,6 +19,7 @@ _PUBLIC = {
     "Client": "shmserve.client",
     "AsyncClient": "shmserve.client",
     "ShmserveError": "shmserve.errors",
+    "BadArgument": "shmserve.errors",
     "ConnectionClosed": "shmserve.errors",
     "ErrorCode": "shmserve.errors",
 }

@@ -69,6 +69,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"shmserve: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.strict:
+        from dataclasses import replace
+
+        config = replace(config, strict=True)
     if args.metrics and "/" not in args.metrics:
         from shmserve.metrics import check_loopback
 
@@ -285,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--instance", help="instance name (overrides the config)")
     serve.add_argument("--metrics", metavar="ADDR", help="serve Prometheus metrics on a Unix socket path or a "
                                                           "loopback host:port")
+    serve.add_argument("--strict", action="store_true", help="a model that cannot load stops the start "
+                                                             "(exit 1) instead of serving the others ([server] strict)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (one line per request)")
     serve.set_defaults(func=_cmd_serve)

@@ -53,7 +53,7 @@ from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import TensorMeta
 from shmserve.session import (NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed,
-                              check_server)
+                              check_server, check_tensor, check_timeout)
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
@@ -241,9 +241,10 @@ class ZeroCopyCall:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
         Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's)."""
         client = self.client
+        seconds = client._timeout(timeout)  # checked before anything is submitted
         if self._lane_usable():
             index, generation = self._lane_submit()
-            self.region.lane.wait(index, generation, time.monotonic() + (timeout or client.timeout),
+            self.region.lane.wait(index, generation, time.monotonic() + seconds,
                                   client._lane_spin_s, client._check_alive)
             return self._lane_collect(index, generation)
         return self._views(client._exchange(self._request(timeout), timeout).outputs)
@@ -274,7 +275,7 @@ class ZeroCopyCall:
         tensors = [TensorMeta(name, view.dtype.name, view.shape, offset)
                    for name, (offset, view) in self._inputs.items()]
         return self.client._session.infer_region(self.model, tensors, self.region.id, self.out_offset,
-                                                 self.out_capacity, timeout or self.client.timeout)
+                                                 self.out_capacity, self.client._timeout(timeout))
 
     def _views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:
         """Read-only views of the region where the outputs were placed (checked to lie in the
@@ -309,9 +310,10 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        seconds = self.client._timeout(timeout)  # checked before anything is submitted
         if self._lane_usable():
             index, generation = self._lane_submit()
-            await self.client._lane_watcher(self.region).wait(index, generation, timeout or self.client.timeout)
+            await self.client._lane_watcher(self.region).wait(index, generation, seconds)
             return self._lane_collect(index, generation)
         return self._views((await self.client._exchange(self._request(timeout), timeout)).outputs)
 
@@ -325,7 +327,7 @@ class AsyncZeroCopyCall(ZeroCopyCall):
 # -- planning where a zero-copy call goes (both clients) ------------------------------------
 
 def _normalize(inputs: Mapping[str, tuple]) -> tuple[dict, dict]:
-    specs = {name: (tuple(int(d) for d in shape), np.dtype(dtype)) for name, (shape, dtype) in inputs.items()}
+    specs = {name: check_tensor(name, shape, dtype) for name, (shape, dtype) in inputs.items()}
     return specs, {name: protocol.tensor_nbytes(dt.name, shape) for name, (shape, dt) in specs.items()}
 
 
@@ -368,6 +370,14 @@ def _estimate(spec: ModelSpec | None, specs: dict) -> int:
     return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
 
 
+def region_limit(info: dict) -> int:
+    """The largest region a server makes, from its ``info`` (its max_request_bytes + slack)."""
+    limit = info.get("max_request_bytes")
+    if type(limit) is not int or limit <= 0:
+        raise ShmserveError(ErrorCode.INTERNAL, f"the server's info has no usable max_request_bytes: {limit!r}")
+    return limit + protocol.REGION_SLACK
+
+
 def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
     """The spec the server lists for ``model`` (None: not listed, or listed without inputs)."""
     entry = next((m for m in listing if m["name"] == model and m.get("inputs")), None)
@@ -387,26 +397,43 @@ class _ZeroCopyPlan:
     ``region`` is an open region of the planned kind with room for the call, or None: then
     open one of ``region_size`` (with ``lane``) and report it with ``opened``, or the server's
     refusal with ``refused``, until ``region`` is set; then ``place``.
+
+    ``region_limit``: the largest region the server makes (``region_limit``), None while
+    unknown; the default region is cut to it, never below what the call needs (a call larger
+    than the server allows gets the server's TOO_LARGE, which names the key to raise).
     """
 
     def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
-                 output_capacity: int | None, regions: list[Region]):
+                 output_capacity: int | None, regions: list[Region], region_limit: int | None = None):
         self.specs, self.sizes = _normalize(inputs)
         self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
         self.needed = _needed_bytes(self.sizes, self.output_capacity)
-        self.region_size = max(DEFAULT_REGION_BYTES, self.needed)  # room for the calls that follow
+        self.region_limit = region_limit
+        self.region_size = self._sized(DEFAULT_REGION_BYTES)  # room for the calls that follow
         self.regions = regions
         self.region = self._region_in()
 
     def opened(self, region: Region) -> None:
         self.region = region
 
-    def refused(self, exc: ShmserveError) -> None:
-        """The server refused the region.  Overloaded (a region limit of the connection or uid,
-        or a lane whose workers serve all they can): first ask for only what this call needs,
-        then for a region without a lane; any other refusal, or the last, is raised."""
+    def limited(self, region_limit: int) -> int:
+        """The server makes regions of at most ``region_limit`` bytes: ask for no more unless the
+        call needs more.  Returns ``region_limit`` (the client keeps it for its next plans)."""
+        self.region_limit = region_limit
+        self.region_size = self._sized(self.region_size)
+        return region_limit
+
+    def refused(self, exc: ShmserveError) -> bool:
+        """The server refused the region.  Too large while the server's limit is unknown and
+        the region is larger than the call needs: returns True, the caller learns the limit
+        (``region_limit`` of its ``info``), passes it to ``limited`` and asks again.  Overloaded
+        (a region limit of the connection or uid, or a lane whose workers serve all they can):
+        first ask for only what this call needs, then for a region without a lane.  Any other
+        refusal, or the last, is raised."""
+        if exc.code is ErrorCode.TOO_LARGE and self.region_limit is None and self.region_size > self.needed:
+            return True
         if exc.code is not ErrorCode.OVERLOADED:
             raise exc
         if self.region_size > self.needed:
@@ -416,11 +443,16 @@ class _ZeroCopyPlan:
             self.region = self._region_in()
         else:
             raise exc
+        return False
 
     def place(self) -> tuple:
         """(region, inputs placed, output offset, output capacity): ZeroCopyCall's arguments."""
         placed, out_off = _place(self.region, self.specs, self.sizes, self.output_capacity)
         return self.region, placed, out_off, self.output_capacity
+
+    def _sized(self, size: int) -> int:
+        limit = self.region_limit
+        return max(self.needed, size if limit is None else min(size, limit))
 
     def _region_in(self) -> Region | None:
         return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane],
@@ -437,13 +469,18 @@ class _ClientBase:
                  server_uid: int | str | None):
         self.path = resolve_socket(socket_path, None, instance)
         self.trusted = trusted_server_uids(server_uid)  # who may serve us: we check before sending
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         # Zero-copy calls go through a lane (a region with its own queue to a worker: no socket
         # round trip) unless this is False (then each call is a descriptor over the socket).
         self.lanes = lanes
         self._session = ClientSession()
         self._regions: list[Region] = []
         self._specs: dict[str, ModelSpec | None] = {}
+        self._region_limit: int | None = None  # the server's largest region, learned when one is refused
+
+    def _timeout(self, timeout: float | None) -> float:
+        """A call's timeout: ``timeout``, else the client's.  BadArgument if out of range."""
+        return self.timeout if timeout is None else check_timeout(timeout)
 
     def _add_region(self, grant: RegionGranted) -> Region:
         region = Region(grant.region, grant.size, grant.fd, grant.lane)
@@ -452,7 +489,7 @@ class _ClientBase:
 
     def _plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> _ZeroCopyPlan:
         return _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity,
-                             self._regions)
+                             self._regions, self._region_limit)
 
     def _release(self) -> None:
         """Unmap the regions; the session closes the descriptors it still holds."""
@@ -473,6 +510,9 @@ class Client(_ClientBase):
     our own and root (default: $SHMSERVE_SERVER_UID).  ConnectionClosed if no
     server listens there; ShmserveError PERMISSION_DENIED if another uid does
     (nothing is sent to it); ValueError for a ``server_uid`` that is no user.
+    Arguments are checked here, before anything is sent: a timeout that is not in
+    (0, 86400] s, or a zero-copy input's unsupported dtype or malformed shape, raise
+    ``BadArgument`` (a ShmserveError and a ValueError).
     """
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = 60.0, instance: str = DEFAULT_INSTANCE,
@@ -494,7 +534,7 @@ class Client(_ClientBase):
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays)."""
-        return self._exchange(self._session.infer(model, inputs, timeout or self.timeout), timeout).outputs
+        return self._exchange(self._session.infer(model, inputs, self._timeout(timeout)), timeout).outputs
 
     def models(self) -> list[dict]:
         """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
@@ -531,7 +571,8 @@ class Client(_ClientBase):
             try:
                 plan.opened(self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                plan.refused(exc)
+                if plan.refused(exc):
+                    self._region_limit = plan.limited(region_limit(self.info()))
         return ZeroCopyCall(self, model, *plan.place())
 
     def close(self) -> None:
@@ -556,7 +597,7 @@ class Client(_ClientBase):
             # The server may have said why before it closed (e.g. permission_denied): report that.
             self._receive(rid, time.monotonic() + 1.0)
             raise self._fail(f"connection to {self.path} lost while sending: {exc}") from None
-        return self._receive(rid, time.monotonic() + (timeout or self.timeout) + ANSWER_GRACE_S)
+        return self._receive(rid, time.monotonic() + self._timeout(timeout) + ANSWER_GRACE_S)
 
     def _send(self, parts: list) -> None:
         while parts:
@@ -680,7 +721,7 @@ class AsyncClient(_ClientBase):
     # -- public API (as Client's) ---------------------------------------------------------
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
-        return (await self._exchange(self._session.infer(model, inputs, timeout or self.timeout), timeout)).outputs
+        return (await self._exchange(self._session.infer(model, inputs, self._timeout(timeout)), timeout)).outputs
 
     async def models(self) -> list[dict]:
         return (await self._exchange(self._session.models())).value
@@ -706,7 +747,8 @@ class AsyncClient(_ClientBase):
             try:
                 plan.opened(await self.open_region(plan.region_size, lane=plan.lane))
             except ShmserveError as exc:
-                plan.refused(exc)
+                if plan.refused(exc):
+                    self._region_limit = plan.limited(region_limit(await self.info()))
         return AsyncZeroCopyCall(self, model, *plan.place())
 
     # -- the pump -------------------------------------------------------------------------
@@ -731,7 +773,7 @@ class AsyncClient(_ClientBase):
                 except OSError as exc:
                     self._fail_all(self._session.fail(f"connection lost while sending: {exc}"))
             try:
-                return await asyncio.wait_for(future, (timeout or self.timeout) + ANSWER_GRACE_S)
+                return await asyncio.wait_for(future, self._timeout(timeout) + ANSWER_GRACE_S)
             except asyncio.TimeoutError:
                 raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
         finally:

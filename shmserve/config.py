@@ -32,6 +32,7 @@ File format::
     stall_timeout_s = 10            # answers unread this long: the connection is closed, all it held freed
     frame_timeout_s = 10            # a frame's header and metadata must arrive within this, once begun
     upload_timeout_s = 10           # an inline request's payload must arrive within this, once it has space
+    strict = false                  # true: a model that cannot load stops the start (exit 1); also serve --strict
 
     [arena]
     slots = 256
@@ -159,6 +160,11 @@ class ServerConfig:
     # Once an inline request has arena space, its payload must arrive within this; else it is
     # answered 'timeout', its space is freed and the connection is closed.
     upload_timeout_s: float = 10.0
+    # -- start-up --
+    # Strict (like Triton's --exit-on-error): a model none of whose workers is ready once start-up
+    # has waited for them stops the start, with exit 1 and one line naming it and why, instead of
+    # serving the others (``health`` would say degraded).  Off: the others are served.
+    strict: bool = False
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -256,7 +262,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups", "restart_healthy_s", *CLIENT_LIMIT_KEYS} | REGION_KEYS)
+                              "allow_groups", "restart_healthy_s", "strict", *CLIENT_LIMIT_KEYS} | REGION_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -301,6 +307,10 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             except KeyError:
                 raise ConfigError(f"server.allow_groups[{i}]: no group {name!r} on this machine") from None
         kw["allow_gids"] = tuple(gids)
+    if "strict" in server:
+        if type(server["strict"]) is not bool:
+            raise ConfigError(f"server.strict: expected true or false, got {server['strict']!r}")
+        kw["strict"] = server["strict"]
     if "slots" in arena:
         kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
     if "size_classes" in arena:

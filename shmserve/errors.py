@@ -26,6 +26,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 8  # tensors larger than the configured limit or the arena
     BAD_REGION = 9  # zero-copy region, offset or size outside the client's space
     PERMISSION_DENIED = 10
+    BAD_ARGUMENT = 11  # a client library call's own argument (a timeout of 0): refused before sending
     # Ours, or the situation's: retry later or tell an operator.
     TIMEOUT = 20
     OVERLOADED = 21
@@ -77,3 +78,8 @@ class ConnectionClosed(ShmserveError):
 
     def __init__(self, message: str):
         super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+class BadArgument(ShmserveError, ValueError):
+    """A client library call's argument is invalid (a timeout, a dtype, a shape): raised in the
+    caller's process before anything is sent.  Both a ShmserveError (``.code``) and a ValueError."""

@@ -65,6 +65,8 @@ MAX_TENSORS_PER_MESSAGE = 16  # the arena's MAX_TENSORS: a slot holds inputs and
 MAX_NAME = 256
 MAX_DIMS = 8
 MAX_REQUEST_ID = 2**63 - 1
+MAX_TIMEOUT_S = 86400  # a request's timeout_s: a day is longer than any inference should wait
+REGION_SLACK = 1 << 20  # a region may hold one largest request (server.max_request_bytes) plus this much
 SUPPORTED_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                     "float16", "float32", "float64")
 
@@ -428,8 +430,8 @@ def parse_infer(meta: dict, *, zero_copy: bool) -> InferRequest:
     model = parse_name(meta.get("model"), "'model'")
     inputs = parse_tensor_list(meta.get("inputs"), "inputs", with_offset=zero_copy)
     timeout = meta.get("timeout_s")
-    _require(timeout is None or (type(timeout) in (int, float) and 0 < timeout <= 86400),
-             "'timeout_s' must be a number of seconds in (0, 86400]")
+    _require(timeout is None or (type(timeout) in (int, float) and 0 < timeout <= MAX_TIMEOUT_S),
+             f"'timeout_s' must be a number of seconds in (0, {MAX_TIMEOUT_S}]")
     if not zero_copy:
         return InferRequest(rid, model, inputs, timeout)
     region = _int(meta, "region", 1, 2**32 - 1, ErrorCode.BAD_REGION)

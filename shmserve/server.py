@@ -1,6 +1,7 @@
 """The front-end's composition root: build the parts, wire them, run, shut down in order.
 
-Owns: the order of start-up (sweep a dead predecessor's arena and regions,
+Owns: the order of start-up (refuse, before spawning anything, an instance or a
+socket path a live server holds, naming its pid; sweep a dead predecessor's arena and regions,
 create the arena, start and warm the workers, then listen and report
 READY), the event loop's hooks (the completion eventfd, the signals, the
 owner heartbeat, systemd's watchdog), reload on SIGHUP, and the order of
@@ -66,6 +67,23 @@ def door_limits_of(config: ServerConfig) -> DoorLimits:
                       upload_timeout_s=config.upload_timeout_s)
 
 
+def check_not_served(instance: str) -> None:
+    """SystemExit naming the server and the fix if a live server already serves ``instance``
+    (its arena's owner holds it); a dead one's arena is the sweep's to remove."""
+    live = stale.live_arena(instance)
+    if live is None:
+        return
+    who = f"pid {live.owner_pid}" + (f", listening on {live.socket_path}" if live.socket_path else "")
+    raise SystemExit(f"shmserve: instance {instance!r} is already served by {who}; stop that server first, or "
+                     f"start this one with another --instance")
+
+
+def strict_refusal(unready: list[ModelState], n_models: int) -> str:
+    """The one line a strict start ends with: which models did not load, and why."""
+    why = "; ".join(" ".join(m.unavailable_reason().split()) for m in unready)
+    return f"shmserve serve: strict: {len(unready)} of {n_models} models did not load, not serving: {why}"
+
+
 class Frontend:
     def __init__(self, config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
                  config_path: str | None = None, metrics_address: str | None = None):
@@ -88,6 +106,7 @@ class Frontend:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         workerlink.raise_descriptor_limit()
+        check_not_served(self.config.instance)  # these two before anything is spawned: no model load is wasted
         if self.listen_sock is None:
             check_socket_path(self.socket_path)
         for removed in stale.sweep(self.config.instance):
@@ -106,9 +125,11 @@ class Frontend:
             systemd.notify(f"STATUS=loading {n_workers} worker(s)")
             tasks.append(loop.create_task(self.supervisor.watch_health()))
             await self.supervisor.start_all(STARTUP_TIMEOUT_S)
-            for m in self.models.values():
-                if m.state != MODEL_READY:
-                    log.error("%s", m.unavailable_reason())
+            unready = [m for m in self.models.values() if m.state != MODEL_READY]
+            for m in unready:
+                log.error("%s", m.unavailable_reason())
+            if unready and self.config.strict:  # stopped in order by the finally below
+                raise SystemExit(strict_refusal(unready, len(self.models)))
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
             server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)

@@ -62,17 +62,51 @@ import numpy as np
 
 from shmserve import layout, protocol
 from shmserve.config import SERVER_UID_ENV
-from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.errors import BadArgument, ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import NEED_DATA, Frame, Kind, PayloadDone, TensorMeta
 
 __all__ = ["NEED_DATA", "ClientSession", "ConnectionFailed", "InferResult", "Placement", "RegionGranted",
-           "RegionResult", "Reply", "RequestFailed", "check_server"]
+           "RegionResult", "Reply", "RequestFailed", "check_server", "check_tensor", "check_timeout"]
 
 READ_BUFFER = 256 * 1024  # scratch for frame headers and metadata; a result's payload goes to its arrays
 
 _DTYPES = {name: np.dtype(name) for name in protocol.SUPPORTED_DTYPES}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # dtype.name is slow
 NOT_SENT = "server answered a request this client did not send"
+
+
+# -- the caller's arguments, checked before anything is sent -------------------------------
+
+def check_timeout(timeout_s) -> float:
+    """``timeout_s`` if it is a number of seconds the server accepts, in (0, MAX_TIMEOUT_S].
+
+    Raises BadArgument (BAD_ARGUMENT), naming the value."""
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s <= protocol.MAX_TIMEOUT_S:
+        raise BadArgument(ErrorCode.BAD_ARGUMENT, f"timeout must be a number of seconds in "
+                                                  f"(0, {protocol.MAX_TIMEOUT_S}], not {timeout_s!r}")
+    return timeout_s
+
+
+def check_tensor(name: str, shape, dtype) -> tuple[tuple[int, ...], np.dtype]:
+    """A zero-copy input's ``(shape, dtype)`` as (tuple of ints, supported numpy dtype).
+
+    Raises BadArgument: BAD_DTYPE for a dtype the protocol does not carry, BAD_SHAPE for a
+    shape that is not a sequence of at most MAX_DIMS non-negative integers."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt not in _DTYPE_NAMES:
+        raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {dtype!r} is not supported (supported: "
+                                               f"{', '.join(protocol.SUPPORTED_DTYPES)})")
+    try:
+        dims = tuple(int(d) if isinstance(d, (int, np.integer)) else None for d in shape)
+    except TypeError:
+        dims = (None,)
+    if len(dims) > protocol.MAX_DIMS or any(d is None or d < 0 for d in dims):
+        raise BadArgument(ErrorCode.BAD_SHAPE, f"input {name!r}: shape must be at most {protocol.MAX_DIMS} "
+                                               f"non-negative integers, not {shape!r}")
+    return dims, dt
 
 
 # -- who may serve --------------------------------------------------------------------------
@@ -207,13 +241,15 @@ class ClientSession:
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float) -> tuple[int, list]:
         """An inline request: its frame header, then each input's bytes from the array itself.
-        BAD_DTYPE (before an id is taken) for an unsupported dtype; ConnectionClosed if failed."""
+        BadArgument (before an id is taken): BAD_DTYPE for an unsupported dtype, BAD_ARGUMENT for
+        a timeout out of range (``check_timeout``); ConnectionClosed if failed."""
+        check_timeout(timeout_s)
         metas, parts, total = [], [b""], 0
         for name, value in inputs.items():
             a = np.ascontiguousarray(value)
             dtype = _DTYPE_NAMES.get(a.dtype)
             if dtype is None:
-                raise ShmserveError(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
+                raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
             metas.append({"name": name, "dtype": dtype, "shape": a.shape})
             if a.nbytes:
                 parts.append(_raw(a))
@@ -226,7 +262,9 @@ class ClientSession:
     def infer_region(self, model: str, inputs: Sequence[TensorMeta], region: int, output_offset: int,
                      output_capacity: int, timeout_s: float) -> tuple[int, list]:
         """A zero-copy request: ``inputs`` (with offsets) already lie in ``region``; outputs
-        go to [output_offset, output_offset + output_capacity) of it.  ConnectionClosed if failed."""
+        go to [output_offset, output_offset + output_capacity) of it.  BadArgument for a timeout
+        out of range (``check_timeout``); ConnectionClosed if failed."""
+        check_timeout(timeout_s)
         rid = self._expect(_INFER_REGION, (output_offset, output_offset + output_capacity))
         return rid, [protocol.encode_frame(_INFER_REGION.request, {
             "id": rid, "model": model, "inputs": [t.to_wire() for t in inputs], "region": region,

@@ -100,6 +100,13 @@ def refusal(st: os.stat_result) -> str:
     return ""
 
 
+def live_arena(instance: str) -> ArenaRecord | None:
+    """The arena of ``instance`` that a live server of a trusted owner serves (its header read),
+    or None: none, a dead one's, or a name held by something else (``Arena.create`` says what)."""
+    return next((r for r in list_arenas(instance) if not r.region and r.valid and r.owner_alive and not r.refused),
+                None)
+
+
 def list_arenas(instance: str | None = None) -> list[ArenaRecord]:
     """Describe every ``shmserve.*`` entry (or only ``instance``'s), whoever owns it.  Never raises
     for a bad entry and never blocks on one (a FIFO or device is lstat'ed, not opened)."""

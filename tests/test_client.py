@@ -304,5 +304,11 @@ def test_a_refused_zero_copy_region_is_asked_again_smaller_then_without_a_lane()
         plan.refused(overloaded)
     assert info.value is overloaded
     plan = _ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
-    with pytest.raises(ShmserveError):
-        plan.refused(ShmserveError(ErrorCode.TOO_LARGE, "too large"))
+    too_large = ShmserveError(ErrorCode.TOO_LARGE, "too large")
+    assert plan.refused(too_large) is True  # the server's limit is unknown: learn it and ask again
+    assert plan.limited(1 << 20) == 1 << 20 and plan.region_size == 1 << 20
+    with pytest.raises(ShmserveError) as info:  # known now: the server's answer stands
+        plan.refused(too_large)
+    assert info.value is too_large
+    plan = _ZeroCopyPlan(spec, "m", {"x": ((4 << 20,), np.uint8)}, None, [], region_limit=1 << 20)
+    assert plan.region_size == plan.needed > 4 << 20  # never less than the call needs: the server says why

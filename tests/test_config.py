@@ -50,6 +50,8 @@ def test_full_config(tmp_path):
     assert a.inputs[0].shape == ("batch", 3) and b.options == {"threads": 2}
     assert cfg.arena_size_classes() == ((4096, 8), (1048576, 2)) and cfg.socket_mode == 0o660
     assert cfg.restart_healthy_s == 0.5 and config.ServerConfig(models=()).restart_healthy_s == 10.0
+    assert not cfg.strict and config.parse({"server": {"strict": True}, "models": [
+        {"name": "a", "backend": "python", "path": "m:f"}]}).strict
 
 
 @pytest.mark.parametrize("body,key", [
@@ -62,6 +64,7 @@ def test_full_config(tmp_path):
     ('[server]\ninstance="x/y"\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.instance"),
     ('[server]\nsocket_mode=0o666\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.socket_mode"),
     ('[server]\nrestart_healthy_s=0\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.restart_healthy_s"),
+    ('[server]\nstrict="yes"\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "server.strict"),
     ('[arena]\nsize_classes=[[1]]\n[[models]]\nname="a"\nbackend="python"\npath="m:f"', "arena.size_classes[0]"),
     ('[[models]]\nname="a"\nbackend="python"\npath="m:f"\n[[models]]\nname="a"\nbackend="python"\npath="m:g"',
      "models[1].name"),

@@ -264,7 +264,8 @@ REFUSALS = {
     "dtype": (_refuse_dtype, ErrorCode.BAD_DTYPE, "add", "must be float32"),
     "input name": (_refuse_name, ErrorCode.BAD_INPUT, "add", "missing"),
     "payload size": (_refuse_payload, ErrorCode.BAD_FRAME, "add", "payload is 60 bytes"),
-    "too large": (_refuse_too_large, ErrorCode.TOO_LARGE, "add", "the limit is 65536"),
+    "too large": (_refuse_too_large, ErrorCode.TOO_LARGE, "add",
+                  r"> max_request_bytes \(65536 bytes\): raise \[server\] max_request_bytes"),
     "door limit": (_refuse_door_limit, ErrorCode.OVERLOADED, "add", "in flight on this connection"),
     "shutting down": (_refuse_shutting_down, ErrorCode.SHUTTING_DOWN, "add", "shutting down"),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -17,12 +18,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, protocol
+from shmserve import AsyncClient, BadArgument, Client, ErrorCode, ShmserveError, layout, protocol
 from shmserve.protocol import Kind
 
 from conftest import shm_names
 from helpers.other_user import as_nobody, server_nobody_can_reach
-from helpers.server import DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
+from helpers.server import BROKEN_MODEL, DEMO_PATH, SLOW_MODEL, TESTS_DIR, ServerProcess, serving, standard_models
 
 MiB = 1024 * 1024
 @pytest.fixture(scope="module")
@@ -111,6 +112,48 @@ def test_bad_requests_get_stable_codes_and_the_server_keeps_serving(server, mode
     server.wait_idle()
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 86401, True, "5"])
+def test_bad_timeouts_are_refused_by_the_client_before_sending(server, timeout):
+    """A timeout out of (0, 86400] s is the caller's mistake, said in its own process (BadArgument:
+    a ShmserveError with code bad_argument and a ValueError), not a server's bad_frame."""
+    with pytest.raises(BadArgument) as info:
+        Client(server.socket, timeout=timeout)
+    assert info.value.code is ErrorCode.BAD_ARGUMENT and isinstance(info.value, ValueError)
+    assert "timeout must be a number of seconds in (0, 86400]" in info.value.message
+    x = np.ones(4, np.uint8)
+    with server.client() as c:
+        with pytest.raises(BadArgument):
+            c.infer("identity", {"x": x}, timeout=timeout)
+        for lanes in (True, False):
+            c.lanes = lanes
+            with c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                with pytest.raises(BadArgument):
+                    call.run(timeout=timeout)
+        assert c.infer("identity", {"x": x}, timeout=5)["y"].tolist() == [1] * 4  # nothing was sent: still in step
+
+    async def main():
+        async with AsyncClient(server.socket) as c:
+            with pytest.raises(BadArgument):
+                await c.infer("identity", {"x": x}, timeout=timeout)
+            return (await c.infer("identity", {"x": x}))["y"].tolist()
+
+    assert asyncio.run(main()) == [1] * 4
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("shape,dtype,code", [
+    ((4,), np.complex64, ErrorCode.BAD_DTYPE), ((4,), "nope", ErrorCode.BAD_DTYPE), ((4,), ">f4", ErrorCode.BAD_DTYPE),
+    ((-4,), np.uint8, ErrorCode.BAD_SHAPE), (4, np.uint8, ErrorCode.BAD_SHAPE), ((1.5,), np.uint8, ErrorCode.BAD_SHAPE),
+    ((1,) * 9, np.uint8, ErrorCode.BAD_SHAPE),
+])
+def test_bad_zero_copy_inputs_are_refused_by_the_client(server, shape, dtype, code):
+    with server.client() as c:
+        with pytest.raises(BadArgument) as info:
+            c.zero_copy("identity", {"x": (shape, dtype)})
+        assert info.value.code is code and "input 'x'" in info.value.message, info.value
+        assert not c._regions  # refused before any region was asked for
+
+
 def test_timeout(server):
     with server.client() as c:
         with pytest.raises(ShmserveError) as info:
@@ -144,6 +187,50 @@ def test_zero_copy_descriptors_are_bounds_checked(server):
             c.open_region(2**40)
         assert info.value.code is ErrorCode.TOO_LARGE
         assert infer_region(c, region.id).outputs[0].offset == 4096
+
+
+IDENTITY_ONLY = """
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+"""
+
+
+def test_zero_copy_fits_its_regions_to_a_small_max_request_bytes(tmp_path):
+    """With max_request_bytes = 1 MiB the default 64 MiB region is refused: both clients learn
+    the server's limit once and ask for regions within it; a call larger than the limit gets the
+    server's TOO_LARGE, which names the key to raise."""
+    x = np.arange(100_000, dtype=np.uint8)
+    with serving(tmp_path, IDENTITY_ONLY, server_section="max_request_bytes = 1048576") as srv:
+        limit = srv.info()["max_request_bytes"] + protocol.REGION_SLACK
+        for lanes in (True, False):
+            with Client(srv.socket, lanes=lanes) as c:
+                for _ in range(2):
+                    with c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                        call.inputs["x"][...] = x
+                        np.testing.assert_array_equal(call.run()["y"], x)
+                assert c._region_limit == limit
+                assert all(r.size - (layout.LANE_BYTES if r.lane else 0) <= limit for r in c._regions)
+                with pytest.raises(ShmserveError) as info:
+                    c.zero_copy("identity", {"x": ((2 << 20,), np.uint8)})
+                assert info.value.code is ErrorCode.TOO_LARGE
+                assert "raise [server] max_request_bytes" in info.value.message, info.value
+                with pytest.raises(ShmserveError) as info:  # inline: the same key, in the same words
+                    c.infer("identity", {"x": np.zeros(2 << 20, np.uint8)})
+                assert info.value.code is ErrorCode.TOO_LARGE
+                assert "request needs 4.00 MiB > max_request_bytes (1 MiB): raise [server] max_request_bytes" \
+                    in info.value.message, info.value
+
+        async def main():
+            async with AsyncClient(srv.socket) as c:
+                async with await c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
+                    call.inputs["x"][...] = x
+                    np.testing.assert_array_equal((await call.run())["y"], x)
+                return c._region_limit
+
+        assert asyncio.run(main()) == limit
+        srv.wait_idle()
 
 
 def test_another_clients_region_is_out_of_reach(server):
@@ -571,17 +658,52 @@ def _exercise_everything(server):
     raw_exchange(server.socket, b"garbage that is not a frame")
 
 
+def _second_serve(server, *args: str, instance: str | None = None) -> subprocess.CompletedProcess:
+    """``serve`` with the running server's config file; returns once it exited."""
+    instance_args = ["--instance", instance] if instance else []
+    return subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
+                           *instance_args, *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+
+
 def test_a_second_server_for_the_same_instance_refuses_cleanly(server, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
-                        "--socket", str(tmp_path / "second.sock")], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
-    assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    """A second serve for a live instance names the pid that serves it and its socket and suggests
+    another --instance; one for another instance on a live server's socket names that server's pid.
+    Both say so before spawning a worker (no model is loaded for nothing)."""
+    r = _second_serve(server, "--socket", str(tmp_path / "second.sock"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (f"instance {server.instance!r} is already served by pid {server.proc.pid}, listening on "
+            f"{server.socket}; stop that server first, or start this one with another --instance") in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "worker" not in r.stderr, r.stderr
+    assert not (tmp_path / "second.sock").exists()
+    r = _second_serve(server, "--socket", server.socket, instance="other-" + server.instance[-8:])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"another server (pid {server.proc.pid}) is listening on {server.socket}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "worker" not in r.stderr, r.stderr
     with server.client() as c:  # the first one is untouched
         assert c.infer("identity", {"x": np.ones(2, np.uint8)})["y"].sum() == 2
-    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(server.config_path),
-                        "--instance", "other-" + server.instance[-8:], "--socket", "/tmp/" + "s" * 120],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)))
+    r = _second_serve(server, "--socket", "/tmp/" + "s" * 120, instance="other-" + server.instance[-8:])
     assert r.returncode != 0 and "107 bytes" in r.stderr
+
+
+@pytest.mark.parametrize("how", ["--strict", "strict = true"])
+def test_strict_serve_stops_when_a_model_cannot_load(tmp_path, how):
+    """``serve --strict`` (or [server] strict = true): a model that cannot load stops the start
+    with exit 1 and one line naming it and why; nothing is left behind.  Without it the others
+    are served (the module's server has a broken model too)."""
+    before = shm_names()
+    srv = ServerProcess(tmp_path, IDENTITY_ONLY + BROKEN_MODEL, extra_args=[how] if how.startswith("--") else [],
+                        server_section="" if how.startswith("--") else how)
+    with pytest.raises(RuntimeError) as info:
+        srv.start()
+    assert srv.proc.returncode == 1
+    last = srv.log().strip().splitlines()[-1]
+    assert last == ("shmserve serve: strict: 1 of 2 models did not load, not serving: model 'broken' is "
+                    "unavailable: cannot load model 'broken' (python, serving_models:broken_factory): "
+                    "RuntimeError: this model cannot be loaded"), info.value
+    assert "Traceback" not in srv.log().split("cannot be loaded")[-1]
+    assert shm_names() == before and not os.path.exists(srv.socket)
+    srv.stop()
 
 
 def test_a_refused_request_is_answered_after_earlier_ones_on_its_connection(server):

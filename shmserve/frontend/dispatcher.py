@@ -63,6 +63,13 @@ _ERROR = int(SlotState.ERROR)
 _FREE = int(SlotState.FREE)
 
 
+def _size(nbytes: int) -> str:
+    """Bytes as people read them in a refusal: '64 MiB', '1.50 MiB', '9000 bytes'."""
+    if nbytes >= 1 << 20:
+        return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{nbytes / (1 << 20):.2f} MiB"
+    return f"{nbytes} bytes"
+
+
 # -- what front doors see -------------------------------------------------------------------
 
 # Answers are tuples (NamedTuple): one or two are made per request, so they must be cheap.
@@ -261,14 +268,22 @@ class Dispatcher:
             padded = sum(layout.align_tensor(t.nbytes) for t in parsed.inputs)
             req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
             if req.total_bytes > self.max_request:
-                raise ShmserveError(ErrorCode.TOO_LARGE, f"request needs {req.total_bytes} bytes of arena space "
-                                                         f"(inputs {in_bytes}); the limit is {self.max_request} "
-                                                         f"(server.max_request_bytes, and the arena's "
-                                                         f"largest extent)")
+                raise ShmserveError(ErrorCode.TOO_LARGE, self._too_large(req.total_bytes, in_bytes))
         if door.in_flight() >= self.limits.max_inflight_per_door:
             raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
                                                       f"this connection (server.max_inflight_per_connection)")
         return req
+
+    def _too_large(self, total: int, in_bytes: int) -> str:
+        """Why a request of ``total`` arena bytes (``in_bytes`` of inputs) is refused, naming the
+        config key that limits it: max_request_bytes, or the arena's largest size class."""
+        needs = f"request needs {_size(total)}"
+        detail = f"inputs {_size(in_bytes)}, the rest reserved for outputs"
+        if self.limits.max_request_bytes <= self.extents.largest:
+            return (f"{needs} > max_request_bytes ({_size(self.limits.max_request_bytes)}): raise [server] "
+                    f"max_request_bytes (server.max_request_bytes; {detail})")
+        return (f"{needs} > the arena's largest extent ({_size(self.extents.largest)}): raise the largest of "
+                f"[arena] size_classes (arena.size_classes; {detail})")
 
     def received(self, req: Request) -> None:
         """The door has received ``req``'s payload into the sinks it was given: publish it."""

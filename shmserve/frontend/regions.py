@@ -40,12 +40,11 @@ from shmserve.arena import Arena
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.models import ModelState
-from shmserve.protocol import TensorMeta
+from shmserve.protocol import REGION_SLACK, TensorMeta
 from shmserve.supervisor import READY, WorkerHandle
 
 log = logging.getLogger("shmserve.regions")
 
-REGION_SLACK = 1 << 20  # a region may hold one largest request plus this much for alignment
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -163,9 +162,11 @@ class RegionTable:
         region cannot be made.
         """
         limit = self.max_request_bytes + REGION_SLACK
-        if type(size) is not int or not 0 < size <= limit:
-            raise ShmserveError(ErrorCode.TOO_LARGE if type(size) is int and size > 0 else ErrorCode.BAD_FRAME,
-                                f"'size' must be an integer in [1, {limit}] (server.max_request_bytes + 1 MiB)")
+        if type(size) is not int or size <= 0:
+            raise ShmserveError(ErrorCode.BAD_FRAME, f"'size' must be an integer in [1, {limit}]")
+        if size > limit:
+            raise ShmserveError(ErrorCode.TOO_LARGE, f"region of {size} bytes > {limit} (server.max_request_bytes "
+                                                     f"+ 1 MiB): ask for less, or raise [server] max_request_bytes")
         lane_model = None
         if lane is not None:
             lane_model = self.models.get(lane) if isinstance(lane, str) else None

@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -65,14 +66,17 @@ LISTEN_BACKLOG = 512
 # tiny frames is thousands of them (measured: ~0.1 s of a burst of 'info' on the 2-vCPU VM).
 FRAMES_PER_TURN = 64
 SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, without its NUL)
+PROBE_TIMEOUT_S = 2.0  # is a socket file at our path a live server?
 _PEERCRED = struct.Struct("3i")
 
 
 # -- the listening socket -------------------------------------------------------------------
 
 def check_socket_path(path: str) -> None:
-    """SystemExit naming the fix if ``path`` cannot be a Unix socket address, or if its directory
-    exists and is not one the server can trust (see the module header); checked again at bind."""
+    """SystemExit naming the fix if ``path`` cannot be a Unix socket address, if its directory
+    exists and is not one the server can trust (see the module header), or if something other
+    than a dead server's socket is there (``socket_left_by_the_dead``); checked again at bind.
+    Run before start-up spawns anything, so a path already taken costs no model load."""
     if len(os.fsencode(path)) > SUN_PATH_MAX:
         raise SystemExit(f"shmserve: socket path {path!r} is longer than the {SUN_PATH_MAX} bytes a Unix "
                          f"socket address holds; choose a shorter --socket")
@@ -84,6 +88,39 @@ def check_socket_path(path: str) -> None:
     problem = socket_dir_problem(directory, st)
     if problem:
         raise SystemExit(f"shmserve: cannot listen on {path}: {problem}")
+    try:
+        socket_left_by_the_dead(path)
+    except OSError:
+        return  # cannot look (permissions): bind reports it
+
+
+def socket_left_by_the_dead(path: str) -> bool:
+    """Whether a socket file at ``path`` was left by a server that is gone (it refuses
+    connections: the caller may remove it); False if nothing is there.
+
+    Raises SystemExit naming the fix if anything else is there: not a socket, or a live server
+    (it accepts: its pid, from SO_PEERCRED, is named; or its backlog is full: busy); OSError if
+    the path cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SystemExit(f"shmserve: {path} exists and is not a socket; remove it or choose another --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT_S)  # a live server with a full backlog would hold a blocking connect
+    try:
+        probe.connect(path)
+        pid = _PEERCRED.unpack(probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+    except (TimeoutError, BlockingIOError):  # EAGAIN: its backlog is full
+        raise SystemExit(f"shmserve: another server is listening on {path} (busy: it did not accept within "
+                         f"{PROBE_TIMEOUT_S:g} s); stop it or choose another --socket") from None
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    finally:
+        probe.close()
+    raise SystemExit(f"shmserve: another server (pid {pid}) is listening on {path}; stop it or choose another "
+                     f"--socket")
 
 
 def socket_dir_problem(directory: str, st: os.stat_result) -> str | None:
@@ -105,8 +142,6 @@ def socket_dir_problem(directory: str, st: os.stat_result) -> str | None:
                 f"replace the socket; run chmod go-w {directory} or choose another --socket")
     return None
 
-
-PROBE_TIMEOUT_S = 2.0  # is a socket file at our path a live server?
 
 class Listener:
     """A bound, listening socket at ``path`` (mode and group applied), or one handed over by
@@ -137,21 +172,9 @@ class Listener:
 
             gid = grp.getgrnam(group).gr_gid
         self._own_directory(path.parent, gid)
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise SystemExit(f"shmserve: {path} exists and is not a socket")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(PROBE_TIMEOUT_S)  # a live server with a full backlog would hold a blocking connect
-            try:
-                probe.connect(str(path))
-                raise SystemExit(f"shmserve: another server is listening on {path}")
-            except (TimeoutError, BlockingIOError):  # EAGAIN: its backlog is full
-                raise SystemExit(f"shmserve: another server is listening on {path} (busy: it did not "
-                                 f"accept within {PROBE_TIMEOUT_S:g} s)") from None
-            except (ConnectionRefusedError, FileNotFoundError):
-                path.unlink()  # left behind by a server that died
-            finally:
-                probe.close()
+        if socket_left_by_the_dead(str(path)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o777 & ~mode)
         try:

@@ -36,6 +36,15 @@ max_batch_size = 8
 max_queue_delay_us = 300000
 """  # concurrent requests within 300 ms share a run
 
+BROKEN_MODEL = """
+[[models]]
+name = "broken"
+backend = "python"
+path = "serving_models:broken_factory"
+[models.options]
+factory = true
+"""  # its factory raises: it never loads
+
 
 def standard_models(identity_instances: int = 2) -> str:
     return textwrap.dedent(f"""
@@ -75,14 +84,7 @@ def standard_models(identity_instances: int = 2) -> str:
         backend = "python"
         path = "serving_models:grow"
         max_output_bytes = 4096
-
-        [[models]]
-        name = "broken"
-        backend = "python"
-        path = "serving_models:broken_factory"
-        [models.options]
-        factory = true
-    """)
+    """) + BROKEN_MODEL
 
 
 class ServerProcess:
