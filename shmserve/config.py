@@ -3,7 +3,8 @@
 Owns: every configurable knob with its default and the reason for it, and
 validation that names the key that is wrong (``models[1].device: …``).
 
-Must not: import backends or start anything.
+Must not: import backends or start anything (backend names are checked
+against the registry, ``workers.backends.names``, which imports no backend).
 
 File format::
 
@@ -39,8 +40,9 @@ File format::
 
     [[models]]
     name = "demo"
-    backend = "onnxruntime"         # or "python", or any registered backend
-    path = "demo.onnx"              # relative to this file; python: "module:callable"
+    backend = "onnxruntime"         # or "python", or any registered backend (checked here: the error lists them)
+    path = "demo.onnx"              # relative to this file; python: "module:callable", the module looked up
+                                    # in this file's directory, then the current one, then the Python path
     device = "cpu"                  # or "cuda:0"
     io_mode = "copy"                # GPU only: "copy" (DMA) or "mapped" (zero-copy reads); docs/gpu.md
     instances = 1
@@ -52,6 +54,7 @@ File format::
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tomllib
@@ -61,6 +64,7 @@ from pathlib import Path
 
 from shmserve.layout import validate_instance
 from shmserve.spec import TensorSpec
+from workers.backends import names as backend_names
 
 MiB = 1024 * 1024
 DEFAULT_INSTANCE = "default"
@@ -87,9 +91,12 @@ class ModelConfig:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     options: dict = field(default_factory=dict)  # backend-specific, passed through
+    # -- where a python model is imported from (issue 15) --
+    base_dir: str = ""  # the config file's directory: searched first for a python model's module
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
+                "base_dir": self.base_dir,
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
@@ -355,6 +362,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         raise ConfigError(f"{where}.name: {name!r} must be 1-128 of A-Z a-z 0-9 _ . : -")
     backend = _str(m["backend"], f"{where}.backend")
     path = _str(m["path"], f"{where}.path")
+    _check_backend(backend, path, where, base_dir)
     if backend != "python" and ":" not in path.split("/")[0]:
         resolved = (base_dir / path).resolve()
         if not resolved.is_file():
@@ -363,7 +371,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     device = _str(m.get("device", "cpu"), f"{where}.device")
     if not _DEVICE_RE.match(device):
         raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
-    kw = dict(name=name, backend=backend, path=path, device=device)
+    kw = dict(name=name, backend=backend, path=path, device=device, base_dir=str(base_dir.resolve()))
     if "io_mode" in m:
         kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
         if kw["io_mode"] not in ("copy", "mapped"):
@@ -396,6 +404,32 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
             raise ConfigError(f"{where}.options: expected a table")
         kw["options"] = dict(m["options"])
     return ModelConfig(**kw)
+
+
+# -- backends and python models, checked when the file is read (issue 15) ------------------
+
+_PYTHON_PATH_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
+    """ConfigError for a backend name no loader answers to (listing those that exist), and for a
+    python model's ``path`` that is not ``module:callable`` or whose top-level module is neither
+    in the config file's directory (``base_dir``) nor on the Python path.  Imports nothing."""
+    available = backend_names()
+    if backend not in available:
+        raise ConfigError(f"{where}.backend: no backend {backend!r} (available: {', '.join(available)})")
+    if backend != "python":
+        return
+    if not _PYTHON_PATH_RE.match(path):
+        raise ConfigError(f"{where}.path: a python model is 'module:callable' (e.g. 'mymodels:make'), "
+                          f"got {path!r}")
+    top = path.partition(":")[0].split(".")[0]
+    here = base_dir.resolve()
+    # The order a worker searches (workers.backends.python): this directory, its current one, the Python path.
+    if not (any((d / f"{top}.py").is_file() or (d / top).is_dir() for d in (here, Path.cwd()))
+            or importlib.util.find_spec(top)):
+        raise ConfigError(f"{where}.path: no module {top!r} in {str(here)!r} (the config file's directory), "
+                          f"the current directory or the Python path")
 
 
 def _bounded(table: dict, prefix: str, convert, bounds) -> dict:
