@@ -50,6 +50,8 @@ File format::
     max_queue_delay_us = 0
     max_output_bytes = 1048576      # reserved per output whose size the inputs do not determine
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
+    check_dims = ["batch"]          # named dimensions that must agree across a request's inputs;
+                                    # default []: only rank and fixed sizes are checked (as runtimes do)
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from importlib import resources
 from pathlib import Path
 
 from shmserve.layout import validate_instance
-from shmserve.spec import TensorSpec
+from shmserve.spec import PLACEHOLDER_DIMS, TensorSpec
 from workers.backends import names as backend_names
 
 MiB = 1024 * 1024
@@ -91,12 +93,13 @@ class ModelConfig:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     options: dict = field(default_factory=dict)  # backend-specific, passed through
-    # -- where a python model is imported from (issue 15) --
+    # -- where a python model is imported from, and which named dimensions must agree (issue 15) --
     base_dir: str = ""  # the config file's directory: searched first for a python model's module
+    check_dims: tuple[str, ...] = ()  # named input dimensions held equal across a request's inputs
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
-                "base_dir": self.base_dir,
+                "base_dir": self.base_dir, "check_dims": list(self.check_dims),
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
@@ -110,6 +113,7 @@ class ModelConfig:
         d["inputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("inputs", ()))
         d["outputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("outputs", ()))
         d["preferred_batch_sizes"] = tuple(d.get("preferred_batch_sizes", ()))
+        d["check_dims"] = tuple(d.get("check_dims", ()))
         return cls(**d)
 
 
@@ -353,7 +357,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
                            "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
-                           "preferred_batch_sizes"})
+                           "preferred_batch_sizes", "check_dims"})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -399,6 +403,8 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
             raise ConfigError(f"{where}.preferred_batch_sizes: expected a list of batch sizes")
         kw["preferred_batch_sizes"] = tuple(_int(v, f"{where}.preferred_batch_sizes[{j}]", 1, 1 << 16)
                                             for j, v in enumerate(sizes))
+    if "check_dims" in m:
+        kw["check_dims"] = _check_dims(m["check_dims"], f"{where}.check_dims")
     if "options" in m:
         if not isinstance(m["options"], dict):
             raise ConfigError(f"{where}.options: expected a table")
@@ -430,6 +436,19 @@ def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
             or importlib.util.find_spec(top)):
         raise ConfigError(f"{where}.path: no module {top!r} in {str(here)!r} (the config file's directory), "
                           f"the current directory or the Python path")
+
+
+def _check_dims(value, where: str) -> tuple[str, ...]:
+    """The ``check_dims`` list: distinct dimension names, none a placeholder (``?``, ``None``)."""
+    if not isinstance(value, list) or len(value) > 64:
+        raise ConfigError(f"{where}: expected a list of up to 64 dimension names, e.g. [\"batch\"]")
+    names = tuple(_str(v, f"{where}[{i}]") for i, v in enumerate(value))
+    for i, name in enumerate(names):
+        if name in PLACEHOLDER_DIMS:
+            raise ConfigError(f"{where}[{i}]: {name!r} is a placeholder for an unknown size, never checked")
+        if name in names[:i]:
+            raise ConfigError(f"{where}[{i}]: {name!r} is listed twice")
+    return names
 
 
 def _bounded(table: dict, prefix: str, convert, bounds) -> dict:

@@ -143,7 +143,7 @@ def test_region_limits_are_read_and_bounded_naming_the_key():
         assert str(info.value).startswith(f"server.{key}:"), str(info.value)
 
 
-# -- backends and python models, checked when the file is read (issue 15) --------
+# -- backends, python models and check_dims, checked when the file is read (issue 15) --------
 
 def test_an_unknown_backend_is_refused_at_load_listing_those_that_exist(tmp_path):
     with pytest.raises(ConfigError) as info:
@@ -173,3 +173,16 @@ def test_a_python_model_is_looked_up_next_to_the_config_file(tmp_path, monkeypat
     assert model.base_dir == str(tmp_path.resolve())
     assert config.ModelConfig.from_dict(model.to_dict()) == model
 
+
+def test_check_dims_is_read_and_checked(tmp_path):
+    body = '[[models]]\nname="a"\nbackend="python"\npath="m:f"\n'
+    (model,) = config.load(write(tmp_path, body)).models
+    assert model.check_dims == ()
+    (model,) = config.load(write(tmp_path, body + 'check_dims = ["batch", "seq"]')).models
+    assert model.check_dims == ("batch", "seq")
+    assert config.ModelConfig.from_dict(model.to_dict()) == model
+    for bad, why in (('"batch"', "expected a list"), ('["?"]', "placeholder"), ('["None"]', "placeholder"),
+                     ('["b", "b"]', "listed twice"), ('[3]', "non-empty string")):
+        with pytest.raises(ConfigError) as info:
+            config.load(write(tmp_path, body + f"check_dims = {bad}"))
+        assert str(info.value).startswith("models[0].check_dims") and why in str(info.value), str(info.value)

@@ -1,5 +1,10 @@
-"""What a new user's first real models hit, through a real server (issue 15, bugs 5 and 6).
+"""What a new user's first real models hit, through a real server (issue 15, bugs 1, 5 and 6).
 
+* ONNX models as exporters write them: unknown dimensions named ``?`` or
+  ``None``, one name (``DynamicDimension.0``) on dimensions of different
+  inputs that the runtime does not hold equal.  The server runs whatever
+  onnxruntime itself runs, with the same results; named dimensions are held
+  equal only where the model's ``check_dims`` asks.
 * A backend name no loader answers to, or a python path that is not
   ``module:callable``, stops ``serve`` at start with the key and the
   backends that exist, before any worker or arena.
@@ -17,8 +22,87 @@ import textwrap
 import numpy as np
 import pytest
 
+from shmserve import ErrorCode, ShmserveError
+
 from conftest import new_instance, shm_names
 from helpers.server import serving
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper  # noqa: E402
+
+SAME_NAME = "DynamicDimension.0"  # on both inputs and the output; the sizes need not agree
+
+
+def _save(path, nodes, inputs, outputs):
+    graph = helper.make_graph(nodes, path.stem, inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def _float(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny exported-style models: ``concat`` (two inputs whose leading dimensions share a
+    name, joined along it) and ``placeholders`` (dimensions named ``?`` and ``None``, broadcast)."""
+    d = tmp_path_factory.mktemp("first_hour_models")
+    concat = _save(d / "concat.onnx", [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)],
+                   [_float("a", [SAME_NAME, 3]), _float("b", [SAME_NAME, 3])], [_float("y", [SAME_NAME, 3])])
+    placeholders = _save(d / "placeholders.onnx", [helper.make_node("Add", ["x", "v"], ["y"])],
+                         [_float("x", ["?", "?"]), _float("v", ["None"])], [_float("y", ["?", "None"])])
+    return d, concat, placeholders
+
+
+def _reference(path, inputs):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)[0]
+
+
+def _config(name, path, extra=""):
+    return f'\n[[models]]\nname = "{name}"\nbackend = "onnxruntime"\npath = "{path}"\n{extra}\n'
+
+
+def test_exported_models_run_whatever_onnxruntime_runs(models):
+    d, concat, placeholders = models
+    rng = np.random.default_rng(15)
+    config = (_config("concat", concat) + _config("placeholders", placeholders)
+              + _config("concat_batched", concat, "max_batch_size = 8\nmax_queue_delay_us = 1000")
+              + _config("concat_checked", concat, f'check_dims = ["{SAME_NAME}"]')
+              + _config("concat_typo", concat, 'check_dims = ["batch"]'))
+    cases = [
+        ("concat", {"a": rng.standard_normal((192, 3), dtype=np.float32),
+                    "b": rng.standard_normal((48, 3), dtype=np.float32)}, concat),
+        ("concat", {"a": rng.standard_normal((2, 3), dtype=np.float32),
+                    "b": rng.standard_normal((2, 3), dtype=np.float32)}, concat),
+        ("concat_batched", {"a": rng.standard_normal((5, 3), dtype=np.float32),
+                            "b": rng.standard_normal((1, 3), dtype=np.float32)}, concat),
+        ("concat_checked", {"a": rng.standard_normal((4, 3), dtype=np.float32),
+                            "b": rng.standard_normal((4, 3), dtype=np.float32)}, concat),
+        ("placeholders", {"x": rng.standard_normal((48, 192), dtype=np.float32),
+                          "v": rng.standard_normal(192, dtype=np.float32)}, placeholders),
+        ("placeholders", {"x": rng.standard_normal((3, 5), dtype=np.float32),
+                          "v": rng.standard_normal(1, dtype=np.float32)}, placeholders),
+    ]
+    with serving(d, config) as srv:
+        with srv.client() as c:
+            listing = {m["name"]: m for m in c.models()}
+            assert listing["placeholders"]["inputs"][0]["shape"] == [None, None]  # '?' and 'None': unnamed
+            for model, inputs, path in cases:
+                got = c.infer(model, inputs)["y"]
+                np.testing.assert_array_equal(got, _reference(path, inputs), err_msg=model)
+            with pytest.raises(ShmserveError) as info:  # only where the config asks for it
+                c.infer("concat_checked", {k: v for k, v in cases[0][1].items()})
+            assert info.value.code is ErrorCode.BAD_SHAPE
+            assert "check_dims" in info.value.message and SAME_NAME in info.value.message
+            assert listing["concat_typo"]["state"] == "unavailable"
+            assert "check_dims names 'batch', which no input" in listing["concat_typo"]["error"]
+        srv.wait_idle()
+
 
 @pytest.mark.parametrize("model,why", [
     ('backend = "onnx"\npath = "m.onnx"', "models[0].backend: no backend 'onnx' (available: "),
