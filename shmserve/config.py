@@ -419,8 +419,9 @@ _PYTHON_PATH_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]
 
 def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
     """ConfigError for a backend name no loader answers to (listing those that exist), and for a
-    python model's ``path`` that is not ``module:callable`` or whose top-level module is neither
-    in the config file's directory (``base_dir``) nor on the Python path.  Imports nothing."""
+    python model's ``path`` that is not ``module:callable`` or whose top-level module is in none
+    of the config file's directory (``base_dir``), the current one and the Python path.  Imports
+    nothing (a top-level module is found, not run)."""
     available = backend_names()
     if backend not in available:
         raise ConfigError(f"{where}.backend: no backend {backend!r} (available: {', '.join(available)})")
