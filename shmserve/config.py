@@ -3,7 +3,8 @@
 Owns: every configurable knob with its default and the reason for it, and
 validation that names the key that is wrong (``models[1].device: …``).
 
-Must not: import backends or start anything.
+Must not: import backends or start anything (backend names are checked
+against the registry, ``workers.backends.names``, which imports no backend).
 
 File format::
 
@@ -40,8 +41,9 @@ File format::
 
     [[models]]
     name = "demo"
-    backend = "onnxruntime"         # or "python", or any registered backend
-    path = "demo.onnx"              # relative to this file; python: "module:callable"
+    backend = "onnxruntime"         # or "python", or any registered backend (checked here: the error lists them)
+    path = "demo.onnx"              # relative to this file; python: "module:callable", the module looked up
+                                    # in this file's directory, then the current one, then the Python path
     device = "cpu"                  # or "cuda:0"
     io_mode = "copy"                # GPU only: "copy" (DMA) or "mapped" (zero-copy reads); docs/gpu.md
     instances = 1
@@ -49,10 +51,13 @@ File format::
     max_queue_delay_us = 0
     max_output_bytes = 1048576      # reserved per output whose size the inputs do not determine
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
+    check_dims = ["batch"]          # named dimensions that must agree across a request's inputs;
+                                    # default []: only rank and fixed sizes are checked (as runtimes do)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tomllib
@@ -61,7 +66,8 @@ from importlib import resources
 from pathlib import Path
 
 from shmserve.layout import validate_instance
-from shmserve.spec import TensorSpec
+from shmserve.spec import PLACEHOLDER_DIMS, TensorSpec
+from workers.backends import names as backend_names
 
 MiB = 1024 * 1024
 DEFAULT_INSTANCE = "default"
@@ -88,9 +94,13 @@ class ModelConfig:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     options: dict = field(default_factory=dict)  # backend-specific, passed through
+    # -- where a python model is imported from, and which named dimensions must agree (issue 15) --
+    base_dir: str = ""  # the config file's directory: searched first for a python model's module
+    check_dims: tuple[str, ...] = ()  # named input dimensions held equal across a request's inputs
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
+                "base_dir": self.base_dir, "check_dims": list(self.check_dims),
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
@@ -104,6 +114,7 @@ class ModelConfig:
         d["inputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("inputs", ()))
         d["outputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("outputs", ()))
         d["preferred_batch_sizes"] = tuple(d.get("preferred_batch_sizes", ()))
+        d["check_dims"] = tuple(d.get("check_dims", ()))
         return cls(**d)
 
 
@@ -356,7 +367,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
                            "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
-                           "preferred_batch_sizes"})
+                           "preferred_batch_sizes", "check_dims"})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -365,6 +376,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         raise ConfigError(f"{where}.name: {name!r} must be 1-128 of A-Z a-z 0-9 _ . : -")
     backend = _str(m["backend"], f"{where}.backend")
     path = _str(m["path"], f"{where}.path")
+    _check_backend(backend, path, where, base_dir)
     if backend != "python" and ":" not in path.split("/")[0]:
         resolved = (base_dir / path).resolve()
         if not resolved.is_file():
@@ -373,7 +385,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     device = _str(m.get("device", "cpu"), f"{where}.device")
     if not _DEVICE_RE.match(device):
         raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
-    kw = dict(name=name, backend=backend, path=path, device=device)
+    kw = dict(name=name, backend=backend, path=path, device=device, base_dir=str(base_dir.resolve()))
     if "io_mode" in m:
         kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
         if kw["io_mode"] not in ("copy", "mapped"):
@@ -401,11 +413,53 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
             raise ConfigError(f"{where}.preferred_batch_sizes: expected a list of batch sizes")
         kw["preferred_batch_sizes"] = tuple(_int(v, f"{where}.preferred_batch_sizes[{j}]", 1, 1 << 16)
                                             for j, v in enumerate(sizes))
+    if "check_dims" in m:
+        kw["check_dims"] = _check_dims(m["check_dims"], f"{where}.check_dims")
     if "options" in m:
         if not isinstance(m["options"], dict):
             raise ConfigError(f"{where}.options: expected a table")
         kw["options"] = dict(m["options"])
     return ModelConfig(**kw)
+
+
+# -- backends and python models, checked when the file is read (issue 15) ------------------
+
+_PYTHON_PATH_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
+    """ConfigError for a backend name no loader answers to (listing those that exist), and for a
+    python model's ``path`` that is not ``module:callable`` or whose top-level module is in none
+    of the config file's directory (``base_dir``), the current one and the Python path.  Imports
+    nothing (a top-level module is found, not run)."""
+    available = backend_names()
+    if backend not in available:
+        raise ConfigError(f"{where}.backend: no backend {backend!r} (available: {', '.join(available)})")
+    if backend != "python":
+        return
+    if not _PYTHON_PATH_RE.match(path):
+        raise ConfigError(f"{where}.path: a python model is 'module:callable' (e.g. 'mymodels:make'), "
+                          f"got {path!r}")
+    top = path.partition(":")[0].split(".")[0]
+    here = base_dir.resolve()
+    # The order a worker searches (workers.backends.python): this directory, its current one, the Python path.
+    if not (any((d / f"{top}.py").is_file() or (d / top).is_dir() for d in (here, Path.cwd()))
+            or importlib.util.find_spec(top)):
+        raise ConfigError(f"{where}.path: no module {top!r} in {str(here)!r} (the config file's directory), "
+                          f"the current directory or the Python path")
+
+
+def _check_dims(value, where: str) -> tuple[str, ...]:
+    """The ``check_dims`` list: distinct dimension names, none a placeholder (``?``, ``None``)."""
+    if not isinstance(value, list) or len(value) > 64:
+        raise ConfigError(f"{where}: expected a list of up to 64 dimension names, e.g. [\"batch\"]")
+    names = tuple(_str(v, f"{where}[{i}]") for i, v in enumerate(value))
+    for i, name in enumerate(names):
+        if name in PLACEHOLDER_DIMS:
+            raise ConfigError(f"{where}[{i}]: {name!r} is a placeholder for an unknown size, never checked")
+        if name in names[:i]:
+            raise ConfigError(f"{where}[{i}]: {name!r} is listed twice")
+    return names
 
 
 def _bounded(table: dict, prefix: str, convert, bounds) -> dict:

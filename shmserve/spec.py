@@ -2,15 +2,25 @@
 
 Owns: ``TensorSpec``/``ModelSpec`` (names, dtypes, shapes with dynamic
 dimensions), merging config overrides into what a backend reports, checking
-a request's inputs (names, dtypes, ranks, fixed dimensions, symbolic
-dimensions bound consistently), and estimating output sizes before running.
+a request's inputs (names, dtypes, ranks, fixed dimensions, and the named
+dimensions the config asks to agree), and estimating output sizes before
+running.
 
-Must not: import a model runtime.  Workers build specs from their backend and
-send them to the front-end as plain dicts (``to_dict``/``from_dict``).
+Must not: import a model runtime, or refuse a request the model's runtime
+would run: what a dimension's name means is the exporter's business.
+Workers build specs from their backend and send them to the front-end as
+plain dicts (``to_dict``/``from_dict``).
 
-A dimension is an int (fixed), a str (a named dynamic dimension: every use
-of the same name in one request must agree, and outputs may refer to it), or
-None (dynamic, unnamed).
+A dimension is an int (fixed), a str (a named dynamic dimension), or None
+(dynamic, unnamed; the placeholders exporters write, ``?`` and ``None``,
+are read as None).  Only rank and fixed dimensions are checked by default:
+exporters give unrelated dimensions one name (``DynamicDimension.0`` on
+every input) and runtimes do not hold them equal, so neither do we.  The
+names in ``ModelSpec.check_dims`` (the model's ``check_dims`` config key)
+must agree across one request's inputs.  Outputs may refer to a name the
+inputs bind to one value; one bound to several values, or to none, leaves
+that output's size unknown (``estimate_output_bytes`` reserves the
+fallback for it).
 """
 
 from __future__ import annotations
@@ -24,6 +34,14 @@ from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import SUPPORTED_DTYPES, TensorMeta, tensor_nbytes
 
 Dim = Union[int, str, None]
+PLACEHOLDER_DIMS = frozenset({"", "?", "None"})  # names exporters write for "unknown": read as None
+
+
+def dim_of(x) -> Dim:
+    """A dimension as a spec keeps it: an int >= 0, a name, or None (negative ints and placeholders)."""
+    if x is None or (isinstance(x, int) and x < 0) or (isinstance(x, str) and x in PLACEHOLDER_DIMS):
+        return None
+    return x
 
 
 @dataclass(frozen=True)
@@ -31,6 +49,9 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...]
+
+    def __post_init__(self):  # however a backend built it, placeholders and negative sizes are None
+        object.__setattr__(self, "shape", tuple(dim_of(x) for x in self.shape))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -40,11 +61,10 @@ class TensorSpec:
         dtype = np.dtype(d["dtype"]).name
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"tensor {d['name']!r}: dtype {dtype} is not supported")
-        shape = tuple(None if (x is None or (isinstance(x, int) and x < 0)) else x for x in d["shape"])
-        for x in shape:
-            if not (x is None or isinstance(x, (int, str))):
+        for x in d["shape"]:
+            if not (x is None or isinstance(x, (int, str))) or isinstance(x, bool):
                 raise ValueError(f"tensor {d['name']!r}: bad dimension {x!r}")
-        return cls(str(d["name"]), dtype, shape)
+        return cls(str(d["name"]), dtype, tuple(d["shape"]))
 
 
 @dataclass(frozen=True)
@@ -54,16 +74,19 @@ class ModelSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     extra: dict = field(default_factory=dict, compare=False)  # path, device, ... for listings
+    check_dims: tuple[str, ...] = ()  # named dimensions that must agree across a request's inputs
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, **self.extra,
-                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
+                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
+                "check_dims": list(self.check_dims)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        extra = {k: v for k, v in d.items() if k not in ("name", "backend", "inputs", "outputs")}
+        extra = {k: v for k, v in d.items() if k not in ("name", "backend", "inputs", "outputs", "check_dims")}
         return cls(d["name"], d["backend"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
-                   tuple(TensorSpec.from_dict(t) for t in d["outputs"]), extra)
+                   tuple(TensorSpec.from_dict(t) for t in d["outputs"]), extra,
+                   tuple(str(n) for n in d.get("check_dims", ())))
 
     def input_index(self, name: str) -> int:
         for i, t in enumerate(self.inputs):
@@ -86,9 +109,21 @@ def merge_overrides(reported: Sequence[TensorSpec], overrides: Sequence[TensorSp
     return tuple(by_name.values())
 
 
-def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]:
-    """Check a request's inputs against ``spec``; return the bound symbolic dimensions.
+def check_dims_used(spec: ModelSpec) -> None:
+    """ValueError if ``spec.check_dims`` names a dimension no input has (a typo would check nothing)."""
+    used = {d for t in spec.inputs for d in t.shape if isinstance(d, str)}
+    unused = [n for n in spec.check_dims if n not in used]
+    if unused:
+        raise ValueError(f"check_dims names {', '.join(map(repr, unused))}, which no input of model "
+                         f"{spec.name!r} has (its named dimensions: {', '.join(sorted(used)) or 'none'})")
 
+
+def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]:
+    """Check a request's inputs against ``spec``; return the named dimensions they bind to one
+    value each (a name given several values is left out: it fixes no output's size).
+
+    Checks names, dtypes, ranks, fixed dimensions, and that each name of ``spec.check_dims``
+    has one value; no other name is held equal (the runtime decides).
     Raises ShmserveError with BAD_INPUT (names), BAD_DTYPE or BAD_SHAPE.
     """
     given = {t.name: t for t in inputs}
@@ -103,6 +138,8 @@ def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]
         raise ShmserveError(ErrorCode.BAD_INPUT, f"model {spec.name!r} inputs: {', '.join(parts)}; "
                                                  f"expected {[t.name for t in spec.inputs]}")
     symbols: dict[str, int] = {}
+    ambiguous: set[str] = set()
+    checked = spec.check_dims
     for t in spec.inputs:
         got = given[t.name]
         if got.dtype != t.dtype:
@@ -114,10 +151,14 @@ def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]
             if isinstance(want, int) and want != have:
                 raise ShmserveError(ErrorCode.BAD_SHAPE, f"input {t.name!r} dimension {axis} must be {want}, "
                                                          f"got {have} (shape {_show(t.shape)})")
-            if isinstance(want, str):
-                if symbols.setdefault(want, have) != have:
+            if isinstance(want, str) and symbols.setdefault(want, have) != have:
+                if want in checked:
                     raise ShmserveError(ErrorCode.BAD_SHAPE, f"input {t.name!r} dimension {axis} ({want!r}) is "
-                                                             f"{have}, but another input has {want!r} = {symbols[want]}")
+                                                             f"{have}, but another input has {want!r} = "
+                                                             f"{symbols[want]} (the model's check_dims)")
+                ambiguous.add(want)
+    for name in ambiguous:
+        del symbols[name]
     return symbols
 
 

@@ -11,8 +11,10 @@ from shmserve.config import ConfigError
 
 
 def write(tmp_path, text: str):
+    """The config file, and beside it the module ``m`` its python models (``m:f``) name."""
     path = tmp_path / "shmserve.toml"
     path.write_text(text)
+    (tmp_path / "m.py").write_text("def f(inputs):\n    return inputs\n")
     return path
 
 
@@ -108,7 +110,7 @@ def test_default_size_classes_hold_the_largest_request():
     assert max(size for size, _ in cfg.arena_size_classes()) >= 3 * 2**20
 
 
-MODEL = {"name": "a", "backend": "python", "path": "m:f"}
+MODEL = {"name": "a", "backend": "python", "path": "shmserve.models:identity"}
 
 
 def test_client_limits_are_read_and_bounded_naming_the_key():
@@ -142,3 +144,48 @@ def test_region_limits_are_read_and_bounded_naming_the_key():
         with pytest.raises(ConfigError) as info:
             config.parse({"server": {key: bad}, "models": [MODEL]})
         assert str(info.value).startswith(f"server.{key}:"), str(info.value)
+
+
+# -- backends, python models and check_dims, checked when the file is read (issue 15) --------
+
+def test_an_unknown_backend_is_refused_at_load_listing_those_that_exist(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, '[[models]]\nname="a"\nbackend="onnx"\npath="m:f"'))
+    message = str(info.value)
+    assert message.startswith("models[0].backend: no backend 'onnx' (available: ")
+    assert all(name in message for name in ("onnxruntime", "python", "torch", "tensorrt"))
+
+
+@pytest.mark.parametrize("path", ["m", "m:", ":f", "m:f:g", "m/f:g", "m:f()", "1m:f", "m..n:f"])
+def test_a_python_path_that_is_not_module_callable_is_refused_at_load(tmp_path, path):
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, f'[[models]]\nname="a"\nbackend="python"\npath="{path}"'))
+    assert str(info.value).startswith("models[0].path: a python model is 'module:callable'"), str(info.value)
+
+
+def test_a_python_module_found_nowhere_is_refused_at_load(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, '[[models]]\nname="a"\nbackend="python"\npath="no_such_module_i15:f"'))
+    assert str(info.value).startswith(f"models[0].path: no module 'no_such_module_i15' in '{tmp_path}'")
+
+
+def test_a_python_model_is_looked_up_next_to_the_config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir("/")
+    cfg = config.load(write(tmp_path, '[[models]]\nname="a"\nbackend="python"\npath="m:f"'))
+    (model,) = cfg.models
+    assert model.base_dir == str(tmp_path.resolve())
+    assert config.ModelConfig.from_dict(model.to_dict()) == model
+
+
+def test_check_dims_is_read_and_checked(tmp_path):
+    body = '[[models]]\nname="a"\nbackend="python"\npath="m:f"\n'
+    (model,) = config.load(write(tmp_path, body)).models
+    assert model.check_dims == ()
+    (model,) = config.load(write(tmp_path, body + 'check_dims = ["batch", "seq"]')).models
+    assert model.check_dims == ("batch", "seq")
+    assert config.ModelConfig.from_dict(model.to_dict()) == model
+    for bad, why in (('"batch"', "expected a list"), ('["?"]', "placeholder"), ('["None"]', "placeholder"),
+                     ('["b", "b"]', "listed twice"), ('[3]', "non-empty string")):
+        with pytest.raises(ConfigError) as info:
+            config.load(write(tmp_path, body + f"check_dims = {bad}"))
+        assert str(info.value).startswith("models[0].check_dims") and why in str(info.value), str(info.value)

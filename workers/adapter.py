@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmserve.config import ModelConfig
-from shmserve.spec import ModelSpec, merge_overrides
+from shmserve.spec import ModelSpec, check_dims_used, merge_overrides
 from workers.backends import find, warmup_inputs
 
 
@@ -104,7 +104,9 @@ class BackendAdapter:
         if not inputs or not outputs:
             raise ValueError(f"model {config.name!r}: the backend cannot tell its inputs/outputs; "
                              f"declare them in the config")
-        spec = ModelSpec(config.name, config.backend, inputs, outputs, {"path": config.path, "device": config.device})
+        spec = ModelSpec(config.name, config.backend, inputs, outputs, {"path": config.path, "device": config.device},
+                         check_dims=config.check_dims)
+        check_dims_used(spec)
         self.declare(inputs, outputs)
         warm = self.warmup_inputs(inputs)
         if self.writes_outputs:

@@ -5,7 +5,8 @@ most ``max_queue_delay_us`` for more, stopping early at a preferred size
 when nothing else is queued), grouping what was claimed by everything but
 the leading (batch) dimension of its inputs, running each group once with
 its inputs concatenated along that dimension (one copy), and answering each
-request from its own rows.
+request from its own rows.  A request whose inputs do not share one leading
+size is no set of rows: it runs alone.
 
 Where a batch's outputs go depends on what the backend states
 (``workers.adapter``):
@@ -110,6 +111,11 @@ class Batcher:
                 slot, inputs = step.decode(space, index)
             except Exception as exc:
                 step.finish(space, entry, index, 0, worker_failure(exc))
+                continue
+            if len({v.shape[0] for v in inputs.values()}) > 1:
+                # Inputs that disagree on the leading dimension are not rows of one batch (the spec does
+                # not hold them equal unless check_dims asks): the model runs this request alone.
+                step.serve_claimed(space, entry, index)
                 continue
             key = tuple(sorted((n, v.dtype.name, v.shape[1:]) for n, v in inputs.items()))
             groups.setdefault(key, []).append(Request(space, entry, index, slot, inputs))

@@ -170,8 +170,11 @@ class Step:
     def serve(self, space: Space, entry: int) -> None:
         """Claim, run and answer the request of ring ``entry`` (nothing if it is not ours to run)."""
         index = self.claim(space, entry)
-        if index is None:
-            return
+        if index is not None:
+            self.serve_claimed(space, entry, index)
+
+    def serve_claimed(self, space: Space, entry: int, index: int) -> None:
+        """Run and answer the claimed request in slot ``index`` (of ring ``entry``) alone."""
         try:
             n_outputs, failure = self.run(space, index), None
         except Exception as exc:  # a bug here must fail one request, not kill the worker

@@ -180,20 +180,21 @@ class FakeModel:
     compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
     instances: int = 1
     max_output_bytes: int = 4096  # reserved per output whose size the inputs do not bind
+    check_dims: tuple[str, ...] = ()  # named dimensions its inputs must agree on
 
     def config(self) -> ModelConfig:
         return ModelConfig(name=self.name, backend="fake", path="fake", instances=self.instances,
-                           max_output_bytes=self.max_output_bytes)
+                           max_output_bytes=self.max_output_bytes, check_dims=self.check_dims)
 
     def spec(self) -> ModelSpec:
-        return ModelSpec(self.name, "fake", self.inputs, self.outputs)
+        return ModelSpec(self.name, "fake", self.inputs, self.outputs, check_dims=self.check_dims)
 
 
 ADD = FakeModel("add", (TensorSpec("x", "float32", ("n",)),), (TensorSpec("y", "float32", ("n",)),),
                 lambda t: {"y": t["x"] + np.float32(1)})
 PAIR = FakeModel("pair", (TensorSpec("a", "int32", (2, "k")), TensorSpec("b", "int32", (2, "k"))),
                  (TensorSpec("sum", "int32", (2, "k")), TensorSpec("diff", "int32", (2, "k"))),
-                 lambda t: {"sum": t["a"] + t["b"], "diff": t["a"] - t["b"]})
+                 lambda t: {"sum": t["a"] + t["b"], "diff": t["a"] - t["b"]}, check_dims=("k",))
 # Its output has a dimension no input binds: the dispatcher reserves max_output_bytes for it.
 TAIL = FakeModel("tail", (TensorSpec("x", "uint8", (None,)),), (TensorSpec("y", "uint8", (None,)),),
                  lambda t: {"y": t["x"][::-1].copy()}, max_output_bytes=1024)

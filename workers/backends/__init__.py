@@ -9,7 +9,9 @@ front-end nor the protocol.
 A loader is ``load(config: ModelConfig) -> Backend``; it raises on failure
 (the worker reports the message and exits with EXIT_LOAD_FAILED).
 
-Must not: be imported by the front-end (backends import model runtimes).
+Must not: import a backend's module or its runtime until ``find`` is asked
+for it: the front-end imports this registry (``names``) to check config
+files, and backends import model runtimes.
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ class BackendNotFound(LookupError):
     pass
 
 
+def names() -> list[str]:
+    """Every backend name that ``find`` resolves, sorted; imports no backend or runtime
+    (config checks ``backend`` keys against it when the file is read)."""
+    return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
 def find(name: str) -> Callable:
     """Return the loader of backend ``name``; BackendNotFound lists what exists."""
     target = BUILTIN.get(name)
@@ -108,8 +116,7 @@ def find(name: str) -> Callable:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.name == name:
                 return ep.load()
-        known = sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
-        raise BackendNotFound(f"no backend {name!r} (available: {', '.join(known)})")
+        raise BackendNotFound(f"no backend {name!r} (available: {', '.join(names())})")
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 

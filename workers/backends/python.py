@@ -5,6 +5,9 @@ the config (``inputs``/``outputs``) or, failing that, from ``inputs`` and
 ``outputs`` attributes on the callable (lists of {name, dtype, shape}).  The
 callable receives read-only-by-contract numpy views of shared memory.
 
+The module is looked up in the config file's directory (``ModelConfig.base_dir``)
+first, then the worker's current directory, then the Python path.
+
 An optional ``load(config) -> callable`` factory is supported too: set
 ``path = "module:factory"`` and ``options = {factory = true}``.
 """
@@ -12,6 +15,7 @@ An optional ``load(config) -> callable`` factory is supported too: set
 from __future__ import annotations
 
 import importlib
+import sys
 
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
@@ -22,7 +26,7 @@ class PythonBackend:
         module_name, sep, attr = config.path.partition(":")
         if not sep or not module_name or not attr:
             raise ValueError(f"python backend path must be 'module:callable', got {config.path!r}")
-        target = getattr(importlib.import_module(module_name), attr)
+        target = getattr(_import(module_name, config.base_dir), attr)
         if config.options.get("factory"):
             target = target(config)
         if not callable(target):
@@ -41,6 +45,15 @@ class PythonBackend:
         close = getattr(self.fn, "close", None)
         if callable(close):
             close()
+
+
+def _import(module_name: str, base_dir: str):
+    """Import ``module_name`` looking in ``base_dir`` (the config file's directory) first, then
+    the worker's current directory and the Python path (``python -m`` put the current directory
+    first on it)."""
+    if base_dir and base_dir not in sys.path:
+        sys.path.insert(0, base_dir)
+    return importlib.import_module(module_name)
 
 
 def load(config: ModelConfig) -> PythonBackend:
