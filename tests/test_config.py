@@ -53,7 +53,7 @@ def test_full_config(tmp_path):
     assert cfg.arena_size_classes() == ((4096, 8), (1048576, 2)) and cfg.socket_mode == 0o660
     assert cfg.restart_healthy_s == 0.5 and config.ServerConfig(models=()).restart_healthy_s == 10.0
     assert not cfg.strict and config.parse({"server": {"strict": True}, "models": [
-        {"name": "a", "backend": "python", "path": "m:f"}]}).strict
+        {"name": "a", "backend": "python", "path": "shmserve.models:identity"}]}).strict
 
 
 @pytest.mark.parametrize("body,key", [
