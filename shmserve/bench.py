@@ -47,9 +47,13 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     num = text.rstrip("KMGIB")
     unit = text[len(num):]
-    if unit not in UNITS:
+    try:
+        size = int(float(num) * UNITS[unit])
+    except (KeyError, ValueError, OverflowError):
+        size = 0
+    if size <= 0:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 64, 4KiB, 16MiB)")
-    return int(float(num) * UNITS[unit])
+    return size
 
 
 def human(n: int) -> str:
@@ -277,21 +281,47 @@ def _demo_path() -> str:
     return demo_config().models[0].path
 
 
+def _check_server(path: str, model: str) -> tuple[int, str] | None:
+    """(exit code, why) if the server at ``path`` cannot be measured with ``model``; None if it can."""
+    from shmserve.cli import EXIT_FAILURE, EXIT_NO_SERVER
+    from shmserve.client import Client
+    from shmserve.errors import ConnectionClosed, ShmserveError
+
+    try:
+        with Client(path, timeout=30) as client:
+            names = [m["name"] for m in client.models()]
+    except ConnectionClosed as exc:
+        return EXIT_NO_SERVER, f"{exc.message} (start one, or give --spawn-server)"
+    except ShmserveError as exc:
+        return EXIT_FAILURE, str(exc)
+    if model not in names:
+        return EXIT_FAILURE, f"the server has no model {model!r} (it has: {', '.join(names) or 'none'}); give --model"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    from shmserve.cli import EXIT_CODES, HelpFormatter
+
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
-                                                                   "measured in the same run.")
+                                                                   "measured in the same run.",
+                                formatter_class=HelpFormatter,
+                                epilog="examples:\n  shmserve bench --spawn-server\n"
+                                       "  shmserve bench --payload 4KiB,1MiB --json-out results.json\n\n" + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: as for the other commands)")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
     p.add_argument("--model", default=MODEL, help="a model with one input; its leading dimension is sized to "
                                                   "the payload (--spawn-server has identity, identity_batched, demo)")
     p.add_argument("--payload", default="64,4KiB,1MiB,16MiB", help="comma-separated sizes")
-    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both")
+    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both", help="how requests travel")
     p.add_argument("--clients", type=int, default=1, help="client processes per case")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
     p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
-    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     args = p.parse_args(argv)
-    sizes = [parse_size(s) for s in args.payload.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.payload.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--payload: {exc}")
     modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
@@ -301,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         from shmserve.config import DEFAULT_INSTANCE, resolve_socket
 
         path = resolve_socket(args.socket, None, DEFAULT_INSTANCE)
+        problem = _check_server(path, args.model)
+        if problem:
+            print(f"shmserve bench: {problem[1]}", file=sys.stderr)
+            return problem[0]
     results = []
     try:
         total = len(sizes) * (len(modes) + 1)
@@ -333,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['mode']} | {r['p50_us']} | {r['p90_us']} | "
               f"{r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | {r['ratio_to_floor']} |")
     print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
                                                "model": args.model, "run_id": RUN_ID, "results": results},
                                               indent=2))
     return 0

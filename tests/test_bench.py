@@ -21,7 +21,7 @@ def bench_names(run_id: str) -> set[str]:
 def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64,1MiB",
-                        "--mode", "both", "--clients", "2", "--requests", "20", "--json", str(out)],
+                        "--mode", "both", "--clients", "2", "--requests", "20", "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
