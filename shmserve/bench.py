@@ -301,6 +301,7 @@ def _check_server(path: str, model: str) -> tuple[int, str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     from shmserve.cli import EXIT_CODES, HelpFormatter
+    from shmserve.inspection import plural
 
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
                                                                    "measured in the same run.",
@@ -316,12 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=1, help="client processes per case")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
     p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
+    p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     args = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in args.payload.split(",")]
     except argparse.ArgumentTypeError as exc:
         p.error(f"--payload: {exc}")
+    if args.json_out:
+        try:
+            open(args.json_out, "a").close()  # refused now, not after the run
+        except OSError as exc:
+            p.error(f"--json-out: cannot write {args.json_out}: {exc.strerror or exc}")
     modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
@@ -347,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             copy = memcpy_floor(size, min(reps, 50)) if size >= (1 << 20) else 0.0
             for mode in modes:
                 step += 1
-                print(f"[{step}/{total}] {mode} {human(size)} x {args.clients} client(s)", file=sys.stderr, flush=True)
+                print(f"[{step}/{total}] {mode} {human(size)} x {plural(args.clients, 'client')}",
+                      file=sys.stderr, flush=True)
                 r = run_case(path, mode, size, args.clients, args.requests, args.duration, args.model)
                 r.update(payload=size, mode=mode, clients=args.clients, echo_floor_p50_us=round(floor, 1),
                          memcpy_p50_us=round(copy, 1),
@@ -358,7 +366,15 @@ def main(argv: list[str] | None = None) -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
         tmp.cleanup()
-    print(f"\nshmserve bench, model {args.model}, {args.clients} client process(es), {os.cpu_count()} CPUs, "
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": args.model, "run_id": RUN_ID,
+              "results": results}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"\nshmserve bench, model {args.model}, {plural(args.clients, 'client process', 'client processes')}, "
+          f"{plural(os.cpu_count(), 'CPU')}, "
           f"{time.strftime('%Y-%m-%d')}\n")
     print("| payload | tensor | mode | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs | p50 / floor |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -367,10 +383,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['mode']} | {r['p50_us']} | {r['p90_us']} | "
               f"{r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | {r['ratio_to_floor']} |")
     print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                                               "model": args.model, "run_id": RUN_ID, "results": results},
-                                              indent=2))
     return 0
 
 

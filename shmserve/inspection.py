@@ -187,9 +187,9 @@ def _by_model(workers: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def plural(n: int, word: str) -> str:
-    """'1 worker', '2 workers'."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 worker', '2 workers' ('2 processes' with ``many="processes"``)."""
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
 
 
 def leftovers() -> list[dict]:

@@ -41,3 +41,12 @@ def test_bench_on_the_demo_model(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| 4 KiB | 12 KiB | zero-copy |" in r.stdout  # one 3x32x32 float32 image
+    assert "1 client process," in r.stdout
+
+
+def test_bench_json_on_stdout():
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64",
+                        "--mode", "inline", "--requests", "10", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (case,) = json.loads(r.stdout)["results"]  # the whole of stdout: one JSON document, no table
+    assert case["payload"] == 64 and case["mode"] == "inline" and case["n"] == 10
