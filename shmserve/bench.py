@@ -163,7 +163,8 @@ def summarize(samples: list[float], wall: float, size: int) -> dict:
 # -- floors -----------------------------------------------------------------------------------
 
 ECHO_SERVER = """
-import asyncio, sys, uvloop
+import asyncio, signal, sys, uvloop
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly
 class Echo(asyncio.Protocol):
     def connection_made(self, t): self.t = t
     def data_received(self, d): self.t.write(d)
@@ -387,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
-    else:
-        sys.exit(main())
+    try:
+        if len(sys.argv) > 1 and sys.argv[1] == "--client":
+            client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
+                        sys.argv[7])
+        else:
+            sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: each client leaves quietly
+        sys.exit(130)

@@ -136,6 +136,31 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
     assert "refreshing every 0.2 s" in out and "no arena" in out
 
 
+def test_ctrl_c_stops_a_bench_and_its_processes_quietly():
+    """Ctrl-C reaches the terminal's whole process group: bench, its clients and its server."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64",
+                             "--mode", "inline", "--clients", "2", "--duration", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("[2/2]" in line for line in seen):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+        assert any("[2/2]" in line for line in seen), "".join(seen)
+        time.sleep(1)  # its clients are measuring
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+
 # -- a server: tables, JSON, infer --print, inspect --check ---------------------------------
 
 MODELS = """
