@@ -162,6 +162,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"shmserve: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.metrics and "/" in args.metrics and not os.path.isdir(os.path.dirname(args.metrics) or "."):
+        print(f"shmserve: --metrics: no directory {os.path.dirname(args.metrics)!r} for the socket {args.metrics}",
+              file=sys.stderr)
+        return EXIT_USAGE
     if args.metrics and "/" not in args.metrics:
         from shmserve.metrics import check_loopback
 

@@ -94,8 +94,25 @@ def test_user_errors_are_one_line_with_exit_codes(tmp_path):
                 ("nosuchcommand",)):
         r = cli(*bad)
         assert r.returncode == 2 and r.stderr.strip(), bad
+    r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--metrics", str(tmp_path / "nodir" / "m.sock"))
+    assert r.returncode == 2 and "--metrics: no directory" in r.stderr
     r = cli("bench", "--socket", nowhere, "--payload", "64")
     assert r.returncode == 3 and "no shmserve server" in r.stderr and "--spawn-server" in r.stderr
+
+
+def test_serve_with_a_metrics_address_in_use_says_so(tmp_path):
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        instance = new_instance("metrics")
+        (tmp_path / "c.toml").write_text(f'[server]\ninstance = "{instance}"\n' + IDENTITY)
+        r = cli("serve", "--config", str(tmp_path / "c.toml"), "--socket", str(tmp_path / "s.sock"),
+                "--metrics", f"127.0.0.1:{busy.getsockname()[1]}", timeout=120)
+    finally:
+        busy.close()
+    assert r.returncode == 1 and "--metrics 127.0.0.1:" in r.stderr and "cannot listen" in r.stderr, r.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_permission_denied_names_the_group(tmp_path):
@@ -163,12 +180,13 @@ def test_ctrl_c_stops_a_bench_and_its_processes_quietly():
 
 # -- a server: tables, JSON, infer --print, inspect --check ---------------------------------
 
-MODELS = """
+IDENTITY = """
 [[models]]
 name = "identity"
 backend = "python"
 path = "shmserve.models:identity"
-
+"""
+MODELS = IDENTITY + """
 [[models]]
 name = "broken"
 backend = "python"
@@ -241,7 +259,7 @@ def test_commands_against_a_server_with_failing_and_crash_looping_models(tmp_pat
 
 
 def test_inspect_check_ok_pluralises(tmp_path):
-    srv = ServerProcess(tmp_path, MODELS.split("[[models]]\nname = \"broken\"")[0]).start()
+    srv = ServerProcess(tmp_path, IDENTITY).start()
     try:
         r = cli("inspect", "--instance", srv.instance, "--check")
         assert r.returncode == 0 and r.stdout.strip() == f"OK: {srv.instance} (1 worker)"
