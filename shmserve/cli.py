@@ -54,6 +54,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _natural(text: str) -> int:
+    """argparse type: an integer of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
 def _table(*columns: str, title: str | None = None):
     from rich.table import Table
 
@@ -504,8 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("model", help="the model's name (see 'shmserve models')")
     infer.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
     infer.add_argument("--random", action="store_true", help="random inputs for every input not given")
-    infer.add_argument("--dynamic-dim", type=int, default=1, help="size of dynamic dimensions with --random")
-    infer.add_argument("--seed", type=int, default=None, help="seed for --random (default: a fresh one)")
+    infer.add_argument("--dynamic-dim", type=_natural, default=1, help="size of dynamic dimensions with --random")
+    infer.add_argument("--seed", type=_natural, default=None, help="seed for --random (default: a fresh one)")
     infer.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     infer.add_argument("--print", action="store_true",
                        help=f"print the outputs' values (numpy-style; over {PRINT_THRESHOLD} elements, the edges)")

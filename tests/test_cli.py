@@ -89,7 +89,7 @@ def test_user_errors_are_one_line_with_exit_codes(tmp_path):
     (tmp_path / "file").write_text("")
     r = cli("infer", "m", "--random", "--save", str(tmp_path / "file" / "out"), "--socket", nowhere)
     assert r.returncode == 2 and "--save: cannot create" in r.stderr
-    for bad in (("infer", "m", "--timeout", "0"), ("health", "--timeout", "-1"), ("inspect", "--watch", "0"),
+    for bad in (("infer", "m", "--timeout", "0"), ("infer", "m", "--dynamic-dim", "-1"), ("infer", "m", "--seed", "x"), ("health", "--timeout", "-1"), ("inspect", "--watch", "0"),
                 ("bench", "--payload", "4x"), ("bench", "--json-out", str(tmp_path / "file" / "x.json")), ("bench", "--payload", "KiB"), ("bench", "--payload", "0"),
                 ("nosuchcommand",)):
         r = cli(*bad)
