@@ -54,9 +54,13 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     num = text.rstrip("KMGIB")
     unit = text[len(num):]
-    if unit not in UNITS:
+    try:
+        size = int(float(num) * UNITS[unit])
+    except (KeyError, ValueError, OverflowError):
+        size = 0
+    if size <= 0:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 64, 4KiB, 16MiB)")
-    return int(float(num) * UNITS[unit])
+    return size
 
 
 def human(n: int) -> str:
@@ -178,7 +182,8 @@ def summarize(samples: list[float], wall: float, size: int) -> dict:
 # -- floors -----------------------------------------------------------------------------------
 
 ECHO_SERVER = """
-import asyncio, sys, uvloop
+import asyncio, signal, sys, uvloop
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly
 class Echo(asyncio.Protocol):
     def connection_made(self, t): self.t = t
     def data_received(self, d): self.t.write(d)
@@ -306,22 +311,27 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def pick_model(path: str, wanted: str | None) -> str:
-    """``wanted``, or the model a running server lists that bench can drive: ``identity`` if it
-    has one, else the first with a single input.  SystemExit naming the fix if none fits."""
-    from shmserve import Client
+def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, str] | None]:
+    """(model, None): ``wanted``, or a model the server at ``path`` lists that bench can drive
+    (``identity`` if it has one, else its first one-input model); or (None, (exit code, why))."""
+    from shmserve.cli import EXIT_FAILURE, EXIT_NO_SERVER
+    from shmserve.client import Client
+    from shmserve.errors import ConnectionClosed, ShmserveError
 
-    with Client(path) as c:
-        listing = c.models()
+    try:
+        with Client(path, timeout=30) as client:
+            listing = client.models()
+    except ConnectionClosed as exc:
+        return None, (EXIT_NO_SERVER, f"{exc.message} (start one, or give --spawn-server)")
+    except ShmserveError as exc:
+        return None, (EXIT_FAILURE, str(exc))
     names = [m["name"] for m in listing if len(m.get("inputs") or ()) == 1]
-    if wanted is not None:
-        if wanted not in names:
-            raise SystemExit(f"shmserve bench: the server has no one-input model {wanted!r} "
-                             f"(it has: {', '.join(names) or 'none'}); pick one with --model")
-        return wanted
-    if not names:
-        raise SystemExit("shmserve bench: the server lists no model with a single input; use --spawn-server")
-    return MODEL if MODEL in names else names[0]
+    if wanted is not None and wanted not in names:
+        return None, (EXIT_FAILURE, f"the server has no one-input model {wanted!r} "
+                                    f"(it has: {', '.join(names) or 'none'}); give --model")
+    if wanted is None and not names:
+        return None, (EXIT_FAILURE, "the server lists no model with a single input; give --spawn-server")
+    return wanted or (MODEL if MODEL in names else names[0]), None
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -349,28 +359,45 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shmserve.cli import EXIT_CODES, HelpFormatter
+    from shmserve.inspection import plural
+
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
                                                                    "measured in the same run.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter,
+                                epilog="examples:\n  shmserve bench --spawn-server\n"
+                                       "  shmserve bench --payload 4KiB,1MiB --json-out results.json\n"
+                                       "  shmserve bench --payload 4KiB --clients 1,2,4,8 --plot latency.png\n"
+                                       "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n\n" + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: as for the other commands)")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
     p.add_argument("--payload", default="64,4KiB,1MiB,16MiB", help="comma-separated sizes")
-    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both")
+    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both", help="how requests travel")
     p.add_argument("--clients", type=parse_counts, default=[1], metavar="N[,N...]",
                    help="client processes per case; a list sweeps them (1,2,4,8)")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
     p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
     p.add_argument("--rate", type=float, default=0.0, metavar="N",
                    help="requests/s of all clients together, each due at its time (open loop); 0: back to back")
-    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
+    p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
     args = p.parse_args(argv)
     if args.rate < 0:
         p.error("--rate must be 0 or more")
-    sizes = [parse_size(s) for s in args.payload.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.payload.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--payload: {exc}")
+    for option, target in (("--json-out", args.json_out), ("--plot", args.plot)):
+        if target:
+            try:
+                open(target, "a").close()  # refused now, not after the run
+            except OSError as exc:
+                p.error(f"{option}: cannot write {target}: {exc.strerror or exc}")
     modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
@@ -381,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from shmserve.config import DEFAULT_INSTANCE, resolve_socket
 
         path = resolve_socket(args.socket, None, DEFAULT_INSTANCE)
-        model = pick_model(path, args.model)
+        model, problem = pick_model(path, args.model)
+        if problem:
+            print(f"shmserve bench: {problem[1]}", file=sys.stderr)
+            return problem[0]
     results = []
     try:
         total = len(sizes) * (len(modes) * len(args.clients) + 1)
@@ -395,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for clients in args.clients:
                     step += 1
-                    print(f"[{step}/{total}] {mode} {human(size)} x {clients} client(s)", file=sys.stderr, flush=True)
+                    print(f"[{step}/{total}] {mode} {human(size)} x {plural(clients, 'client')}",
+                          file=sys.stderr, flush=True)
                     r = run_case(path, mode, size, clients, args.requests, args.duration, model, args.rate)
                     r.update(payload=size, mode=mode, clients=clients, rate=args.rate,
                              echo_floor_p50_us=round(floor, 1), memcpy_p50_us=round(copy, 1),
@@ -407,7 +438,16 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         tmp.cleanup()
     pacing = f"at {args.rate:g} req/s in all (latency from each request's due time)" if args.rate else "back to back"
-    print(f"\nshmserve bench, model {model}, clients {pacing}, {os.cpu_count()} CPUs, "
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
+              "rate": args.rate, "results": results}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(results, args.plot, f"shmserve bench, model {model}, {pacing}, {time.strftime('%Y-%m-%d')}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"\nshmserve bench, model {model}, clients {pacing}, {plural(os.cpu_count(), 'CPU')}, "
           f"{time.strftime('%Y-%m-%d')}\n")
     print("| payload | tensor | mode | clients | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs "
           "| p50 / floor |")
@@ -418,17 +458,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['p90_us']} | {r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | "
               f"{r['ratio_to_floor']} |")
     print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                                               "model": model, "run_id": RUN_ID, "rate": args.rate,
-                                               "results": results}, indent=2))
-    if args.plot:
-        plot(results, args.plot, f"shmserve bench, model {model}, {pacing}, {time.strftime('%Y-%m-%d')}")
     return 0
 
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), sys.argv[7],
-                    float(sys.argv[8]))
-    else:
-        sys.exit(main())
+    try:
+        if len(sys.argv) > 1 and sys.argv[1] == "--client":
+            client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
+                        sys.argv[7], float(sys.argv[8]))
+        else:
+            sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: each client leaves quietly
+        sys.exit(130)

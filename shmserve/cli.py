@@ -3,9 +3,11 @@
 Owns: argument parsing, output formatting and exit codes.  Each subcommand
 delegates to the module that owns the work (server, client, stale).
 
-Exit codes: 0 success; 1 the operation failed (the server answered with an
-error, or a model failed); 2 usage or configuration error; 3 no server
-answers at the socket.
+Exit codes (``EXIT_CODES``, printed by ``--help``): 0 success; 1 the
+operation failed or the instance is unhealthy; 2 usage, input or configuration
+error; 3 no server answers at the socket; 4 permission denied; 130
+interrupted (Ctrl-C).  A user's mistake gets one line on stderr, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -13,18 +15,85 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import zlib
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at each edge
+EXIT_CODES = """exit codes:
+  0    success
+  1    the operation failed (the server answered with an error), or the instance is unhealthy
+  2    usage, input or configuration error
+  3    no server answers at the socket
+  4    permission denied (the socket's group gives access)
+  130  interrupted (Ctrl-C)"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help (unless the help already says it); epilogs as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default is None:
+            return text + " (default: none)"
+        return text + " (default: %(default)s)"
+
+
+def _positive(text: str) -> float:
+    """argparse type: a number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+    return value
+
+
+def _natural(text: str) -> int:
+    """argparse type: an integer of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _table(*columns: str, title: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col)
+    return table
+
+
+def _row(table, *cells) -> None:
+    """Add a row of plain text (names come from the server: never rich markup)."""
+    from rich.text import Text
+
+    table.add_row(*(Text(str(c)) for c in cells))
+
+
+def _print(*renderables) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for r in renderables:
+        console.print(r)
 
 
 def _socket_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="server socket (default: $SHMSERVE_SOCKET, else "
                                          "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/)")
-    parser.add_argument("--instance", default=None, help="instance name used for the default socket path")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for an answer")
+    parser.add_argument("--instance", default="default", help="instance name used for the default socket path")
+    parser.add_argument("--timeout", type=_positive, default=60.0, help="seconds to wait for an answer")
 
 
 def _client(args):
@@ -38,23 +107,58 @@ def _client(args):
 
 
 def _talks_to_server(func):
-    """Turn client errors of a subcommand into messages and exit codes (3: no server, 1: an error)."""
+    """Turn client errors of a subcommand into messages and exit codes (3: no server, 4: the
+    socket or its directory refuses us, 1: an error)."""
     import functools
 
     @functools.wraps(func)
     def wrapper(args: argparse.Namespace) -> int:
-        from shmserve.errors import ConnectionClosed, ShmserveError
+        from shmserve.config import resolve_socket
+        from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 
+        path = resolve_socket(args.socket, None, args.instance)
         try:
             return func(args)
         except ConnectionClosed as exc:
-            print(f"shmserve {args.command}: {exc.message}", file=sys.stderr)
+            refused = _access_refused(path)
+            print(f"shmserve {args.command}: {refused or exc.message}", file=sys.stderr)
+            return EXIT_PERMISSION if refused else EXIT_NO_SERVER
+        except PermissionError as exc:  # connect(2) refused by the socket's or its directory's mode
+            why = _access_refused(path) or f"permission denied: {exc.filename or path}"
+            print(f"shmserve {args.command}: {why}", file=sys.stderr)
+            return EXIT_PERMISSION
+        except OSError as exc:  # e.g. a path that is not a socket, or too long for one
+            print(f"shmserve {args.command}: {path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_NO_SERVER
         except ShmserveError as exc:
             print(f"shmserve {args.command}: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
+            return EXIT_PERMISSION if exc.code == ErrorCode.PERMISSION_DENIED else EXIT_FAILURE
 
     return wrapper
+
+
+def _access_refused(path: str) -> str | None:
+    """Why this user may not connect to the socket at ``path`` (its directory or itself refuses
+    us), naming the group that gives access; None if nothing there refuses us."""
+    import grp
+    import stat
+
+    checks = [(str(Path(path).parent), os.X_OK, "directory"), (path, os.W_OK, "socket")]
+    for where, mode, what in checks:
+        try:
+            st = os.stat(where)
+        except OSError:
+            return None  # a missing path is "no server", said by the client
+        if what == "socket" and not stat.S_ISSOCK(st.st_mode):
+            return None
+        if not os.access(where, mode):
+            try:
+                group = grp.getgrgid(st.st_gid).gr_name
+            except KeyError:
+                group = str(st.st_gid)
+            return (f"permission denied: the {what} {where} (mode {stat.S_IMODE(st.st_mode):04o}) lets in "
+                    f"members of group {group!r}; ask to be added to it (then log in again)")
+    return None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -73,6 +177,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         config = replace(config, strict=True)
+    if args.metrics and "/" in args.metrics and not os.path.isdir(os.path.dirname(args.metrics) or "."):
+        print(f"shmserve: --metrics: no directory {os.path.dirname(args.metrics)!r} for the socket {args.metrics}",
+              file=sys.stderr)
+        return EXIT_USAGE
     if args.metrics and "/" not in args.metrics:
         from shmserve.metrics import check_loopback
 
@@ -100,22 +208,56 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
 
-@_talks_to_server
-def _cmd_infer(args: argparse.Namespace) -> int:
+def _load_inputs(items: list[str]) -> dict:
+    """--input NAME=FILE.npy arguments as arrays; SystemExit (2) with why for a bad one."""
     import numpy as np
 
-    with _client(args) as client:
-        inputs = {}
-        for item in args.input or []:
-            name, sep, path = item.partition("=")
-            if not sep:
-                print(f"shmserve infer: --input expects NAME=FILE.npy, got {item!r}", file=sys.stderr)
-                return EXIT_USAGE
+    inputs = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(_usage("infer", f"--input expects NAME=FILE.npy, got {item!r}"))
+        try:
             inputs[name] = np.load(path, allow_pickle=False)
+        except OSError as exc:
+            raise SystemExit(_usage("infer", f"--input {name}: cannot read {path}: {exc.strerror or exc}")) from None
+        except (ValueError, EOFError) as exc:  # not a .npy file, truncated, or a pickled object array
+            raise SystemExit(_usage("infer", f"--input {name}: {path} is not a readable .npy array ({exc})")) \
+                from None
+        if not isinstance(inputs[name], np.ndarray):  # an .npz archive
+            inputs[name].close()
+            raise SystemExit(_usage("infer", f"--input {name}: {path} is an .npz archive; give one .npy array"))
+    return inputs
+
+
+def _usage(command: str, message: str) -> int:
+    """Print a usage error of ``command``; returns EXIT_USAGE (for ``raise SystemExit(_usage(...))``)."""
+    print(f"shmserve {command}: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+@_talks_to_server
+def _cmd_infer(args: argparse.Namespace) -> int:
+    import time
+
+    import numpy as np
+
+    inputs = _load_inputs(args.input or [])
+    out_dir = Path(args.save) if args.save else None
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _usage("infer", f"--save: cannot create {out_dir}: {exc.strerror or exc}")
+    with _client(args) as client:
         if args.random:
             spec = next((m for m in client.models() if m["name"] == args.model), None)
             if spec is None:
-                print(f"shmserve infer: the server has no model {args.model!r}", file=sys.stderr)
+                print(f"shmserve infer: the server has no model {args.model!r} (see 'shmserve models')",
+                      file=sys.stderr)
+                return EXIT_FAILURE
+            if spec["state"] != "ready" and not spec["inputs"]:  # never loaded: its inputs are unknown
+                print(f"shmserve infer: {spec.get('error') or f'model {args.model!r} is not ready'}", file=sys.stderr)
                 return EXIT_FAILURE
             rng = np.random.default_rng(args.seed)
             for t in spec["inputs"]:
@@ -123,21 +265,33 @@ def _cmd_infer(args: argparse.Namespace) -> int:
                     shape = [d if isinstance(d, int) and d >= 0 else args.dynamic_dim for d in t["shape"]]
                     inputs[t["name"]] = _random(rng, t["dtype"], shape)
         if not inputs:
-            print("shmserve infer: give --input NAME=FILE.npy or --random", file=sys.stderr)
-            return EXIT_USAGE
+            return _usage("infer", "give --input NAME=FILE.npy or --random")
+        started = time.perf_counter()
         outputs = client.infer(args.model, inputs, timeout=args.timeout)
+        round_trip_ms = (time.perf_counter() - started) * 1e3
     rows = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape),
              "crc32": f"{zlib.crc32(np.ascontiguousarray(a).tobytes()):08x}"} for n, a in outputs.items()]
-    if args.save:
-        out_dir = Path(args.save)
-        out_dir.mkdir(parents=True, exist_ok=True)
+    if args.print:
+        for row in rows:
+            row["values"] = np.array2string(outputs[row["name"]], threshold=PRINT_THRESHOLD, edgeitems=3)
+    if out_dir is not None:
         for n, a in outputs.items():
-            np.save(out_dir / f"{_safe(n)}.npy", a)
+            try:
+                np.save(out_dir / f"{_safe(n)}.npy", a)
+            except OSError as exc:
+                print(f"shmserve infer: --save: cannot write {out_dir / _safe(n)}.npy: {exc.strerror or exc}",
+                      file=sys.stderr)
+                return EXIT_FAILURE
     if args.json:
-        print(json.dumps({"model": args.model, "outputs": rows}))
-    else:
-        for r in rows:
-            print(f"{r['name']}\t{r['dtype']}\t{tuple(r['shape'])}\tcrc32={r['crc32']}")
+        print(json.dumps({"model": args.model, "round_trip_ms": round(round_trip_ms, 3), "outputs": rows}))
+        return EXIT_OK
+    table = _table("output", "dtype", "shape", "crc32")
+    for r in rows:
+        _row(table, r["name"], r["dtype"], tuple(r["shape"]), r["crc32"])
+    _print(table)
+    for r in rows if args.print else ():
+        print(f"{r['name']} =\n{r['values']}")
+    print(f"round trip: {round_trip_ms:.3f} ms")
     return EXIT_OK
 
 
@@ -157,44 +311,88 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "output"
 
 
+def _ask(args: argparse.Namespace, question: str):
+    """The server's answer to ``question`` (a Client method: models, health, info), printed as
+    one line of JSON too with --json."""
+    with _client(args) as client:
+        answer = getattr(client, question)()
+    if args.json:
+        print(json.dumps(answer))
+    return answer
+
+
 @_talks_to_server
 def _cmd_models(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        models = client.models()
+    models = _ask(args, "models")
     if args.json:
-        print(json.dumps(models))
         return EXIT_OK
+    table = _table("model", "backend", "device", "state", "tensor", "dtype", "shape")
     for m in models:
-        print(f"{m['name']}\t{m['backend']}\t{m['device']}\t{m['state']}\t{m['path']}")
-        for role in ("inputs", "outputs"):
-            for t in m[role]:
-                dims = ", ".join("?" if d is None else str(d) for d in t["shape"])
-                print(f"  {role[:-1]:6} {t['name']}\t{t['dtype']}\t[{dims}]")
-        if m.get("error"):
-            print(f"  error: {m['error']}")
+        tensors = [(f"{role[:-1]} {t['name']}", t["dtype"],
+                    "[" + ", ".join("?" if d is None else str(d) for d in t["shape"]) + "]")
+                   for role in ("inputs", "outputs") for t in m[role]] or [("-", "-", "-")]
+        for i, tensor in enumerate(tensors):
+            head = (m["name"], m["backend"], m["device"], m["state"]) if i == 0 else ("", "", "", "")
+            _row(table, *head, *tensor)
+    _print(table)
+    for m in models:
+        print(f"{m['name']}: {m['path']}" + (f"\n  error: {m['error']}" if m.get("error") else ""))
     return EXIT_OK
 
 
 @_talks_to_server
-def _cmd_control(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        answer = client.health() if args.command == "health" else client.info()
-    print(json.dumps(answer, indent=None if args.json else 2))
-    if args.command == "health" and answer.get("status") != "ok":
-        return EXIT_FAILURE
+def _cmd_health(args: argparse.Namespace) -> int:
+    answer = _ask(args, "health")
+    if not args.json:
+        table = _table("model", "state", "workers ready", "restarts", "crash loop")
+        for name, m in answer.get("models", {}).items():
+            _row(table, name, m["state"], f"{m['workers_ready']} of {m['workers']}", m["restarts"],
+                 "yes" if m["crash_loop"] else "no")
+        print(f"status: {answer.get('status')}")
+        _print(table)
+    return EXIT_OK if answer.get("status") == "ok" else EXIT_FAILURE
+
+
+@_talks_to_server
+def _cmd_info(args: argparse.Namespace) -> int:
+    from shmserve.inspection import plural
+
+    answer = _ask(args, "info")
+    if args.json:
+        return EXIT_OK
+    facts = _table("fact", "value")
+    arena = answer.get("arena", {})
+    for key, value in (("version", answer.get("version")), ("protocol", answer.get("protocol")),
+                       ("instance", answer.get("instance")), ("pid", answer.get("pid")),
+                       ("socket", answer.get("socket")), ("uptime", f"{answer.get('uptime_s', 0):.0f} s"),
+                       ("arena", f"{arena.get('name')}, {arena.get('size', 0) >> 20} MiB, "
+                                 f"{plural(arena.get('slots', 0), 'slot')}"),
+                       ("max_request_bytes", answer.get("max_request_bytes")),
+                       ("request_timeout_s", answer.get("request_timeout_s")),
+                       ("lanes", answer.get("lanes"))):
+        _row(facts, key, "-" if value is None else value)
+    workers = _table("#", "model", "device", "pid", "state", "requests", "errors", "restarts", "in flight",
+                     title="workers")
+    for w in answer.get("workers", []):
+        _row(workers, w["index"], w["model"], w["device"], "-" if w["pid"] is None else w["pid"], w["state"],
+             w["requests"], w["errors"], w["restarts"], w["inflight"])
+    stats = _table("statistic", "value", title="arena statistics")
+    for key, value in answer.get("stats", {}).items():
+        _row(stats, key, value)
+    _print(facts, workers, stats)
     return EXIT_OK
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from shmserve import inspection, stale
     from shmserve.arena import ArenaError, ArenaNotFound
-    from shmserve.config import DEFAULT_INSTANCE
+    from shmserve.inspection import plural
 
     def instances() -> list[str]:
         if args.all:  # only our own and root's: another user could shrink its arena under our mapping
             trusted = stale.trusted_uids()
             return sorted({r.instance for r in stale.list_arenas() if r.valid and r.uid in trusted})
-        return [args.instance or DEFAULT_INSTANCE]
+        return [args.instance]
 
     def take() -> dict:
         snaps, errors = [], []
@@ -209,18 +407,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     state = take()
     if args.watch:
+        import time
+
         from rich.console import Group
         from rich.live import Live
+        from rich.text import Text
 
-        import time as _time
-        try:
-            with Live(Group(*[inspection.render(s) for s in state["instances"]]), refresh_per_second=4) as live:
-                while True:
-                    _time.sleep(args.watch)
-                    state = take()
-                    live.update(Group(*[inspection.render(s) for s in state["instances"]]))
-        except KeyboardInterrupt:
-            return EXIT_OK
+        def view(state: dict):
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+            head = Text(f"{stamp}  refreshing every {args.watch:g} s (Ctrl-C to stop)", style="dim")
+            errors = [Text(f"shmserve inspect: {message}", style="red") for _, message in state["errors"]]
+            return Group(head, *[inspection.render(s) for s in state["instances"]], *errors)
+
+        with Live(view(state), refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.watch)
+                live.update(view(take()))
     for code, message in state["errors"]:
         print(f"shmserve inspect: {message}", file=sys.stderr)
     if args.json:
@@ -247,7 +449,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for p in found:
             print(f"UNHEALTHY: {p}")
         if not found:
-            print("OK: " + ", ".join(f"{s['instance']} ({len(s['workers'])} workers)" for s in state["instances"]))
+            print("OK: " + ", ".join(f"{s['instance']} ({plural(len(s['workers']), 'worker')})"
+                                     for s in state["instances"]))
         return EXIT_FAILURE if found else EXIT_OK
     return EXIT_OK
 
@@ -257,6 +460,14 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     from shmserve.arena import uid_words
 
     records = stale.sweep(args.instance, dry_run=args.dry_run)
+    left = [r for r in stale.list_arenas(args.instance)
+            if (r.refused and not r.owner_alive) or (r.stale and not args.dry_run)]
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": [
+            {"name": r.name, "size": r.size, "reason": r.reason, "socket": r.socket_path,
+             "socket_kept": r.socket_kept or None} for r in records],
+            "left": [{"name": r.name, "uid": r.uid, "why": r.refused or "owned by another user"} for r in left]}))
+        return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     for record in records:
         print(f"{verb} /dev/shm/{record.name} ({record.size} bytes): {record.reason}")
@@ -267,10 +478,10 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
                 print(f"{verb} its socket {record.socket_path}")
     if not records:
         print("no stale arenas")
-    for record in stale.list_arenas(args.instance):
+    for record in left:
         if record.refused and not record.owner_alive:  # another user's live instance is none of our business
             print(f"left /dev/shm/{record.name}: {record.refused}")
-        elif record.stale and not args.dry_run:
+        else:
             print(f"could not remove /dev/shm/{record.name} (owned by {uid_words(record.uid)}): "
                   f"run 'shmserve cleanup' as its owner or root")
     return EXIT_OK
@@ -279,14 +490,24 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from shmserve import __version__
 
-    parser = argparse.ArgumentParser(prog="shmserve", description="Local inference over shared memory.")
+    parser = argparse.ArgumentParser(
+        prog="shmserve", description="Local inference over shared memory.", formatter_class=HelpFormatter,
+        epilog="examples:\n  shmserve serve                 # the demo model on CPU\n"
+               "  shmserve infer demo --random   # in another terminal\n"
+               "  shmserve <command> --help      # one command's options\n\n" + EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"shmserve {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
 
-    serve = sub.add_parser("serve", help="run the service (no --config: the embedded demo model on CPU)")
+    def command(name: str, text: str, *examples: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                              formatter_class=HelpFormatter,
+                              epilog="examples:\n" + "".join(f"  {e}\n" for e in examples) + "\n" + EXIT_CODES)
+
+    serve = command("serve", "run the service (no --config: the embedded demo model on CPU)",
+                    "shmserve serve", "shmserve serve --config /etc/shmserve/config.toml --metrics 127.0.0.1:9464")
     serve.add_argument("--config", help="TOML configuration file")
     serve.add_argument("--socket", help="socket path (overrides the config and $SHMSERVE_SOCKET)")
-    serve.add_argument("--instance", help="instance name (overrides the config)")
+    serve.add_argument("--instance", help="instance name (default: the config's, else 'default')")
     serve.add_argument("--metrics", metavar="ADDR", help="serve Prometheus metrics on a Unix socket path or a "
                                                           "loopback host:port")
     serve.add_argument("--strict", action="store_true", help="a model that cannot load stops the start "
@@ -295,58 +516,82 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (one line per request)")
     serve.set_defaults(func=_cmd_serve)
 
-    infer = sub.add_parser("infer", help="run a model once and print its outputs' dtype, shape and checksum")
-    infer.add_argument("model")
+    infer = command("infer", "run a model once and print its outputs' dtype, shape and checksum",
+                    "shmserve infer demo --random --print", "shmserve infer mymodel --input x=x.npy --save out/")
+    infer.add_argument("model", help="the model's name (see 'shmserve models')")
     infer.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
     infer.add_argument("--random", action="store_true", help="random inputs for every input not given")
-    infer.add_argument("--dynamic-dim", type=int, default=1, help="size of dynamic dimensions with --random")
-    infer.add_argument("--seed", type=int, default=None, help="seed for --random")
+    infer.add_argument("--dynamic-dim", type=_natural, default=1, help="size of dynamic dimensions with --random")
+    infer.add_argument("--seed", type=_natural, default=None, help="seed for --random (default: a fresh one)")
     infer.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
-    infer.add_argument("--json", action="store_true")
+    infer.add_argument("--print", action="store_true",
+                       help=f"print the outputs' values (numpy-style; over {PRINT_THRESHOLD} elements, the edges)")
+    infer.add_argument("--json", action="store_true", help="one line of JSON (with --print: the values too)")
     _socket_arg(infer)
     infer.set_defaults(func=_cmd_infer)
 
-    models = sub.add_parser("models", help="list the server's models with their inputs and outputs")
-    models.add_argument("--json", action="store_true")
+    models = command("models", "list the server's models with their inputs and outputs",
+                     "shmserve models", "shmserve models --json | jq '.[].name'")
+    models.add_argument("--json", action="store_true", help="JSON for scripts")
     _socket_arg(models)
     models.set_defaults(func=_cmd_models)
 
-    for name, text in (("health", "is the server healthy (exit 1 if not)"), ("info", "server and arena facts")):
-        p = sub.add_parser(name, help=text)
+    for name, text, func in (("health", "is the server healthy (exit 1 if not)", _cmd_health),
+                             ("info", "server and arena facts", _cmd_info)):
+        p = command(name, text, f"shmserve {name}", f"shmserve {name} --instance prod --json")
         p.add_argument("--json", action="store_true", help="one line of JSON")
         _socket_arg(p)
-        p.set_defaults(func=_cmd_control)
+        p.set_defaults(func=func)
 
-    inspect = sub.add_parser("inspect", help="read-only view of a live or dead instance's arena")
+    inspect = command("inspect", "read-only view of a live or dead instance's arena",
+                      "shmserve inspect --watch 2", "shmserve inspect --all --check   # for monitoring")
     which = inspect.add_mutually_exclusive_group()
-    which.add_argument("--instance", help="instance name (default: default)")
+    which.add_argument("--instance", default="default", help="instance name")
     which.add_argument("--all", action="store_true",
                        help="every instance in /dev/shm owned by you or root (name another with --instance)")
     inspect.add_argument("--json", action="store_true", help="JSON for scripts (includes owner_alive)")
-    inspect.add_argument("--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="live view")
-    inspect.add_argument("--check", action="store_true", help="exit 1 with the reasons if anything is unhealthy")
-    inspect.add_argument("--stuck-after", type=float, default=30.0, metavar="S",
-                         help="a slot RUNNING longer than this is stuck")
+    inspect.add_argument("--watch", nargs="?", const=1.0, type=_positive, metavar="SECONDS",
+                         help="live view, refreshed every SECONDS (1 if not given)")
+    inspect.add_argument("--check", action="store_true",
+                         help="exit 1 with the reasons if anything is unhealthy (a model unavailable, "
+                              "restarting or crash-looping; a process gone; a slot stuck)")
+    inspect.add_argument("--stuck-after", type=_positive, default=30.0, metavar="S",
+                         help="a slot RUNNING longer than this many seconds is stuck")
     inspect.set_defaults(func=_cmd_inspect)
 
-    sub.add_parser("bench", help="latency and throughput against floors measured in the same run "
-                                 "(see 'shmserve bench --help')")
+    command("bench", "latency and throughput against floors measured in the same run "
+                     "(its options: 'shmserve bench --help')",
+            "shmserve bench --spawn-server", "shmserve bench --payload 4KiB,1MiB --json-out results.json")
 
-    cleanup = sub.add_parser("cleanup", help="remove arenas whose server is gone (never a live one)")
-    cleanup.add_argument("--instance", help="only this instance's arena")
+    cleanup = command("cleanup", "remove arenas whose server is gone (never a live one)",
+                      "shmserve cleanup --dry-run", "shmserve cleanup --instance prod")
+    cleanup.add_argument("--instance", help="only this instance's arena (default: every instance)")
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    cleanup.add_argument("--json", action="store_true", help="one line of JSON: what was (or would be) removed, "
+                                                             "and what was left")
     cleanup.set_defaults(func=_cmd_cleanup)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (``EXIT_CODES``)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # its own parser: `shmserve bench --help`
-        from shmserve import bench
+    try:
+        if argv and argv[0] == "bench":  # its own parser: `shmserve bench --help`
+            from shmserve import bench
 
-        return bench.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+            return bench.main(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_OK
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's convention for SIGINT
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `shmserve models | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -137,21 +137,59 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
 
 
 def problems(snap: dict) -> list[str]:
-    """Why an instance is unhealthy (empty if it is healthy)."""
+    """Why an instance is unhealthy (empty if it is healthy): its front-end gone; it is stopping;
+    a model with no ready worker (unavailable: every worker failed for good; else restarting or
+    still loading); a worker gone, silent, failed, waiting to restart or crash-looping; a stuck slot.
+    A model is judged only while the front-end lives (a dead one's table is history)."""
     found = []
     if not snap["owner_alive"]:
         found.append(f"front-end pid {snap['owner_pid']} is gone (run 'shmserve cleanup')")
+    elif snap["state"] == "stopping":
+        found.append("the instance is shutting down")
+    elif snap["state"] == "live":
+        for model, workers in _by_model(snap["workers"]).items():
+            if any(w["state"] == "ready" and w["alive"] for w in workers):
+                continue
+            if all(_failed(w) for w in workers):
+                found.append(f"model {model} is unavailable: all {plural(len(workers), 'worker')} failed and "
+                             f"will not be restarted (the server's log says why)")
+            else:
+                found.append(f"model {model} has no ready worker (0 of {len(workers)} ready)")
     for w in snap["workers"]:
+        who = f"worker {w['index']} ({w['model']})"
         if w["state"] == "ready" and not w["alive"]:
-            found.append(f"worker {w['index']} ({w['model']}) pid {w['pid']} is gone")
+            found.append(f"{who} pid {w['pid']} is gone")
         elif w["state"] == "ready" and (w["heartbeat_age_s"] or 0) > WORKER_SILENT_S:
-            found.append(f"worker {w['index']} ({w['model']}) silent for {w['heartbeat_age_s']:.0f} s")
+            found.append(f"{who} silent for {w['heartbeat_age_s']:.0f} s")
+        elif snap["owner_alive"] and snap["state"] == "live" and _failed(w):
+            found.append(f"{who} failed and will not be restarted")
+        elif w["restart_in_s"] is not None:
+            found.append(f"{who} died and restarts in {w['restart_in_s']:.1f} s "
+                         f"({plural(w['restarts'], 'restart')} so far)")
         if w["crash_streak"] >= workerlink.CRASH_LOOP_DEATHS:
-            found.append(f"worker {w['index']} ({w['model']}) is crash-looping: {w['crash_streak']} deaths in a row, "
+            found.append(f"{who} is crash-looping: {w['crash_streak']} deaths in a row, "
                          f"each before it served restart_healthy_s")
     for s in snap["stuck"]:
         found.append(f"slot {s['slot']} (request {s['request_id']}, model {s['model']}) running for {s['running_s']} s")
     return found
+
+
+def _failed(worker: dict) -> bool:
+    """Dead with no restart scheduled: the supervisor gave up on it (``restart_at_ns`` is set for
+    every restart it schedules and cleared when it spawns)."""
+    return worker["state"] == "dead" and worker["restart_in_s"] is None
+
+
+def _by_model(workers: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for w in workers:
+        out.setdefault(w["model"], []).append(w)
+    return out
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 worker', '2 workers' ('2 processes' with ``many="processes"``)."""
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
 
 
 def leftovers() -> list[dict]:
@@ -160,6 +198,13 @@ def leftovers() -> list[dict]:
     return [{"name": r.name, "instance": r.instance, "size": r.size, "owner_pid": r.owner_pid, "reason": r.reason,
              "uid": r.uid, "refused": r.refused}
             for r in stale.list_arenas() if r.stale or (r.refused and not r.owner_alive)]
+
+
+def _batch_range(upper: int) -> str:
+    """The batch sizes of the histogram bucket whose exclusive upper bound is ``upper``:
+    ``[upper / 2, upper)`` ("4-7"), and just 1 for the lowest."""
+    low, high = max(1, upper // 2), upper - 1
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def render(snap: dict):
@@ -182,7 +227,7 @@ def render(snap: dict):
         state = w["state"] if w["alive"] or w["state"] == "dead" else f"{w['state']} (gone)"
         if w["restart_in_s"] is not None:
             state += f", restart in {w['restart_in_s']:.1f} s"
-        workers.add_row(str(w["index"]), w["model"], w["device"], str(w["pid"]), state, age, str(w["requests"]),
+        workers.add_row(str(w["index"]), Text(w["model"]), Text(w["device"]), str(w["pid"]), state, age, str(w["requests"]),
                         str(w["errors"]), str(w["restarts"]))
     slots = Table(title="slots", title_justify="left")
     slots.add_column("state")
@@ -191,19 +236,25 @@ def render(snap: dict):
     for state, n in snap["slots"]["by_state"].items():
         age = snap["slots"]["oldest_age_s"].get(state)
         slots.add_row(state, str(n), "-" if age is None else f"{age:.2f} s")
-    lat = Table(title="latency per stage (µs, bucket upper bounds; batch_size: requests per run)",
-                title_justify="left")
-    for col in ("model", "stage", "count", "mean", "p50", "p90", "p99"):
-        lat.add_column(col, justify="left" if col in ("model", "stage") else "right")
+    lat = Table(title="latency per stage (p50, p90, p99: histogram bucket upper bounds); batch size in requests "
+                      "per run (p50, p90, p99: the bucket's range)", title_justify="left")
+    for col in ("model", "what", "samples", "mean", "p50", "p90", "p99"):
+        lat.add_column(col, justify="left" if col in ("model", "what") else "right")
     for model, stages in snap["latency_us"].items():
         for stage, v in stages.items():
-            if v["count"]:
-                lat.add_row(model, stage, str(v["count"]), f"{v['mean_us']:.0f}", f"{v['p50_us']:.0f}",
-                            f"{v['p90_us']:.0f}", f"{v['p99_us']:.0f}")
+            if not v["count"]:
+                continue
+            quantiles = [v[k] for k in ("p50_us", "p90_us", "p99_us")]
+            if stage == "batch_size":
+                lat.add_row(Text(model), "batch size (requests per run)", plural(v["count"], "run"),
+                            f"{v['mean_us']:.1f}", *(_batch_range(int(q)) for q in quantiles))
+            else:
+                lat.add_row(Text(model), f"{stage} time", plural(v["count"], "request"), f"{v['mean_us']:.0f} µs",
+                            *(f"{q:.0f} µs" for q in quantiles))
     occ = snap["occupancy"]
     parts = [head, workers, slots, lat,
-             Text(f"arena occupancy: {occ['slots_in_use']}/{occ['slots']} slots, "
-                  f"{occ['bytes_in_use'] >> 20}/{occ['data_bytes'] >> 20} MiB of data")]
+             Text(f"arena occupancy: {occ['slots_in_use']} of {plural(occ['slots'], 'slot')} in use, "
+                  f"{occ['bytes_in_use'] >> 20} of {occ['data_bytes'] >> 20} MiB of data")]
     if snap["regions"]:
         regions = Table(title="client regions and lanes (sealed memfds, the front-end's records)",
                         title_justify="left")

@@ -114,6 +114,14 @@ class MetricsServer:
         self.path = None
 
     async def start(self, address: str) -> "MetricsServer":
+        """Listen on ``address`` (a Unix socket path, or a loopback host:port).  SystemExit naming
+        the flag and why if it cannot (a missing directory, an address in use)."""
+        try:
+            return await self._listen(address)
+        except OSError as exc:
+            raise SystemExit(f"shmserve serve: --metrics {address}: cannot listen: {exc.strerror or exc}") from None
+
+    async def _listen(self, address: str) -> "MetricsServer":
         if "/" in address:
             self.path = address
             if os.path.exists(address):

@@ -21,7 +21,7 @@ def bench_names(run_id: str) -> set[str]:
 def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64,1MiB",
-                        "--mode", "both", "--clients", "2", "--requests", "20", "--json", str(out)],
+                        "--mode", "both", "--clients", "2", "--requests", "20", "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -50,7 +50,7 @@ def test_bench_sweeps_client_counts_paces_an_open_loop_and_plots(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "4KiB",
                         "--mode", "zero-copy", "--clients", "1,2", "--requests", "30", "--rate", "200",
-                        "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+                        "--json-out", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert [c["clients"] for c in report["results"]] == [1, 2] and report["rate"] == 200
@@ -81,3 +81,11 @@ path = "shmserve.models:identity"
                               "--payload", "64", "--requests", "10"], capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and "no one-input model 'nope'" in bad.stderr and "echo" in bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_bench_json_on_stdout():
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64",
+                        "--mode", "inline", "--requests", "10", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (case,) = json.loads(r.stdout)["results"]  # the whole of stdout: one JSON document, no table
+    assert case["payload"] == 64 and case["mode"] == "inline" and case["n"] == 10

@@ -13,7 +13,7 @@ frees it.  Cases:
   futex, spin 50 µs        both sides spin up to 50 µs, then sleep in futex_wait
   futex, spin              both sides spin on the ring (no syscalls at all)
 
-usage: python tools/bench_handoff.py [--rounds N] [--json FILE]
+usage: python tools/bench_handoff.py [--rounds N] [--json-out FILE]
 Prints a Markdown table of p50/p99/mean in microseconds.
 """
 
@@ -137,7 +137,7 @@ def summarize(samples: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20000)
-    parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument("--json-out", metavar="FILE", help="also write the results as JSON here")
     args = parser.parse_args()
     warmup = max(100, args.rounds // 20)
     cases = [
@@ -158,8 +158,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
         print(f"| {name} | {r['p50_us']} | {r['p99_us']} | {r['mean_us']} | {r['p50_us'] / floor:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json_out:
+        with open(args.json_out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "results": results}, f, indent=2)
 
 

@@ -17,7 +17,7 @@ Runs without editing (needs torch with CUDA, cuda-python, onnx and onnxruntime):
      GPU workers by descriptor, mapped at the recorded size and page-locked
      there (mapped mode reads them through their device addresses).
 
-usage: python tools/gpu_check.py [--json FILE] [--quick]
+usage: python tools/gpu_check.py [--json-out FILE] [--quick]
 Exit status 0 only if every correctness check passed.
 """
 
@@ -402,7 +402,8 @@ def sealed_regions(server: Server) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--json-out", metavar="FILE", help="write the report here",
+                        default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     args = parser.parse_args()
     import torch
@@ -464,8 +465,8 @@ def main() -> int:
         and report["two_workers_one_gpu"]["both_registered"] \
         and report["two_workers_one_gpu"]["both_served"]
     report["ok"] = ok
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"\n{'PASS' if ok else 'FAIL'}; JSON in {args.json}")
+    Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print(f"\n{'PASS' if ok else 'FAIL'}; JSON in {args.json_out}")
     return 0 if ok else 1
 
 

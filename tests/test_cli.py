@@ -1,0 +1,273 @@
+"""The command line, through the real `shmserve` process: help and exit codes, user errors
+without tracebacks, tables for people and JSON for scripts, and `inspect --check` on a server
+whose models fail, restart and crash-loop."""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from shmserve import cli as shmserve_cli
+
+from conftest import new_instance
+from helpers.server import TESTS_DIR, ServerProcess, wait_for
+
+COMMANDS = ("serve", "infer", "models", "health", "info", "inspect", "bench", "cleanup")
+
+
+def cli(*args, timeout=60, prefix=()):
+    env = dict(os.environ, COLUMNS="200")  # rich tables: no column narrowed to an ellipsis
+    r = subprocess.run([*prefix, sys.executable, "-m", "shmserve.cli", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=TESTS_DIR.parent, env=env)
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    return r
+
+
+# -- help, version, exit codes --------------------------------------------------------------
+
+def test_bare_command_prints_help_with_exit_codes_and_version():
+    r = cli()
+    assert r.returncode == 0 and "usage: shmserve" in r.stdout
+    assert "exit codes:" in r.stdout and "130" in r.stdout and "permission denied" in r.stdout
+    for command in COMMANDS:
+        assert command in r.stdout
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("shmserve ")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_a_description_an_example_and_defaults(command):
+    r = cli(command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "examples:" in r.stdout and f"shmserve {command}" in r.stdout.split("examples:")[1]
+    assert "exit codes:" in r.stdout
+
+
+def _parsers():
+    parser = shmserve_cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *sub.choices.values()]
+
+
+def test_every_option_states_its_default():
+    formatter = shmserve_cli.HelpFormatter("shmserve")
+    for parser in _parsers():
+        for action in parser._actions:
+            if action.option_strings and action.default is not argparse.SUPPRESS:
+                assert "(default" in formatter._get_help_string(action), (parser.prog, action.option_strings)
+
+
+# -- user errors: one line, the right exit code, never a traceback --------------------------
+
+def test_user_errors_are_one_line_with_exit_codes(tmp_path):
+    nowhere = str(tmp_path / "nobody.sock")
+    r = cli("health", "--socket", nowhere)
+    assert r.returncode == 3 and "no shmserve server" in r.stderr
+    r = cli("infer", "m", "--random", "--socket", nowhere)
+    assert r.returncode == 3 and "no shmserve server" in r.stderr
+    r = cli("infer", "m", "--input", "x=" + str(tmp_path / "missing.npy"), "--socket", nowhere)
+    assert r.returncode == 2 and "cannot read" in r.stderr and "missing.npy" in r.stderr
+    (tmp_path / "text.npy").write_text("not an array")
+    r = cli("infer", "m", "--input", f"x={tmp_path / 'text.npy'}", "--socket", nowhere)
+    assert r.returncode == 2 and "not a readable .npy array" in r.stderr
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    r = cli("infer", "m", "--input", f"x={tmp_path / 'objects.npy'}", "--socket", nowhere)
+    assert r.returncode == 2 and "not a readable .npy array" in r.stderr
+    r = cli("infer", "m", "--input", "no-equals-sign", "--socket", nowhere)
+    assert r.returncode == 2 and "NAME=FILE.npy" in r.stderr
+    (tmp_path / "file").write_text("")
+    r = cli("infer", "m", "--random", "--save", str(tmp_path / "file" / "out"), "--socket", nowhere)
+    assert r.returncode == 2 and "--save: cannot create" in r.stderr
+    for bad in (("infer", "m", "--timeout", "0"), ("infer", "m", "--dynamic-dim", "-1"), ("infer", "m", "--seed", "x"), ("health", "--timeout", "-1"), ("inspect", "--watch", "0"),
+                ("bench", "--payload", "4x"), ("bench", "--json-out", str(tmp_path / "file" / "x.json")), ("bench", "--payload", "KiB"), ("bench", "--payload", "0"),
+                ("nosuchcommand",)):
+        r = cli(*bad)
+        assert r.returncode == 2 and r.stderr.strip(), bad
+    r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--metrics", str(tmp_path / "nodir" / "m.sock"))
+    assert r.returncode == 2 and "--metrics: no directory" in r.stderr
+    r = cli("bench", "--socket", nowhere, "--payload", "64")
+    assert r.returncode == 3 and "no shmserve server" in r.stderr and "--spawn-server" in r.stderr
+
+
+def test_serve_with_a_metrics_address_in_use_says_so(tmp_path):
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        instance = new_instance("metrics")
+        (tmp_path / "c.toml").write_text(f'[server]\ninstance = "{instance}"\n' + IDENTITY)
+        r = cli("serve", "--config", str(tmp_path / "c.toml"), "--socket", str(tmp_path / "s.sock"),
+                "--metrics", f"127.0.0.1:{busy.getsockname()[1]}", timeout=120)
+    finally:
+        busy.close()
+    assert r.returncode == 1 and "--metrics 127.0.0.1:" in r.stderr and "cannot listen" in r.stderr, r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_permission_denied_names_the_group(tmp_path):
+    """A socket this user may not write: exit 4, naming the socket's group.  Root runs the CLI
+    without its DAC override (as a user outside the group would be)."""
+    prefix = ()
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv to drop CAP_DAC_OVERRIDE")
+        prefix = ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
+    path = str(tmp_path / "locked.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen()
+        os.chmod(path, 0o060)  # group only: its owner is not in it as far as the mode bits go
+        group = grp.getgrgid(os.stat(path).st_gid).gr_name
+        r = cli("health", "--socket", path, prefix=prefix)
+    finally:
+        listener.close()
+    assert r.returncode == 4, r.stderr
+    assert "permission denied" in r.stderr and f"group {group!r}" in r.stderr and path in r.stderr
+
+
+def test_ctrl_c_exits_130_quietly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "inspect", "--watch", "0.2", "--instance",
+                             new_instance("nobody")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)  # well into its loop (a signal sooner would still exit 130)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "refreshing every 0.2 s" in out and "no arena" in out
+
+
+def test_ctrl_c_stops_a_bench_and_its_processes_quietly():
+    """Ctrl-C reaches the terminal's whole process group: bench, its clients and its server."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64",
+                             "--mode", "inline", "--clients", "2", "--duration", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("[2/2]" in line for line in seen):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+        assert any("[2/2]" in line for line in seen), "".join(seen)
+        time.sleep(1)  # its clients are measuring
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+
+# -- a server: tables, JSON, infer --print, inspect --check ---------------------------------
+
+IDENTITY = """
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+"""
+MODELS = IDENTITY + """
+[[models]]
+name = "broken"
+backend = "python"
+path = "serving_models:broken_factory"
+options = { factory = true }
+
+[[models]]
+name = "crashy"
+backend = "python"
+path = "serving_models:dies_soon_after_load"
+options = { factory = true }
+"""
+
+
+def _inspect(srv) -> dict:
+    r = cli("inspect", "--instance", srv.instance, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_commands_against_a_server_with_failing_and_crash_looping_models(tmp_path):
+    srv = ServerProcess(tmp_path, MODELS).start()
+    try:
+        sock = ("--socket", srv.socket)
+        wait_for(lambda: any(w["model"] == "crashy" and w["crash_streak"] >= 3 for w in _inspect(srv)["workers"]),
+                 "three deaths of crashy", timeout=90)
+        wait_for(lambda: any(w["model"] == "broken" and w["state"] == "dead" and w["restart_in_s"] is None
+                             for w in _inspect(srv)["workers"]), "broken to fail for good")
+
+        check = cli("inspect", "--instance", srv.instance, "--check")
+        assert check.returncode == 1, check.stdout
+        assert "model broken is unavailable" in check.stdout and "will not be restarted" in check.stdout
+        assert "crashy" in check.stdout and "crash-looping" in check.stdout
+        assert "identity" not in check.stdout
+
+        health = cli("health", *sock)
+        assert health.returncode == 1 and "status: degraded" in health.stdout
+        assert "workers ready" in health.stdout and "0 of 1" in health.stdout and "1 of 1" in health.stdout
+        assert json.loads(cli("health", "--json", *sock).stdout)["models"]["crashy"]["crash_loop"] is True
+
+        info = cli("info", *sock)
+        assert info.returncode == 0 and "max_request_bytes" in info.stdout and "restarts" in info.stdout
+        assert json.loads(cli("info", "--json", *sock).stdout)["instance"] == srv.instance
+
+        models = cli("models", *sock)
+        assert models.returncode == 0 and "backend" in models.stdout and "input x" in models.stdout
+        assert "cannot be loaded" in models.stdout  # broken's error
+        assert {m["name"] for m in json.loads(cli("models", "--json", *sock).stdout)} == \
+            {"identity", "broken", "crashy"}
+
+        np.save(tmp_path / "x.npy", np.arange(1000, dtype=np.uint8))
+        r = cli("infer", "identity", "--input", f"x={tmp_path / 'x.npy'}", "--print", *sock)
+        assert r.returncode == 0, r.stderr
+        assert "crc32" in r.stdout and "round trip:" in r.stdout and " ms" in r.stdout
+        assert "[  0   1   2 ... 229 230 231]" in r.stdout  # numpy-style, its edges only
+        r = cli("infer", "identity", "--random", "--print", "--json", "--seed", "1", *sock)
+        answer = json.loads(r.stdout)
+        assert answer["round_trip_ms"] > 0 and answer["outputs"][0]["values"].startswith("[")
+        r = cli("infer", "broken", "--random", *sock)
+        assert r.returncode == 1 and "broken" in r.stderr
+
+        table = cli("inspect", "--instance", srv.instance)
+        assert table.returncode == 0 and "batch size (requests per run)" in table.stdout
+        batch_row = next(line for line in table.stdout.splitlines() if "batch size" in line and "│" in line)
+        cells = [c.strip() for c in batch_row.split("│") if c.strip()]
+        assert cells[-3:] == ["1", "1", "1"], batch_row  # every run had one request: p50 1 (not the bucket's 2)
+        assert "slots in use" in table.stdout
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_inspect_check_ok_pluralises(tmp_path):
+    srv = ServerProcess(tmp_path, IDENTITY).start()
+    try:
+        r = cli("inspect", "--instance", srv.instance, "--check")
+        assert r.returncode == 0 and r.stdout.strip() == f"OK: {srv.instance} (1 worker)"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_cleanup_json(tmp_path):
+    r = cli("cleanup", "--dry-run", "--json", "--instance", new_instance("none"))
+    assert r.returncode == 0
+    assert json.loads(r.stdout) == {"dry_run": True, "removed": [], "left": []}
