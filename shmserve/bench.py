@@ -301,6 +301,38 @@ def _demo_path() -> str:
     return demo_config().models[0].path
 
 
+class Progress:
+    """Where a run is: a progress bar with the case in hand on a terminal (rich, on stderr), else
+    one ``[step/total] case`` line per case (logs and pipes stay readable)."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.bar = None
+        if self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           console=Console(file=self.stream), transient=True)
+            self.task = self.bar.add_task("starting", total=total)
+            self.bar.start()
+
+    def step(self, what: str) -> None:
+        """The next case begins (the one before is done)."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, description=what)
+        else:
+            print(f"[{self.done + 1}/{self.total}] {what}", file=self.stream, flush=True)
+        self.done += 1
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+            self.bar.stop()
+            self.bar = None
+
+
 def parse_counts(text: str) -> list[int]:
     try:
         counts = [int(c) for c in text.split(",")]
@@ -413,26 +445,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shmserve bench: {problem[1]}", file=sys.stderr)
             return problem[0]
     results = []
+    progress = Progress(len(sizes) * (len(modes) * len(args.clients) + 1))
     try:
-        total = len(sizes) * (len(modes) * len(args.clients) + 1)
-        step = 0
         for size in sizes:
             reps = max(20, min(2000, (256 << 20) // max(size, 1)))
-            step += 1
-            print(f"[{step}/{total}] floor for {human(size)}", file=sys.stderr, flush=True)
+            progress.step(f"floor for {human(size)}")
             floor = echo_floor(size, reps)
             copy = memcpy_floor(size, min(reps, 50)) if size >= (1 << 20) else 0.0
             for mode in modes:
                 for clients in args.clients:
-                    step += 1
-                    print(f"[{step}/{total}] {mode} {human(size)} x {plural(clients, 'client')}",
-                          file=sys.stderr, flush=True)
+                    progress.step(f"{mode} {human(size)} x {plural(clients, 'client')}")
                     r = run_case(path, mode, size, clients, args.requests, args.duration, model, args.rate)
                     r.update(payload=size, mode=mode, clients=clients, rate=args.rate,
                              echo_floor_p50_us=round(floor, 1), memcpy_p50_us=round(copy, 1),
                              ratio_to_floor=round(r["p50_us"] / (floor + copy), 2))
                     results.append(r)
     finally:
+        progress.close()
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

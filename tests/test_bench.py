@@ -89,3 +89,38 @@ def test_bench_json_on_stdout():
     assert r.returncode == 0, r.stderr
     (case,) = json.loads(r.stdout)["results"]  # the whole of stdout: one JSON document, no table
     assert case["payload"] == 64 and case["mode"] == "inline" and case["n"] == 10
+
+
+def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_path):
+    """On a terminal (a real pseudo-terminal here) the run shows a progress bar with the case in
+    hand; piped, one '[step/total] case' line per case, so logs stay readable."""
+    import pty
+    import select
+
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64", "--mode", "inline",
+            "--clients", "1,2", "--requests", "10", "--json-out", str(out)]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    seen = bytearray()
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], 120)
+            assert ready, "bench printed nothing for 120 s"
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other end is closed, the run is over
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        proc.stdout.read()
+        assert proc.wait(120) == 0
+        os.close(leader)
+    text = seen.decode(errors="replace")
+    assert "inline 64 B x 2 clients" in text and "━" in text and "[2/3]" not in text
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0 and "[1/3] floor for 64 B" in piped.stderr
+    assert "[3/3] inline 64 B x 2 clients" in piped.stderr
