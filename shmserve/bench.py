@@ -401,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "  shmserve bench --payload 4KiB,1MiB --json-out results.json\n"
                                        "  shmserve bench --payload 4KiB --clients 1,2,4,8 --plot latency.png\n"
                                        "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n\n" + EXIT_CODES)
-    p.add_argument("--socket", help="server to measure (default: as for the other commands)")
+    p.add_argument("--socket", help="server to measure (default: $SHMSERVE_SOCKET, else the --instance's socket "
+                                    "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
+    p.add_argument("--instance", default="default", help="instance whose default socket to measure")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "
@@ -437,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         proc, path = spawn_server(Path(tmp.name))
         model = args.model or MODEL
     else:
-        from shmserve.config import DEFAULT_INSTANCE, resolve_socket
+        from shmserve.config import resolve_socket
 
-        path = resolve_socket(args.socket, None, DEFAULT_INSTANCE)
+        path = resolve_socket(args.socket, None, args.instance)
         model, problem = pick_model(path, args.model)
         if problem:
             print(f"shmserve bench: {problem[1]}", file=sys.stderr)

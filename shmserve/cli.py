@@ -91,7 +91,7 @@ def _print(*renderables) -> None:
 
 def _socket_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="server socket (default: $SHMSERVE_SOCKET, else "
-                                         "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/)")
+                                         "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/<instance>.sock)")
     parser.add_argument("--instance", default="default", help="instance name used for the default socket path")
     parser.add_argument("--timeout", type=_positive, default=60.0, help="seconds to wait for an answer")
 

@@ -271,3 +271,31 @@ def test_cleanup_json(tmp_path):
     r = cli("cleanup", "--dry-run", "--json", "--instance", new_instance("none"))
     assert r.returncode == 0
     assert json.loads(r.stdout) == {"dry_run": True, "removed": [], "left": []}
+
+
+def test_verbose_serve_logs_every_failed_request_refused_ones_included(tmp_path):
+    """``serve -v`` logs a line for each request that fails, as its help says: those refused before
+    admission (unknown model, bad shape, bad dtype) as well as those a model fails."""
+    import numpy as np
+
+    from shmserve import ShmserveError
+    from helpers.server import ServerProcess
+
+    srv = ServerProcess(tmp_path, """
+[[models]]
+name = "identity"
+backend = "python"
+path = "shmserve.models:identity"
+""", extra_args=["-v"]).start()
+    try:
+        with srv.client() as c:
+            for model, x in (("nosuch", np.ones(3, np.uint8)), ("identity", np.ones((2, 2), np.uint8)),
+                             ("identity", np.ones(3, np.float64))):
+                with pytest.raises(ShmserveError):
+                    c.infer(model, {"x": x})
+    finally:
+        assert srv.stop() == 0
+    log = srv.log()
+    assert "request refused (model 'nosuch'): unknown_model" in log
+    assert "request refused (model 'identity'): bad_shape" in log
+    assert "request refused (model 'identity'): bad_dtype" in log

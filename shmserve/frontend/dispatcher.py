@@ -213,7 +213,7 @@ class Dispatcher:
         try:
             return self._check(door, parsed, self.models.get(parsed.model), payload_bytes, region)
         except ShmserveError as exc:
-            self.refused(parsed.model, exc.code)
+            self.refused(parsed.model, exc.code, exc.message)
             raise
 
     def admit(self, req: Request) -> None:
@@ -322,10 +322,13 @@ class Dispatcher:
         elif state is RequestState.NEW:
             req.advance(Event.END)
 
-    def refused(self, model_name, code: ErrorCode) -> None:
-        """Count a request refused before it was admitted (by the door or by ``submit``)."""
+    def refused(self, model_name, code: ErrorCode, message: str = "") -> None:
+        """Count a request refused before it was admitted (by the door or by ``submit``), and log it
+        at debug level (``serve -v``) like every other failed request."""
         label = model_name if isinstance(model_name, str) and model_name in self.models else "_unknown"
         self.outcomes[(label, code.wire)] += 1  # a label only for real models: clients must not mint series
+        log.debug("request refused (model %r): %s: %s", model_name if isinstance(model_name, str) else "?",
+                  code.wire, message)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -597,6 +600,7 @@ class Dispatcher:
         req.advance(Event.ABANDON)  # first: a second answer raises before anything else happens
         self._cancel_timer(req)
         self.outcomes[(req.model.name, failure.code.wire)] += 1
+        log.debug("request %d on model %s: %s: %s", req.id, req.model.name, failure.code.wire, failure.message)
         req.door.answer(req, failure)
 
     def _free(self, req: Request) -> None:

@@ -587,7 +587,7 @@ class ClientConnection(asyncio.BufferedProtocol):
                 self.proto.discard_payload()
             if infer:
                 if isinstance(exc, ProtocolViolation):  # submit counts its own refusals
-                    self.dispatcher.refused(meta.get("model"), exc.code)
+                    self.dispatcher.refused(meta.get("model"), exc.code, exc.message)
                 self.answer_in_order(answer)  # after the results of earlier requests on this connection
             else:
                 self.send_now(answer)
@@ -598,7 +598,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         try:
             self.door.check_uid_in_flight(self.uid)
         except ShmserveError as exc:
-            self.dispatcher.refused(parsed.model, exc.code)
+            self.dispatcher.refused(parsed.model, exc.code, exc.message)
             raise
         req = self.dispatcher.submit(self, parsed, payload_bytes=frame.data_len, region=region)
         entry = _Entry(req, payload_pending=frame.data_len > 0)
