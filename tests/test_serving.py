@@ -587,17 +587,19 @@ def test_a_stray_sigterm_to_a_worker_is_ignored(server):
     assert after["pid"] == worker["pid"] and after["restarts"] == 0 and after["state"] == "ready"
 
 
+def health_as_seen(path: str) -> str:
+    """"served", or the error code a health check at ``path`` got (run as another user)."""
+    try:
+        with Client(path, timeout=10) as c:
+            c.health()
+        return "served"
+    except ShmserveError as exc:
+        return exc.code.wire
+
+
 def test_peer_credentials_refuse_other_users(tmp_path):
     with server_nobody_can_reach(tmp_path) as srv:
-        def health():  # as nobody, not on the allow-list
-            try:
-                with Client(srv.socket, timeout=10) as c:
-                    c.health()
-                return "served"
-            except ShmserveError as exc:
-                return exc.code.wire
-
-        answer = as_nobody(health)
+        answer = as_nobody(lambda: health_as_seen(srv.socket))  # nobody is not on the allow-list
         assert answer == "permission_denied", answer
         assert "refused connection from pid" in srv.log() and "uid 65534" in srv.log()
         with srv.client() as c:  # the owner still is served
@@ -609,16 +611,8 @@ def test_a_supplementary_group_on_the_allow_list_lets_its_members_in(tmp_path):
     groups it had when it connected, whatever its pid is by the time the server looks)."""
     member_gid = 4242  # any gid will do for setgroups; nothing else on the machine uses it here
     with server_nobody_can_reach(tmp_path, server_section=f"allow_gids = [{member_gid}]") as srv:
-        def health():
-            try:
-                with Client(srv.socket, timeout=10) as c:
-                    c.health()
-                return "served"
-            except ShmserveError as exc:
-                return exc.code.wire
-
-        assert as_nobody(health, groups=(member_gid,)) == "served"
-        assert as_nobody(health) == "permission_denied"
+        assert as_nobody(lambda: health_as_seen(srv.socket), groups=(member_gid,)) == "served"
+        assert as_nobody(lambda: health_as_seen(srv.socket)) == "permission_denied"
 
 
 def _fds(pid: int) -> int:

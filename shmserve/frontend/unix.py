@@ -623,12 +623,7 @@ class ClientConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self._end_input()
         self.door.leave(self)
-        if self.stall_timer is not None:
-            self.stall_timer.cancel()
-            self.stall_timer = None
-        held, self.unflushed = self.unflushed, []
-        for req in held:
-            self.dispatcher.release(req)
+        self._unblocked()
         self.receiving = None
         for entry in self.order:
             if entry.req is not None:
@@ -754,13 +749,18 @@ class ClientConnection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         """Everything written is sent: release the results it held, and take frames again."""
         self.write_blocked = False
+        self._unblocked()
+        self._update()
+
+    def _unblocked(self) -> None:
+        """Nothing waits in the transport any more (all sent, or the connection is gone): stop the
+        stall timer and release the results the transport held."""
         if self.stall_timer is not None:
             self.stall_timer.cancel()
             self.stall_timer = None
         held, self.unflushed = self.unflushed, []
         for req in held:
             self.dispatcher.release(req)
-        self._update()
 
     def _stalled(self) -> None:
         self.stall_timer = None
