@@ -391,7 +391,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shmserve.cli import EXIT_CODES, HelpFormatter
+    from shmserve.cli import EXIT_CODES, HelpFormatter, instance_name
     from shmserve.inspection import plural
 
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n\n" + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: $SHMSERVE_SOCKET, else the --instance's socket "
                                     "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
-    p.add_argument("--instance", default="default", help="instance whose default socket to measure")
+    p.add_argument("--instance", type=instance_name, default="default", help="instance whose default socket to measure")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "

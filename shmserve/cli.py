@@ -43,6 +43,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return text + " (default: %(default)s)"
 
 
+def instance_name(text: str) -> str:
+    """argparse type: an instance name (``layout.validate_instance``)."""
+    from shmserve.layout import validate_instance
+
+    try:
+        return validate_instance(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(text: str) -> float:
     """argparse type: a number of seconds above zero."""
     try:
@@ -92,7 +102,8 @@ def _print(*renderables) -> None:
 def _socket_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="server socket (default: $SHMSERVE_SOCKET, else "
                                          "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/<instance>.sock)")
-    parser.add_argument("--instance", default="default", help="instance name used for the default socket path")
+    parser.add_argument("--instance", type=instance_name, default="default",
+                        help="instance name used for the default socket path")
     parser.add_argument("--timeout", type=_positive, default=60.0, help="seconds to wait for an answer")
 
 
@@ -546,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = command("inspect", "read-only view of a live or dead instance's arena",
                       "shmserve inspect --watch 2", "shmserve inspect --all --check   # for monitoring")
     which = inspect.add_mutually_exclusive_group()
-    which.add_argument("--instance", default="default", help="instance name")
+    which.add_argument("--instance", type=instance_name, default="default", help="instance name")
     which.add_argument("--all", action="store_true",
                        help="every instance in /dev/shm owned by you or root (name another with --instance)")
     inspect.add_argument("--json", action="store_true", help="JSON for scripts (includes owner_alive)")
@@ -565,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cleanup = command("cleanup", "remove arenas whose server is gone (never a live one)",
                       "shmserve cleanup --dry-run", "shmserve cleanup --instance prod")
-    cleanup.add_argument("--instance", help="only this instance's arena (default: every instance)")
+    cleanup.add_argument("--instance", type=instance_name, help="only this instance's arena (default: every instance)")
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     cleanup.add_argument("--json", action="store_true", help="one line of JSON: what was (or would be) removed, "
                                                              "and what was left")

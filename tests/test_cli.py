@@ -299,3 +299,10 @@ path = "shmserve.models:identity"
     assert "request refused (model 'nosuch'): unknown_model" in log
     assert "request refused (model 'identity'): bad_shape" in log
     assert "request refused (model 'identity'): bad_dtype" in log
+
+
+@pytest.mark.parametrize("command", ["inspect", "cleanup", "health", "info", "models", "bench"])
+def test_a_bad_instance_name_is_a_usage_error_naming_the_rule(command):
+    r = cli(command, "--instance", "../x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "invalid instance name '../x'" in r.stderr and "A-Z a-z 0-9 _ -" in r.stderr
