@@ -34,6 +34,14 @@ File format::
     frame_timeout_s = 10            # a frame's header and metadata must arrive within this, once begun
     upload_timeout_s = 10           # an inline request's payload must arrive within this, once it has space
     strict = false                  # true: a model that cannot load stops the start (exit 1); also serve --strict
+    # Model lifecycle (docs/models.md):
+    model_repository = "models"     # DIR/<model>/config.toml, DIR/<model>/<version>/<file>; also serve --model-repository
+    admin_uids = [1000]             # may load/unload/scale/canary; the server's uid and root always
+    admin_gids = []
+    admin_groups = ["shmserve-admins"]
+    max_workers = 64                # workers at once, all models and versions (a swap runs both versions)
+    version_drain_timeout_s = 30    # a replaced version's requests may finish this long, then fail
+    memory_budget = {cpu = "8GiB", "cuda:0" = "60GiB"}   # measured use of loaded versions per device
 
     [arena]
     slots = 256
@@ -53,6 +61,10 @@ File format::
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
     check_dims = ["batch"]          # named dimensions that must agree across a request's inputs;
                                     # default []: only rank and fixed sizes are checked (as runtimes do)
+    version_policy = {latest = 1}   # repository versions served: {latest = N}, "all", {versions = [1, 3]}
+    load = "startup"                # or "on_demand": loaded by its first request, evicted under memory_budget
+    pinned = false                  # true: never evicted
+    warmup = {requests = 1, inputs = {x = "x.npy"}, batch_sizes = [1, 8]}   # before a version takes traffic
 """
 
 from __future__ import annotations
@@ -97,10 +109,22 @@ class ModelConfig:
     # -- where a python model is imported from, and which named dimensions must agree (issue 15) --
     base_dir: str = ""  # the config file's directory: searched first for a python model's module
     check_dims: tuple[str, ...] = ()  # named input dimensions held equal across a request's inputs
+    # -- lifecycle (issue 12): which version this is, when it is loaded, how it is warmed --
+    version: int = 1  # a single-file config's model is version 1; a repository's, its directory's number
+    version_policy: tuple[str, tuple[int, ...]] = ("latest", (1,))  # ("latest", (n,)), ("all", ()), ("specific", vs)
+    load: str = "startup"  # or "on_demand": loaded by its first request, evictable under the memory budget
+    pinned: bool = False  # never evicted
+    warmup_requests: int = 1  # warm-up runs per batch size before a version takes traffic
+    warmup_inputs: tuple[tuple[str, str], ...] = ()  # (input name, .npy file) samples; else generated from the spec
+    warmup_batch_sizes: tuple[int, ...] = ()  # () : 1, the preferred sizes and max_batch_size
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
                 "base_dir": self.base_dir, "check_dims": list(self.check_dims),
+                "version": self.version, "version_policy": [self.version_policy[0], list(self.version_policy[1])],
+                "load": self.load, "pinned": self.pinned, "warmup_requests": self.warmup_requests,
+                "warmup_inputs": [list(p) for p in self.warmup_inputs],
+                "warmup_batch_sizes": list(self.warmup_batch_sizes),
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
@@ -115,7 +139,23 @@ class ModelConfig:
         d["outputs"] = tuple(TensorSpec.from_dict(t) for t in d.get("outputs", ()))
         d["preferred_batch_sizes"] = tuple(d.get("preferred_batch_sizes", ()))
         d["check_dims"] = tuple(d.get("check_dims", ()))
+        if "version_policy" in d:
+            d["version_policy"] = (d["version_policy"][0], tuple(d["version_policy"][1]))
+        d["warmup_inputs"] = tuple(tuple(p) for p in d.get("warmup_inputs", ()))
+        d["warmup_batch_sizes"] = tuple(d.get("warmup_batch_sizes", ()))
         return cls(**d)
+
+    @property
+    def key(self) -> str:
+        """``name:version``, the version's name in logs, metrics and the worker table."""
+        return f"{self.name}:{self.version}"
+
+    def batch_sizes_to_warm(self) -> tuple[int, ...]:
+        """The batch sizes a warm-up runs: the configured ones, else 1, the preferred sizes and
+        max_batch_size (each a size the batcher will run)."""
+        if self.warmup_batch_sizes:
+            return self.warmup_batch_sizes
+        return tuple(sorted({1, *self.preferred_batch_sizes, *((self.max_batch_size,) if self.max_batch_size else ())}))
 
 
 @dataclass(frozen=True)
@@ -176,6 +216,19 @@ class ServerConfig:
     # has waited for them stops the start, with exit 1 and one line naming it and why, instead of
     # serving the others (``health`` would say degraded).  Off: the others are served.
     strict: bool = False
+    # -- model lifecycle (issue 12; docs/models.md) --
+    model_repository: str | None = None  # DIR/<model>/config.toml and DIR/<model>/<version>/<file>
+    admin_uids: tuple[int, ...] = ()  # may load, unload, scale and run canaries; the server's uid and root always
+    admin_gids: tuple[int, ...] = ()
+    # The arena's worker table: every worker running at once, across all models and versions.  A
+    # swap runs the old and new versions' workers side by side, so leave room for twice the largest.
+    max_workers: int = 64
+    # A version being replaced or unloaded: how long its queued and running requests may take to
+    # finish before they fail 'model_unavailable' and its workers are stopped.
+    version_drain_timeout_s: float = 30.0
+    # Per device ("cpu", "cuda:0", ...), the memory its loaded versions may use (bytes, measured after
+    # load); on_demand versions are evicted to stay within it.  No entry: no budget for that device.
+    memory_budget: tuple[tuple[str, int], ...] = ()
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -273,7 +326,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups", "restart_healthy_s", "strict", *CLIENT_LIMIT_KEYS} | REGION_KEYS)
+                              "allow_groups", "restart_healthy_s", "strict", *CLIENT_LIMIT_KEYS} | REGION_KEYS
+          | LIFECYCLE_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -299,7 +353,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
     kw.update(_bounded(server, "server.", _int, (
         ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16), ("max_regions_per_uid", 0, 1 << 16),
         ("max_region_bytes_per_connection", 0, 1 << 40), ("max_region_bytes_per_uid", 0, 1 << 44))))
-    for key in ("allow_uids", "allow_gids"):
+    for key in ("allow_uids", "allow_gids", "admin_uids", "admin_gids"):
         if key in server:
             values = server[key]
             if not isinstance(values, list):
@@ -322,6 +376,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         if type(server["strict"]) is not bool:
             raise ConfigError(f"server.strict: expected true or false, got {server['strict']!r}")
         kw["strict"] = server["strict"]
+    kw.update(_lifecycle(server, base_dir))
+    kw["admin_gids"] = kw.get("admin_gids", ()) + kw.pop("admin_group_gids", ())
     if "slots" in arena:
         kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
     if "size_classes" in arena:
@@ -332,9 +388,9 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             (_int(c[0], f"arena.size_classes[{i}][0]", 1, 1 << 36), _int(c[1], f"arena.size_classes[{i}][1]", 1, 1 << 20))
             if isinstance(c, list) and len(c) == 2 else _bad(f"arena.size_classes[{i}]: expected [extent_bytes, count]")
             for i, c in enumerate(classes))
-    models = raw.get("models")
-    if not isinstance(models, list) or not models:
-        raise ConfigError("models: at least one [[models]] table is required")
+    models = raw.get("models", [])
+    if not isinstance(models, list) or (not models and "model_repository" not in kw):
+        raise ConfigError("models: at least one [[models]] table is required (or server.model_repository)")
     parsed, names = [], set()
     for i, m in enumerate(models):
         mc = _model(m, f"models[{i}]", base_dir)
@@ -343,6 +399,115 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         names.add(mc.name)
         parsed.append(mc)
     return ServerConfig(models=tuple(parsed), **kw)
+
+
+# -- model lifecycle (issue 12) ----------------------------------------------------------------
+
+LIFECYCLE_KEYS = {"model_repository", "admin_uids", "admin_gids", "admin_groups", "max_workers",
+                  "version_drain_timeout_s", "memory_budget"}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB)\s*$")
+_SIZE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def parse_size(value, where: str) -> int:
+    """Bytes from an integer or a string like "512MiB" / "8 GiB"; ConfigError naming ``where``."""
+    if type(value) is int and value >= 0:
+        return value
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{where}: expected bytes (an integer, or a string like \"8GiB\"), got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def _lifecycle(server: dict, base_dir: Path) -> dict:
+    """The [server] keys of the model lifecycle (ServerConfig says what each does)."""
+    kw: dict = {}
+    if "model_repository" in server:
+        root = (base_dir / _str(server["model_repository"], "server.model_repository")).resolve()
+        if not root.is_dir():
+            raise ConfigError(f"server.model_repository: no such directory {str(root)!r}")
+        kw["model_repository"] = str(root)
+    kw.update(_bounded(server, "server.", _int, (("max_workers", 1, 4096),)))
+    kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
+        ("version_drain_timeout_s", 0, 86400),)))
+    if "admin_groups" in server:
+        import grp
+
+        names = server["admin_groups"]
+        if not isinstance(names, list):
+            raise ConfigError("server.admin_groups: expected a list of group names")
+        gids = []
+        for i, name in enumerate(names):
+            try:
+                gids.append(grp.getgrnam(_str(name, f"server.admin_groups[{i}]")).gr_gid)
+            except KeyError:
+                raise ConfigError(f"server.admin_groups[{i}]: no group {name!r} on this machine") from None
+        kw["admin_group_gids"] = tuple(gids)
+    if "memory_budget" in server:
+        budget = server["memory_budget"]
+        if not isinstance(budget, dict):
+            raise ConfigError('server.memory_budget: expected a table like {cpu = "8GiB", "cuda:0" = "60GiB"}')
+        for device in budget:
+            if not _DEVICE_RE.match(device):
+                raise ConfigError(f"server.memory_budget.{device}: expected 'cpu' or 'cuda:N' as the key")
+        kw["memory_budget"] = tuple(sorted((d, parse_size(v, f"server.memory_budget.{d}")) for d, v in budget.items()))
+    return kw
+
+
+_POLICY_HELP = 'expected {latest = N}, "all", or {versions = [1, 3]}'
+
+
+def _version_policy(value, where: str) -> tuple[str, tuple[int, ...]]:
+    if value == "all":
+        return ("all", ())
+    if isinstance(value, dict) and set(value) == {"latest"}:
+        return ("latest", (_int(value["latest"], f"{where}.latest", 1, 1 << 20),))
+    if isinstance(value, dict) and set(value) == {"versions"} and isinstance(value["versions"], list) \
+            and value["versions"]:
+        versions = tuple(_int(v, f"{where}.versions[{i}]", 1, 2**31 - 1) for i, v in enumerate(value["versions"]))
+        if len(set(versions)) != len(versions):
+            raise ConfigError(f"{where}.versions: a version is listed twice")
+        return ("specific", tuple(sorted(versions)))
+    raise ConfigError(f"{where}: {_POLICY_HELP}, got {value!r}")
+
+
+def _lifecycle_model(m: dict, where: str, base_dir: Path) -> dict:
+    """A model's lifecycle keys: version_policy, load, pinned, warmup."""
+    kw: dict = {}
+    if "version_policy" in m:
+        kw["version_policy"] = _version_policy(m["version_policy"], f"{where}.version_policy")
+    if "load" in m:
+        if m["load"] not in ("startup", "on_demand"):
+            raise ConfigError(f"{where}.load: expected 'startup' or 'on_demand', got {m['load']!r}")
+        kw["load"] = m["load"]
+    if "pinned" in m:
+        if type(m["pinned"]) is not bool:
+            raise ConfigError(f"{where}.pinned: expected true or false, got {m['pinned']!r}")
+        kw["pinned"] = m["pinned"]
+    if "warmup" in m:
+        warm = m["warmup"]
+        if not isinstance(warm, dict):
+            raise ConfigError(f"{where}.warmup: expected a table like {{requests = 2, inputs = {{x = \"x.npy\"}}}}")
+        _keys(warm, f"{where}.warmup.", {"requests", "inputs", "batch_sizes"})
+        if "requests" in warm:
+            kw["warmup_requests"] = _int(warm["requests"], f"{where}.warmup.requests", 0, 1000)
+        if "inputs" in warm:
+            if not isinstance(warm["inputs"], dict):
+                raise ConfigError(f"{where}.warmup.inputs: expected a table of input name = .npy file")
+            files = []
+            for name, file in warm["inputs"].items():
+                resolved = (base_dir / _str(file, f"{where}.warmup.inputs.{name}")).resolve()
+                if not resolved.is_file():
+                    raise ConfigError(f"{where}.warmup.inputs.{name}: no such file {str(resolved)!r}")
+                files.append((name, str(resolved)))
+            kw["warmup_inputs"] = tuple(files)
+        if "batch_sizes" in warm:
+            sizes = warm["batch_sizes"]
+            if not isinstance(sizes, list) or not sizes:
+                raise ConfigError(f"{where}.warmup.batch_sizes: expected a list of batch sizes")
+            kw["warmup_batch_sizes"] = tuple(sorted({_int(v, f"{where}.warmup.batch_sizes[{j}]", 1, 1 << 16)
+                                                    for j, v in enumerate(sizes)}))
+    return kw
 
 
 # -- what one client can make the server hold -----------------------------------------------
@@ -362,12 +527,15 @@ def _client_limits(server: dict) -> dict:
     return kw
 
 
+MODEL_LIFECYCLE_KEYS = ("version_policy", "load", "pinned", "warmup")
+
+
 def _model(m, where: str, base_dir: Path) -> ModelConfig:
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
                            "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
-                           "preferred_batch_sizes", "check_dims"})
+                           "preferred_batch_sizes", "check_dims", *MODEL_LIFECYCLE_KEYS})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -419,6 +587,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
         if not isinstance(m["options"], dict):
             raise ConfigError(f"{where}.options: expected a table")
         kw["options"] = dict(m["options"])
+    kw.update(_lifecycle_model(m, where, base_dir))
     return ModelConfig(**kw)
 
 

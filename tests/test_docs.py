@@ -29,7 +29,8 @@ SECTIONS = {"server": ("`[server]`: the service", "What one client can make the 
 FIELD_OF = {("arena", "slots"): "arena_slots"}
 # Defaults the code holds as a placeholder (None, empty) and the doc describes in words.
 IN_WORDS = {("server", "spin_us"): "automatic", ("arena", "size_classes"): "derived from",
-            ("models", "inputs"): "from the model", ("models", "outputs"): "from the model"}
+            ("models", "inputs"): "from the model", ("models", "outputs"): "from the model",
+            ("server", "memory_budget"): "no budget", ("models", "version_policy"): "{latest = 1}"}
 TYPE_WORDS = {int: "integer", float: "number", str: "string", tuple: "list", dict: "table"}
 
 
