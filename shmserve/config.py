@@ -471,8 +471,9 @@ def _version_policy(value, where: str) -> tuple[str, tuple[int, ...]]:
     raise ConfigError(f"{where}: {_POLICY_HELP}, got {value!r}")
 
 
-def _lifecycle_model(m: dict, where: str, base_dir: Path) -> dict:
-    """A model's lifecycle keys: version_policy, load, pinned, warmup."""
+def _lifecycle_model(m: dict, where: str, base_dir: Path | None) -> dict:
+    """A model's lifecycle keys: version_policy, load, pinned, warmup (``base_dir`` None: warm-up
+    files are kept as written, not looked for)."""
     kw: dict = {}
     if "version_policy" in m:
         kw["version_policy"] = _version_policy(m["version_policy"], f"{where}.version_policy")
@@ -496,6 +497,9 @@ def _lifecycle_model(m: dict, where: str, base_dir: Path) -> dict:
                 raise ConfigError(f"{where}.warmup.inputs: expected a table of input name = .npy file")
             files = []
             for name, file in warm["inputs"].items():
+                if base_dir is None:
+                    files.append((name, _str(file, f"{where}.warmup.inputs.{name}")))
+                    continue
                 resolved = (base_dir / _str(file, f"{where}.warmup.inputs.{name}")).resolve()
                 if not resolved.is_file():
                     raise ConfigError(f"{where}.warmup.inputs.{name}: no such file {str(resolved)!r}")
@@ -530,7 +534,9 @@ def _client_limits(server: dict) -> dict:
 MODEL_LIFECYCLE_KEYS = ("version_policy", "load", "pinned", "warmup")
 
 
-def _model(m, where: str, base_dir: Path) -> ModelConfig:
+def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
+    """One [[models]] table.  ``base_dir`` None (a repository's config.toml, whose files lie in each
+    version's directory): ``path`` and warm-up files are checked for form only, not looked for."""
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
@@ -545,7 +551,7 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     backend = _str(m["backend"], f"{where}.backend")
     path = _str(m["path"], f"{where}.path")
     _check_backend(backend, path, where, base_dir)
-    if backend != "python" and ":" not in path.split("/")[0]:
+    if base_dir is not None and backend != "python" and ":" not in path.split("/")[0]:
         resolved = (base_dir / path).resolve()
         if not resolved.is_file():
             raise ConfigError(f"{where}.path: no such file {str(resolved)!r}")
@@ -553,7 +559,8 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
     device = _str(m.get("device", "cpu"), f"{where}.device")
     if not _DEVICE_RE.match(device):
         raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
-    kw = dict(name=name, backend=backend, path=path, device=device, base_dir=str(base_dir.resolve()))
+    kw = dict(name=name, backend=backend, path=path, device=device,
+              base_dir=str(base_dir.resolve()) if base_dir is not None else "")
     if "io_mode" in m:
         kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
         if kw["io_mode"] not in ("copy", "mapped"):
@@ -596,11 +603,11 @@ def _model(m, where: str, base_dir: Path) -> ModelConfig:
 _PYTHON_PATH_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
+def _check_backend(backend: str, path: str, where: str, base_dir: Path | None) -> None:
     """ConfigError for a backend name no loader answers to (listing those that exist), and for a
     python model's ``path`` that is not ``module:callable`` or whose top-level module is in none
-    of the config file's directory (``base_dir``), the current one and the Python path.  Imports
-    nothing (a top-level module is found, not run)."""
+    of the config file's directory (``base_dir``; None: not looked for), the current one and the
+    Python path.  Imports nothing (a top-level module is found, not run)."""
     available = backend_names()
     if backend not in available:
         raise ConfigError(f"{where}.backend: no backend {backend!r} (available: {', '.join(available)})")
@@ -609,6 +616,8 @@ def _check_backend(backend: str, path: str, where: str, base_dir: Path) -> None:
     if not _PYTHON_PATH_RE.match(path):
         raise ConfigError(f"{where}.path: a python model is 'module:callable' (e.g. 'mymodels:make'), "
                           f"got {path!r}")
+    if base_dir is None:
+        return
     top = path.partition(":")[0].split(".")[0]
     here = base_dir.resolve()
     # The order a worker searches (workers.backends.python): this directory, its current one, the Python path.
