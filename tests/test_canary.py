@@ -170,6 +170,22 @@ def test_a_good_candidate_goes_through_every_step_in_order_and_completes():
     assert r.route(b"key", 0.0) == CAND
 
 
+def test_at_100_percent_the_stable_baseline_stands_in_and_a_late_failure_still_rolls_back():
+    """At the last step the stable version gets no traffic: its window empties, and the candidate is measured
+    against the stable window the last tick saw with min_samples."""
+    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=(50.0, 100.0), hold_s=30.0, window_s=10.0, min_samples=50), 0.0)
+    rng = random.Random(11)
+    t, log = drive(r, 0.0, 35, 100, rng)
+    assert [d.kind for d, *_ in log] == [Kind.STEP] and r.percent == 100.0
+    t, log = drive(r, t, 15, 100, rng)  # the stable window is empty now; no decision yet (hold)
+    snap = r.snapshot(t)
+    assert log == [] and snap["stable"]["requests"] == 0 and snap["stable_baseline"]["requests"] >= 50
+    assert snap["stable_baseline"]["age_s"] >= 9.0
+    t, log = drive(r, t, 30, 100, rng, cand_latency=0.030)
+    (d, *_), = log
+    assert d.kind is Kind.ROLLBACK and "max_p99_ratio" in d.reason and r.route(None, 0.5) == STABLE
+
+
 def test_a_step_is_not_promoted_before_min_samples_however_long_it_is_held():
     """At 1 % of 40 requests a second the candidate sees about 4 in a 10 s window: below min_samples."""
     r = Rollout("m", STABLE, CAND, FAST, 0.0)
@@ -276,6 +292,23 @@ def test_sticky_keys_stay_put_and_once_on_the_candidate_stay_there_through_every
         r.record(CAND, True, 0.01, step + 1.0)
         r.tick(step + 1.0)
     assert r.state is S.COMPLETE and on_candidate == set(keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.001, 99.9), min_size=1, max_size=8, unique=True), st.text(min_size=1, max_size=10),
+       st.lists(st.binary(max_size=16), min_size=1, max_size=50))
+def test_a_key_on_the_candidate_stays_there_for_any_ramp(percents, model, keys):
+    plan = CanaryPlan(steps=(*sorted(percents), 100.0), hold_s=0.0, window_s=1.0, min_samples=1)
+    r = Rollout(model, STABLE, CAND, plan, 0.0)
+    on: set[bytes] = set()
+    for i in range(len(plan.steps)):
+        routed = {k for k in keys if r.route(k, 0.999) == CAND}
+        assert on <= routed and routed == {k for k in keys if r.route(k, 0.0) == CAND}
+        on = routed
+        r.record(STABLE, True, 0.01, i + 1.0)
+        r.record(CAND, True, 0.01, i + 1.0)
+        r.tick(i + 1.0)
+    assert r.state is S.COMPLETE and on == set(keys)
 
 
 def test_sticky_points_depend_on_the_model_and_are_stable_across_rollouts():
