@@ -433,7 +433,8 @@ class Rollout:
         return None
 
     def tick(self, now: float) -> list[Decision]:
-        """Evaluate the thresholds and the ramp at ``now``; returns the decisions taken (at most one).
+        """Evaluate the thresholds and the ramp at ``now``; returns the decisions taken (at most one).  Costs a
+        pass over the outcomes in the window (see MAX_SAMPLES).
 
         A finished rollout takes none."""
         now = self._clock(now)
