@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         except StartFailed as exc:
             control.send(workerlink.encode({"event": "failed", "error": exc.message}))
             return exc.exit_code
-        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info}))
+        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info,
+                                        "memory": worker.memory, "warmup": worker.warmup}))
         return worker.serve()
 
 
