@@ -87,3 +87,19 @@ def recording(config):
     run.inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 3]}]
     run.outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 3]}]
     return run
+
+
+def holds_device_memory(config):
+    """An identity on float32 that holds ``options.bytes`` of its device's memory (torch) while loaded:
+    a model whose device memory its backend cannot tell.  ``options = {factory = true, bytes = n}``."""
+    import torch
+
+    held = torch.empty(config.options["bytes"], dtype=torch.uint8, device=config.device)
+
+    def identity(inputs):
+        return {"y": inputs["x"]}
+
+    identity.held = held
+    identity.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+    identity.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+    return identity
