@@ -5,7 +5,8 @@ loop: arguments, signals (the front-end owns SIGINT; SIGTERM from the
 supervisor means "leave now"; we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
 ``ExitStack`` that everything the worker holds is entered on
 (``workers.worker.open_worker``), the control-socket messages ("ready" with
-the spec, or "failed" with why), and the exit codes (``workerlink``).
+the spec, the memory it measured and what its warm-up ran, or "failed" with
+why), and the exit codes (``workerlink``).
 
 A worker is one model on one device, spawned, never forked from a process
 that touched CUDA.  It trusts nothing it reads from the arena.
