@@ -8,7 +8,10 @@ nothing heavy.
 Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message.
 Worker -> front-end:
 
-    {"event": "ready", "spec": {...ModelSpec.to_dict()...}}   loaded and warmed
+    {"event": "ready", "spec": {...ModelSpec.to_dict()...},   loaded and warmed up;
+     "gpu": {...} or null,                                     what the GPU registered;
+     "memory": {"host_bytes": n, "device_bytes": n},           what it uses (workers.memory);
+     "warmup": {"runs": n, "seconds": t}}                      what its warm-up ran
     {"event": "failed", "error": "..."}                        could not load
     {"event": "dropped", "region": id}                         a region it was told to drop is
                                                                unmapped and its descriptor closed

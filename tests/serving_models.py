@@ -69,3 +69,37 @@ def dies_soon_after_load(config):
     identity.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
     identity.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
     return identity
+
+
+def recording(config):
+    """2x over rows of 3 float32s that appends each run's input, as one JSON line, to the file named by
+    ``options.record``: what a warm-up (or a request) ran it on.  ``options = {factory = true, record = ...}``."""
+    import json
+
+    path = config.options["record"]
+
+    def run(inputs):
+        x = inputs["x"]
+        with open(path, "a") as f:
+            f.write(json.dumps(x.tolist()) + "\n")
+        return {"y": x * 2}
+
+    run.inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 3]}]
+    run.outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 3]}]
+    return run
+
+
+def holds_device_memory(config):
+    """An identity on float32 that holds ``options.bytes`` of its device's memory (torch) while loaded:
+    a model whose device memory its backend cannot tell.  ``options = {factory = true, bytes = n}``."""
+    import torch
+
+    held = torch.empty(config.options["bytes"], dtype=torch.uint8, device=config.device)
+
+    def identity(inputs):
+        return {"y": inputs["x"]}
+
+    identity.held = held
+    identity.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+    identity.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
+    return identity

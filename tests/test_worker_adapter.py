@@ -18,7 +18,7 @@ X = TensorSpec("x", "float32", ("n",))
 Y = TensorSpec("y", "float32", ("n",))
 
 STATEMENTS = ("writes_outputs", "writes_row_splits", "synchronizes", "takes_memory", "takes_declare", "own_warmup",
-              "closes")
+              "tells_device_bytes", "closes")
 
 
 def statements(adapter: BackendAdapter) -> dict[str, bool]:
@@ -71,6 +71,7 @@ def test_a_run_backend_returns_arrays_and_has_nothing_optional():
         adapter.synchronize()  # no-ops, callable without asking
         adapter.bind_memory(object())
         adapter.declare((), ())
+        assert adapter.device_bytes() is None
 
 
 def test_a_third_party_run_into_backend_gets_scratch_for_batches_and_needs_no_close():
@@ -105,7 +106,8 @@ def test_the_torch_backend_writes_in_place_and_batches_in_place(tmp_path):
     with BackendAdapter.load(config) as adapter:
         assert statements(adapter) == {"writes_outputs": True, "writes_row_splits": True, "synchronizes": True,
                                        "takes_memory": True, "takes_declare": True, "own_warmup": False,
-                                       "closes": True}
+                                       "tells_device_bytes": True, "closes": True}
+        assert adapter.device_bytes() is None  # on the CPU: nothing to tell
 
 
 def test_the_tensorrt_backend_states_its_calls_without_an_engine():
@@ -114,7 +116,7 @@ def test_the_tensorrt_backend_states_its_calls_without_an_engine():
     adapter = BackendAdapter(object.__new__(TensorRTBackend))  # nothing runs: only what it has is read
     assert statements(adapter) == {"writes_outputs": True, "writes_row_splits": True, "synchronizes": True,
                                    "takes_memory": True, "takes_declare": False, "own_warmup": True,
-                                   "closes": True}
+                                   "tells_device_bytes": False, "closes": True}
 
 
 def test_an_object_that_cannot_run_is_not_a_backend():
@@ -125,16 +127,18 @@ def test_an_object_that_cannot_run_is_not_a_backend():
         BackendAdapter(Nothing())
 
 
-def test_prepare_binds_merges_declares_and_warms_up_with_the_backends_own_inputs():
+def test_prepare_binds_merges_declares_and_warm_up_runs_on_the_backends_own_inputs():
     backend = Everything()
     adapter = BackendAdapter(backend)
     override = TensorSpec("y", "float32", (7,))
-    config = ModelConfig(name="all", backend="x", path="-", outputs=(override,))
+    config = ModelConfig(name="all", backend="x", path="-", outputs=(override,), warmup_requests=2)
     memory = object()
     spec = adapter.prepare(config, memory)
     assert spec.inputs == (X,) and spec.outputs == (override,)
-    assert backend.calls == [("bind_memory", memory), ("declare", (X,), (override,)), ("run_into", {"x": (7,)}),
-                             ("synchronize",)]
+    assert backend.calls == [("bind_memory", memory), ("declare", (X,), (override,))]
+    warmed = adapter.warm_up(config, spec)
+    assert warmed.runs == 2 and warmed.seconds >= 0
+    assert backend.calls[2:] == [("run_into", {"x": (7,)}), ("synchronize",)] * 2
     backend.calls.clear()
     adapter.prepare(config)  # a CPU worker: no memory to bind
     assert backend.calls[0][0] == "declare"
@@ -143,7 +147,7 @@ def test_prepare_binds_merges_declares_and_warms_up_with_the_backends_own_inputs
     assert backend.calls[-1] == ("close",)
 
 
-def test_prepare_refuses_unknown_specs_and_a_warm_up_without_every_output():
+def test_prepare_refuses_unknown_specs_and_warm_up_a_run_without_every_output():
     class Unknowing(RunsInto):
         inputs = outputs = ()
 
@@ -153,5 +157,7 @@ def test_prepare_refuses_unknown_specs_and_a_warm_up_without_every_output():
     class Forgetful(RunsInto):
         outputs = (Y, TensorSpec("z", "float32", ("n",)))
 
+    config = ModelConfig(name="f", backend="x", path="-", warmup_requests=0)
+    adapter = BackendAdapter(Forgetful())
     with pytest.raises(ValueError, match="warm-up run produced 1 of 2 outputs"):
-        BackendAdapter(Forgetful()).prepare(ModelConfig(name="f", backend="x", path="-"))
+        adapter.warm_up(config, adapter.prepare(config))  # with no warm-up asked for: the check run

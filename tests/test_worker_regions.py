@@ -39,6 +39,10 @@ class LockRecorder:
     def __init__(self, fail: str | None = None):
         self.fail = fail
         self.memory = "device memory"
+        self.in_use = iter(range(1 << 30, 1 << 31, 12345))  # the device's use: 12345 bytes more at each look
+
+    def bytes_in_use(self) -> int:
+        return next(self.in_use)
 
     @contextlib.contextmanager
     def locked(self, buf, what: str):
@@ -186,6 +190,9 @@ def test_a_worker_unwinds_regions_then_backend_then_arena_registration_then_mapp
                 arena = stack.enter_context(Arena.attach(instance))  # the mapping: first in, last out
                 worker = open_worker(stack, arena, 0, config, completion_fd, 0.0, region_maker.fetch, LockRecorder())
                 assert worker.gpu_info == {"registered": f"arena {arena.name}"}
+                # before the load and after warm-up: the device's use grew by 12345 bytes meanwhile
+                assert worker.memory["device_bytes"] == 12345 and worker.memory["host_bytes"] > 0
+                assert worker.warmup["runs"] == 1
                 worker.regions.ensure(8)
                 view = np.ndarray(16, np.uint8, buffer=worker.regions.maps[8])  # views end before unmapping
                 del view

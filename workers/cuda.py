@@ -70,6 +70,12 @@ def set_device(index: int) -> None:
     check(cudart.cudaSetDevice(index), f"cudaSetDevice({index})")
 
 
+def device_bytes_in_use() -> int:
+    """How much of the current device's memory is in use, by every process (cudaMemGetInfo: total - free)."""
+    free, total = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+    return int(total) - int(free)
+
+
 def host_address(buf) -> int:
     """Address of the first byte of a buffer (mmap, numpy array)."""
     return np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data if len(buf) else 0

@@ -5,7 +5,8 @@ loop: arguments, signals (the front-end owns SIGINT; SIGTERM from the
 supervisor means "leave now"; we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
 ``ExitStack`` that everything the worker holds is entered on
 (``workers.worker.open_worker``), the control-socket messages ("ready" with
-the spec, or "failed" with why), and the exit codes (``workerlink``).
+the spec, the memory it measured and what its warm-up ran, or "failed" with
+why), and the exit codes (``workerlink``).
 
 A worker is one model on one device, spawned, never forked from a process
 that touched CUDA.  It trusts nothing it reads from the arena.
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         except StartFailed as exc:
             control.send(workerlink.encode({"event": "failed", "error": exc.message}))
             return exc.exit_code
-        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info}))
+        control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info,
+                                        "memory": worker.memory, "warmup": worker.warmup}))
         return worker.serve()
 
 

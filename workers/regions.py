@@ -61,6 +61,10 @@ class GpuMemory:
             finally:
                 self.memory.remove(reg.host)
 
+    def bytes_in_use(self) -> int:
+        """The device's memory in use now, by every process on it (``workers.memory`` says why)."""
+        return self.cuda.device_bytes_in_use()
+
     def describe(self, arena_registration) -> dict:
         """For the front-end's info: the device and the arena's host and device addresses."""
         reg = arena_registration

@@ -4,7 +4,7 @@ Owns: ``open_worker``, which enters everything a worker holds on one
 ``contextlib.ExitStack`` in the order it must be released in reverse:
 
     arena mapping (the caller)  ->  arena page-locked (GPU)  ->  heartbeat
-    ->  backend (loaded, warmed)  ->  client regions (each unregistered, then unmapped)
+    ->  backend (loaded, warmed, its memory measured)  ->  client regions (each unregistered, then unmapped)
 
 so regions go first, then the backend closes, the heartbeat stops, the
 arena is unregistered and only then unmapped.  And the serve loop
@@ -31,6 +31,7 @@ from shmserve import lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.rings import EventfdDoorbell, Ring, wait_any
+from workers import memory
 from workers.adapter import BackendAdapter
 from workers.batching import Batcher, batchable
 from workers.regions import GpuMemory, RegionCache
@@ -86,8 +87,11 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     is dropped here; ``tell_lane_failed(region, why)``: that a lane it attached cannot be served.  ``gpu``: the device's page-locked memory on a
     GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
 
-    Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked, EXIT_LOAD_FAILED if the
-    model cannot be loaded and warmed up.  What was entered so far unwinds with ``stack``.
+    The Worker carries what the ready message tells besides the spec: ``memory`` (``workers.memory``,
+    measured after warm-up) and ``warmup`` (runs and seconds).
+
+    Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked (or the device's memory
+    use read), EXIT_LOAD_FAILED if the model cannot be loaded and warmed up.  What was entered so far unwinds with ``stack``.
     """
     arena_registration = None
     if gpu is not None:
@@ -96,31 +100,48 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
         except Exception as exc:
             raise device_unusable(config, exc) from None
     stack.enter_context(heartbeat(arena, index))  # loading a large model takes a while: be seen alive
+    device_before = _device_bytes(gpu, config)
     try:
         adapter = stack.enter_context(BackendAdapter.load(config))
         spec = adapter.prepare(config, gpu.memory if gpu is not None else None)
+        warmed = adapter.warm_up(config, spec)
+        own_device_bytes = adapter.device_bytes() if gpu is not None else None
     except Exception as exc:
         raise StartFailed(workerlink.EXIT_LOAD_FAILED,
                           f"cannot load model {config.name!r} ({config.backend}, {config.path}): "
                           f"{type(exc).__name__}: {exc}") from None
+    used = memory.measured(own_device_bytes, device_before, _device_bytes(gpu, config))
     regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
     return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info,
-                  tell_dropped, tell_lane_failed)
+                  tell_dropped, tell_lane_failed, memory=used, warmup=warmed.to_dict())
+
+
+def _device_bytes(gpu: GpuMemory | None, config: ModelConfig) -> int | None:
+    """The device's memory in use now (None on a CPU worker); StartFailed if CUDA cannot tell."""
+    if gpu is None:
+        return None
+    try:
+        return gpu.bytes_in_use()
+    except Exception as exc:
+        raise device_unusable(config, exc) from None
 
 
 class Worker:
     """The serve loop of worker ``index``: its own ring (``main``) and the lanes attached to it.
 
-    ``spec`` is the model's final spec and ``gpu_info`` what the GPU
-    registered (None on a CPU worker), for the ready message.  Implements
+    ``spec`` is the model's final spec, ``gpu_info`` what the GPU
+    registered (None on a CPU worker), ``memory`` what the worker uses and
+    ``warmup`` what its warm-up ran (``open_worker``), for the ready message.  Implements
     ``workers.batching.Submissions`` for the batcher.
     """
 
     def __init__(self, arena: Arena, index: int, config: ModelConfig, completion_fd: int, spin_s: float, step: Step,
                  gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
-                 tell_lane_failed: Callable[[int, str], None] = lambda region, why: None):
+                 tell_lane_failed: Callable[[int, str], None] = lambda region, why: None, *,
+                 memory: dict | None = None, warmup: dict | None = None):
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
+        self.memory, self.warmup = memory, warmup
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
         completions = Ring.of_worker(arena, index, completion=True)

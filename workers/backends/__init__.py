@@ -52,8 +52,12 @@ class Backend(Protocol):
     (the final specs, before warm-up), ``bind_memory(device_memory)`` (GPU
     workers: host view -> device address), ``synchronize()`` (called before
     DONE or ERROR is published: wait for the stream), ``warmup_inputs()``
-    (inputs for the warm-up run at load; default: zeros of the smallest valid
-    shape), ``close()``.
+    (a sample of each input for the warm-up at load, for those the config's
+    ``warmup.inputs`` does not give; default: zeros of the smallest valid
+    shape; ``workers.warmup``), ``device_bytes()`` (the device memory it holds,
+    in bytes, or None if it cannot tell: counted against the memory budget
+    instead of the device's use around the load; ``workers.memory``),
+    ``close()``.
 
     Batches written in place: a ``run_into`` backend with
     ``accepts_row_splits = True`` (a class attribute, say) may, when the
@@ -120,7 +124,3 @@ def find(name: str) -> Callable:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
-
-def warmup_inputs(specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
-    """Zero inputs of the smallest valid shape (dynamic dimensions = 1) for a warm-up run."""
-    return {t.name: np.zeros([d if isinstance(d, int) else 1 for d in t.shape], dtype=t.dtype) for t in specs}

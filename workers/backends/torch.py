@@ -189,6 +189,10 @@ class TorchBackend:
         if self.stream is not None:
             self.stream.synchronize()
 
+    def device_bytes(self) -> int | None:
+        """The caching allocator's reserved bytes on the model's CUDA device (None on the CPU)."""
+        return int(self.torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else None
+
     def close(self) -> None:
         self.synchronize()
         self.module = None
