@@ -99,12 +99,12 @@ def _print(*renderables) -> None:
         console.print(r)
 
 
-def _socket_arg(parser: argparse.ArgumentParser) -> None:
+def _socket_arg(parser: argparse.ArgumentParser, timeout: float = 60.0) -> None:
     parser.add_argument("--socket", help="server socket (default: $SHMSERVE_SOCKET, else "
                                          "$XDG_RUNTIME_DIR/shmserve/<instance>.sock, else /tmp/shmserve-<uid>/<instance>.sock)")
     parser.add_argument("--instance", type=instance_name, default="default",
                         help="instance name used for the default socket path")
-    parser.add_argument("--timeout", type=_positive, default=60.0, help="seconds to wait for an answer")
+    parser.add_argument("--timeout", type=_positive, default=timeout, help="seconds to wait for an answer")
 
 
 def _client(args):
@@ -212,8 +212,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         path = cfg.resolve_socket(args.socket, config.socket, config.instance)
     from shmserve.arena import ArenaError
 
+    repository = None
+    if args.model_repository:
+        repository = str(Path(args.model_repository).resolve())
+        if not os.path.isdir(repository):
+            print(f"shmserve: --model-repository: no such directory {repository!r}", file=sys.stderr)
+            return EXIT_USAGE
+        from dataclasses import replace
+
+        config = replace(config, model_repository=repository)
+        if not args.config:  # the repository alone, not the demo model beside it
+            config = replace(config, models=())
     try:
-        return serve(config, path, listen_sock=listen_sock, config_path=args.config, metrics_address=args.metrics)
+        return serve(config, path, listen_sock=listen_sock, config_path=args.config, metrics_address=args.metrics,
+                     repository_override=repository)
     except ArenaError as exc:  # e.g. the instance is already being served
         print(f"shmserve serve: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -278,7 +290,7 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         if not inputs:
             return _usage("infer", "give --input NAME=FILE.npy or --random")
         started = time.perf_counter()
-        outputs = client.infer(args.model, inputs, timeout=args.timeout)
+        outputs = client.infer(args.model, inputs, timeout=args.timeout, version=args.version, key=args.key)
         round_trip_ms = (time.perf_counter() - started) * 1e3
     rows = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape),
              "crc32": f"{zlib.crc32(np.ascontiguousarray(a).tobytes()):08x}"} for n, a in outputs.items()]
@@ -392,6 +404,108 @@ def _cmd_info(args: argparse.Namespace) -> int:
         _row(stats, key, value)
     _print(facts, workers, stats)
     return EXIT_OK
+
+
+@_talks_to_server
+def _cmd_repository(args: argparse.Namespace) -> int:
+    answer = _ask(args, "repository")
+    if args.json:
+        return EXIT_OK
+    table = _table("model", "version", "state", "default", "workers", "memory", "load", "reason")
+    for m in answer.get("models", []):
+        memory = m.get("memory_bytes")
+        load = m.get("load_seconds")
+        _row(table, m["name"], "-" if m.get("version") is None else m["version"], m["state"],
+             "yes" if m.get("default") else "", f"{m.get('workers_ready', 0)} of {m.get('workers', 0)}"
+             if "workers" in m else "-", "-" if memory is None else f"{memory / 2**20:.0f} MiB",
+             "-" if load is None else f"{load:.2f} s", m.get("reason") or "")
+    _print(table)
+    for name, c in sorted(answer.get("canaries", {}).items()):
+        print(f"canary {name}: version {c['candidate']['version']} vs {c['stable']['version']}: {c['state']}, "
+              f"{c['percent']:g}% ({c['mode']})" + (f"; last: {c['decisions'][-1]['kind']}: "
+                                                      f"{c['decisions'][-1]['reason']}" if c["decisions"] else ""))
+    return EXIT_OK
+
+
+def _lifecycle_call(args: argparse.Namespace, method: str, **fields) -> int:
+    with _client(args) as client:
+        answer = getattr(client, method)(args.model, timeout=args.timeout, **fields)
+    print(json.dumps(answer) if args.json else _describe(method, answer))
+    return EXIT_OK
+
+
+def _describe(method: str, a: dict) -> str:
+    if method == "load":
+        return (f"model {a['model']} version {a['version']}: {a['state']}, {a['workers']} worker(s)"
+                + (f", loaded in {a['load_seconds']:.2f} s" if a.get("load_seconds") is not None else ""))
+    if method == "unload":
+        return f"model {a['model']}: unloaded version(s) {', '.join(map(str, a['unloaded']))}"
+    if method == "scale":
+        return f"model {a['model']} version {a['version']}: {a['workers']} worker(s)"
+    lines = [f"canary {a['model']}: version {a['candidate']['version']} vs {a['stable']['version']}: {a['state']}, "
+             f"{a['percent']:g}% of traffic ({a['mode']})"]
+    for v in ("stable", "candidate"):
+        w = a[v]
+        lines.append(f"  {v} {w['version']}: {w['requests']} requests, error rate {w['error_rate'] * 100:.2f}%, "
+                     f"p99 {w.get('p99_ms', 0) or 0:.3f} ms")
+    if a["mode"] == "shadow":
+        lines.append(f"  shadow: {a['shadow']['compared']} compared, {a['shadow']['mismatches']} mismatched")
+    lines += [f"  {d['kind']} at {d['percent']:g}%: {d['reason']}" for d in a["decisions"]]
+    return "\n".join(lines)
+
+
+@_talks_to_server
+def _cmd_load(args: argparse.Namespace) -> int:
+    return _lifecycle_call(args, "load", version=args.version, instances=args.instances, keep=args.keep)
+
+
+@_talks_to_server
+def _cmd_unload(args: argparse.Namespace) -> int:
+    return _lifecycle_call(args, "unload", version=args.version)
+
+
+@_talks_to_server
+def _cmd_scale(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        answer = client.scale(args.model, args.instances, version=args.version, timeout=args.timeout)
+    print(json.dumps(answer) if args.json else _describe("scale", answer))
+    return EXIT_OK
+
+
+CANARY_FLAGS = (("steps", "STEPS", "percentages of traffic, e.g. 1,5,25,100"),
+                ("hold_s", "S", "hold each step at least this long"),
+                ("window_s", "S", "window the thresholds are measured over"),
+                ("min_samples", "N", "requests per version in the window before any decision"),
+                ("max_error_rate_increase", "X", "roll back if the candidate's error rate exceeds the stable "
+                                                 "one's by more than this (0.01 = 1 point)"),
+                ("max_p99_ratio", "R", "roll back if the candidate's p99 latency exceeds the stable one's by "
+                                       "this factor"),
+                ("shadow_percent", "P", "shadow mode: share of requests copied to the candidate"),
+                ("max_mismatch_rate", "X", "shadow mode: roll back above this share of mismatching outputs"))
+
+
+@_talks_to_server
+def _cmd_canary(args: argparse.Namespace) -> int:
+    plan: dict = {}
+    if args.action == "start":
+        if args.version is None:
+            return _usage("canary", "start needs --version (the candidate)")
+        for field, _, _ in CANARY_FLAGS:
+            value = getattr(args, field)
+            if value is not None:
+                plan[field] = value
+        if args.shadow:
+            plan["mode"] = "shadow"
+        if args.no_sticky:
+            plan["sticky"] = False
+    return _lifecycle_call(args, "canary", action=args.action, version=args.version, plan=plan or None)
+
+
+def _steps(text: str) -> list[float]:
+    try:
+        return [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percentages like 1,5,25,100, got {text!r}") from None
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -521,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--instance", help="instance name (default: the config's, else 'default')")
     serve.add_argument("--metrics", metavar="ADDR", help="serve Prometheus metrics on a Unix socket path or a "
                                                           "loopback host:port")
+    serve.add_argument("--model-repository", metavar="DIR",
+                       help="serve the versioned models of DIR (docs/models.md); without --config, only those")
     serve.add_argument("--strict", action="store_true", help="a model that cannot load stops the start "
                                                              "(exit 1) instead of serving the others ([server] strict)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")
@@ -537,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     infer.add_argument("--print", action="store_true",
                        help=f"print the outputs' values (numpy-style; over {PRINT_THRESHOLD} elements, the edges)")
+    infer.add_argument("--version", type=_natural, default=None,
+                       help="that version of the model (default: the model's default version)")
+    infer.add_argument("--key", default=None, help="routing key: while a canary runs, one key reaches one version")
     infer.add_argument("--json", action="store_true", help="one line of JSON (with --print: the values too)")
     _socket_arg(infer)
     infer.set_defaults(func=_cmd_infer)
@@ -553,6 +672,64 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="one line of JSON")
         _socket_arg(p)
         p.set_defaults(func=func)
+
+    repo = command("repository", "every model and version: state, default, workers, memory, why",
+                   "shmserve repository", "shmserve repository --json | jq '.models[] | select(.state != \"ready\")'")
+    repo.add_argument("--json", action="store_true", help="one line of JSON (with canaries and recent events)")
+    _socket_arg(repo)
+    repo.set_defaults(func=_cmd_repository)
+
+    load = command("load", "load a model version, warm it, make it the default; the one before drains "
+                           "(admins only)", "shmserve load resnet", "shmserve load resnet --version 3 --instances 2")
+    load.add_argument("model")
+    load.add_argument("--version", type=_natural, default=None,
+                      help="the version (default: the newest its version_policy selects)")
+    load.add_argument("--instances", type=_natural, default=None, help="workers (default: its config's instances)")
+    load.add_argument("--keep", action="store_true", help="keep the version serving before loaded (not the default)")
+    load.add_argument("--json", action="store_true", help="one line of JSON")
+    _socket_arg(load, timeout=900.0)
+    load.set_defaults(func=_cmd_load)
+
+    unload = command("unload", "drain and unload a model's version, or all its versions (admins only)",
+                     "shmserve unload resnet --version 2", "shmserve unload resnet")
+    unload.add_argument("model")
+    unload.add_argument("--version", type=_natural, default=None, help="the version (default: every version)")
+    unload.add_argument("--json", action="store_true", help="one line of JSON")
+    _socket_arg(unload, timeout=900.0)
+    unload.set_defaults(func=_cmd_unload)
+
+    scale = command("scale", "run N workers for a model's default version; removed ones finish their queue "
+                             "first (admins only)", "shmserve scale resnet 3")
+    scale.add_argument("model")
+    scale.add_argument("instances", type=_natural, help="workers")
+    scale.add_argument("--version", type=_natural, default=None, help="the version (default: the default one)")
+    scale.add_argument("--json", action="store_true", help="one line of JSON")
+    _socket_arg(scale, timeout=900.0)
+    scale.set_defaults(func=_cmd_scale)
+
+    canary = command("canary", "canary release: move traffic to a candidate version step by step, rolled "
+                               "back on its own if it does worse (admins only)",
+                     "shmserve canary resnet start --version 4 --steps 1,5,25,100 --hold-s 60",
+                     "shmserve canary resnet start --version 4 --shadow", "shmserve canary resnet status",
+                     "shmserve canary resnet promote")
+    canary.add_argument("model")
+    canary.add_argument("action", choices=("start", "status", "promote", "abort"))
+    canary.add_argument("--version", type=_natural, default=None, help="start: the candidate version")
+    from shmserve.frontend.canary import CanaryPlan
+
+    defaults = CanaryPlan()
+    for field, metavar, text in CANARY_FLAGS:
+        default = getattr(defaults, field)
+        shown = ",".join(f"{s:g}" for s in default) if field == "steps" else f"{default:g}"
+        canary.add_argument(f"--{field.replace('_', '-')}", dest=field, metavar=metavar, default=None,
+                            type=_steps if field == "steps" else (int if field == "min_samples" else float),
+                            help=f"{text} (default: {shown})")
+    canary.add_argument("--shadow", action="store_true", help="shadow mode: copies of requests go to the candidate "
+                                                               "and are compared; its answers are never returned")
+    canary.add_argument("--no-sticky", action="store_true", help="split per request even when a --key is sent")
+    canary.add_argument("--json", action="store_true", help="one line of JSON")
+    _socket_arg(canary, timeout=900.0)
+    canary.set_defaults(func=_cmd_canary)
 
     inspect = command("inspect", "read-only view of a live or dead instance's arena",
                       "shmserve inspect --watch 2", "shmserve inspect --all --check   # for monitoring")

@@ -51,7 +51,7 @@ from shmserve import layout, protocol
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us, trusted_server_uids
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
-from shmserve.protocol import TensorMeta
+from shmserve.protocol import Kind, TensorMeta
 from shmserve.session import (NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed,
                               check_server, check_tensor, check_timeout)
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
@@ -110,6 +110,8 @@ def _sent(parts: list, n: int) -> None:
 
 
 # -- shared memory --------------------------------------------------------------------------
+
+LIFECYCLE_TIMEOUT_S = 900.0  # a control call's default wait: a load of large engines plus a drain
 
 class RegionAllocator:
     """First-fit allocation of 64-byte aligned ranges in [start, size) of one region (client side)."""
@@ -532,9 +534,13 @@ class Client(_ClientBase):
 
     # -- public API -----------------------------------------------------------------------
 
-    def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
-        """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays)."""
-        return self._exchange(self._session.infer(model, inputs, self._timeout(timeout)), timeout).outputs
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None,
+              version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+        """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays).
+        ``version``: that version of the model (default: the model's default version); ``key``: a
+        routing key — while a canary runs, requests with the same key reach the same version."""
+        return self._exchange(self._session.infer(model, inputs, self._timeout(timeout), version, key),
+                              timeout).outputs
 
     def models(self) -> list[dict]:
         """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
@@ -547,6 +553,39 @@ class Client(_ClientBase):
     def info(self) -> dict:
         """What the server runs: version, instance, arena, limits, statistics, lanes and workers."""
         return self._exchange(self._session.info()).value
+
+    # -- the model lifecycle (docs/models.md); all but ``repository`` need an admin uid --
+
+    def repository(self) -> dict:
+        """Every model and version with its state (loading, ready, draining, unavailable, evicted,
+        unloaded) and reason, the defaults, canaries and recent lifecycle events."""
+        return self._exchange(self._session.repository()).value
+
+    def load(self, model: str, *, version: int | None = None, instances: int | None = None, keep: bool = False,
+             timeout: float | None = None) -> dict:
+        """Load ``version`` of ``model`` (default: the newest its policy selects), warm it and make
+        it the default; the one serving before drains and is unloaded unless ``keep``.  Waits
+        for all of it (``timeout``: default none).  ShmserveError: PERMISSION_DENIED,
+        UNKNOWN_MODEL, MODEL_UNAVAILABLE (it did not load: why; the old one still serves), ..."""
+        return self._control(Kind.LOAD, model, timeout, version=version, instances=instances, keep=keep or None)
+
+    def unload(self, model: str, *, version: int | None = None, timeout: float | None = None) -> dict:
+        """Drain and unload ``version`` of ``model`` (default: all of them)."""
+        return self._control(Kind.UNLOAD, model, timeout, version=version)
+
+    def scale(self, model: str, instances: int, *, version: int | None = None, timeout: float | None = None) -> dict:
+        """Run ``instances`` workers for ``model``'s default version (or ``version``)."""
+        return self._control(Kind.SCALE, model, timeout, version=version, instances=instances)
+
+    def canary(self, model: str, action: str, *, version: int | None = None, plan: dict | None = None,
+               timeout: float | None = None) -> dict:
+        """``start`` a canary of ``version`` under ``plan`` (``canary.CanaryPlan`` fields), or
+        ``promote``, ``abort`` it, or get its ``status``; the rollout's snapshot."""
+        return self._control(Kind.CANARY, model, timeout, action=action, version=version, plan=plan)
+
+    def _control(self, kind: Kind, model: str, timeout: float | None, **fields) -> dict:
+        timeout = LIFECYCLE_TIMEOUT_S if timeout is None else timeout
+        return self._exchange(self._session.lifecycle(kind, model, **fields), timeout).value
 
     def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection.
@@ -720,8 +759,10 @@ class AsyncClient(_ClientBase):
 
     # -- public API (as Client's) ---------------------------------------------------------
 
-    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None) -> dict[str, np.ndarray]:
-        return (await self._exchange(self._session.infer(model, inputs, self._timeout(timeout)), timeout)).outputs
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None,
+                    version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+        return (await self._exchange(self._session.infer(model, inputs, self._timeout(timeout), version, key),
+                                     timeout)).outputs
 
     async def models(self) -> list[dict]:
         return (await self._exchange(self._session.models())).value
@@ -731,6 +772,28 @@ class AsyncClient(_ClientBase):
 
     async def info(self) -> dict:
         return (await self._exchange(self._session.info())).value
+
+    async def repository(self) -> dict:
+        return (await self._exchange(self._session.repository())).value
+
+    async def load(self, model: str, *, version: int | None = None, instances: int | None = None, keep: bool = False,
+                   timeout: float | None = None) -> dict:
+        return await self._control(Kind.LOAD, model, timeout, version=version, instances=instances, keep=keep or None)
+
+    async def unload(self, model: str, *, version: int | None = None, timeout: float | None = None) -> dict:
+        return await self._control(Kind.UNLOAD, model, timeout, version=version)
+
+    async def scale(self, model: str, instances: int, *, version: int | None = None,
+                    timeout: float | None = None) -> dict:
+        return await self._control(Kind.SCALE, model, timeout, version=version, instances=instances)
+
+    async def canary(self, model: str, action: str, *, version: int | None = None, plan: dict | None = None,
+                     timeout: float | None = None) -> dict:
+        return await self._control(Kind.CANARY, model, timeout, action=action, version=version, plan=plan)
+
+    async def _control(self, kind: Kind, model: str, timeout: float | None, **fields) -> dict:
+        timeout = LIFECYCLE_TIMEOUT_S if timeout is None else timeout
+        return (await self._exchange(self._session.lifecycle(kind, model, **fields), timeout)).value
 
     async def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """As ``Client.open_region``."""

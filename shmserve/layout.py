@@ -306,6 +306,7 @@ WORKER = Record("Worker", WORKER_SIZE, [
     # Added within the record's spare bytes (an older arena reads 0: no streak, no restart due).
     ("crash_streak", "I"),  # deaths in a row before a healthy run (shmserve.supervisor)
     ("restart_at_ns", "Q"),  # CLOCK_MONOTONIC ns of its scheduled restart; 0 when none is scheduled
+    ("version", "I"),  # the version of the model it serves (0 in an arena older than versions)
 ])
 # Worker states (worker table field `state`).
 WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4
@@ -514,6 +515,11 @@ class Geometry(SlotTable):
         if not 0 <= worker < self.max_workers:
             raise LayoutError(f"worker index {worker} out of range 0..{self.max_workers - 1}")
         return self.hist_table_off + worker * HIST_WORKER_SIZE + HIST_STAGES.index(stage) * HIST_STAGE_SIZE
+
+    def clear_worker_histograms(self, buf, worker: int) -> None:
+        """Zero worker ``worker``'s histograms (a new worker in a reused entry starts from none)."""
+        start = self.hist_off(worker, HIST_STAGES[0])
+        buf[start:start + HIST_WORKER_SIZE] = bytes(HIST_WORKER_SIZE)
 
     def region_off(self, index: int) -> int:
         """Offset of region record ``index`` (0 .. max_regions - 1)."""

@@ -34,54 +34,60 @@ class StatusCollector:
 
     def collect(self):
         snap = self.status.snapshot()
-        requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model and "
-                                       "outcome (ok or the error code); lane calls are in shmserve_worker_requests",
-                                       labels=["model", "outcome"])
-        for (model, outcome), n in sorted(snap.outcomes.items()):
-            requests.add_metric([model, outcome], n)
+        requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model, "
+                                       "version (empty: refused before one was chosen) and outcome (ok or the "
+                                       "error code); lane calls are in shmserve_worker_requests",
+                                       labels=["model", "version", "outcome"])
+        for (model, version, outcome), n in sorted(snap.outcomes.items(), key=lambda kv: str(kv[0])):
+            requests.add_metric([model, str(version), outcome], n)
         yield requests
+        yield from self._lifecycle(snap)
 
         stages = HistogramMetricFamily("shmserve_request_stage_seconds",
                                        "Time per request stage in the worker: queue, copy_in, compute, "
-                                       "copy_out, and total (slot acquired to done)", labels=["model", "stage"])
+                                       "copy_out, and total (slot acquired to done)",
+                                       labels=["model", "version", "stage"])
         batch = HistogramMetricFamily("shmserve_batch_size", "Requests per model execution (dynamic batching)",
-                                      labels=["model"])
+                                      labels=["model", "version"])
         for m in snap.models:
             for stage in layout.HIST_STAGE_BOUNDS:
                 buckets, total = m.histograms[stage]
-                stages.add_metric([m.name, stage], _cumulative(buckets, scale=1e6), total / 1e6)
+                stages.add_metric([m.name, str(m.version), stage], _cumulative(buckets, scale=1e6), total / 1e6)
             buckets, total = m.histograms["batch_size"]
-            batch.add_metric([m.name], _cumulative(buckets, scale=1), total)
+            batch.add_metric([m.name, str(m.version)], _cumulative(buckets, scale=1), total)
         yield stages
         yield batch
 
         queued = GaugeMetricFamily("shmserve_queue_depth", "Requests admitted but not yet claimed by a worker, "
-                                   "plus requests waiting for arena space", labels=["model"])
+                                   "plus requests waiting for arena space", labels=["model", "version"])
         inflight = GaugeMetricFamily("shmserve_inflight_requests", "Requests handed to workers and not yet "
-                                     "answered", labels=["model"])
+                                     "answered", labels=["model", "version"])
         for m in snap.models:
-            queued.add_metric([m.name], m.queued)
-            inflight.add_metric([m.name], m.inflight)
+            queued.add_metric([m.name, str(m.version)], m.queued)
+            inflight.add_metric([m.name, str(m.version)], m.inflight)
         yield queued
         yield inflight
 
         served = CounterMetricFamily("shmserve_worker_requests", "Requests a worker finished, socket and lane "
                                      "calls alike (outcome ok or error), since the worker started",
-                                     labels=["model", "worker", "outcome"])
+                                     labels=["model", "version", "worker", "outcome"])
         lanes = GaugeMetricFamily("shmserve_lanes", "Lanes (client regions with their own queue) attached, by "
-                                  "model and worker", labels=["model", "worker"])
-        restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts", labels=["model", "worker"])
-        workers = GaugeMetricFamily("shmserve_workers", "Workers by model and state", labels=["model", "state"])
+                                  "model and worker", labels=["model", "version", "worker"])
+        restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts",
+                                       labels=["model", "version", "worker"])
+        workers = GaugeMetricFamily("shmserve_workers", "Workers by model, version and state",
+                                    labels=["model", "version", "state"])
         states: dict = {}
         for m in snap.models:
             for w in m.workers:
-                served.add_metric([w.model, str(w.index), "ok"], w.requests - w.errors)
-                served.add_metric([w.model, str(w.index), "error"], w.errors)
-                lanes.add_metric([w.model, str(w.index)], w.lanes)
-                restarts.add_metric([w.model, str(w.index)], w.restarts)
-                states[(w.model, w.state)] = states.get((w.model, w.state), 0) + 1
-        for (model, state), n in sorted(states.items()):
-            workers.add_metric([model, state], n)
+                v = str(w.version)
+                served.add_metric([w.model, v, str(w.index), "ok"], w.requests - w.errors)
+                served.add_metric([w.model, v, str(w.index), "error"], w.errors)
+                lanes.add_metric([w.model, v, str(w.index)], w.lanes)
+                restarts.add_metric([w.model, v, str(w.index)], w.restarts)
+                states[(w.model, v, w.state)] = states.get((w.model, v, w.state), 0) + 1
+        for (model, version, state), n in sorted(states.items()):
+            workers.add_metric([model, version, state], n)
         yield served
         yield lanes
         yield restarts
@@ -92,6 +98,49 @@ class StatusCollector:
         yield GaugeMetricFamily("shmserve_arena_data_bytes", "Arena data region size", value=snap.data_bytes)
         yield GaugeMetricFamily("shmserve_slots_in_use", "Arena slots held by requests", value=snap.stats["slots_in_use"])
         yield GaugeMetricFamily("shmserve_slots", "Arena slots", value=snap.slots)
+
+
+    @staticmethod
+    def _lifecycle(snap):
+        """The model lifecycle: versions by phase, loads, failures, evictions and their times, canaries."""
+        phases = GaugeMetricFamily("shmserve_model_versions", "Model versions by lifecycle phase (1 per version); "
+                                   "default is 1 for the version requests naming none go to",
+                                   labels=["model", "version", "phase", "default"])
+        memory = GaugeMetricFamily("shmserve_model_memory_bytes", "Memory a loaded version uses on its device, "
+                                   "measured after load", labels=["model", "version"])
+        for m in snap.models:
+            phases.add_metric([m.name, str(m.version), m.phase, "1" if m.default else "0"], 1)
+        yield phases
+        counts = snap.lifecycle.get("counts", {})
+        seconds = snap.lifecycle.get("seconds", {})
+        events = CounterMetricFamily("shmserve_model_lifecycle_events", "Loads, failed loads and evictions of a "
+                                     "model's versions", labels=["model", "event"])
+        for (what, model), n in sorted(counts.items()):
+            events.add_metric([model, what], n)
+        yield events
+        spent = CounterMetricFamily("shmserve_model_lifecycle_seconds", "Seconds spent loading (start to all "
+                                    "workers ready) and warming up a model's versions", labels=["model", "what"])
+        for (what, model), n in sorted(seconds.items()):
+            spent.add_metric([model, what], n)
+        yield spent
+        for m in snap.models:
+            if m.memory_bytes is not None:
+                memory.add_metric([m.name, str(m.version)], m.memory_bytes)
+        yield memory
+        canary = GaugeMetricFamily("shmserve_canary_percent", "Share of a model's traffic on its canary "
+                                   "candidate (0 once rolled back or aborted, 100 once complete)",
+                                   labels=["model", "candidate", "state"])
+        decisions = CounterMetricFamily("shmserve_canary_decisions", "Canary decisions (step, complete, "
+                                        "rollback, abort, promote)", labels=["model", "decision"])
+        for model, c in sorted(snap.lifecycle.get("canaries", {}).items()):
+            canary.add_metric([model, str(c["candidate"]["version"]), str(c["state"])], float(c["percent"]))
+            kinds: dict = {}
+            for d in c.get("decisions", ()):
+                kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+            for kind, n in sorted(kinds.items()):
+                decisions.add_metric([model, kind], n)
+        yield canary
+        yield decisions
 
 
 def _cumulative(counts, scale: float) -> list:

@@ -66,6 +66,8 @@ MAX_NAME = 256
 MAX_DIMS = 8
 MAX_REQUEST_ID = 2**63 - 1
 MAX_TIMEOUT_S = 86400  # a request's timeout_s: a day is longer than any inference should wait
+MAX_VERSION = 2**31 - 1  # a model version: a positive integer
+MAX_INSTANCES = 64  # workers of one model version (config's bound on instances)
 REGION_SLACK = 1 << 20  # a region may hold one largest request (server.max_request_bytes) plus this much
 SUPPORTED_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                     "float16", "float32", "float64")
@@ -80,6 +82,12 @@ class Kind(enum.IntEnum):
     MODELS = 5
     HEALTH = 6
     INFO = 7
+    # the model lifecycle (docs/models.md); all but REPOSITORY need an admin peer
+    REPOSITORY = 8  # the repository index: every model and version with its state and reason
+    LOAD = 9
+    UNLOAD = 10
+    SCALE = 11
+    CANARY = 12
     # server -> client
     RESULT = 64  # inline result: output bytes follow
     RESULT_REGION = 65  # zero-copy result: outputs are in the client's region
@@ -89,7 +97,8 @@ class Kind(enum.IntEnum):
 
 
 CLIENT_KINDS = frozenset({Kind.INFER, Kind.INFER_REGION, Kind.OPEN_REGION, Kind.CLOSE_REGION, Kind.MODELS,
-                          Kind.HEALTH, Kind.INFO})
+                          Kind.HEALTH, Kind.INFO, Kind.REPOSITORY, Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY})
+CONTROL_KINDS = frozenset({Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY})  # admin only
 SERVER_KINDS = frozenset({Kind.RESULT, Kind.RESULT_REGION, Kind.REPLY, Kind.REGION, Kind.ERROR})
 KINDS_WITH_DATA = frozenset({Kind.INFER, Kind.RESULT})
 
@@ -364,6 +373,8 @@ class InferRequest:
     region: int | None = None  # zero-copy: the client's region id
     output_offset: int | None = None  # zero-copy: where outputs go in that region
     output_capacity: int | None = None
+    version: int | None = None  # the model version asked for (None: the model's default)
+    key: str | None = None  # a routing key: a canary sends the same key to the same version
 
 
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
@@ -432,9 +443,48 @@ def parse_infer(meta: dict, *, zero_copy: bool) -> InferRequest:
     timeout = meta.get("timeout_s")
     _require(timeout is None or (type(timeout) in (int, float) and 0 < timeout <= MAX_TIMEOUT_S),
              f"'timeout_s' must be a number of seconds in (0, {MAX_TIMEOUT_S}]")
+    version = _int(meta, "version", 1, MAX_VERSION) if meta.get("version") is not None else None
+    key = parse_name(meta["key"], "'key'") if meta.get("key") is not None else None
     if not zero_copy:
-        return InferRequest(rid, model, inputs, timeout)
+        return InferRequest(rid, model, inputs, timeout, version=version, key=key)
     region = _int(meta, "region", 1, 2**32 - 1, ErrorCode.BAD_REGION)
     out_off = _int(meta, "output_offset", 0, MAX_DATA, ErrorCode.BAD_REGION)
     out_cap = _int(meta, "output_capacity", 0, MAX_DATA, ErrorCode.BAD_REGION)
-    return InferRequest(rid, model, inputs, timeout, region, out_off, out_cap)
+    return InferRequest(rid, model, inputs, timeout, region, out_off, out_cap, version, key)
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """A model-lifecycle call (LOAD, UNLOAD, SCALE, CANARY), checked."""
+
+    kind: Kind
+    model: str
+    version: int | None = None
+    instances: int | None = None
+    keep: bool = False  # LOAD: the version serving before stays loaded
+    action: str | None = None  # CANARY: start, promote, abort or status
+    plan: dict | None = None  # CANARY start: the plan's fields (checked by the front-end's canary module)
+
+
+CANARY_ACTIONS = ("start", "promote", "abort", "status")
+
+
+def parse_control(kind: Kind, meta: dict) -> ControlCall:
+    """Validate a LOAD, UNLOAD, SCALE or CANARY message.  Raises ProtocolViolation (BAD_FRAME)
+    naming the field."""
+    model = parse_name(meta.get("model"), "'model'")
+    version = _int(meta, "version", 1, MAX_VERSION) if meta.get("version") is not None else None
+    instances = None
+    if kind is Kind.SCALE or meta.get("instances") is not None:
+        _require(kind in (Kind.LOAD, Kind.SCALE), "'instances' is for load and scale")
+        instances = _int(meta, "instances", 1, MAX_INSTANCES)
+    keep = meta.get("keep", False)
+    _require(type(keep) is bool and (not keep or kind is Kind.LOAD), "'keep' must be true or false (load only)")
+    action = plan = None
+    if kind is Kind.CANARY:
+        action = meta.get("action")
+        _require(action in CANARY_ACTIONS, f"'action' must be one of {', '.join(CANARY_ACTIONS)}")
+        plan = meta.get("plan", {})
+        _require(isinstance(plan, dict), "'plan' must be an object")
+        _require(action != "start" or version is not None, "starting a canary needs the candidate's 'version'")
+    return ControlCall(kind, model, version, instances, keep, action, plan)

@@ -32,7 +32,8 @@ from shmserve import layout, stale, systemd, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
-from shmserve.frontend.models import MODEL_READY, ModelState
+from shmserve.frontend.lifecycle import Lifecycle
+from shmserve.frontend.models import MODEL_READY, ModelState, Models
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.status import Status
 from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
@@ -86,13 +87,16 @@ def strict_refusal(unready: list[ModelState], n_models: int) -> str:
 
 class Frontend:
     def __init__(self, config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
-                 config_path: str | None = None, metrics_address: str | None = None):
+                 config_path: str | None = None, metrics_address: str | None = None,
+                 repository_override: str | None = None):
         self.config = config
         self.socket_path = socket_path
         self.listen_sock = listen_sock  # passed by systemd socket activation: not ours to unlink
         self.config_path = config_path
         self.metrics_address = metrics_address
-        self.models = {m.name: ModelState(i, m.name, m) for i, m in enumerate(config.models)}
+        self.repository_override = repository_override  # serve --model-repository: kept over reloads
+        self.models = Models()
+        self.lifecycle: Lifecycle | None = None
         self.arena: Arena | None = None
         self.supervisor: Supervisor | None = None
         self.dispatcher: Dispatcher | None = None
@@ -119,13 +123,13 @@ class Frontend:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
-            n_workers = len(self.supervisor.workers)
-            log.info("instance %s: arena %s (%d MiB, %d slots), %d worker(s)", self.config.instance,
-                     self.arena.name, self.arena.geometry.total_size >> 20, self.arena.geometry.slot_count, n_workers)
-            systemd.notify(f"STATUS=loading {n_workers} worker(s)")
+            log.info("instance %s: arena %s (%d MiB, %d slots, up to %d workers)", self.config.instance,
+                     self.arena.name, self.arena.geometry.total_size >> 20, self.arena.geometry.slot_count,
+                     self.arena.geometry.max_workers)
+            systemd.notify("STATUS=loading the models")
             tasks.append(loop.create_task(self.supervisor.watch_health()))
-            await self.supervisor.start_all(STARTUP_TIMEOUT_S)
-            unready = [m for m in self.models.values() if m.state != MODEL_READY]
+            await self.lifecycle.start()
+            unready = [m for m in self.models.versions() if m.state != MODEL_READY and m.config.load == "startup"]
             for m in unready:
                 log.error("%s", m.unavailable_reason())
             if unready and self.config.strict:  # stopped in order by the finally below
@@ -138,7 +142,7 @@ class Frontend:
                 from shmserve.metrics import MetricsServer
 
                 metrics = await MetricsServer(self.status).start(self.metrics_address)
-            ready = sum(m.state == MODEL_READY for m in self.models.values())
+            ready = sum(m.state == MODEL_READY for m in self.models.versions())
             log.info("ready: listening on %s (%d of %d models ready)", self.socket_path, ready, len(self.models))
             systemd.notify("READY=1", f"STATUS=serving {ready} of {len(self.models)} models on {self.socket_path}")
             interval = systemd.watchdog_interval()
@@ -159,15 +163,12 @@ class Frontend:
     def _build(self, loop) -> None:
         """Sweep, create the arena, and wire the parts together (workers are not started yet)."""
         systemd.notify("STATUS=creating the arena")
-        n_workers = sum(m.instances for m in self.config.models)
+        n_workers = max(self.config.max_workers, sum(m.instances for m in self.config.models))
         self.arena = Arena.create(self.config.instance, slot_count=self.config.arena_slots, max_workers=n_workers,
                                   size_classes=self.config.arena_size_classes(), socket_path=self.socket_path,
                                   max_regions=self.config.max_regions)
         self.efd = new_eventfd()
         self.supervisor = Supervisor(self.arena, self.config, self.efd, self._worker_ready, self._worker_exited)
-        for w in self.supervisor.workers:
-            self.models[w.model.name].workers.append(w)
-            w.completion_bell.arm()  # the loop is idle: the first completion must wake it
         self.regions = RegionTable(self.arena, self.models, self.supervisor.command,
                                    max_request_bytes=self.config.max_request_bytes,
                                    limits=region_limits_of(self.config),
@@ -176,12 +177,15 @@ class Frontend:
         self.supervisor.on_lane_failed = self.regions.lane_failed
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
                                      LoopClock(loop), self.regions.deliver)
+        self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
+                                   startup_timeout=STARTUP_TIMEOUT_S)
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
-                             socket_path=self.socket_path)
+                             socket_path=self.socket_path, lifecycle=self.lifecycle)
         self.door = UnixDoor(self.dispatcher, self.regions, self.status, clock=self.dispatcher.clock,
                              limits=door_limits_of(self.config), allow_uids=self.config.allow_uids,
-                             allow_gids=self.config.allow_gids)
+                             allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
+                             admin=(self.config.admin_uids, self.config.admin_gids))
         loop.add_reader(self.efd, self._on_completions)
 
     # -- loop hooks -----------------------------------------------------------------------
@@ -191,7 +195,9 @@ class Frontend:
         self.dispatcher.on_completions()
 
     def _worker_ready(self, w: WorkerHandle) -> None:
-        self.regions.attach_waiting(self.models[w.model.name])
+        version = self.models.version_of(w)
+        if version is not None:
+            self.regions.attach_waiting(version)
         self.dispatcher.worker_ready(w)
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
@@ -232,10 +238,12 @@ class Frontend:
 
         Applied: request and queue limits, what one client can make the server hold
         (``config.CLIENT_LIMIT_KEYS`` and the region limits: for connections already open too, but
-        one over a new connection limit is not closed), the allow-lists, restart_healthy_s, and any model whose
-        settings changed (its workers restart with the new settings).  Not
-        applied (logged; needs a restart): instance, socket, arena, spin, added
-        or removed models, a model's instance count.
+        one over a new connection limit is not closed), the allow-lists and admin lists,
+        restart_healthy_s, the lifecycle keys, and every difference in the models (the config
+        file's and the repository's): added ones are loaded, removed ones drained and unloaded,
+        changed ones get new workers (started and warmed first), a changed instance count is
+        scaled (``Lifecycle.apply``).  Not applied (logged; needs a restart): instance, socket,
+        arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin.
         """
         if self.config_path is None:
             log.warning("reload: started without --config; nothing to reload")
@@ -250,22 +258,10 @@ class Frontend:
             systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")
             return
         old = self.config
-        fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us",
+        fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us", "max_workers",
                              "socket_mode", "socket_group", "max_regions") if getattr(new, k) != getattr(old, k)]
-        old_models = {m.name: m for m in old.models}
-        new_models = {m.name: m for m in new.models}
-        if set(old_models) != set(new_models):
-            fixed.append("the set of models")
-        changed = []
-        for name, model in new_models.items():
-            before = old_models.get(name)
-            if before is None or before == model:
-                continue
-            if before.instances != model.instances:
-                fixed.append(f"models.{name}.instances")
-                continue
-            changed.append(model)
-        changed_names = {m.name for m in changed}
+        if self.repository_override is not None:  # serve --model-repository wins over the file
+            new = dataclasses.replace(new, model_repository=self.repository_override)
         self.config = dataclasses.replace(
             old, request_timeout_s=new.request_timeout_s, drain_timeout_s=new.drain_timeout_s,
             max_waiting=new.max_waiting, max_inflight_per_connection=new.max_inflight_per_connection,
@@ -274,21 +270,20 @@ class Frontend:
             max_regions_per_uid=new.max_regions_per_uid,
             max_region_bytes_per_connection=new.max_region_bytes_per_connection,
             max_region_bytes_per_uid=new.max_region_bytes_per_uid,
-            restart_healthy_s=new.restart_healthy_s,
-            models=tuple(new_models[m.name] if m.name in changed_names else m for m in old.models))
+            restart_healthy_s=new.restart_healthy_s, models=new.models, model_repository=new.model_repository,
+            admin_uids=new.admin_uids, admin_gids=new.admin_gids,
+            version_drain_timeout_s=new.version_drain_timeout_s, memory_budget=new.memory_budget)
         self.config = dataclasses.replace(self.config, **{key: getattr(new, key) for key in cfgmod.CLIENT_LIMIT_KEYS})
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)
         self.regions.limits = region_limits_of(self.config)
         self.door.limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
-        for model in changed:
-            self.models[model.name].config = model
-            self.supervisor.replace_model(model)
-            log.info("reload: model %s changed; restarting its workers", model.name)
+        self.door.admin = (self.config.admin_uids, self.config.admin_gids)
         if fixed:
             log.warning("reload: not applied (needs a restart): %s", ", ".join(sorted(set(fixed))))
-        log.info("reload: done (%d model(s) restarted)", len(changed))
+        done = await self.lifecycle.apply()
+        log.info("reload: done (%s)", "; ".join(done) or "no model changed")
         systemd.notify("READY=1", f"STATUS=serving on {self.socket_path} (reloaded)")
 
     # -- shutdown -------------------------------------------------------------------------
@@ -296,6 +291,8 @@ class Frontend:
     async def _shutdown(self, server) -> None:
         if self.supervisor is not None:
             self.supervisor.stopping = True  # a worker dying now is not restarted
+        if self.lifecycle is not None:
+            await self.lifecycle.stop()
         if self.arena is None:
             return
         self.arena.set_state(layout.ARENA_STOPPING)
@@ -332,9 +329,11 @@ class Frontend:
 
 
 def serve(config: ServerConfig, socket_path: str, *, listen_sock: socket.socket | None = None,
-          config_path: str | None = None, metrics_address: str | None = None) -> int:
-    """Run the front-end until SIGTERM/SIGINT; returns the exit status (0 after a clean stop)."""
+          config_path: str | None = None, metrics_address: str | None = None,
+          repository_override: str | None = None) -> int:
+    """Run the front-end until SIGTERM/SIGINT; returns the exit status (0 after a clean stop).
+    ``repository_override``: serve --model-repository (kept over the config file's on reload)."""
     import uvloop
 
     return uvloop.run(Frontend(config, socket_path, listen_sock=listen_sock, config_path=config_path,
-                               metrics_address=metrics_address).run())
+                               metrics_address=metrics_address, repository_override=repository_override).run())

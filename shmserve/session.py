@@ -87,6 +87,23 @@ def check_timeout(timeout_s) -> float:
     return timeout_s
 
 
+def check_routing(version, key) -> dict:
+    """A request's ``version`` and ``key`` as metadata fields (those given); BadArgument
+    (BAD_ARGUMENT) for a version that is not an integer in [1, 2**31) or a key that is not a
+    printable string of 1-256 characters."""
+    extra = {}
+    if version is not None:
+        if type(version) is not int or not 1 <= version <= protocol.MAX_VERSION:
+            raise BadArgument(ErrorCode.BAD_ARGUMENT, f"version must be a positive integer, got {version!r}")
+        extra["version"] = version
+    if key is not None:
+        if not isinstance(key, str) or not 0 < len(key) <= protocol.MAX_NAME or not key.isprintable():
+            raise BadArgument(ErrorCode.BAD_ARGUMENT, f"key must be a printable string of 1-{protocol.MAX_NAME} "
+                                                      f"characters, got {key!r}")
+        extra["key"] = key
+    return extra
+
+
 def check_tensor(name: str, shape, dtype) -> tuple[tuple[int, ...], np.dtype]:
     """A zero-copy input's ``(shape, dtype)`` as (tuple of ints, supported numpy dtype).
 
@@ -239,11 +256,16 @@ class ClientSession:
 
     # -- requests ---------------------------------------------------------------------
 
-    def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float) -> tuple[int, list]:
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float, version: int | None = None,
+              key: str | None = None) -> tuple[int, list]:
         """An inline request: its frame header, then each input's bytes from the array itself.
-        BadArgument (before an id is taken): BAD_DTYPE for an unsupported dtype, BAD_ARGUMENT for
-        a timeout out of range (``check_timeout``); ConnectionClosed if failed."""
+        ``version``: the model version (None: its default); ``key``: a routing key (a canary
+        sends one key to one version).  BadArgument (before an id is taken): BAD_DTYPE for an
+        unsupported dtype, BAD_ARGUMENT for a timeout out of range (``check_timeout``), a version
+        that is not a positive integer or a key that is not a printable string of 1-256
+        characters; ConnectionClosed if failed."""
         check_timeout(timeout_s)
+        extra = check_routing(version, key)
         metas, parts, total = [], [b""], 0
         for name, value in inputs.items():
             a = np.ascontiguousarray(value)
@@ -256,7 +278,7 @@ class ClientSession:
                 total += a.nbytes
         rid = self._expect(_INFER)
         parts[0] = protocol.encode_frame(_INFER.request, {"id": rid, "model": model, "inputs": metas,
-                                                          "timeout_s": timeout_s}, total)
+                                                          "timeout_s": timeout_s, **extra}, total)
         return rid, parts
 
     def infer_region(self, model: str, inputs: Sequence[TensorMeta], region: int, output_offset: int,
@@ -285,6 +307,13 @@ class ClientSession:
 
     def info(self) -> tuple[int, list]:
         return self._control(Kind.INFO, {})
+
+    def repository(self) -> tuple[int, list]:
+        return self._control(Kind.REPOSITORY, {})
+
+    def lifecycle(self, kind: Kind, model: str, **fields) -> tuple[int, list]:
+        """A LOAD, UNLOAD, SCALE or CANARY call on ``model`` with ``fields`` (None values left out)."""
+        return self._control(kind, {"model": model, **{k: v for k, v in fields.items() if v is not None}})
 
     def reserve_id(self) -> int:
         """An id for a call that never crosses the socket (a lane call): ids stay unique on a
@@ -482,6 +511,8 @@ _RULES = {rule.request: rule for rule in (  # the module docstring's table
     _Rule(Kind.MODELS, Kind.REPLY, ClientSession._models),
     _Rule(Kind.HEALTH, Kind.REPLY, ClientSession._reply),
     _Rule(Kind.INFO, Kind.REPLY, ClientSession._reply),
+    *(_Rule(kind, Kind.REPLY, ClientSession._reply)
+      for kind in (Kind.REPOSITORY, Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY)),
 )}
 _INFER, _INFER_REGION, _ERROR = _RULES[Kind.INFER], _RULES[Kind.INFER_REGION], Kind.ERROR  # Kind.X costs ~0.2 us
 

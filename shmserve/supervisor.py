@@ -21,6 +21,12 @@ and the time of the next start).
 Workers are spawned as fresh interpreters (``python -m workers.main``), never
 forked: a fork of a process that touched CUDA is unusable.
 
+Workers come and go while serving (``add_worker``, ``retire``): each takes a
+free entry of the arena's worker table (``max_workers``) and gives it back
+once it has exited and the front-end has been told.  A retired worker gets a
+STOP entry behind whatever it has queued (it finishes that first); if it has
+not exited within its drain time it is terminated.
+
 A worker's life is one transition table (``WorkerState``):
 
 Rules
@@ -31,13 +37,13 @@ from        to          when
 STARTING    READY       it reported its model loaded and warmed
 RESTARTING  READY       the same, after a restart
 STARTING    RESTARTING  it died before it was ready (restart after back-off)
-READY       RESTARTING  it died, was terminated as wedged, or stopped to
-                        take new settings (reload)
+READY       RESTARTING  it died or was terminated as wedged
 RESTARTING  RESTARTING  it died again before it was ready
 STARTING    FAILED      its exit code says a restart cannot help
 READY       FAILED      (NO_RESTART): the model cannot be loaded, or the
 RESTARTING  FAILED      arena cannot be used
-any         STOPPED     the supervisor stopped it (shutdown)
+any         STOPPED     the supervisor stopped it (shutdown), or it was
+                        retired (scaled down, its version unloaded)
 ==========  ==========  ===============================================
 
 Must not: touch requests or slots; the front-end is told of every death
@@ -61,6 +67,7 @@ from shmserve import _atomics as atomics
 from shmserve import layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig, ServerConfig
+from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring
 from shmserve.spec import ModelSpec
 
@@ -119,7 +126,10 @@ class WorkerHandle:
     inflight: set[int] = field(default_factory=set)  # the dispatcher's: arena slots handed to it
     started_at: float = 0.0
     gpu: dict | None = None  # what a GPU worker registered (device, arena addresses)
-    replacing: bool = False  # stopped on purpose to come back with a new config (reload)
+    memory: dict | None = None  # what it uses once loaded and warmed: {"host_bytes": n, "device_bytes": n}
+    warmup: dict | None = None  # its warm-up: {"runs": n, "seconds": s}
+    retiring: bool = False  # being stopped for good (scale down, unload): takes nothing new
+    stopped_future: asyncio.Future | None = None  # done once it has exited and its entry is free again
     terminating: bool = False  # TERM sent (wedged or stopping); KILL follows unless it exits
     ready_future: asyncio.Future | None = None
 
@@ -155,26 +165,83 @@ class Supervisor:
         self.on_dropped: Callable[[WorkerHandle, object], None] = lambda w, region: None  # RegionTable.worker_dropped
         self.on_lane_failed: Callable[[WorkerHandle, object, str], None] = lambda w, region, why: None
         self.loop = asyncio.get_running_loop()
-        self.workers: list[WorkerHandle] = []
+        self.workers: list[WorkerHandle] = []  # every worker with an entry in the table, in entry order
+        self.free_entries = list(range(arena.geometry.max_workers - 1, -1, -1))
         self.stopping = False
-        for model in config.models:
-            for _ in range(model.instances):
-                i = len(self.workers)
-                sub, comp = Ring.of_worker(arena, i, False), Ring.of_worker(arena, i, True)
-                self.workers.append(WorkerHandle(i, model, sub, comp, FutexDoorbell(sub),
-                                                 EventfdDoorbell(comp, completion_fd)))
 
-    async def start_all(self, timeout: float) -> None:
-        """Spawn every worker and wait until each is ready or has failed (or ``timeout``)."""
-        for w in self.workers:
-            self._spawn(w)
-        futures = [w.ready_future for w in self.workers]
-        done, pending = await asyncio.wait(futures, timeout=timeout)
-        for w in self.workers:
-            if w.ready_future in pending:
-                log.error("worker %d (%s) not ready after %.0f s; stopping it", w.index, w.model.name, timeout)
-                w.error = f"not ready after {timeout:.0f} s"
-                self._signal(w, signal.SIGKILL)
+    # -- coming and going -----------------------------------------------------------------
+
+    def add_worker(self, model: ModelConfig) -> WorkerHandle:
+        """Start a worker for ``model`` in a free entry of the worker table; its ``ready_future``
+        says whether it became ready.  OVERLOADED (naming ``max_workers``) when the table is full."""
+        w = self.new_handle(model)
+        self._spawn(w)
+        return w
+
+    def new_handle(self, model: ModelConfig) -> WorkerHandle:
+        """The handle of a worker for ``model`` in a free entry of the worker table (its rings,
+        counters and histograms emptied), not started yet.  OVERLOADED when the table is full."""
+        if not self.free_entries:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"all {self.arena.geometry.max_workers} worker entries are in "
+                                                      f"use (server.max_workers); stop a model or raise it")
+        i = self.free_entries.pop()
+        sub, comp = Ring.of_worker(self.arena, i, False), Ring.of_worker(self.arena, i, True)
+        sub.discard()  # a predecessor's leftovers: nobody else touches these rings now
+        comp.discard()
+        self.arena.geometry.clear_worker_histograms(self.arena.buf, i)
+        layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(i), requests=0, errors=0, restarts=0,
+                            crash_streak=0)
+        w = WorkerHandle(i, model, sub, comp, FutexDoorbell(sub), EventfdDoorbell(comp, self.completion_fd))
+        w.stopped_future = self.loop.create_future()
+        self.workers.append(w)
+        self.workers.sort(key=lambda h: h.index)
+        w.completion_bell.arm()  # its first completion must wake the loop
+        return w
+
+    async def wait_ready(self, workers: list[WorkerHandle], timeout: float) -> bool:
+        """Wait until each of ``workers`` is ready or has failed (a worker not ready after
+        ``timeout`` is killed); whether all are ready."""
+        futures = [w.ready_future for w in workers if w.ready_future is not None]
+        if futures:
+            _, pending = await asyncio.wait(futures, timeout=timeout)
+            for w in workers:
+                if w.ready_future in pending:
+                    log.error("worker %d (%s) not ready after %.0f s; stopping it", w.index, w.model.key, timeout)
+                    w.error = f"not ready after {timeout:.0f} s"
+                    self._signal(w, signal.SIGKILL)
+        return all(w.state == READY for w in workers)
+
+    def retire(self, w: WorkerHandle, drain_s: float, before: Callable[[], object] = lambda: None) -> asyncio.Future:
+        """Stop ``w`` for good: it takes nothing new, finishes what it has queued (a STOP entry
+        behind it, after the commands ``before`` pushes once it is marked retiring), and is
+        terminated if it has not exited within ``drain_s``.  The future is done once it has
+        exited, the front-end has been told, and its entry is free."""
+        if not w.retiring:
+            w.retiring = True
+            before()
+            if w.alive:
+                self.command(w, layout.STOP_ENTRY)
+                self.loop.call_later(drain_s, self._retire_overdue, w, w.proc)
+            else:  # failed, or waiting to be restarted: nothing runs
+                self.loop.call_soon(self._free, w)
+        return w.stopped_future
+
+    def _retire_overdue(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
+        if w.proc is proc and proc.poll() is None:
+            log.warning("worker %d (%s) did not finish its queue within its drain time; terminating it",
+                        w.index, w.model.key)
+            self.terminate(w)
+
+    def _free(self, w: WorkerHandle) -> None:
+        """``w`` was retired and has exited: give its entry back."""
+        if w in self.workers:
+            w.set_state(STOPPED)
+            self.workers.remove(w)
+            layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(w.index), state=layout.WORKER_EMPTY,
+                                pid=0)
+            self.free_entries.append(w.index)
+        if not w.stopped_future.done():
+            w.stopped_future.set_result(True)
 
     # -- commands -------------------------------------------------------------------------
 
@@ -182,7 +249,7 @@ class Supervisor:
         """Push a command entry (``layout.command_entry``) on a worker's submission ring and ring it;
         retried shortly if the ring is full.  Dropped for a worker that is not running: a dead
         worker's ring is discarded and its successor starts with no lanes."""
-        if w.state not in (STARTING, READY, RESTARTING) or not w.alive:
+        if w.state not in (STARTING, READY, RESTARTING) or not w.alive or w.pidfd is None:
             return
         if w.submissions.push(entry):
             w.doorbell.notify()
@@ -204,7 +271,8 @@ class Supervisor:
         w.restart_at = None
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
                             heartbeat_ns=time.monotonic_ns(), device=w.model.device.encode()[:16],
-                            name=w.model.name.encode()[:48], crash_streak=w.crash_streak, restart_at_ns=0)
+                            name=w.model.name.encode()[:48], crash_streak=w.crash_streak, restart_at_ns=0,
+                            version=w.model.version)
         try:
             w.proc = subprocess.Popen(argv, pass_fds=(child.fileno(), self.completion_fd),
                                       stdin=subprocess.DEVNULL)
@@ -238,6 +306,8 @@ class Supervisor:
         if message["event"] == "ready":
             w.spec = ModelSpec.from_dict(message["spec"])
             w.gpu = message.get("gpu")
+            w.memory = message.get("memory") if isinstance(message.get("memory"), dict) else None
+            w.warmup = message.get("warmup") if isinstance(message.get("warmup"), dict) else None
             w.set_state(READY)
             w.error = None
             log.info("worker %d (%s) ready in %.2f s", w.index, w.model.name, time.monotonic() - w.started_at)
@@ -314,14 +384,13 @@ class Supervisor:
         base = self.arena.geometry.worker_off(w.index)
         layout.WORKER.write(self.arena.buf, base, state=layout.WORKER_DEAD)
         w.terminating = False
-        if w.replacing and not self.stopping:
-            w.replacing = False
-            w.set_state(RESTARTING)
-            log.info("worker %d (%s) stopped for reload; starting it with the new settings", w.index, w.model.name)
+        if w.retiring and not self.stopping:
+            log.info("worker %d (%s) pid %d stopped (retired): %s", w.index, w.model.key, w.proc.pid, how)
+            w.set_state(STOPPED)
             self._tell_exit(w, how)
             if not w.ready_future.done():
                 w.ready_future.set_result(False)
-            self.loop.call_soon(self._respawn, w)
+            self._free(w)
             return
         if self.stopping:
             w.set_state(STOPPED)
@@ -388,18 +457,8 @@ class Supervisor:
         w.control = None
 
     def _respawn(self, w: WorkerHandle) -> None:
-        if not self.stopping and w.state == RESTARTING:
+        if not self.stopping and w.state == RESTARTING and not w.retiring:
             self._spawn(w)
-
-    def replace_model(self, model: ModelConfig) -> None:
-        """Restart ``model``'s workers with new settings: each finishes what it has queued first."""
-        for w in self.workers:
-            if w.model.name != model.name:
-                continue
-            w.model = model
-            if w.alive:
-                w.replacing = True
-                self.command(w, layout.STOP_ENTRY)
 
     def _send_term(self, w: WorkerHandle) -> None:
         """SIGTERM, marked as ours: the worker-table entry says STOPPING first (a worker ignores a
@@ -451,3 +510,5 @@ class Supervisor:
             if w.proc is not None:
                 w.proc.wait()
             w.set_state(STOPPED)
+            if w.stopped_future is not None and not w.stopped_future.done():
+                w.stopped_future.set_result(True)

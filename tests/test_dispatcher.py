@@ -1476,8 +1476,8 @@ def _check_bookkeeping(fe, doors, submitted, where: str) -> None:
     assert len(set(waiting)) == len(waiting), where
     assert set(waiting) == {r for r in submitted if r.state is RS.WAITING}, where
     assert all(r.state in (RS.WAITING, RS.ADMITTED, RS.QUEUED) for r in parked), where
-    for name, queue in d.parked.items():  # nothing waits for a worker while one is ready
-        assert not queue or fe.models[name].pick_worker() is None, where
+    for version, queue in d.parked.items():  # nothing waits for a worker while one is ready
+        assert not queue or version.pick_worker() is None, where
     for r in holding:
         state = slot_state(fe, r.slot)
         expected = {RS.ADMITTED: {SlotState.WRITING}, RS.FLUSHING: {SlotState.DONE}}.get(

@@ -117,6 +117,9 @@ class Parts:
             sup = Supervisor(self.arena, cfg, self.efd, lambda w: events.append(("ready", w.index)),
                              lambda w, how: events.append(("exit", w.index, how, w.state)))
             sup.loop = RecordingLoop(sup.loop)
+            for model in cfg.models:
+                for _ in range(model.instances):
+                    sup.new_handle(model)
             return fn(sup, events)
 
         return asyncio.run(main())

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
@@ -48,7 +49,7 @@ from shmserve import layout
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena, SlotConflict
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.models import MODEL_UNAVAILABLE, ModelState
+from shmserve.frontend.models import EVICTED, SERVING, UNLOADED, ModelState, Models
 from shmserve.frontend.regions import Region, check_request
 from shmserve.frontend.requests import Event, Request, RequestState
 from shmserve.protocol import InferRequest
@@ -161,19 +162,55 @@ class Limits:
     spin_s: float = 0.0  # poll completion rings this long after the last completion before sleeping
 
 
+def _array(output: Output):
+    """A copy of an inline output as a numpy array."""
+    import numpy as np
+
+    return np.frombuffer(output.view, dtype=output.dtype).reshape(output.shape).copy() if output.nbytes else \
+        np.empty(output.shape, output.dtype)
+
+
+class _ShadowDoor:
+    """The door of a shadow copy (canary shadow mode): its payload is the original request's
+    inputs, copied here arena to arena; its answer is compared, never sent anywhere."""
+
+    def __init__(self, dispatcher: "Dispatcher", sources: list, outputs: dict):
+        self.dispatcher, self.sources, self.outputs = dispatcher, sources, outputs
+
+    def in_flight(self) -> int:
+        return 0
+
+    def waiting(self, req: Request) -> None:
+        pass
+
+    def admitted(self, req: Request, sinks: list | None) -> None:
+        if sinks is not None:
+            for sink, source in zip(sinks, self.sources):
+                sink[:] = source
+            self.sources = []
+            self.dispatcher.received(req)
+
+    def answer(self, req: Request, answer: "Answer") -> None:
+        try:
+            self.dispatcher.shadow_done(req, self.outputs, answer)
+        finally:
+            if isinstance(answer, Outputs) and answer.in_arena:
+                self.dispatcher.release(req)
+
+
 # -- the dispatcher -------------------------------------------------------------------------
 
 class Dispatcher:
     """Requests of every front door, from ``submit`` to release.
 
-    ``models`` maps names to the served models; ``workers`` are all worker handles (their
-    rings and in-flight sets); ``deliver(worker, region)`` passes a zero-copy request's region to
+    ``models`` are the served models and their versions; ``workers`` are all worker handles
+    (their rings and in-flight sets; the supervisor adds and removes them); ``deliver(worker, region)`` passes a zero-copy request's region to
     the worker chosen for it (``RegionTable.deliver``).  The server calls ``on_completions`` when the completion eventfd
     is readable, ``worker_ready``/``worker_exited`` from the supervisor, and the shutdown
     methods in order.
     """
 
-    def __init__(self, arena: Arena, models: dict[str, ModelState], workers: list[WorkerHandle], limits: Limits,
+    def __init__(self, arena: Arena, models: Models, workers: list[WorkerHandle], limits: Limits,
                  clock: Clock, deliver: Callable[[WorkerHandle, Region], tuple[ErrorCode, str] | None]):
         self.arena, self.models, self.workers, self.limits, self.clock = arena, models, workers, limits, clock
         self.deliver = deliver  # RegionTable.deliver: a zero-copy request's region goes to its worker first
@@ -183,9 +220,20 @@ class Dispatcher:
         self.extents = ExtentAllocator(self.geometry)
         self.pending: dict[int, Request] = {}  # slot -> request a worker has or may still touch
         self.waiting: collections.deque[Request] = collections.deque()  # for arena space, in arrival order
-        # Per model: requests waiting for a ready worker (WAITING, ADMITTED or QUEUED; see the header).
-        self.parked: dict[str, collections.deque[Request]] = {name: collections.deque() for name in models}
-        self.outcomes: collections.Counter = collections.Counter()  # (model, "ok" | error code) -> answers
+        # Per version: requests waiting for a ready worker (WAITING, ADMITTED or QUEUED; see the header).
+        self.parked: collections.defaultdict[ModelState, collections.deque[Request]] = \
+            collections.defaultdict(collections.deque)
+        # (model, version ("" before one was chosen), "ok" | error code) -> answers
+        self.outcomes: collections.Counter = collections.Counter()
+        # Hooks of the model lifecycle (the server wires them): a version loaded on demand is asked
+        # for (``load_on_demand``), and every request that ran is reported (``observe``: canary analysis).
+        self.load_on_demand: Callable[[ModelState], None] = lambda version: None
+        self.observe: Callable[[Request, bool], None] | None = None
+        # Canary shadow mode: the version a finished inline request is copied to (None: not this
+        # one), and the comparison of the two answers (the request's outputs as arrays, the copy's).
+        self.shadow_to: Callable[[Request], ModelState | None] = lambda req: None
+        self.shadow_done: Callable[[Request, dict, Answer], None] = lambda copy, outputs, answer: None
+        self.draw = random.random  # uniform [0, 1) for a canary's split
         self.stopping = False
         self._polling = False
         self._poll_until = 0.0
@@ -211,7 +259,8 @@ class Dispatcher:
         OVERLOADED (the door's limit).
         """
         try:
-            return self._check(door, parsed, self.models.get(parsed.model), payload_bytes, region)
+            model = self.models.resolve(parsed.model, parsed.version, parsed.key, self.draw())
+            return self._check(door, parsed, model, payload_bytes, region)
         except ShmserveError as exc:
             self.refused(parsed.model, exc.code, exc.message)
             raise
@@ -220,8 +269,9 @@ class Dispatcher:
         """Give a submitted request arena space now (``Door.admitted``), or queue it
         (``Door.waiting``) for space or, while all its model's workers restart, for a ready worker;
         past ``max_waiting`` waiting requests it is answered OVERLOADED."""
-        if req.model.pick_worker() is None:
-            self._wait(req, self.parked[req.model.name], f"model {req.model.name!r} is restarting")
+        if req.unchecked is not None or self._route(req) is None:
+            what = "is loading" if req.model.phase != SERVING else "is restarting"
+            self._wait(req, self.parked[req.model], f"model {req.model.name!r} {what}")
             return
         if not self.waiting and self._allocate(req):
             self.arena.add_stat("bytes_in", req.in_bytes)
@@ -242,20 +292,39 @@ class Dispatcher:
         queue.append(req)
         req.door.waiting(req)
 
-    def _check(self, door: Door, parsed: InferRequest, model: ModelState | None, payload_bytes: int,
+    def _check(self, door: Door, parsed: InferRequest, model: ModelState, payload_bytes: int,
                region: Region | None) -> Request:
-        if model is None:
-            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {parsed.model!r} (models: "
-                                                         f"{', '.join(sorted(self.models))})")
         limit = self.limits.request_timeout_s
         timeout = min(parsed.timeout_s or limit, limit)
         if self.stopping:
             raise ShmserveError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if door.in_flight() >= self.limits.max_inflight_per_door:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
+                                                      f"this connection (server.max_inflight_per_connection)")
+        now = self.clock.monotonic()
+        if model.phase in (EVICTED, UNLOADED):  # loaded on demand (Models.resolve let only such through)
+            self.load_on_demand(model)
+        if model.spec is None or not model.waitable:
+            if not model.waitable:
+                raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
+            # Never loaded yet: its inputs are checked once it is (the door stops reading meanwhile).
+            if parsed.region is not None and region is None:
+                raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
+            model.last_used = now
+            return Request(door, parsed.id, model, parsed.inputs, timeout, deadline=now + timeout, started=now,
+                           named_version=parsed.version is not None, unchecked=(parsed, payload_bytes, region))
+        req = Request(door, parsed.id, model, parsed.inputs, timeout, deadline=now + timeout, started=now,
+                      named_version=parsed.version is not None)
+        self._check_inputs(req, parsed, payload_bytes, region)
+        model.last_used = now
+        return req
+
+    def _check_inputs(self, req: Request, parsed: InferRequest, payload_bytes: int, region: Region | None) -> None:
+        """Check ``req``'s inputs against its version's spec and its size against the limits
+        (ShmserveError as ``submit`` says)."""
+        model = req.model
         spec = model.spec
-        if spec is None or model.state == MODEL_UNAVAILABLE:
-            raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
         symbols = bind_inputs(spec, parsed.inputs)
-        req = Request(door, parsed.id, model, parsed.inputs, timeout, deadline=self.clock.monotonic() + timeout)
         if parsed.region is not None:
             if region is None:
                 raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
@@ -269,10 +338,6 @@ class Dispatcher:
             req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
             if req.total_bytes > self.max_request:
                 raise ShmserveError(ErrorCode.TOO_LARGE, self._too_large(req.total_bytes, in_bytes))
-        if door.in_flight() >= self.limits.max_inflight_per_door:
-            raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
-                                                      f"this connection (server.max_inflight_per_connection)")
-        return req
 
     def _too_large(self, total: int, in_bytes: int) -> str:
         """Why a request of ``total`` arena bytes (``in_bytes`` of inputs) is refused, naming the
@@ -326,7 +391,7 @@ class Dispatcher:
         """Count a request refused before it was admitted (by the door or by ``submit``), and log it
         at debug level (``serve -v``) like every other failed request."""
         label = model_name if isinstance(model_name, str) and model_name in self.models else "_unknown"
-        self.outcomes[(label, code.wire)] += 1  # a label only for real models: clients must not mint series
+        self.outcomes[(label, "", code.wire)] += 1  # a label only for real models: clients must not mint series
         log.debug("request refused (model %r): %s: %s", model_name if isinstance(model_name, str) else "?",
                   code.wire, message)
 
@@ -380,7 +445,7 @@ class Dispatcher:
     def _admit_waiting(self) -> None:
         while self.waiting and not self.stopping:
             req = self.waiting[0]
-            if req.model.pick_worker() is None:  # its model's workers died meanwhile: wait for one, holding nothing
+            if self._route(req) is None:  # its model's workers died meanwhile: wait for one, holding nothing
                 self.waiting.popleft()
                 self._park(req)
                 continue
@@ -396,7 +461,7 @@ class Dispatcher:
         if self.stopping:
             self._answer_unclaimed(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
             return
-        worker = req.model.pick_worker()
+        worker = self._route(req)
         if worker is None:
             self._park(req)
             return
@@ -432,21 +497,38 @@ class Dispatcher:
 
     # -- waiting for a worker -------------------------------------------------------------
 
+    def _route(self, req: Request) -> WorkerHandle | None:
+        """The worker for ``req`` now.  A request that named no version and whose version no
+        longer takes requests (replaced, unloaded, evicted) moves to its model's default version
+        first, if that takes the same tensors; None if no worker is ready."""
+        model = req.model
+        worker = model.pick_worker()
+        if worker is None and not req.named_version and not model.taking:
+            owner = self.models.get(model.name)
+            current = owner.current if owner is not None else None
+            if current is not None and current is not model and current.taking \
+                    and (req.unchecked is not None or req.state is RequestState.NEW
+                         or current.same_interface(model)):
+                req.model = current
+                worker = current.pick_worker()
+        return worker
+
     def _park(self, req: Request) -> None:
         """``req``'s model has no ready worker: wait for one (its deadline runs) while its workers
         restart; answer MODEL_UNAVAILABLE if they failed for good."""
         model = req.model
-        if model.state == MODEL_UNAVAILABLE:
-            self._answer_unclaimed(req, Failure(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason()))
+        if not model.waitable:
+            failure = model.drain_failure or (ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason())
+            self._answer_unclaimed(req, Failure(*failure))
             return
         if req.timer is None:
             self._arm_deadline(req)
-        self.parked[model.name].append(req)
+        self.parked[model].append(req)
 
     def _unpark(self, req: Request) -> bool:
         """Take ``req`` off its model's parked queue; False if it is not parked."""
         try:
-            self.parked[req.model.name].remove(req)
+            self.parked[req.model].remove(req)
         except ValueError:
             return False
         return True
@@ -454,9 +536,16 @@ class Dispatcher:
     def _serve_parked(self, model: ModelState) -> None:
         """A worker of ``model`` is ready: parked requests go on in arrival order — to arena space
         (or to wait for it) if not admitted yet, to a worker if they hold space."""
-        queue = self.parked[model.name]
+        queue = self.parked[model]
         while queue and not self.stopping and model.pick_worker() is not None:
             req = queue.popleft()
+            if req.unchecked is not None:  # it waited for its version's first load: check it now
+                (parsed, payload_bytes, region), req.unchecked = req.unchecked, None
+                try:
+                    self._check_inputs(req, parsed, payload_bytes, region)
+                except ShmserveError as exc:
+                    self._end(req, Failure(exc.code, exc.message))
+                    continue
             if req.state is not RequestState.WAITING:
                 self._publish(req)
             elif not self.waiting and self._allocate(req):
@@ -533,6 +622,8 @@ class Dispatcher:
         if state == _ERROR:
             code, message = layout.decode_error(self.buf, self.geometry, index)
             self.arena.add_stat("errors_total", 1)
+            if self.observe is not None:
+                self.observe(req, False)
             self._end(req, Failure(ErrorCode.from_number(code), message))
             return
         try:
@@ -540,12 +631,40 @@ class Dispatcher:
         except layout.LayoutError as exc:
             self._end(req, Failure(ErrorCode.INTERNAL, f"worker wrote invalid outputs: {exc}"))
             return
-        self.outcomes[(req.model.name, "ok")] += 1
+        if req.shadow is None:
+            self.outcomes[(req.model.name, req.model.version, "ok")] += 1
+        if self.observe is not None:
+            self.observe(req, True)
+        if not req.zero_copy and req.shadow is None:
+            target = self.shadow_to(req)
+            if target is not None:
+                self._shadow(req, outputs, target)
         if req.zero_copy:
             self._end(req, outputs)
             return
         req.advance(Event.HOLD)
         req.door.answer(req, outputs)
+
+    def _shadow(self, req: Request, outputs: Outputs, target: ModelState) -> None:
+        """Copy finished inline request ``req`` to version ``target`` (canary shadow mode): its
+        inputs, still in its extent, into new arena space; the copy's answer goes to
+        ``shadow_done`` with ``req``'s outputs, never to a client.  Skipped when ``target`` has
+        no ready worker or there is no arena space now (a shadow copy never waits)."""
+        if target.pick_worker() is None or self.waiting or self.stopping:
+            return
+        now = self.clock.monotonic()
+        mine = {o.name: _array(o) for o in outputs.outputs}
+        sources, pos = [], req.extent.offset
+        for t in req.inputs:
+            if t.nbytes:
+                sources.append(self.view[pos:pos + t.nbytes])
+            pos += layout.align_tensor(t.nbytes)
+        copy = Request(_ShadowDoor(self, sources, mine), req.id, target, req.inputs, req.timeout_s,
+                       deadline=now + req.timeout_s, started=now, named_version=True, shadow=True,
+                       in_bytes=req.in_bytes, total_bytes=req.total_bytes)
+        if not self._allocate(copy):
+            return
+        self._admit(copy)
 
     def _outputs(self, req: Request, index: int) -> Outputs:
         """The outputs the worker wrote, validated against the space they must lie in."""
@@ -587,9 +706,9 @@ class Dispatcher:
         held = req.state in (RequestState.ADMITTED, RequestState.QUEUED)
         req.advance(Event.END)  # first: a second answer raises before anything else happens
         self._cancel_timer(req)
-        if isinstance(answer, Failure):
-            log.debug("request %d on model %s: %s: %s", req.id, req.model.name, answer.code.wire, answer.message)
-            self.outcomes[(req.model.name, answer.code.wire)] += 1
+        if isinstance(answer, Failure) and req.shadow is None:
+            log.debug("request %d on model %s: %s: %s", req.id, req.model.key, answer.code.wire, answer.message)
+            self.outcomes[(req.model.name, req.model.version, answer.code.wire)] += 1
         if held:
             self._free(req)
         req.door.answer(req, answer)
@@ -599,8 +718,8 @@ class Dispatcher:
         the slot is freed when the worker finishes."""
         req.advance(Event.ABANDON)  # first: a second answer raises before anything else happens
         self._cancel_timer(req)
-        self.outcomes[(req.model.name, failure.code.wire)] += 1
-        log.debug("request %d on model %s: %s: %s", req.id, req.model.name, failure.code.wire, failure.message)
+        self.outcomes[(req.model.name, req.model.version, failure.code.wire)] += 1
+        log.debug("request %d on model %s: %s: %s", req.id, req.model.key, failure.code.wire, failure.message)
         req.door.answer(req, failure)
 
     def _free(self, req: Request) -> None:
@@ -675,7 +794,9 @@ class Dispatcher:
 
     def worker_ready(self, w: WorkerHandle) -> None:
         """``w`` reported ready: its model's parked requests go on, then those waiting for space."""
-        self._serve_parked(self.models[w.model.name])
+        version = self.models.version_of(w)
+        if version is not None:
+            self._serve_parked(version)
         self._admit_waiting()
 
     def worker_exited(self, w: WorkerHandle, how: str) -> None:
@@ -693,19 +814,45 @@ class Dispatcher:
                 unclaimed.append(req)  # nothing of it ran
                 continue
             if state not in FINISHED:
-                layout.encode_error(self.buf, self.geometry, index, ErrorCode.WORKER_CRASHED,
-                                    f"worker {w.index} for model {w.model.name!r} {how} while running this request")
+                version = self.models.version_of(w)
+                code, message = (version.drain_failure if version is not None and version.drain_failure else
+                                 (ErrorCode.WORKER_CRASHED,
+                                  f"worker {w.index} for model {w.model.name!r} {how} while running this request"))
+                layout.encode_error(self.buf, self.geometry, index, code, message)
                 self.arena.transition(index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
             self._complete(w, index, generation)
         w.inflight.clear()
         w.submissions.discard()
         for req in unclaimed:
             self._publish(req)
-        model = self.models[w.model.name]
-        if model.state == MODEL_UNAVAILABLE:
-            failure, queue = Failure(ErrorCode.MODEL_UNAVAILABLE, model.unavailable_reason()), self.parked[model.name]
-            while queue:
-                self._answer_unclaimed(queue.popleft(), failure)
+        version = self.models.version_of(w)
+        if version is not None:
+            self.settle(version)
+
+    def settle(self, version: ModelState) -> None:
+        """``version`` changed (its workers, its phase, its model's default): what is parked for it
+        goes on — to its model's default version if it named none and ``version`` takes no more, or
+        is answered if it can never run (its workers failed for good, or it was unloaded)."""
+        queue = self.parked.get(version)
+        if not queue:
+            return
+        if not version.taking or not version.waitable:
+            for req in list(queue):
+                queue.remove(req)
+                if self._route(req) is not None or req.model is not version:
+                    (self._publish if req.state is not RequestState.WAITING else self._requeue)(req)
+                else:
+                    self._park(req)  # parked again, or answered if it cannot wait
+            return
+        self._serve_parked(version)
+
+    def _requeue(self, req: Request) -> None:
+        """A WAITING request moved to another version: it waits there (checked, given space and
+        published as soon as that version has a ready worker)."""
+        if req.timer is None:
+            self._arm_deadline(req)
+        self.parked[req.model].append(req)
+        self._serve_parked(req.model)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -737,16 +884,22 @@ class Dispatcher:
     # -- status ---------------------------------------------------------------------------
 
     def queue_depths(self) -> dict[str, tuple[int, int]]:
-        """Per model: (requests waiting for space or for a worker, or not yet claimed by a worker,
+        """Per version (``name:version``): (requests waiting for space or for a worker, or not yet claimed by a worker,
         requests handed to workers and not yet finished)."""
-        depths = {name: [0, 0] for name in self.models}
+        depths = {v.key: [0, 0] for v in self.models.versions()}
         for req in self.pending.values():
-            counts = depths[req.model.name]
+            counts = depths.setdefault(req.model.key, [0, 0])
             counts[1] += 1
             if self.arena.slot_status(req.slot)[1] == _READY:
                 counts[0] += 1
         for req in self.waiting:
-            depths[req.model.name][0] += 1
-        for name, queue in self.parked.items():
-            depths[name][0] += sum(req.state is not RequestState.QUEUED for req in queue)  # QUEUED: counted above
-        return {name: (queued, inflight) for name, (queued, inflight) in depths.items()}
+            depths.setdefault(req.model.key, [0, 0])[0] += 1
+        for version, queue in self.parked.items():
+            # QUEUED: counted above
+            depths.setdefault(version.key, [0, 0])[0] += sum(req.state is not RequestState.QUEUED for req in queue)
+        return {key: (queued, inflight) for key, (queued, inflight) in depths.items()}
+
+    def busy(self, version: ModelState) -> bool:
+        """Whether ``version`` has requests queued, parked or in flight (never evicted then)."""
+        return bool(self.parked.get(version)) or any(r.model is version for r in self.waiting) or \
+            any(w.inflight for w in version.workers)

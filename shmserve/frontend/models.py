@@ -1,10 +1,15 @@
-"""The models a front-end serves, and which of their workers can take work.
+"""The models a front-end serves, their versions, and which workers can take work.
 
-Owns: ``ModelState`` — a model's configuration, its workers, its spec (as
-its workers reported it), the choice of worker for a request, and the
-model's availability derived from its workers' states.
+Owns: ``Model`` — a name clients call: its versions, which one is the
+default, and its canary rollout if one runs; ``ModelState`` — one version of
+a model: its configuration, its workers, its spec (as its workers reported
+it), its lifecycle phase (``shmserve.frontend.lifecycle`` moves it), the
+choice of worker for a request, and its availability derived from its
+workers' states; ``Models`` — every model by name, and the resolution of a
+request's model, version and routing key to the version that serves it.
 
-Must not: start or stop workers (``shmserve.supervisor``) or hold requests
+Must not: start or stop workers (``shmserve.supervisor``), decide a phase
+change (``shmserve.frontend.lifecycle``) or hold requests
 (``shmserve.frontend.dispatcher``).
 """
 
@@ -14,19 +19,66 @@ import time
 from dataclasses import dataclass, field
 
 from shmserve.config import ModelConfig
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.frontend.residency import RateMeter
 from shmserve.spec import ModelSpec
 from shmserve.supervisor import FAILED, READY, WorkerHandle
 
-# A model's availability, derived from its workers (``ModelState.state``).
+# A version's availability, derived from its workers (``ModelState.state``).
 MODEL_READY, MODEL_RESTARTING, MODEL_UNAVAILABLE = "ready", "restarting", "unavailable"
+
+# A version's lifecycle phase (the table is ``shmserve.frontend.lifecycle.PHASES``): what the
+# repository index shows.  Only a SERVING version takes requests that name no version.
+LOADING, SERVING, DRAINING, FAILED_LOAD, EVICTED, UNLOADED = (
+    "loading", "ready", "draining", "unavailable", "evicted", "unloaded")
 
 
 @dataclass(eq=False)
 class ModelState:
-    index: int  # the model id written into slots and lane headers
+    """One version of a model and its workers."""
+
+    index: int  # the model's id written into slots and lane headers (one per name, shared by its versions)
     name: str
     config: ModelConfig
     workers: list[WorkerHandle] = field(default_factory=list)
+    phase: str = LOADING
+    reason: str = ""  # why it is in its phase (a failed load's error, "unloaded by uid 1000", ...)
+    explicit: bool = False  # loaded by a control call naming this version (kept when the default moves)
+    last_used: float = 0.0  # time.monotonic() of its last request (residency)
+    memory: dict = field(default_factory=dict)  # measured after load: {"host_bytes": n, "device_bytes": n}
+    load_seconds: float | None = None  # how long its last load (start to all workers ready) took
+    drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
+    meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
+
+    @property
+    def version(self) -> int:
+        return self.config.version
+
+    @property
+    def key(self) -> str:
+        """``name:version``."""
+        return self.config.key
+
+    @property
+    def taking(self) -> bool:
+        """Whether it accepts new requests: it is serving or loading, or is loaded on demand
+        (a request for it loads it)."""
+        return self.phase in (SERVING, LOADING) or (self.config.load == "on_demand"
+                                                     and self.phase in (EVICTED, UNLOADED))
+
+    @property
+    def waitable(self) -> bool:
+        """Whether a request may wait for one of its workers: it is loading, or it still has
+        workers that are restarting (not all failed for good)."""
+        if self.phase == LOADING:
+            return True
+        return self.phase in (SERVING, DRAINING) and self.state != MODEL_UNAVAILABLE
+
+    def same_interface(self, other: "ModelState") -> bool:
+        """Whether ``other`` takes and returns the same tensors (a request checked against one may
+        run on the other)."""
+        a, b = self.spec, other.spec
+        return a is not None and b is not None and a.inputs == b.inputs and a.outputs == b.outputs
 
     @property
     def spec(self) -> ModelSpec | None:
@@ -37,18 +89,19 @@ class ModelState:
         return None
 
     def pick_worker(self) -> WorkerHandle | None:
-        """The ready worker with the fewest requests in flight, or None if none is ready."""
+        """The ready worker with the fewest requests in flight, or None if none is ready (a worker
+        being retired takes nothing new)."""
         best = None
         for w in self.workers:
-            if w.state == READY and (best is None or len(w.inflight) < len(best.inflight)):
+            if w.state == READY and not w.retiring and (best is None or len(w.inflight) < len(best.inflight)):
                 best = w
         return best
 
     @property
     def state(self) -> str:
-        """MODEL_READY while any worker is ready, MODEL_UNAVAILABLE once all failed for good,
-        MODEL_RESTARTING otherwise."""
-        if any(w.state == READY for w in self.workers):
+        """MODEL_READY while any worker is ready, MODEL_UNAVAILABLE once all failed for good (or
+        it has none: unloaded, evicted, not loaded yet), MODEL_RESTARTING otherwise."""
+        if any(w.state == READY and not w.retiring for w in self.workers):
             return MODEL_READY
         if all(w.state == FAILED for w in self.workers):
             return MODEL_UNAVAILABLE
@@ -63,6 +116,9 @@ class ModelState:
         """Why the model has no ready worker: what its workers said when they failed for good, or
         what each one not ready is doing (how it last died, whether it crash-loops, when it starts
         again)."""
+        if self.phase not in (SERVING, LOADING) or (not self.workers and self.reason):
+            return f"version {self.version} of model {self.name!r} is {self.phase}" + \
+                (f": {self.reason}" if self.reason else "")
         if self.state == MODEL_UNAVAILABLE:
             errors = sorted({w.error for w in self.workers if w.error})
             return f"model {self.name!r} is unavailable: {'; '.join(errors) or 'its workers failed'}"
@@ -82,3 +138,93 @@ class ModelState:
             parts.append(part)
         what = "has not loaded yet" if self.spec is None else "has no ready worker"
         return f"model {self.name!r} {what} ({'; '.join(parts)})"
+
+
+@dataclass(eq=False)
+class Model:
+    """A name clients call: its versions (loaded or known), its default, its canary."""
+
+    index: int  # the id written into slots and lane headers
+    name: str
+    versions: dict[int, ModelState] = field(default_factory=dict)
+    default: int | None = None  # the version a request naming none goes to
+    rollout: object | None = None  # a running ``canary.Rollout`` (None: none)
+    rollouts: list = field(default_factory=list)  # finished rollouts' snapshots, newest last (bounded)
+    on_demand: bool = False  # loaded by its first request
+
+    @property
+    def current(self) -> ModelState | None:
+        """The default version, if there is one."""
+        return self.versions.get(self.default) if self.default is not None else None
+
+    def serving(self) -> list[ModelState]:
+        return [v for v in self.versions.values() if v.phase == SERVING]
+
+
+class Models:
+    """Every model by name (a mapping of names to ``Model``), and request routing to versions."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Model] = {}
+        self._ids = 0
+
+    # -- the mapping --------------------------------------------------------------------
+
+    def __contains__(self, name) -> bool:
+        return name in self.by_name
+
+    def __iter__(self):
+        return iter(self.by_name)
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def get(self, name) -> Model | None:
+        return self.by_name.get(name) if isinstance(name, str) else None
+
+    def model(self, name: str) -> Model:
+        """The model of ``name``, created (with a new id) if it is new."""
+        model = self.by_name.get(name)
+        if model is None:
+            model = self.by_name[name] = Model(self._ids, name)
+            self._ids += 1
+        return model
+
+    def versions(self) -> list[ModelState]:
+        """Every version known, in name and version order."""
+        return [v for name in sorted(self.by_name) for _, v in sorted(self.by_name[name].versions.items())]
+
+    def version_of(self, w: WorkerHandle) -> ModelState | None:
+        model = self.by_name.get(w.model.name)
+        return model.versions.get(w.model.version) if model is not None else None
+
+    # -- routing ------------------------------------------------------------------------
+
+    def resolve(self, name: str, version: int | None = None, key: str | None = None,
+                draw: float = 0.0) -> ModelState:
+        """The version that serves a request for ``name`` (and ``version``, if it names one; a
+        routing ``key`` and a uniform ``draw`` in [0, 1) for a canary split).
+
+        Raises ShmserveError: UNKNOWN_MODEL for no such model or version (the message lists what
+        there is), MODEL_UNAVAILABLE for a version that is draining, unloaded or failed to load.
+        """
+        model = self.by_name.get(name)
+        if model is None or not model.versions:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r} (models: "
+                                                         f"{', '.join(sorted(self.by_name)) or 'none'})")
+        if version is None:
+            if model.rollout is not None:
+                version = model.rollout.route(key.encode() if key is not None else None, draw)
+            else:
+                version = model.default
+            if version is None:
+                v = max(model.versions.values(), key=lambda v: v.version)
+                raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, v.unavailable_reason())
+        v = model.versions.get(version)
+        if v is None or (v.phase == UNLOADED and not v.taking):
+            loaded = sorted(v.version for v in model.versions.values() if v.phase in (SERVING, LOADING, DRAINING))
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no version {version} loaded "
+                                                         f"(loaded: {', '.join(map(str, loaded)) or 'none'})")
+        if not v.taking:
+            raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, v.unavailable_reason())
+        return v

@@ -39,7 +39,7 @@ from shmserve import lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.models import ModelState
+from shmserve.frontend.models import ModelState, Models
 from shmserve.protocol import REGION_SLACK, TensorMeta
 from shmserve.supervisor import READY, WorkerHandle
 
@@ -65,11 +65,12 @@ class Region:
     owner: Hashable
     uid: int
     record: int  # its index in the arena's region table
-    lane_model: ModelState | None = None  # set for a lane: the model its queue serves
+    lane_model: ModelState | None = None  # set for a lane: the model version its queue serves
     lane_worker: WorkerHandle | None = None  # the worker it is attached to (None: waiting for one)
     lane_buf: mmap.mmap | None = None  # the front-end's mapping of the lane's queue (LANE_BYTES)
     sent_to: set = field(default_factory=set)  # workers (handles) that were passed its descriptor
     closing: bool = False  # closed: unreachable, waiting for the workers in ``sent_to`` to drop it
+    moving_from: WorkerHandle | None = None  # a lane handed over: the worker that must drop it first
 
     @property
     def is_lane(self) -> bool:
@@ -131,7 +132,7 @@ class RegionTable:
     (the supervisor's); ``models`` are the models lanes may serve.
     """
 
-    def __init__(self, arena: Arena, models: dict[str, ModelState],
+    def __init__(self, arena: Arena, models: Models,
                  command: Callable[[WorkerHandle, int], None], *, max_request_bytes: int,
                  limits: RegionLimits = RegionLimits(), cpus: int | None = None,
                  offload: Callable[[Callable[[], None]], None] = lambda work: work()):
@@ -169,9 +170,11 @@ class RegionTable:
                                                      f"+ 1 MiB): ask for less, or raise [server] max_request_bytes")
         lane_model = None
         if lane is not None:
-            lane_model = self.models.get(lane) if isinstance(lane, str) else None
+            owner = self.models.get(lane)
+            lane_model = owner.current if owner is not None else None
             if lane_model is None:
-                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none")
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none"
+                                    if owner is None else f"model {lane!r} has no version serving now")
             served = sum(r.lane_model is lane_model for r in self.regions.values())
             if served >= workerlink.MAX_LANES * len(lane_model.workers):
                 raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {served} lanes, its "
@@ -285,12 +288,60 @@ class RegionTable:
             self._release(region)
 
     def worker_dropped(self, w: WorkerHandle, region_id) -> None:
-        """Worker ``w`` says it dropped region ``region_id`` (unmapped, descriptor closed)."""
-        region = self.closing.get(region_id) if type(region_id) is int else None
+        """Worker ``w`` says it dropped region ``region_id`` (unmapped, descriptor closed): a
+        closed region may be released, a lane handed over goes to its next worker."""
+        if type(region_id) is not int:
+            return
+        region = self.closing.get(region_id)
         if region is not None:
             region.sent_to.discard(w)
             if not region.sent_to:
                 self._release(region)
+            return
+        region = self.regions.get(region_id)
+        if region is not None:
+            region.sent_to.discard(w)
+            if region.moving_from is w:
+                region.moving_from = None
+                self._attach(region)
+
+    def move_lanes(self, w: WorkerHandle, to: ModelState | None = None) -> int:
+        """Hand the lanes of worker ``w`` (being retired) to another worker: of ``to`` (another
+        version of their model) or of their own version.  ``w`` drops each one after the calls it
+        has in hand; the next worker then serves the lane's queue from where ``w`` left it (calls
+        queued meanwhile wait, none fails).  The number of lanes moved."""
+        moved = 0
+        for region in list(self.regions.values()):
+            if region.lane_worker is not w:
+                continue
+            if to is not None:
+                region.lane_model = to
+            region.lane_worker = None
+            region.moving_from = w
+            lanes.assign_worker(region.lane_buf, layout.NO_WORKER)
+            layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record),
+                                worker=layout.NO_WORKER)
+            self.command(w, layout.command_entry(layout.CMD_DROP_REGION, region.id))
+            moved += 1
+        return moved
+
+    def adopt_lanes(self, version: ModelState) -> None:
+        """``version`` is its model's default now: lanes of that model left without a version
+        (theirs no longer takes requests) and without a worker are given to it."""
+        for region in list(self.regions.values()):
+            old = region.lane_model
+            if region.is_lane and old is not None and old is not version and old.name == version.name \
+                    and not old.taking and region.lane_worker is None and region.moving_from is None:
+                region.lane_model = version
+                self._attach(region)
+
+    def fail_lanes(self, version: ModelState, why: str) -> None:
+        """``version`` is gone and its model has no other: fail what its lanes hold; they stay
+        open without a worker (a version loaded later takes them)."""
+        for region in list(self.regions.values()):
+            if region.lane_model is version and region.is_lane and region.lane_worker is None \
+                    and region.moving_from is None:
+                lanes.fail_lane(region.lane_buf, ErrorCode.MODEL_UNAVAILABLE, why)
 
     def _release(self, region: Region) -> None:
         """Nobody in the server uses ``region`` any more: free its pages (whoever else still holds
@@ -368,6 +419,12 @@ class RegionTable:
             self.worker_dropped(w, region.id)
         for region in list(self.regions.values()):
             region.sent_to.discard(w)
+            if region.moving_from is w:  # it died while handing the lane over
+                region.moving_from = None
+                lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
+                                f"worker {w.index} for model {w.model.name!r} {how} while running this request")
+                self._attach(region)
+                continue
             if region.lane_worker is not w:
                 continue
             region.lane_worker = None
@@ -380,8 +437,11 @@ class RegionTable:
         descriptor now.  None ready: it waits for ``attach_waiting`` (calls queued meanwhile run
         once it is attached).  False if ready workers there are but none can take it (their
         control sockets are full: busy or stuck)."""
+        if region.moving_from is not None:  # its old worker has not dropped it yet: attached once it has
+            return True
         load = collections.Counter(r.lane_worker for r in self.regions.values() if r.lane_worker is not None)
-        ready = [w for w in region.lane_model.workers if w.state == READY and load[w] < workerlink.MAX_LANES]
+        ready = [w for w in region.lane_model.workers
+                 if w.state == READY and not w.retiring and load[w] < workerlink.MAX_LANES]
         worker = None
         if not self.stopping:
             for w in sorted(ready, key=lambda w: load[w]):

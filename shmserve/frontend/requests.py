@@ -145,6 +145,10 @@ class Request:
     deadline: float = 0.0  # the clock's time at which it times out, whatever state it is in
     timer: Any = None  # the clock's handle of its deadline
     state: RequestState = RequestState.NEW
+    named_version: bool = False  # the client named the version: it is never moved to another one
+    started: float = 0.0  # the clock's time at submission (latency for canary analysis)
+    unchecked: "Any" = None  # (parsed, payload_bytes): inputs to check once its version has loaded (on demand)
+    shadow: "Any" = None  # a shadow copy's comparison (canary shadow mode), set on the copy only
 
     @property
     def zero_copy(self) -> bool:

@@ -26,7 +26,7 @@ from shmserve import __version__, layout, protocol
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.frontend.dispatcher import Dispatcher
-from shmserve.frontend.models import MODEL_READY, ModelState
+from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.regions import RegionTable
 from shmserve.supervisor import READY, WorkerHandle
 
@@ -38,6 +38,7 @@ GPU_ADDRESSES = ("arena_host", "arena_device")  # keys of a GPU worker's registr
 class WorkerStatus:
     index: int
     model: str
+    version: int
     device: str
     pid: int | None
     state: str
@@ -55,18 +56,25 @@ class WorkerStatus:
 
 @dataclass(frozen=True)
 class ModelStatus:
+    """One version of a model."""
+
     name: str
+    version: int
+    phase: str  # its lifecycle phase (loading, ready, draining, unavailable, evicted, unloaded)
+    default: bool  # requests naming no version go to it
     state: str
     queued: int  # waiting for arena space or not yet claimed by a worker
     inflight: int  # handed to workers and not yet finished
     workers: tuple[WorkerStatus, ...]
     histograms: dict[str, tuple[tuple[int, ...], int]]  # stage -> (bucket counts, sum) over its workers
+    memory_bytes: int | None = None  # measured after its load
 
 
 @dataclass(frozen=True)
 class Snapshot:
     models: tuple[ModelStatus, ...]
-    outcomes: dict[tuple[str, str], int]  # (model, "ok" | error code) -> requests answered through doors
+    outcomes: dict[tuple[str, int | str, str], int]  # (model, version, "ok" | code) -> requests answered
+    lifecycle: dict  # counts and seconds of loads, failures, evictions; canaries
     stats: dict[str, int]  # the arena's statistics counters
     lanes: int
     slots: int
@@ -76,10 +84,12 @@ class Snapshot:
 class Status:
     """The front-end as others see it.  ``config`` is read each time (a reload replaces it)."""
 
-    def __init__(self, *, config: Callable[[], ServerConfig], arena: Arena, models: dict[str, ModelState],
-                 workers: list[WorkerHandle], dispatcher: Dispatcher, regions: RegionTable, socket_path: str):
+    def __init__(self, *, config: Callable[[], ServerConfig], arena: Arena, models: Models,
+                 workers: list[WorkerHandle], dispatcher: Dispatcher, regions: RegionTable, socket_path: str,
+                 lifecycle=None):
         self._config = config  # returns the configuration in force now
         self.arena, self.models, self.workers = arena, models, workers
+        self.lifecycle = lifecycle
         self.dispatcher, self.regions, self.socket_path = dispatcher, regions, socket_path
         self.started = time.monotonic()
 
@@ -92,7 +102,7 @@ class Status:
     def worker(self, w: WorkerHandle) -> WorkerStatus:
         entry = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index))
         restart_in = w.restart_in(time.monotonic())
-        return WorkerStatus(w.index, w.model.name, w.model.device, w.pid, str(w.state), w.restarts, w.crash_streak,
+        return WorkerStatus(w.index, w.model.name, w.model.version, w.model.device, w.pid, str(w.state), w.restarts, w.crash_streak,
                             w.last_exit, None if restart_in is None else round(restart_in, 3), len(w.inflight),
                             entry.requests, entry.errors, self.regions.lanes_of(w),
                             w.model.io_mode if w.model.device != "cpu" else None, w.gpu)
@@ -100,39 +110,110 @@ class Status:
     def snapshot(self) -> Snapshot:
         depths = self.dispatcher.queue_depths()
         g = self.arena.geometry
-        models = tuple(ModelStatus(name, m.state, *depths[name], tuple(self.worker(w) for w in m.workers),
-                                   {stage: layout.read_histograms(self.arena.buf, g, [w.index for w in m.workers], stage)
-                                    for stage in layout.HIST_STAGES})
-                       for name, m in self.models.items())
-        return Snapshot(models, dict(self.dispatcher.outcomes), {n: self.arena.stat(n) for n in layout.STAT_NAMES},
-                        self.regions.lane_count, g.slot_count, g.data_size)
+        models = tuple(ModelStatus(v.name, v.version, v.phase, self._is_default(v), v.state,
+                                   *depths.get(v.key, (0, 0)), tuple(self.worker(w) for w in v.workers),
+                                   {stage: layout.read_histograms(self.arena.buf, g, [w.index for w in v.workers], stage)
+                                    for stage in layout.HIST_STAGES}, v.memory.get("measured_bytes"))
+                       for v in self.models.versions())
+        lifecycle = {"counts": dict(self.lifecycle.counts), "seconds": dict(self.lifecycle.seconds),
+                     "canaries": self.canaries()} if self.lifecycle is not None else {}
+        return Snapshot(models=models, outcomes=dict(self.dispatcher.outcomes), lifecycle=lifecycle,
+                        stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
+                        slots=g.slot_count, data_bytes=g.data_size)
+
+    def _is_default(self, v: ModelState) -> bool:
+        model = self.models.get(v.name)
+        return model is not None and model.default == v.version
+
+    def canaries(self) -> dict[str, dict]:
+        """Each model's running canary (or its last one), as ``canary.Rollout.snapshot`` says."""
+        out = {}
+        now = time.monotonic()
+        for name, model in self.models.by_name.items():
+            if model.rollout is not None:
+                out[name] = model.rollout.snapshot(now)
+            elif model.rollouts:
+                out[name] = model.rollouts[-1]
+        return out
 
     # -- the control answers --------------------------------------------------------------
 
-    def model_listing(self) -> list[dict]:
+    def _defaults(self) -> list[ModelState]:
+        """Each model's default version (a model without one: its newest), in name order."""
         out = []
-        for m in self.models.values():
+        for name in sorted(self.models.by_name):
+            model = self.models.by_name[name]
+            v = model.current or (model.versions[max(model.versions)] if model.versions else None)
+            if v is not None:
+                out.append(v)
+        return out
+
+    def model_listing(self) -> list[dict]:
+        """One entry per model: its default version's settings, spec and state, and its versions."""
+        out = []
+        for m in self._defaults():
             spec, cfg = m.spec, m.config
-            entry = {"name": m.name, "backend": cfg.backend, "path": cfg.path, "device": cfg.device,
-                     "instances": cfg.instances, "state": m.state, "max_batch_size": cfg.max_batch_size,
+            model = self.models.by_name[m.name]
+            entry = {"name": m.name, "version": m.version, "backend": cfg.backend, "path": cfg.path,
+                     "device": cfg.device, "instances": cfg.instances, "state": self.state_of(m),
+                     "max_batch_size": cfg.max_batch_size, "load": cfg.load,
+                     "versions": sorted(v.version for v in model.versions.values() if v.phase == SERVING),
                      "inputs": [t.to_dict() for t in spec.inputs] if spec else [],
                      "outputs": [t.to_dict() for t in spec.outputs] if spec else []}
-            if m.state != MODEL_READY:
+            if entry["state"] not in (MODEL_READY, "evicted", "unloaded"):
                 entry["error"] = m.unavailable_reason()
             out.append(entry)
         return out
 
+    @staticmethod
+    def state_of(v: ModelState) -> str:
+        """A version's state for people: its phase, or, while it serves, its workers' state."""
+        return v.state if v.phase == SERVING else v.phase
+
     def health(self) -> dict:
-        states = {m.name: m.state for m in self.models.values()}
+        defaults = self._defaults()
         if self.dispatcher.stopping:
             status = "shutting_down"
         else:
-            status = "ok" if all(s == MODEL_READY for s in states.values()) else "degraded"
+            status = "ok" if all(self.state_of(m) == MODEL_READY or (m.config.load == "on_demand" and m.taking)
+                                 for m in defaults) else "degraded"
         return {"status": status, "models": {
-            m.name: {"state": m.state, "workers": len(m.workers),
+            m.name: {"state": self.state_of(m), "version": m.version, "workers": len(m.workers),
                      "workers_ready": sum(w.state == READY for w in m.workers),
                      "restarts": sum(w.restarts for w in m.workers),
-                     "crash_loop": m.crash_looping} for m in self.models.values()}}
+                     "crash_loop": m.crash_looping} for m in defaults}}
+
+    def repository_index(self, private: bool = False) -> dict:
+        """The ``repository`` answer: every model and version with its state and reason, the
+        default, workers, measured memory and load time; canaries; the recent lifecycle events.
+        Repository versions not loaded are listed as ``unloaded`` (or with why they cannot be)."""
+        entries, seen = [], set()
+        for v in self.models.versions():
+            seen.add((v.name, v.version))
+            entry = {"name": v.name, "version": v.version, "state": self.state_of(v), "reason": v.reason,
+                     "default": self._is_default(v), "workers": sum(not w.retiring for w in v.workers),
+                     "workers_ready": sum(w.state == READY and not w.retiring for w in v.workers),
+                     "load": v.config.load, "pinned": v.config.pinned, "device": v.config.device,
+                     "memory_bytes": v.memory.get("measured_bytes"), "load_seconds":
+                         None if v.load_seconds is None else round(v.load_seconds, 3)}
+            if v.state != MODEL_READY and v.phase == SERVING:
+                entry["reason"] = v.unavailable_reason()
+            if private:
+                entry["path"] = v.config.path
+            entries.append(entry)
+        if self.lifecycle is not None:
+            for name, model in sorted(self.lifecycle.repository().items()):
+                if model.error:
+                    entries.append({"name": name, "version": None, "state": "unavailable", "reason": model.error})
+                for ver in model.versions:
+                    if (name, ver.version) not in seen:
+                        entries.append({"name": name, "version": ver.version,
+                                        "state": "unavailable" if ver.error else "unloaded",
+                                        "reason": ver.error or ("not selected by its version_policy"
+                                                                if ver.version not in model.selected else "")})
+        entries.sort(key=lambda e: (e["name"], e["version"] or 0))
+        return {"models": entries, "canaries": self.canaries(),
+                "events": list(self.lifecycle.events) if self.lifecycle is not None else []}
 
     def info(self, peer_uid: int) -> dict:
         """The ``info`` answer for a client of ``peer_uid``: process ids, paths and addresses are
@@ -144,7 +225,7 @@ class Status:
             s = self.worker(w)
             gpu = s.gpu if private or s.gpu is None else {k: v for k, v in s.gpu.items() if k not in GPU_ADDRESSES}
             workers.append({"requests": s.requests, "errors": s.errors, "lanes": s.lanes, "index": s.index,
-                            "model": s.model, "device": s.device, "pid": s.pid if private else None, "state": s.state,
+                            "model": s.model, "version": s.version, "device": s.device, "pid": s.pid if private else None, "state": s.state,
                             "restarts": s.restarts, "crash_streak": s.crash_streak, "last_exit": s.last_exit,
                             "restart_in_s": s.restart_in_s, "inflight": s.inflight, "io_mode": s.io_mode,
                             "gpu": gpu})

@@ -282,9 +282,11 @@ class UnixDoor:
     each peer uid has open."""
 
     def __init__(self, dispatcher: Dispatcher, regions: RegionTable, status: Status, *, clock: Clock,
-                 limits: DoorLimits, allow_uids=(), allow_gids=()):
+                 limits: DoorLimits, allow_uids=(), allow_gids=(), lifecycle=None, admin=((), ())):
         self.dispatcher, self.regions, self.status, self.clock = dispatcher, regions, status, clock
         self.limits = limits
+        self.lifecycle = lifecycle  # the model lifecycle: control calls (load, unload, scale, canary)
+        self.admin = admin  # (uids, gids) allowed control calls besides our own uid and root
         self.connections: set[ClientConnection] = set()
         self.per_uid: collections.Counter[int] = collections.Counter()
         self.of_uid: dict[int, set[ClientConnection]] = {}
@@ -297,6 +299,12 @@ class UnixDoor:
 
     def allowed(self, uid: int, groups: set[int]) -> bool:
         return uid in self.allowed_uids or bool(groups & self.allowed_gids)
+
+    def is_admin(self, uid: int, groups: set[int]) -> bool:
+        """Whether a peer may make control calls: our own uid, root, or on ``admin_uids`` /
+        ``admin_gids`` (primary or supplementary group)."""
+        uids, gids = self.admin
+        return uid in (os.getuid(), 0) or uid in uids or bool(groups & set(gids))
 
     def enter(self, conn: "ClientConnection", pid: int, uid: int, gid: int, groups: set[int]) -> bytes | None:
         """Count ``conn`` (its peer's credentials: ``groups`` are its gid and supplementary groups)
@@ -408,6 +416,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.yielded = False  # FRAMES_PER_TURN taken: the rest waits for the loop's next turn
         self.closed = False
         self.pid = self.uid = -1
+        self.groups: set[int] = set()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -423,7 +432,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         except OSError:
             pid = uid = gid = -1
         self.pid, self.uid = pid, uid
-        refusal = self.door.enter(self, pid, uid, gid, peer_groups(sock, gid))
+        self.groups = peer_groups(sock, gid)
+        refusal = self.door.enter(self, pid, uid, gid, self.groups)
         if refusal is not None:
             self._close(refusal)
 
@@ -581,6 +591,10 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif kind == Kind.CLOSE_REGION:
                 region = self.door.regions.close(self, meta.get("region"))
                 self.reply(rid, {"closed": region.id})
+            elif kind == Kind.REPOSITORY:
+                self.reply(rid, self.door.status.repository_index(self.door.is_admin(self.uid, self.groups)))
+            elif kind in protocol.CONTROL_KINDS:
+                self._control(rid, protocol.parse_control(kind, meta))
         except (ProtocolViolation, ShmserveError) as exc:
             answer = protocol.error_frame(rid, exc.code, exc.message)
             if frame.data_len and self.proto.state is protocol.State.AWAIT:
@@ -605,6 +619,33 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.order.append(entry)
         self.entries[req] = entry
         self.dispatcher.admit(req)
+
+    def _control(self, rid: int, call: protocol.ControlCall) -> None:
+        """A model-lifecycle call: PERMISSION_DENIED unless the peer is an admin; it runs as a task
+        (a load takes seconds) and is answered when it is done, whatever this connection does
+        meanwhile (its other requests are served)."""
+        if not self.door.is_admin(self.uid, self.groups):
+            log.warning("refused %s from pid %d uid %d (not on the admin list)", call.kind.name.lower(), self.pid,
+                        self.uid)
+            raise ShmserveError(ErrorCode.PERMISSION_DENIED, f"uid {self.uid} may not {call.kind.name.lower()} "
+                                                             f"models (server.admin_uids, server.admin_gids)")
+        if self.door.lifecycle is None:
+            raise ShmserveError(ErrorCode.INTERNAL, "this server has no model lifecycle")
+        log.info("%s %s from pid %d uid %d", call.kind.name.lower(), call.model, self.pid, self.uid)
+        task = asyncio.get_running_loop().create_task(self.door.lifecycle.control(call, by=f"uid {self.uid}"))
+        task.add_done_callback(lambda t: self._control_done(rid, t))
+
+    def _control_done(self, rid: int, task: "asyncio.Task") -> None:
+        if self.closed or task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            self.reply(rid, task.result())
+        elif isinstance(exc, ShmserveError):
+            self.send_now(protocol.error_frame(rid, exc.code, exc.message))
+        else:
+            log.error("control call failed: %r", exc)
+            self.send_now(protocol.error_frame(rid, ErrorCode.INTERNAL, f"the control call failed: {exc!r}"))
 
     def _open_region(self, rid: int, meta: dict) -> None:
         lane = meta.get("lane")

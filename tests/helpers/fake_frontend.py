@@ -38,7 +38,7 @@ from shmserve.arena import Arena, SlotConflict, transition_slot
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
 from shmserve.frontend.dispatcher import Dispatcher, Failure, Limits, Outputs
-from shmserve.frontend.models import ModelState
+from shmserve.frontend.models import SERVING, ModelState, Models
 from shmserve.frontend.regions import RegionTable
 from shmserve.frontend.requests import Request, RequestState
 from shmserve.rings import EventfdDoorbell, FutexDoorbell, Ring, drain_eventfd, new_eventfd
@@ -721,7 +721,7 @@ class FakeFrontend:
         """A new incarnation reports ready (``Frontend._worker_ready``)."""
         worker.revive()
         worker.report_ready()
-        self.regions.attach_waiting(self.models[worker.model.name])
+        self.regions.attach_waiting(self.models.version_of(worker.handle))
         self.dispatcher.worker_ready(worker.handle)
 
     def settle(self, rounds: int = 50) -> None:
@@ -806,13 +806,17 @@ def build(instance: str, *, models: tuple[FakeModel, ...] = (ADD,), slot_count: 
     efd = None
     try:
         efd = new_eventfd()
-        states = {m.name: ModelState(i, m.name, m.config()) for i, m in enumerate(models)}
+        states = Models()
+        for m in models:
+            model = states.model(m.name)
+            model.versions[1] = ModelState(model.index, m.name, m.config(), phase=SERVING)
+            model.default = 1
         workers = []
         for m in models:
             for _ in range(m.instances):
                 w = FakeWorker(arena, len(workers), m, efd)
                 workers.append(w)
-                states[m.name].workers.append(w.handle)
+                states.get(m.name).versions[1].workers.append(w.handle)
                 w.handle.completion_bell.arm()  # the loop is idle: the first completion must wake it
         clock = FakeClock()
         limits = dataclasses.replace(limits, **limit_changes)

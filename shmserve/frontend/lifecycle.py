@@ -1,0 +1,719 @@
+"""Model lifecycle: load, swap, scale, drain and unload model versions while serving.
+
+Owns: every version's *phase* (the table ``PHASES`` below) and the operations
+that move it — start-up, ``load`` (a version's workers are started and warmed
+*beside* the serving one; only once all are ready does the model's default
+move to it, in one step), ``unload``, ``scale``, a reload's differences
+(``apply``), loading on demand and eviction under the memory budget, and the
+log of every decision (``events``) with the counters metrics export.  One
+operation per model at a time (a lock per model name); the others wait.
+
+Draining a version (replaced, unloaded, evicted, scaled down): its workers
+take nothing new (``WorkerHandle.retiring``); its lanes are handed to the
+model's new default version (the old worker drops each one after the calls in
+hand, then the next one serves the lane's queue on from there: nothing
+fails); requests parked for it that named no version move to the default; what
+its workers have queued or running finishes — a STOP entry behind it — within
+``server.version_drain_timeout_s``, after which they are terminated and what
+they still held fails MODEL_UNAVAILABLE, saying so.  Then the version's memory
+is released with its processes.
+
+Phases
+------
+===========  ===========  =================================================
+from         to           when
+===========  ===========  =================================================
+UNLOADED     LOADING      a load (start-up, control call, reload, on demand)
+EVICTED      LOADING      the same
+FAILED_LOAD  LOADING      the same, after a failed one
+SERVING      LOADING      a load of a version all of whose workers failed for
+                          good (they are replaced by new ones)
+LOADING      SERVING      its workers are ready (at start-up: once they were
+                          waited for, ready or not; the workers' states say)
+LOADING      FAILED_LOAD  a worker could not load it (its new workers are
+                          stopped; the version serving before stays)
+SERVING      DRAINING     replaced, unloaded, evicted, or a canary rolled back
+DRAINING     UNLOADED     its workers are gone
+DRAINING     EVICTED      the same, after an eviction (loaded again on demand)
+===========  ===========  =================================================
+
+Must not: touch requests, slots or sockets (the dispatcher moves parked
+requests: ``Dispatcher.settle``), or start processes itself (the supervisor
+does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from shmserve import protocol, repository
+from shmserve.config import ModelConfig, ServerConfig
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.frontend import canary
+from shmserve.frontend.models import (DRAINING, EVICTED, FAILED_LOAD, LOADING, MODEL_UNAVAILABLE, SERVING, UNLOADED,
+                                      Model, ModelState, Models)
+from shmserve.supervisor import READY, WorkerHandle
+
+log = logging.getLogger("shmserve.lifecycle")
+
+PHASES: frozenset[tuple[str, str]] = frozenset({
+    (UNLOADED, LOADING), (EVICTED, LOADING), (FAILED_LOAD, LOADING), (SERVING, LOADING),
+    (LOADING, SERVING), (LOADING, FAILED_LOAD),
+    (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED),
+})
+EVENTS_KEPT = 500  # the decision log ``inspect`` and ``repository`` show
+CANARY_TICK_S = 0.5  # how often running canaries are analysed
+ROLLOUTS_KEPT = 10  # finished canaries kept per model (their snapshots)
+
+
+class IllegalPhase(RuntimeError):
+    """A phase change the table does not allow: a bug in the lifecycle."""
+
+
+def set_phase(version: ModelState, phase: str, reason: str = "") -> None:
+    """Move ``version`` to ``phase``; IllegalPhase if the table forbids it (staying put is allowed)."""
+    if phase != version.phase and (version.phase, phase) not in PHASES:
+        raise IllegalPhase(f"{version.key}: {version.phase} -> {phase} is not allowed")
+    version.phase, version.reason = phase, reason
+
+
+class Lifecycle:
+    """The model lifecycle of one front-end (module docstring).
+
+    ``config()`` returns the configuration in force; ``supervisor``, ``dispatcher`` and
+    ``regions`` are the parts it moves; ``startup_timeout`` bounds one load.
+    """
+
+    def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
+                 startup_timeout: float):
+        self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.events: collections.deque[dict] = collections.deque(maxlen=EVENTS_KEPT)
+        self.counts: collections.Counter = collections.Counter()  # (what, model) -> n: loads, failures, evictions
+        self.seconds: collections.Counter = collections.Counter()  # (what, model) -> total s: load, warmup
+        self.tasks: set[asyncio.Task] = set()
+        self.stopping = False
+        dispatcher.load_on_demand = self.load_on_demand
+        dispatcher.observe = self.observe
+        dispatcher.shadow_to = self.shadow_to
+        dispatcher.shadow_done = self.shadow_done
+        self._ticker: asyncio.TimerHandle | None = None
+
+    # -- the control calls (the doors' entry) ---------------------------------------------------
+
+    async def control(self, call: protocol.ControlCall, by: str = "") -> dict:
+        """Carry out a checked control call; the reply's body.  Raises ShmserveError as the
+        operation does."""
+        if self.stopping:
+            raise ShmserveError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        K = protocol.Kind
+        if call.kind is K.LOAD:
+            v = await self.load(call.model, call.version, call.instances, keep=call.keep, by=by)
+            return {"model": v.name, "version": v.version, "state": v.phase, "workers": len(self._live(v)),
+                    "load_seconds": None if v.load_seconds is None else round(v.load_seconds, 3)}
+        if call.kind is K.UNLOAD:
+            return {"model": call.model, "unloaded": await self.unload(call.model, call.version, by=by)}
+        if call.kind is K.SCALE:
+            v = await self.scale(call.model, call.instances, call.version, by=by)
+            return {"model": v.name, "version": v.version, "workers": len(self._live(v))}
+        return await self.canary(call.model, call.action, call.version, call.plan or {}, by=by)
+
+    # -- where versions come from -----------------------------------------------------------
+
+    def file_models(self) -> dict[str, ModelConfig]:
+        return {m.name: m for m in self.config().models}
+
+    def repository(self) -> dict[str, repository.RepoModel]:
+        root = self.config().model_repository
+        return repository.scan(root) if root else {}
+
+    def config_for(self, name: str, version: int | None = None) -> ModelConfig:
+        """The configuration of ``name``'s ``version`` (None: the newest its policy selects).
+
+        Raises ShmserveError: UNKNOWN_MODEL (no such model or version), PERMISSION_DENIED (a
+        path leaves the repository), MODEL_UNAVAILABLE (its files are broken)."""
+        file_model = self.file_models().get(name)
+        if file_model is not None:
+            if version not in (None, file_model.version):
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} comes from the config file and has "
+                                                             f"only version {file_model.version}")
+            return file_model
+        root = self.config().model_repository
+        if not root:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r} in the config file, and no "
+                                                         f"model repository (server.model_repository)")
+        return repository.version_config(root, name, version)
+
+    def desired(self) -> dict[str, dict[int, ModelConfig]]:
+        """What the configuration and the repository say should be loaded now: per model, the
+        versions (the config file's models are version 1; a repository model's, those its
+        version policy selects).  Broken repository models are logged and left out."""
+        out: dict[str, dict[int, ModelConfig]] = {m.name: {m.version: m} for m in self.config().models}
+        for name, entry in self.repository().items():
+            if name in out:
+                log.warning("model %r is both in the config file and in the repository; the config file's is "
+                            "served", name)
+                continue
+            if entry.error:
+                log.error("repository: model %r: %s", name, entry.error)
+                continue
+            versions = {}
+            for v in entry.versions:
+                if v.version in entry.selected and v.config is not None:
+                    versions[v.version] = v.config
+                elif v.version in entry.selected:
+                    log.error("repository: model %r version %d: %s", name, v.version, v.error)
+            if versions:
+                out[name] = versions
+        return out
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every version the configuration and repository select (``load = "on_demand"``
+        ones only on their first request), all at once, and wait for them (ready or not: the
+        workers of one that cannot load are reported as the supervisor says)."""
+        loads = []
+        for name, versions in sorted(self.desired().items()):
+            model = self.models.model(name)
+            for number, cfg in sorted(versions.items()):
+                version = model.versions[number] = ModelState(model.index, name, cfg, phase=UNLOADED)
+                if cfg.load == "on_demand":
+                    model.on_demand = True
+                    version.reason = "loaded on its first request (load = \"on_demand\")"
+                    continue
+                loads.append(self._start_version(version, give_up=False))
+            self._default_newest(model)
+        await asyncio.gather(*loads)
+        for model in self.models.by_name.values():
+            self._default_newest(model)
+
+    # -- control calls ----------------------------------------------------------------------
+
+    async def load(self, name: str, version: int | None = None, instances: int | None = None, *,
+                   keep: bool = False, by: str = "") -> ModelState:
+        """Load ``version`` of ``name`` (None: the newest its policy selects) with ``instances``
+        workers (None: its config's), warm it, and make it the default in one step; the version
+        serving before drains and is unloaded unless ``keep``.  An already serving version is
+        only scaled to ``instances`` and made the default.
+
+        Raises ShmserveError: UNKNOWN_MODEL, PERMISSION_DENIED (``config_for``), OVERLOADED (no
+        free worker entries, or the memory budget cannot be met), MODEL_UNAVAILABLE (its
+        workers could not load it: the reason; what served before still does)."""
+        async with self.locks[name]:
+            cfg = self.config_for(name, version)
+            if instances is not None:
+                cfg = dataclasses.replace(cfg, instances=instances)
+            model = self.models.model(name)
+            current = model.versions.get(cfg.version)
+            if current is not None and current.phase == SERVING and current.state == MODEL_UNAVAILABLE:
+                await asyncio.gather(*(self.supervisor.retire(w, 0) for w in current.workers))  # all failed
+                current.workers.clear()
+            elif current is not None and current.phase == SERVING:
+                if instances is not None:
+                    await self._scale(current, instances, by)
+                await self._make_default(model, current, keep, by)
+                return current
+            if current is None:
+                current = model.versions[cfg.version] = ModelState(model.index, name, cfg, phase=UNLOADED)
+            else:
+                current.config = cfg
+            model.on_demand = model.on_demand or cfg.load == "on_demand"
+            if not await self._start_version(current, give_up=True, by=by):
+                still = model.current
+                raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"version {cfg.version} of model {name!r} did not "
+                                                                 f"load: {current.reason}" +
+                                    (f"; version {still.version} still serves" if still is not None else ""))
+            current.explicit = True
+            await self._make_default(model, current, keep, by)
+            return current
+
+    async def unload(self, name: str, version: int | None = None, *, by: str = "") -> list[int]:
+        """Drain and unload ``version`` of ``name`` (None: every version); the versions unloaded.
+        If the default goes, the newest other serving version becomes it.  UNKNOWN_MODEL if
+        there is no such model or loaded version."""
+        async with self.locks[name]:
+            model = self.models.get(name)
+            if model is None:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+            targets = [v for v in model.versions.values() if v.phase in (SERVING, LOADING)
+                       and (version is None or v.version == version)]
+            if not targets:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no loaded version"
+                                    + (f" {version}" if version is not None else ""))
+            why = f"unloaded{' by ' + by if by else ''}"
+            await asyncio.gather(*(self._drain(v, UNLOADED, why) for v in targets))
+            return [v.version for v in targets]
+
+    async def scale(self, name: str, instances: int, version: int | None = None, *, by: str = "") -> ModelState:
+        """Run ``instances`` workers for ``version`` of ``name`` (None: its default): new ones are
+        started and warmed before they take work; removed ones finish what they have queued
+        first, their lanes handed to the others.  UNKNOWN_MODEL, BAD_ARGUMENT, OVERLOADED,
+        MODEL_UNAVAILABLE (a new worker could not load it; the others keep serving)."""
+        if type(instances) is not int or not 1 <= instances <= 64:
+            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"instances must be an integer in [1, 64], got {instances!r}")
+        async with self.locks[name]:
+            model = self.models.get(name)
+            target = None
+            if model is not None:
+                target = model.current if version is None else model.versions.get(version)
+            if target is None or target.phase != SERVING:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no serving version"
+                                    + (f" {version}" if version is not None else ""))
+            await self._scale(target, instances, by)
+            return target
+
+    # -- canary releases ----------------------------------------------------------------------
+
+    async def canary(self, name: str, action: str, version: int | None = None, plan: dict | None = None, *,
+                     by: str = "") -> dict:
+        """``start`` a canary of ``version`` against ``name``'s default under ``plan`` (the
+        candidate is loaded beside it if it is not serving), ``promote`` or ``abort`` the running
+        one, or report its ``status``; the rollout's snapshot.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad
+        plan, a canary already running or none running), and what ``load`` raises."""
+        model = self.models.get(name)
+        if model is None:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+        now = time.monotonic()
+        if action == "status":
+            if model.rollout is not None:
+                return model.rollout.snapshot(now)
+            if model.rollouts:
+                return model.rollouts[-1]
+            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
+        if action in ("promote", "abort"):
+            rollout = model.rollout
+            if rollout is None:
+                raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has no canary running")
+            try:
+                decision = rollout.promote(now, by or "operator") if action == "promote" else \
+                    rollout.abort(now, f"aborted{' by ' + by if by else ''}")
+            except canary.IllegalTransition as exc:
+                raise ShmserveError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+            await self._rollout_decided(model, [decision])
+            return model.rollouts[-1] if model.rollouts else rollout.snapshot(now)
+        try:
+            checked = canary.CanaryPlan.from_dict(plan or {})
+        except ValueError as exc:
+            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"canary plan: {exc}") from None
+        async with self.locks[name]:
+            if model.rollout is not None:
+                raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} already has a canary running "
+                                                            f"(version {model.rollout.candidate}); promote or "
+                                                            f"abort it first")
+            stable = model.current
+            if stable is None or stable.phase != SERVING:
+                raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} has no serving version to "
+                                                                 f"compare a canary with")
+            if version == stable.version:
+                raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"version {version} is already the default of "
+                                                            f"{name!r}")
+            cfg = self.config_for(name, version)
+            candidate = model.versions.get(cfg.version)
+            if candidate is None:
+                candidate = model.versions[cfg.version] = ModelState(model.index, name, cfg, phase=UNLOADED)
+            if candidate.phase != SERVING:
+                candidate.config = cfg
+                if not await self._start_version(candidate, give_up=True, by=f"canary{' by ' + by if by else ''}"):
+                    raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"canary version {cfg.version} of {name!r} "
+                                                                     f"did not load: {candidate.reason}")
+            model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, time.monotonic())
+            self._event(candidate, "canary", f"started against version {stable.version} ({checked.mode}, steps "
+                                             f"{list(checked.steps)}%)" + (f" by {by}" if by else ""))
+            self._tick_soon()
+            return model.rollout.snapshot(time.monotonic())
+
+    def observe(self, req, ok: bool) -> None:
+        """The dispatcher's report of a request that ran (``ok``: it succeeded): canary analysis
+        and the version's request rate."""
+        version = req.model
+        now = time.monotonic()
+        version.meter.hit(now)
+        model = self.models.by_name.get(version.name)
+        if model is not None and model.rollout is not None:
+            model.rollout.record(version.version, ok, max(0.0, self.dispatcher.clock.monotonic() - req.started), now)
+
+    def shadow_to(self, req) -> ModelState | None:
+        """The candidate a finished request of a stable version is copied to (a canary in shadow
+        mode, and this request drawn for its share), else None."""
+        model = self.models.by_name.get(req.model.name)
+        rollout = model.rollout if model is not None else None
+        if rollout is None or rollout.plan.mode != canary.SHADOW or req.model.version != rollout.stable \
+                or rollout.state in canary.TERMINAL or not rollout.shadow(self.dispatcher.draw()):
+            return None
+        candidate = model.versions.get(rollout.candidate)
+        return candidate if candidate is not None and candidate.phase == SERVING else None
+
+    def shadow_done(self, copy, stable_outputs: dict, answer) -> None:
+        """A shadow copy's answer: compared with the stable version's outputs (an error is a
+        mismatch), recorded in the rollout."""
+        from shmserve.frontend.dispatcher import Outputs
+
+        model = self.models.by_name.get(copy.model.name)
+        rollout = model.rollout if model is not None else None
+        if rollout is None or rollout.candidate != copy.model.version:
+            return
+        match = False
+        if isinstance(answer, Outputs):
+            import numpy as np
+
+            theirs = {o.name: (np.frombuffer(o.view, dtype=o.dtype).reshape(o.shape) if o.nbytes
+                               else np.empty(o.shape, o.dtype)) for o in answer.outputs}
+            match = canary.outputs_match(stable_outputs, theirs, rollout.plan)
+        rollout.record_shadow(match, time.monotonic())
+
+    def _tick_soon(self) -> None:
+        if self._ticker is None and not self.stopping:
+            self._ticker = asyncio.get_running_loop().call_later(CANARY_TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        now = time.monotonic()
+        running = False
+        for model in list(self.models.by_name.values()):
+            if model.rollout is None:
+                continue
+            decisions = model.rollout.tick(now)
+            if decisions:
+                self._spawn_task(self._rollout_decided(model, decisions))
+            running = True
+        if running:
+            self._tick_soon()
+
+    async def _rollout_decided(self, model: Model, decisions: list) -> None:
+        """Log ``decisions`` and act on a rollout that ended: COMPLETE makes the candidate the
+        default (the stable version drains); ROLLED_BACK and ABORTED unload the candidate."""
+        rollout = model.rollout
+        if rollout is None:
+            return
+        candidate = model.versions.get(rollout.candidate)
+        for d in decisions:
+            self.counts[(f"canary_{d.kind}", model.name)] += 1
+            if candidate is not None:
+                self._event(candidate, f"canary {d.kind}", f"{d.percent:g}%: {d.reason}")
+        if rollout.state not in canary.TERMINAL:
+            return
+        model.rollout = None
+        model.rollouts.append(rollout.snapshot(time.monotonic()))
+        del model.rollouts[:-ROLLOUTS_KEPT]
+        async with self.locks[model.name]:
+            if candidate is None or candidate.phase != SERVING:
+                return
+            if rollout.state == canary.RolloutState.COMPLETE:
+                await self._make_default(model, candidate, keep=False, by="canary complete")
+            else:
+                stable = model.versions.get(rollout.stable)
+                if stable is not None and stable.phase == SERVING:
+                    model.default = stable.version
+                for w in list(candidate.workers):
+                    self.regions.move_lanes(w, stable)
+                self.dispatcher.settle(candidate)
+                await self._drain(candidate, UNLOADED, f"canary {rollout.state.value.replace('_', ' ')}")
+
+    # -- reload -----------------------------------------------------------------------------
+
+    async def apply(self) -> list[str]:
+        """Bring what is loaded to what the configuration and repository say now (SIGHUP): new
+        models and versions are loaded, versions no longer selected are drained and unloaded, a
+        changed version's workers are replaced by new ones (started and warmed first), a changed
+        instance count is scaled; each model's newest serving version is its default.  What it
+        did, one line per change (failures logged; the rest goes on)."""
+        desired = self.desired()
+        done: list[str] = []
+
+        async def one(name: str) -> None:
+            async with self.locks[name]:
+                model = self.models.model(name)
+                want = desired.get(name, {})
+                for number, cfg in sorted(want.items()):
+                    version = model.versions.get(number)
+                    if version is None or version.phase in (UNLOADED, EVICTED, FAILED_LOAD):
+                        if version is None:
+                            version = model.versions[number] = ModelState(model.index, name, cfg, phase=UNLOADED)
+                        version.config = cfg
+                        if cfg.load == "on_demand":
+                            model.on_demand = True
+                            continue
+                        if await self._start_version(version, give_up=True, by="reload"):
+                            done.append(f"loaded {version.key}")
+                        continue
+                    if version.phase != SERVING:
+                        continue
+                    if dataclasses.replace(version.config, instances=cfg.instances) != cfg:
+                        if await self._replace_workers(version, cfg):
+                            done.append(f"replaced the workers of {version.key} (new settings)")
+                    elif cfg.instances != len(self._live(version)):
+                        try:
+                            await self._scale(version, cfg.instances, "reload")
+                            done.append(f"scaled {version.key} to {cfg.instances}")
+                        except ShmserveError as exc:
+                            log.error("reload: %s: %s", version.key, exc.message)
+                    version.config = dataclasses.replace(version.config, instances=cfg.instances) \
+                        if version.config != cfg else version.config
+                gone = [v for v in model.versions.values() if v.phase in (SERVING, LOADING)
+                        and v.version not in want and not v.explicit]
+                newest = max((v for v in model.versions.values() if v.phase == SERVING and v not in gone),
+                             key=lambda v: v.version, default=None)
+                if newest is not None and model.default != newest.version and model.rollout is None:
+                    await self._make_default(model, newest, keep=True, by="reload")
+                for v in gone:
+                    await self._drain(v, UNLOADED, "no longer in the configuration (reload)")
+                    done.append(f"unloaded {v.key}")
+                if not want and not model.serving():
+                    model.on_demand = False
+
+        await asyncio.gather(*(one(name) for name in sorted(set(desired) | set(self.models.by_name))))
+        return done
+
+    # -- on demand and the memory budget ------------------------------------------------------
+
+    def load_on_demand(self, version: ModelState) -> None:
+        """A request asked for ``version``, which is loaded on demand and not loaded: load it now
+        (the request waits for it, within its timeout).  Its phase is LOADING from this call on."""
+        if version.phase not in (UNLOADED, EVICTED) or self.stopping:
+            return
+        set_phase(version, LOADING, "loading on demand")
+        self._spawn_task(self._load_on_demand(version))
+
+    async def _load_on_demand(self, version: ModelState) -> None:
+        async with self.locks[version.name]:
+            ok = await self._start_version(version, give_up=True, by="on demand")
+            model = self.models.by_name[version.name]
+            if ok and (model.current is None or model.current.phase != SERVING):
+                model.default = version.version
+            self.dispatcher.settle(version)
+
+    def footprint(self, version: ModelState) -> int:
+        """The bytes ``version`` uses on its device, as measured when its workers were ready: host
+        memory (RSS) for a CPU model, device memory for a GPU model."""
+        key = "host_bytes" if version.config.device == "cpu" else "device_bytes"
+        return sum(int((w.memory or {}).get(key) or 0) for w in version.workers if w.state == READY)
+
+    def budget(self, device: str) -> int | None:
+        return dict(self.config().memory_budget).get(device)
+
+    async def _make_room(self, version: ModelState) -> None:
+        """Evict idle on-demand versions on ``version``'s device until it fits the budget (its
+        size as last measured; 0 before its first load, checked again once measured).
+        OVERLOADED if it cannot fit without evicting a busy, pinned or startup-loaded version."""
+        from shmserve.frontend import residency
+
+        device = version.config.device
+        budget = self.budget(device)
+        if budget is None:
+            return
+        now = time.monotonic()
+        resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
+                                       self.dispatcher.busy(v), v.config.pinned, v.config.load == "on_demand")
+                    for v in self.models.versions() if v.phase == SERVING and v is not version
+                    and v.config.device == device]
+        need = version.memory.get("measured_bytes", 0)
+        choice = residency.victims(device, budget, resident, need, now)
+        if choice.refused is not None:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"cannot load {version.key} ({need} bytes as last measured): "
+                                                      f"{choice.refused}")
+        by_key = {v.key: v for v in self.models.versions()}
+        for key in choice.keys:
+            victim = by_key[key]
+            self.counts[("eviction", victim.name)] += 1
+            self._event(victim, "evict", f"to make room for {version.key} on {device} "
+                                         f"(server.memory_budget.{device} = {budget})")
+            await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
+
+    @staticmethod
+    def rate(version: ModelState) -> float:
+        return version.meter.rate(time.monotonic())
+
+    # -- the steps ------------------------------------------------------------------------
+
+    async def _start_version(self, version: ModelState, *, give_up: bool, by: str = "") -> bool:
+        """Start and warm ``version``'s workers; whether all became ready.  ``give_up``: a failed
+        load stops its workers and leaves the version FAILED_LOAD (a control call, a reload, on
+        demand); otherwise (start-up) the workers that failed stay as the supervisor left them
+        (restarting with back-off, or failed) and the version is SERVING regardless."""
+        set_phase(version, LOADING, f"loading{' (' + by + ')' if by else ''}")
+        self._event(version, "load", by or "start-up")
+        started = time.monotonic()
+        try:
+            if give_up:
+                await self._make_room(version)
+            workers = [self.supervisor.add_worker(version.config) for _ in range(version.config.instances)]
+        except ShmserveError as exc:
+            set_phase(version, FAILED_LOAD, exc.message)
+            self.counts[("load_failed", version.name)] += 1
+            self._event(version, "load failed", exc.message)
+            return False
+        version.workers.extend(workers)
+        ok = await self.supervisor.wait_ready(workers, self.startup_timeout)
+        if not ok and give_up:
+            errors = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in workers))
+            version.workers = [w for w in version.workers if w not in workers]
+            set_phase(version, FAILED_LOAD, "; ".join(errors))
+            self.counts[("load_failed", version.name)] += 1
+            self._event(version, "load failed", version.reason)
+            self.dispatcher.settle(version)
+            return False
+        seconds = time.monotonic() - started
+        version.load_seconds = seconds
+        self.counts[("load", version.name)] += 1
+        self.seconds[("load", version.name)] += seconds
+        self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
+                                                       for w in workers), default=0.0)
+        set_phase(version, SERVING, f"loaded in {seconds:.2f} s" + (f" ({by})" if by else ""))
+        version.memory = {"measured_bytes": self.footprint(version)}
+        self._event(version, "ready", version.reason)
+        self.regions.attach_waiting(version)
+        self.dispatcher.settle(version)
+        if give_up and self.budget(version.config.device) is not None:
+            await self._make_room_after(version)
+        return True
+
+    async def _make_room_after(self, version: ModelState) -> None:
+        """Now that ``version``'s size is measured: evict others if the device is over budget."""
+        try:
+            await self._make_room(version)
+        except ShmserveError as exc:
+            log.warning("%s", exc.message)
+
+    async def _make_default(self, model: Model, version: ModelState, keep: bool, by: str) -> None:
+        """Make ``version`` the default of ``model`` in one step; the one before drains and is
+        unloaded unless ``keep``."""
+        old = model.current
+        model.default = version.version
+        self.regions.adopt_lanes(version)
+        if old is None or old is version:
+            return
+        self._event(version, "default", f"was version {old.version}" + (f" ({by})" if by else ""))
+        for w in list(old.workers):  # lanes follow the default now
+            self.regions.move_lanes(w, version)
+        self.dispatcher.settle(old)
+        if not keep:
+            await self._drain(old, UNLOADED, f"replaced by version {version.version}")
+
+    async def _drain(self, version: ModelState, to: str, why: str) -> None:
+        """Stop ``version`` serving (module docstring: draining) and wait until its workers are
+        gone; then it is ``to`` (UNLOADED or EVICTED)."""
+        if version.phase == LOADING:  # a load in progress is not drained: it finishes first
+            return
+        set_phase(version, DRAINING, why)
+        self._event(version, "drain", why)
+        model = self.models.by_name[version.name]
+        if model.default == version.version:
+            newest = max((v for v in model.serving() if v is not version), key=lambda v: v.version, default=None)
+            model.default = newest.version if newest is not None else None
+            if newest is not None:
+                self.regions.adopt_lanes(newest)
+        target = model.current
+        timeout = self.config().version_drain_timeout_s
+        version.drain_failure = (ErrorCode.MODEL_UNAVAILABLE,
+                                 f"version {version.version} of model {version.name!r} was {why}, and this request "
+                                 f"did not finish within server.version_drain_timeout_s = {timeout:g} s")
+        self.dispatcher.settle(version)
+        await asyncio.gather(*(self._retire(w, target, timeout) for w in list(version.workers)))
+        version.workers.clear()
+        set_phase(version, to, why)
+        self._event(version, to, why)
+        self.dispatcher.settle(version)
+        if target is None:
+            self.regions.fail_lanes(version, f"model {version.name!r} has no version serving now ({why})")
+
+    def _retire(self, w: WorkerHandle, to: ModelState | None, drain_s: float) -> asyncio.Future:
+        """Retire worker ``w`` after handing its lanes to ``to`` (or its own version's others)."""
+        return self.supervisor.retire(w, drain_s, before=lambda: self.regions.move_lanes(w, to))
+
+    def _live(self, version: ModelState) -> list[WorkerHandle]:
+        return [w for w in version.workers if not w.retiring]
+
+    async def _scale(self, version: ModelState, instances: int, by: str) -> None:
+        live = self._live(version)
+        if instances > len(live):
+            new = []
+            try:
+                for _ in range(instances - len(live)):
+                    new.append(self.supervisor.add_worker(version.config))
+            finally:
+                version.workers.extend(new)
+            if not await self.supervisor.wait_ready(new, self.startup_timeout):
+                errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
+                await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+                version.workers = [w for w in version.workers if w not in new]
+                raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"{version.key}: a new worker did not load: "
+                                                                 f"{'; '.join(errors)}")
+            self.regions.attach_waiting(version)
+            self.dispatcher.settle(version)
+        elif instances < len(live):
+            # Those not ready first, then the least busy.
+            victims = sorted(live, key=lambda w: (w.state == READY, len(w.inflight)))[:len(live) - instances]
+            timeout = self.config().version_drain_timeout_s
+            await asyncio.gather(*(self._retire(w, None, timeout) for w in victims))
+            version.workers = [w for w in version.workers if w not in victims]
+        version.config = dataclasses.replace(version.config, instances=instances)
+        self._event(version, "scale", f"{len(live)} -> {instances} workers" + (f" ({by})" if by else ""))
+
+    async def _replace_workers(self, version: ModelState, cfg: ModelConfig) -> bool:
+        """New settings for a serving version: start its workers anew with ``cfg``, warm them, then
+        retire the old ones (their lanes handed to the new ones).  False (logged) if the new
+        workers did not load: the old ones keep serving with the old settings."""
+        old = self._live(version)
+        try:
+            new = [self.supervisor.add_worker(cfg) for _ in range(cfg.instances)]
+        except ShmserveError as exc:
+            log.error("reload: %s: %s", version.key, exc.message)
+            return False
+        version.workers.extend(new)
+        if not await self.supervisor.wait_ready(new, self.startup_timeout):
+            errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+            version.workers = [w for w in version.workers if w not in new]
+            log.error("reload: %s: the new settings did not load (%s); the old ones still serve", version.key,
+                      "; ".join(errors))
+            self._event(version, "reload failed", "; ".join(errors))
+            return False
+        version.config = cfg
+        self.regions.attach_waiting(version)
+        self.dispatcher.settle(version)
+        timeout = self.config().version_drain_timeout_s
+        await asyncio.gather(*(self._retire(w, None, timeout) for w in old))
+        version.workers = [w for w in version.workers if w not in old]
+        self._event(version, "settings", "workers replaced with the new settings (reload)")
+        return True
+
+    def _default_newest(self, model: Model) -> None:
+        if model.default is None or model.default not in model.versions:
+            serving = [v for v in model.versions.values() if v.phase in (SERVING, LOADING)]
+            if serving:
+                model.default = max(serving, key=lambda v: v.version).version
+            elif model.versions:  # on demand: its newest is loaded by the first request
+                model.default = max(model.versions)
+
+    # -- the log ----------------------------------------------------------------------------
+
+    def _event(self, version: ModelState, what: str, reason: str) -> None:
+        log.info("model %s: %s%s", version.key, what, f": {reason}" if reason else "")
+        self.events.append({"time_unix": round(time.time(), 3), "model": version.name, "version": version.version,
+                            "event": what, "reason": reason})
+
+    def _spawn_task(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("model lifecycle task failed: %r", task.exception())
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self.tasks):
+            task.cancel()
