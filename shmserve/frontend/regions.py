@@ -170,11 +170,11 @@ class RegionTable:
                                                      f"+ 1 MiB): ask for less, or raise [server] max_request_bytes")
         lane_model = None
         if lane is not None:
-            owner = self.models.get(lane)
-            lane_model = owner.current if owner is not None else None
+            named = self.models.get(lane)
+            lane_model = named.current if named is not None else None
             if lane_model is None:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none"
-                                    if owner is None else f"model {lane!r} has no version serving now")
+                                    if named is None else f"model {lane!r} has no version serving now")
             served = sum(r.lane_model is lane_model for r in self.regions.values())
             if served >= workerlink.MAX_LANES * len(lane_model.workers):
                 raise ShmserveError(ErrorCode.OVERLOADED, f"model {lane_model.name!r} serves {served} lanes, its "
