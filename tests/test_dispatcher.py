@@ -57,6 +57,11 @@ def held(fe) -> tuple[int, int]:
     return slots, extent_bytes
 
 
+def parked(fe, name: str):
+    """The requests parked for ``name``'s current (default) version."""
+    return fe.dispatcher.parked[fe.models.get(name).current]
+
+
 def fill_slots(fe, door, count: int = 4) -> list:
     """``count`` requests that each take a slot and stay queued (no worker runs them yet)."""
     reqs = [door.infer("add", {"x": floats(start=100 * i)}) for i in range(count)]
@@ -107,7 +112,7 @@ def test_inline_request_lands_in_the_arena_and_is_answered_with_views_of_it(fe):
     door.write(req)
     assert req.state is RS.DONE and held(fe) == (0, 0) and slot_state(fe, slot) is SlotState.FREE
     np.testing.assert_array_equal(door.results[req]["y"], x + 1)
-    assert fe.dispatcher.outcomes[("add", "ok")] == 1 and fe.arena.stat("requests_total") == 1
+    assert fe.dispatcher.outcomes[("add", 1, "ok")] == 1 and fe.arena.stat("requests_total") == 1
     assert fe.arena.stat("bytes_in") == fe.arena.stat("bytes_out") == x.nbytes
 
 
@@ -183,7 +188,7 @@ def test_zero_copy_bounds_are_checked_before_anything_is_held(fe, case):
         door.infer_region(fe.regions, region.id, "add", inputs, out_offset, out_capacity)
     assert info.value.code is ErrorCode.BAD_REGION
     assert held(fe) == (0, 0) and not door.requests
-    assert fe.dispatcher.outcomes[("add", "bad_region")] == 1
+    assert fe.dispatcher.outcomes[("add", "", "bad_region")] == 1
     fe.regions.close(door, region.id)
 
 
@@ -196,7 +201,7 @@ def test_a_zero_copy_request_may_only_name_its_own_doors_region(fe):
         with pytest.raises(ShmserveError, match="not open on this connection") as info:
             mine.infer_region(fe.regions, region_id, "add", {"x": (0, "float32", (16,))}, 4096, 64)
         assert info.value.code is ErrorCode.BAD_REGION
-    assert fe.dispatcher.outcomes[("add", "bad_region")] == 2
+    assert fe.dispatcher.outcomes[("add", "", "bad_region")] == 2
     fe.regions.close(other, region.id)
 
 
@@ -204,13 +209,6 @@ def test_a_zero_copy_request_may_only_name_its_own_doors_region(fe):
 
 def _refuse_unknown_model(fe, door):
     door.infer("nope", {"x": floats()})
-
-
-def _refuse_never_loaded(fe, door):
-    w = fe.workers[0].handle
-    w.spec = None  # no worker of it was ever ready: its inputs cannot be checked
-    w.set_state(RESTARTING)
-    door.infer("add", {"x": floats()})
 
 
 def _refuse_failed(fe, door):
@@ -257,7 +255,6 @@ def _refuse_shutting_down(fe, door):
 
 REFUSALS = {
     "unknown model": (_refuse_unknown_model, ErrorCode.UNKNOWN_MODEL, "_unknown", "no model 'nope'"),
-    "never loaded": (_refuse_never_loaded, ErrorCode.MODEL_UNAVAILABLE, "add", "has not loaded yet"),
     "model failed": (_refuse_failed, ErrorCode.MODEL_UNAVAILABLE, "pair", "no such file"),
     "fixed dimension": (_refuse_shape, ErrorCode.BAD_SHAPE, "pair", "dimension 0 must be 2"),
     "symbolic dimension": (_refuse_symbol, ErrorCode.BAD_SHAPE, "pair", "another input has 'k'"),
@@ -282,7 +279,7 @@ def test_refusals_carry_their_stable_code_hold_nothing_and_are_counted(make, cas
     with pytest.raises(ShmserveError, match=message) as info:
         act(fe, door)
     assert info.value.code is code
-    assert fe.dispatcher.outcomes[(label, code.wire)] == 1
+    assert fe.dispatcher.outcomes[(label, "", code.wire)] == 1
     assert sum(fe.dispatcher.outcomes.values()) == 1
     assert not door.answers
     assert held(fe) == ((2, 8192) if case == "door limit" else (0, 0))
@@ -349,7 +346,7 @@ def test_past_max_waiting_a_request_is_answered_overloaded(make):
     assert waiter.state is RS.WAITING
     assert refused.state is RS.DONE and door.failure(refused).code is ErrorCode.OVERLOADED
     assert door.calls_of(refused) == ["answer"]
-    assert fe.dispatcher.outcomes[("add", "overloaded")] == 1
+    assert fe.dispatcher.outcomes[("add", 1, "overloaded")] == 1
     fe.settle()
 
 
@@ -427,7 +424,7 @@ def test_a_queued_request_times_out_and_its_slot_is_taken_back_at_once(fe):
     again = door.infer("add", {"x": floats()})
     assert (again.slot, again.generation) == (slot, generation + 1)
     fe.settle()
-    assert fe.dispatcher.outcomes[("add", "timeout")] == 1 and fe.dispatcher.outcomes[("add", "ok")] == 1
+    assert fe.dispatcher.outcomes[("add", 1, "timeout")] == 1 and fe.dispatcher.outcomes[("add", 1, "ok")] == 1
 
 
 def test_a_running_request_times_out_but_its_slot_waits_for_the_worker(fe):
@@ -551,7 +548,7 @@ def test_a_worker_error_reaches_the_door_with_its_code_and_message(fe, code, exp
     failure = door.failure(req)
     assert (failure.code, failure.message) == (expected, "ValueError: bad weights — ünïcode")
     assert req.state is RS.DONE and held(fe) == (0, 0)
-    assert fe.arena.stat("errors_total") == 1 and fe.dispatcher.outcomes[("add", expected.wire)] == 1
+    assert fe.arena.stat("errors_total") == 1 and fe.dispatcher.outcomes[("add", 1, expected.wire)] == 1
 
 
 def test_outputs_larger_than_reserved_are_the_workers_output_too_large(make):
@@ -609,7 +606,7 @@ def test_invalid_output_descriptors_are_answered_internal(fe, case):
     failure = door.failure(req)
     assert failure.code is ErrorCode.INTERNAL and failure.message.startswith("worker wrote invalid outputs")
     assert req.state is RS.DONE and held(fe) == (0, 0)
-    assert fe.dispatcher.outcomes[("add", "internal")] == 1 and not fe.dispatcher.outcomes[("add", "ok")]
+    assert fe.dispatcher.outcomes[("add", 1, "internal")] == 1 and not fe.dispatcher.outcomes[("add", 1, "ok")]
 
 
 def test_a_zero_copy_output_outside_the_clients_region_is_answered_internal(fe):
@@ -679,10 +676,10 @@ def test_worker_death_fails_what_it_was_running_and_the_rest_runs_on_its_restart
     assert failure.code is ErrorCode.WORKER_CRASHED and running.state is RS.DONE
     assert failure.message == "worker 0 for model 'add' killed by SIGKILL while running this request"
     assert queued.state is RS.QUEUED and door.calls_of(queued) == ["admitted"]
-    assert slot_state(fe, queued.slot) is SlotState.READY and list(fe.dispatcher.parked["add"]) == [queued]
+    assert slot_state(fe, queued.slot) is SlotState.READY and list(parked(fe, "add")) == [queued]
     assert held(fe) == (1, 4096) and not w.handle.inflight and w.handle.submissions.empty()
     fe.restart(w)
-    assert w.handle.inflight == {queued.slot} and not fe.dispatcher.parked["add"]
+    assert w.handle.inflight == {queued.slot} and not parked(fe, "add")
     fe.settle()
     np.testing.assert_array_equal(door.results[queued]["y"], floats(start=7) + 1)
 
@@ -704,7 +701,7 @@ def test_worker_death_delivers_what_it_finished_but_did_not_hand_back(fe):
     np.testing.assert_array_equal(door.results[uncollected]["y"], floats(start=2) + 1)
     assert door.failure(lost).code is ErrorCode.WORKER_CRASHED
     fe.deliver()
-    assert fe.dispatcher.outcomes[("add", "ok")] == 2
+    assert fe.dispatcher.outcomes[("add", 1, "ok")] == 2
 
 
 # -- waiting for a restarting worker ----------------------------------------------------------
@@ -724,7 +721,7 @@ def test_a_request_for_a_restarting_model_waits_and_runs_on_the_restarted_worker
         buf.close()
         req = door.infer_region(fe.regions, region.id, "add", {"x": (0, "float32", (16,))}, 4096, 64)
     assert req.state is RS.WAITING and door.calls_of(req) == ["waiting"] and held(fe) == (0, 0)
-    assert fe.dispatcher.queue_depths() == {"add": (1, 0)}
+    assert fe.dispatcher.queue_depths() == {"add:1": (1, 0)}
     fe.clock.advance(4)  # the restart takes a while: within its timeout (5 s)
     fe.restart(w)
     assert door.calls_of(req)[:2] == ["waiting", "admitted"] and req.worker is w.handle
@@ -734,6 +731,27 @@ def test_a_request_for_a_restarting_model_waits_and_runs_on_the_restarted_worker
     else:
         assert isinstance(door.answer_of(req), Outputs)
         fe.regions.close_all()
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["good inputs", "bad dtype"])
+def test_a_request_for_a_never_loaded_model_waits_and_is_checked_once_it_loads(fe, good):
+    """No worker of the model was ever ready (its inputs cannot be checked yet): the request is
+    not refused but waits, holding nothing; once a worker reports ready it is checked — and runs,
+    or is answered with the refusal's code, holding nothing."""
+    door, w = fe.door(), fe.workers[0]
+    fe.kill(w)
+    w.handle.spec = None
+    x = floats() if good else floats().astype(np.float64)
+    req = door.infer("add", {"x": x})
+    assert req.state is RS.WAITING and door.calls_of(req) == ["waiting"] and held(fe) == (0, 0)
+    fe.restart(w)
+    fe.settle()
+    if good:
+        np.testing.assert_array_equal(door.results[req]["y"], floats() + 1)
+    else:
+        failure = door.failure(req)
+        assert failure.code is ErrorCode.BAD_DTYPE and "must be float32" in failure.message
+    assert held(fe) == (0, 0) and not fe.dispatcher.pending
 
 
 def test_a_queued_request_whose_region_closed_before_its_worker_came_back_is_taken_back(fe):
@@ -752,7 +770,7 @@ def test_a_queued_request_whose_region_closed_before_its_worker_came_back_is_tak
     failure = door.failure(req)
     assert failure.code is ErrorCode.BAD_REGION and "closed" in failure.message
     assert not fe.dispatcher.pending and fe.dispatcher.in_flight == 0 and held(fe) == (0, 0)
-    assert fe.dispatcher.queue_depths() == {"add": (0, 0)}
+    assert fe.dispatcher.queue_depths() == {"add:1": (0, 0)}
 
 
 def test_a_request_waiting_for_a_worker_times_out_with_the_reason(fe):
@@ -764,7 +782,7 @@ def test_a_request_waiting_for_a_worker_times_out_with_the_reason(fe):
     failure = door.failure(req)
     assert failure.code is ErrorCode.TIMEOUT and req.state is RS.DONE
     assert "no ready worker within 1 s" in failure.message and "worker 0 restarting" in failure.message
-    assert not fe.dispatcher.parked["add"] and door.calls_of(req) == ["waiting", "answer"]
+    assert not parked(fe, "add") and door.calls_of(req) == ["waiting", "answer"]
     fe.restart(w)
 
 
@@ -794,7 +812,7 @@ def test_a_request_whose_workers_died_during_its_upload_keeps_its_space_and_runs
     fe.kill(w)
     door.receive(req)
     assert req.state is RS.ADMITTED and slot_state(fe, req.slot) is SlotState.WRITING
-    assert list(fe.dispatcher.parked["add"]) == [req] and held(fe) == (1, 4096)
+    assert list(parked(fe, "add")) == [req] and held(fe) == (1, 4096)
     fe.restart(w)
     assert req.state is RS.QUEUED and slot_state(fe, req.slot) is SlotState.READY
     fe.settle()
@@ -816,7 +834,7 @@ def test_a_space_waiter_whose_model_died_waits_for_a_worker_without_blocking_oth
     pair.complete(jobs[0])
     assert fe.deliver()
     door.write(pairs[0])
-    assert add_waiter.state is RS.WAITING and list(fe.dispatcher.parked["add"]) == [add_waiter]
+    assert add_waiter.state is RS.WAITING and list(parked(fe, "add")) == [add_waiter]
     assert pair_waiter.state is RS.QUEUED and not fe.dispatcher.waiting
     assert door.calls_of(add_waiter) == ["waiting"]
     fe.restart(add)  # no space free yet: back in the queue for space
@@ -844,7 +862,7 @@ def test_requests_waiting_for_a_worker_fail_model_unavailable_once_it_cannot_be_
     for req in (uploading, queued, waiting):
         failure = door.failure(req)
         assert failure.code is ErrorCode.MODEL_UNAVAILABLE and "no such file" in failure.message
-    assert held(fe) == (0, 0) and not fe.dispatcher.parked["add"]
+    assert held(fe) == (0, 0) and not parked(fe, "add")
     with pytest.raises(ShmserveError) as info:
         door.infer("add", {"x": floats()})
     assert info.value.code is ErrorCode.MODEL_UNAVAILABLE
@@ -869,7 +887,7 @@ def test_requests_waiting_for_a_worker_are_answered_shutting_down_or_freed_when_
     assert held(fe) == (2, 2 * 4096) and all(r.state is RS.DONE for r in reqs[other]) and not other.answers
     fe.dispatcher.stop_admitting()
     assert [door.failure(r).code for r in reqs[door]] == [ErrorCode.SHUTTING_DOWN] * 3
-    assert held(fe) == (0, 0) and not fe.dispatcher.parked["add"]
+    assert held(fe) == (0, 0) and not parked(fe, "add")
 
 
 def test_a_timed_out_request_of_a_dead_worker_is_freed(fe):
@@ -913,14 +931,14 @@ def test_queue_depths_count_waiting_and_unclaimed_requests_as_queued(make):
     adds = [door.infer("add", {"x": floats()}) for _ in range(3)]
     door.infer("pair", {"a": np.zeros((2, 1), np.int32), "b": np.zeros((2, 1), np.int32)})
     door.infer("add", {"x": floats()})
-    assert fe.dispatcher.queue_depths() == {"add": (4, 3), "pair": (1, 1)}
+    assert fe.dispatcher.queue_depths() == {"add:1": (4, 3), "pair:1": (1, 1)}
     jobs = fe.workers[0].claim()
-    assert fe.dispatcher.queue_depths() == {"add": (1, 3), "pair": (1, 1)}
+    assert fe.dispatcher.queue_depths() == {"add:1": (1, 3), "pair:1": (1, 1)}
     for job in jobs:
         fe.workers[0].complete(job)
     fe.settle()
     assert all(door.results[r]["y"].shape == (16,) for r in adds)
-    assert fe.dispatcher.queue_depths() == {"add": (0, 0), "pair": (0, 0)}
+    assert fe.dispatcher.queue_depths() == {"add:1": (0, 0), "pair:1": (0, 0)}
 
 
 # -- lost connections -------------------------------------------------------------------------
