@@ -235,19 +235,30 @@ def test_a_death_moves_the_worker_on_and_tells_the_front_end(parts, before, retu
         assert (restarts, streak, restart_in) == (5, 2, None) and later == []
 
 
-def test_a_worker_stopped_for_a_reload_comes_back_at_once(parts):
-    """A worker stopped to take new settings is RESTARTING, the front-end is told, and it is
-    respawned on the next loop turn (no back-off, no restart counted)."""
-    def reload(sup, events):
-        w = sup.workers[0]
-        w.state, w.replacing = READY, True
-        _exit(sup, w, 0)
-        return w.state, w.replacing, w.restarts, events, sup.loop.soon, sup.loop.later
+def test_a_retired_worker_takes_its_stop_behind_its_commands_and_is_stopped_for_good_once_it_exits(parts):
+    """Retiring a running worker marks it retiring, pushes what ``before`` pushes and then a STOP
+    entry on its ring, and schedules its termination after the drain time; its exit stops it for
+    good (the front-end told, no restart scheduled or counted), empties and frees its worker-table
+    entry, and completes the future ``retire`` returned."""
+    entry = layout.command_entry(layout.CMD_ATTACH_LANE, 7)
 
-    state, replacing, restarts, events, soon, later = parts.with_supervisor(reload)
-    assert (state, replacing, restarts) == (RESTARTING, False, 0)
-    assert events == [("exit", 0, "exit 0 (stopped)", RESTARTING)]
-    assert len(soon) == 1 and later == []
+    def retire(sup, events):
+        w = sup.workers[0]
+        w.state, w.proc, w.pidfd = READY, FakeProc(None), os.eventfd(0)
+        stopped = sup.retire(w, 7.0, before=lambda: sup.command(w, entry))
+        pushed = w.submissions.pop_all()
+        [(delay, _, _)] = sup.loop.later
+        os.close(w.pidfd)  # _exit gives it the pidfd its exit is read from
+        _exit(sup, w, 0)
+        table = layout.WORKER.read(sup.arena.buf, sup.arena.geometry.worker_off(0))
+        return (w.retiring, pushed, delay, w.state, w.restarts, events, len(sup.loop.later), w in sup.workers,
+                0 in sup.free_entries, table.state, stopped.done() and stopped.result())
+
+    (retiring, pushed, delay, state, restarts, events, later, listed, free, table_state,
+     stopped) = parts.with_supervisor(retire)
+    assert retiring and pushed == [entry, layout.STOP_ENTRY] and delay == 7.0
+    assert (state, restarts, later) == (STOPPED, 0, 1) and events == [("exit", 0, "exit 0 (stopped)", STOPPED)]
+    assert not listed and free and table_state == layout.WORKER_EMPTY and stopped is True
 
 
 def test_commands_reach_only_a_running_worker_and_wait_for_room(parts):
@@ -263,7 +274,7 @@ def test_commands_reach_only_a_running_worker_and_wait_for_room(parts):
         got = []
         sup.command(w, entry)  # no process
         got.append(w.submissions.pop_all())
-        w.proc, w.state = FakeProc(None), FAILED
+        w.proc, w.pidfd, w.state = FakeProc(None), os.eventfd(0), FAILED  # a process: its pidfd is watched
         sup.command(w, entry)
         got.append(w.submissions.pop_all())
         w.state = READY
@@ -278,6 +289,7 @@ def test_commands_reach_only_a_running_worker_and_wait_for_room(parts):
         got.append(w.submissions.pop_all())
         retry(*args)
         got.append(w.submissions.pop_all())
+        os.close(w.pidfd)
         return got, delay, w.submissions.capacity
 
     got, delay, capacity = parts.with_supervisor(commands)
