@@ -337,7 +337,7 @@ def test_metrics_json_logs_and_reload(tmp_path):
                         extra_args=["--metrics", metrics, "--log-format", "json"]).start()
     try:
         m0 = scrape(metrics)
-        key = ("shmserve_requests_total", (("model", "identity"), ("outcome", "ok")))
+        key = ("shmserve_requests_total", (("model", "identity"), ("outcome", "ok"), ("version", "1")))
         with srv.client() as c:
             for _ in range(7):
                 c.infer("identity", {"x": np.ones(10, np.uint8)})
@@ -345,8 +345,9 @@ def test_metrics_json_logs_and_reload(tmp_path):
                 c.infer("identity", {"x": np.ones(10, np.float32)})
         m1 = scrape(metrics)
         assert m1[key] - m0.get(key, 0) == 7
-        assert m1[("shmserve_requests_total", (("model", "identity"), ("outcome", "bad_dtype")))] == 1
-        count = ("shmserve_request_stage_seconds_count", (("model", "identity"), ("stage", "total")))
+        # refused in submit: counted without a version
+        assert m1[("shmserve_requests_total", (("model", "identity"), ("outcome", "bad_dtype"), ("version", "")))] == 1
+        count = ("shmserve_request_stage_seconds_count", (("model", "identity"), ("stage", "total"), ("version", "1")))
         assert m1[count] - m0.get(count, 0) == 7
         assert m1[("shmserve_slots", ())] > 0 and ("shmserve_arena_bytes_in_use", ()) in m1
         with srv.client() as c:  # lane calls skip the front-end: the workers' counters see them
@@ -362,7 +363,7 @@ def test_metrics_json_logs_and_reload(tmp_path):
             total(m1, "shmserve_worker_requests_total", outcome="ok") == 5
         assert total(m2, "shmserve_lanes", model="identity") == 1
         assert m2[key] == m1[key]
-        # reload: a bad config keeps the old one; a good one restarts the changed model
+        # reload: a bad config keeps the old one; a good one replaces the changed model's workers
         keeper = srv.client()  # a lane open across the reload moves to the restarted worker
         kept = keeper.zero_copy("identity", {"x": ((3,), np.uint8)})
         kept.inputs["x"][...] = 2
@@ -373,7 +374,8 @@ def test_metrics_json_logs_and_reload(tmp_path):
         srv.config_path.write_text(config.replace("max_output_bytes = 1048576", "max_output_bytes = 2097152"))
         old_pid = srv.info()["workers"][0]["pid"]
         srv.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: "reload: done (1 model(s) restarted)" in srv.log(), what="the reload")
+        wait_for(lambda: "reload: done (replaced the workers of identity:1 (new settings))" in srv.log(),
+                 what="the reload")
         wait_for(lambda: (w := srv.info()["workers"][0])["state"] == "ready" and w["pid"] != old_pid,
                  what="the restarted worker")
         with srv.client() as c:
