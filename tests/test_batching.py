@@ -134,7 +134,7 @@ def test_batch_size_metrics_match_the_arena_counters(server):
 
     runs, reqs = batch_stats(server, "double")
     metrics = scrape(server.metrics)
-    assert metrics[("shmserve_batch_size_count", (("model", "double"),))] == runs
-    assert metrics[("shmserve_batch_size_sum", (("model", "double"),))] == reqs
-    served = metrics[("shmserve_requests_total", (("model", "double"), ("outcome", "ok")))]
+    assert metrics[("shmserve_batch_size_count", (("model", "double"), ("version", "1")))] == runs
+    assert metrics[("shmserve_batch_size_sum", (("model", "double"), ("version", "1")))] == reqs
+    served = metrics[("shmserve_requests_total", (("model", "double"), ("outcome", "ok"), ("version", "1")))]
     assert reqs == served > runs > 0
