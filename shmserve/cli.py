@@ -508,6 +508,25 @@ def _steps(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected percentages like 1,5,25,100, got {text!r}") from None
 
 
+def _with_lifecycle(snap: dict) -> dict:
+    """``snap`` with ``lifecycle``: a live owner's model versions, canaries and recent decisions
+    (its ``repository`` answer, asked over its socket), or None (dead, unreachable, or not ours
+    to ask)."""
+    snap["lifecycle"] = None
+    if snap.get("owner_alive") and snap.get("socket"):
+        from shmserve.client import Client
+        from shmserve.errors import ShmserveError
+
+        try:
+            with Client(snap["socket"], timeout=2.0) as client:
+                answer = client.repository()
+            snap["lifecycle"] = {"models": answer.get("models", []), "canaries": answer.get("canaries", {}),
+                                 "events": answer.get("events", [])[-50:]}
+        except (ShmserveError, OSError, ValueError):
+            pass
+    return snap
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from shmserve import inspection, stale
     from shmserve.arena import ArenaError, ArenaNotFound
@@ -523,7 +542,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         snaps, errors = [], []
         for name in instances():
             try:
-                snaps.append(inspection.snapshot(name, stuck_after_s=args.stuck_after))
+                snaps.append(_with_lifecycle(inspection.snapshot(name, stuck_after_s=args.stuck_after)))
             except ArenaNotFound as exc:
                 errors.append((EXIT_NO_SERVER, str(exc)))
             except ArenaError as exc:
@@ -542,7 +561,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
             head = Text(f"{stamp}  refreshing every {args.watch:g} s (Ctrl-C to stop)", style="dim")
             errors = [Text(f"shmserve inspect: {message}", style="red") for _, message in state["errors"]]
-            return Group(head, *[inspection.render(s) for s in state["instances"]], *errors)
+            return Group(head, *[inspection.render(s) for s in state["instances"]],
+                         *[inspection.render_lifecycle(s["lifecycle"]) for s in state["instances"] if s["lifecycle"]],
+                         *errors)
 
         with Live(view(state), refresh_per_second=4) as live:
             while True:
@@ -561,6 +582,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         console = Console()
         for snap in state["instances"]:
             console.print(inspection.render(snap))
+            if snap["lifecycle"]:
+                console.print(inspection.render_lifecycle(snap["lifecycle"]))
         for left in state["leftovers"]:
             if left["refused"]:
                 print(f"not ours: /dev/shm/{left['name']} ({left['refused']})")

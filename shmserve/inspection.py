@@ -83,7 +83,7 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
         name = w.name.rstrip(b"\0").decode("utf-8", "replace")
         names[i] = name
         workers.append({
-            "index": i, "model": name, "device": w.device.rstrip(b"\0").decode("utf-8", "replace"), "pid": w.pid,
+            "index": i, "model": name, "version": w.version, "device": w.device.rstrip(b"\0").decode("utf-8", "replace"), "pid": w.pid,
             "state": layout.WORKER_STATE_NAMES.get(w.state, str(w.state)), "alive": _pid_alive(w.pid),
             "heartbeat_age_s": round((now_mono - w.heartbeat_ns) / 1e9, 3) if w.heartbeat_ns else None,
             "requests": w.requests, "errors": w.errors, "restarts": w.restarts, "crash_streak": w.crash_streak,
@@ -207,6 +207,36 @@ def _batch_range(upper: int) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
+def render_lifecycle(lifecycle: dict):
+    """A rich renderable of a live server's model lifecycle (its ``repository`` answer): versions
+    not plainly ready, canaries, and the latest decisions."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    versions = Table(title="model versions", title_justify="left")
+    for col in ("model", "version", "state", "default", "reason"):
+        versions.add_column(col)
+    for m in lifecycle.get("models", []):
+        versions.add_row(Text(m["name"]), str(m.get("version") or "-"), m["state"], "yes" if m.get("default") else "",
+                         Text(m.get("reason") or ""))
+    parts = [versions]
+    for name, c in sorted(lifecycle.get("canaries", {}).items()):
+        parts.append(Text(f"canary {name}: version {c['candidate']['version']} vs {c['stable']['version']}: "
+                          f"{c['state']}, {c['percent']:g}% ({c['mode']})"))
+    events = Table(title="lifecycle decisions (latest last)", title_justify="left")
+    for col in ("time", "model", "version", "event", "reason"):
+        events.add_column(col)
+    for e in lifecycle.get("events", [])[-EVENTS_SHOWN:]:
+        events.add_row(time.strftime("%H:%M:%S", time.localtime(e["time_unix"])), Text(e["model"]),
+                       str(e["version"]), e["event"], Text(e["reason"]))
+    parts.append(events)
+    return Group(*parts)
+
+
+EVENTS_SHOWN = 20
+
+
 def render(snap: dict):
     """A rich renderable of one snapshot."""
     from rich.console import Group
@@ -227,7 +257,8 @@ def render(snap: dict):
         state = w["state"] if w["alive"] or w["state"] == "dead" else f"{w['state']} (gone)"
         if w["restart_in_s"] is not None:
             state += f", restart in {w['restart_in_s']:.1f} s"
-        workers.add_row(str(w["index"]), Text(w["model"]), Text(w["device"]), str(w["pid"]), state, age, str(w["requests"]),
+        model = f"{w['model']}:{w['version']}" if w.get("version") else w["model"]
+        workers.add_row(str(w["index"]), Text(model), Text(w["device"]), str(w["pid"]), state, age, str(w["requests"]),
                         str(w["errors"]), str(w["restarts"]))
     slots = Table(title="slots", title_justify="left")
     slots.add_column("state")

@@ -253,8 +253,10 @@ class Dispatcher:
         ``payload_bytes``: the inline payload the door holds for it.  ``region``: the door's
         region named by a zero-copy request (``parsed.region``), None if it has none.  Raises
         ShmserveError — the request is refused, holds nothing, and the door answers it — with
-        UNKNOWN_MODEL, SHUTTING_DOWN, MODEL_UNAVAILABLE (its workers cannot load it, or never
-        loaded it: its inputs cannot be checked; a model that is only restarting is waited for),
+        UNKNOWN_MODEL (no such model or loaded version), SHUTTING_DOWN, MODEL_UNAVAILABLE (its
+        workers cannot load it, or the version is draining or unloaded; a version that is only
+        restarting or loading is waited for — one never loaded yet, loaded on demand, is checked
+        against its spec once loaded),
         BAD_INPUT/BAD_DTYPE/BAD_SHAPE, BAD_REGION, BAD_FRAME (payload size), TOO_LARGE, or
         OVERLOADED (the door's limit).
         """

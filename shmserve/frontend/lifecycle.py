@@ -563,13 +563,17 @@ class Lifecycle:
             return False
         seconds = time.monotonic() - started
         version.load_seconds = seconds
-        self.counts[("load", version.name)] += 1
+        self.counts[("load" if ok else "load_failed", version.name)] += 1
         self.seconds[("load", version.name)] += seconds
         self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
                                                        for w in workers), default=0.0)
-        set_phase(version, SERVING, f"loaded in {seconds:.2f} s" + (f" ({by})" if by else ""))
+        if ok:
+            set_phase(version, SERVING, f"loaded in {seconds:.2f} s" + (f" ({by})" if by else ""))
+        else:  # start-up: it serves with what is ready; its workers' states say the rest
+            set_phase(version, SERVING, "; ".join(sorted({w.error or w.last_exit or "not ready"
+                                                          for w in workers if w.state != READY})))
         version.memory = {"measured_bytes": self.footprint(version)}
-        self._event(version, "ready", version.reason)
+        self._event(version, "ready" if ok else "not ready", version.reason)
         self.regions.attach_waiting(version)
         self.dispatcher.settle(version)
         if give_up and self.budget(version.config.device) is not None:
