@@ -119,7 +119,8 @@ class StatusCollector:
             events.add_metric([model, what], n)
         yield events
         spent = CounterMetricFamily("shmserve_model_lifecycle_seconds", "Seconds spent loading (start to all "
-                                    "workers ready) and warming up a model's versions", labels=["model", "what"])
+                                    "workers ready), warming up and evicting (draining) a model's versions",
+                                    labels=["model", "what"])
         for (what, model), n in sorted(seconds.items()):
             spent.add_metric([model, what], n)
         yield spent

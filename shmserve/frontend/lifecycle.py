@@ -525,7 +525,9 @@ class Lifecycle:
             self.counts[("eviction", victim.name)] += 1
             self._event(victim, "evict", f"to make room for {version.key} on {device} "
                                          f"(server.memory_budget.{device} = {budget})")
+            started = time.monotonic()
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
+            self.seconds[("eviction", victim.name)] += time.monotonic() - started
 
     @staticmethod
     def rate(version: ModelState) -> float:
