@@ -565,7 +565,7 @@ class Client(_ClientBase):
              timeout: float | None = None) -> dict:
         """Load ``version`` of ``model`` (default: the newest its policy selects), warm it and make
         it the default; the one serving before drains and is unloaded unless ``keep``.  Waits
-        for all of it (``timeout``: default none).  ShmserveError: PERMISSION_DENIED,
+        for all of it (``timeout``: default ``LIFECYCLE_TIMEOUT_S``, 900 s).  ShmserveError: PERMISSION_DENIED,
         UNKNOWN_MODEL, MODEL_UNAVAILABLE (it did not load: why; the old one still serves), ..."""
         return self._control(Kind.LOAD, model, timeout, version=version, instances=instances, keep=keep or None)
 

@@ -114,7 +114,8 @@ class StatusCollector:
         counts = snap.lifecycle.get("counts", {})
         seconds = snap.lifecycle.get("seconds", {})
         events = CounterMetricFamily("shmserve_model_lifecycle_events", "Loads, failed loads and evictions of a "
-                                     "model's versions", labels=["model", "event"])
+                                     "model's versions, and canary decisions (canary_step, canary_complete, "
+                                     "canary_rollback, canary_promote, canary_abort)", labels=["model", "event"])
         for (what, model), n in sorted(counts.items()):
             events.add_metric([model, what], n)
         yield events
@@ -125,23 +126,15 @@ class StatusCollector:
             spent.add_metric([model, what], n)
         yield spent
         for m in snap.models:
-            if m.memory_bytes is not None:
+            if m.memory_bytes is not None and m.phase == "ready":
                 memory.add_metric([m.name, str(m.version)], m.memory_bytes)
         yield memory
         canary = GaugeMetricFamily("shmserve_canary_percent", "Share of a model's traffic on its canary "
                                    "candidate (0 once rolled back or aborted, 100 once complete)",
                                    labels=["model", "candidate", "state"])
-        decisions = CounterMetricFamily("shmserve_canary_decisions", "Canary decisions (step, complete, "
-                                        "rollback, abort, promote)", labels=["model", "decision"])
         for model, c in sorted(snap.lifecycle.get("canaries", {}).items()):
             canary.add_metric([model, str(c["candidate"]["version"]), str(c["state"])], float(c["percent"]))
-            kinds: dict = {}
-            for d in c.get("decisions", ()):
-                kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
-            for kind, n in sorted(kinds.items()):
-                decisions.add_metric([model, kind], n)
         yield canary
-        yield decisions
 
 
 def _cumulative(counts, scale: float) -> list:

@@ -246,7 +246,11 @@ class Frontend:
         arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin.
         """
         if self.config_path is None:
-            log.warning("reload: started without --config; nothing to reload")
+            if self.config.model_repository:  # serve --model-repository alone: look at the repository again
+                done = await self.lifecycle.apply()
+                log.info("reload: repository read again (%s)", "; ".join(done) or "no model changed")
+            else:
+                log.warning("reload: started without --config or --model-repository; nothing to reload")
             return
         from shmserve import config as cfgmod
 

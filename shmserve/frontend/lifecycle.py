@@ -228,9 +228,10 @@ class Lifecycle:
             model.on_demand = model.on_demand or cfg.load == "on_demand"
             if not await self._start_version(current, give_up=True, by=by):
                 still = model.current
+                serves = still is not None and still is not current and still.phase == SERVING
                 raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"version {cfg.version} of model {name!r} did not "
                                                                  f"load: {current.reason}" +
-                                    (f"; version {still.version} still serves" if still is not None else ""))
+                                    (f"; version {still.version} still serves" if serves else ""))
             current.explicit = True
             await self._make_default(model, current, keep, by)
             return current
@@ -541,6 +542,7 @@ class Lifecycle:
         demand); otherwise (start-up) the workers that failed stay as the supervisor left them
         (restarting with back-off, or failed) and the version is SERVING regardless."""
         set_phase(version, LOADING, f"loading{' (' + by + ')' if by else ''}")
+        version.drain_failure = None
         self._event(version, "load", by or "start-up")
         started = time.monotonic()
         try:
@@ -575,6 +577,7 @@ class Lifecycle:
             set_phase(version, SERVING, "; ".join(sorted({w.error or w.last_exit or "not ready"
                                                           for w in workers if w.state != READY})))
         version.memory = {"measured_bytes": self.footprint(version)}
+        version.last_used = max(version.last_used, time.monotonic())  # loaded counts as used (residency)
         self._event(version, "ready" if ok else "not ready", version.reason)
         self.regions.attach_waiting(version)
         self.dispatcher.settle(version)
@@ -614,7 +617,10 @@ class Lifecycle:
         model = self.models.by_name[version.name]
         if model.default == version.version:
             newest = max((v for v in model.serving() if v is not version), key=lambda v: v.version, default=None)
-            model.default = newest.version if newest is not None else None
+            if newest is not None:
+                model.default = newest.version
+            elif not (to == EVICTED and version.config.load == "on_demand"):
+                model.default = None  # an evicted on-demand default stays: a request loads it again
             if newest is not None:
                 self.regions.adopt_lanes(newest)
         target = model.current
