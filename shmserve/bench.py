@@ -197,11 +197,13 @@ def summarize(samples: list[float], wall: float, size: int) -> dict:
             "max_us": round(float(arr.max()), 1), "rps": round(rps, 1), "GBps": round(rps * size / 1e9, 3)}
 
 
-def swap_client_main(path: str, mode: str, size: int, duration: float, model: str) -> None:
+def swap_client_main(path: str, mode: str, size: int, duration: float, model: str, check: bool) -> None:
     """One client of ``--during-swap`` (a child process): connects and warms up, says "ready";
     on each "go" line on stdin it measures a phase and prints its JSON (latencies in µs, its
     window, its failed requests by error code): the first phase lasts ``duration`` seconds, the
-    second until a "stop" line arrives.  A failed request is counted, never fatal."""
+    second until a "stop" line arrives.  A failed request is counted, never fatal.  With
+    ``check`` (the spawned ``swap`` model: ``x + version`` back) it also counts the answers by
+    the version that gave them, and the wrong ones (no version's)."""
     import select
 
     from shmserve import Client
@@ -211,13 +213,18 @@ def swap_client_main(path: str, mode: str, size: int, duration: float, model: st
         run, call, x = prepare(c, mode, size, model)
         for phase in ("steady", "during"):
             sys.stdin.readline()
-            samples, errors, first_error = [], {}, None
+            samples, errors, first_error, answers = [], {}, None, {}
             start = time.monotonic()
             while True:
                 t0 = time.perf_counter_ns()
                 try:
-                    run()
+                    out = run()
                     samples.append((time.perf_counter_ns() - t0) / 1e3)
+                    if check:
+                        y = out["y"]
+                        version = (int(y[0]) - int(x[0])) % 256 if y.shape == x.shape and y.size else 0
+                        version = version if np.array_equal(y, x + version) and version else "wrong"
+                        answers[str(version)] = answers.get(str(version), 0) + 1
                 except ShmserveError as exc:
                     errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
                     first_error = first_error or f"{exc.code.name}: {exc}"
@@ -229,23 +236,25 @@ def swap_client_main(path: str, mode: str, size: int, duration: float, model: st
                     break
             end = time.monotonic()
             print(json.dumps({"samples": samples, "errors": errors, "first_error": first_error,
-                              "nbytes": int(x.nbytes), "start": start, "end": end}), flush=True)
+                              "answers": answers, "nbytes": int(x.nbytes), "start": start, "end": end}), flush=True)
         if call is not None:
             call.release()
 
 
 def run_swap(path: str, mode: str, size: int, clients: int, duration: float, model: str,
-             versions: tuple[int, int], swaps: int) -> dict:
+             versions: tuple[int, int], swaps: int, check: bool = False) -> dict:
     """``--during-swap``: the same ``clients`` client processes measure the steady state for
     ``duration`` seconds, then again while a control client makes ``versions[0]`` and
     ``versions[1]`` the default in turn, ``swaps`` times (each ``Client.load`` waits for the new
     version to be warm and the default moved; the old one drains and is unloaded).  A swap that
-    fails ends the swapping; the result says why (``swap_error``)."""
+    fails ends the swapping; the result says why (``swap_error``).  ``check``: the model is the
+    spawned ``swap``; each phase also counts its answers by version, and the wrong ones."""
     from shmserve import Client
     from shmserve.errors import ShmserveError
 
     procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
-                               str(duration), model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               str(duration), model, "check" if check else "-"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
 
     def phase() -> list[dict]:
@@ -293,14 +302,17 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
     for name, reports in (("steady", steady), ("during", during)):
         samples = [s for r in reports for s in r["samples"]]
         wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
-        errors: dict[str, int] = {}
+        errors, answers = {}, {}
         for r in reports:
-            for code, n in r["errors"].items():
-                errors[code] = errors.get(code, 0) + n
+            for total, counts in ((errors, r["errors"]), (answers, r["answers"])):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
         result[name] = summarize(samples or [0.0], wall, steady[0]["nbytes"]) | {
             "n": len(samples), "seconds": round(wall, 2), "failed": sum(errors.values()), "errors": errors,
-            "first_error": next((r["first_error"] for r in reports if r["first_error"]), None)}
+            "first_error": next((r["first_error"] for r in reports if r["first_error"]), None),
+            "answers": dict(sorted(answers.items())), "wrong": answers.get("wrong", 0)}
     result["failed"] = result["steady"]["failed"] + result["during"]["failed"]
+    result["wrong"] = result["steady"]["wrong"] + result["during"]["wrong"]
     result["ratio"] = {key: round(result["during"][key] / result["steady"][key], 2) if result["steady"][key] else None
                        for key in ("p50_us", "p99_us", "max_us", "rps")}
     result["swap_median_s"] = round(statistics.median(swap_seconds), 3) if swap_seconds else None
@@ -558,6 +570,10 @@ def print_swap(r: dict, model: str, mode: str) -> None:
               f"{ph['max_us']} | {ph['rps']} |")
     ratio = r["ratio"]
     print(f"| during / steady | | | | {ratio['p50_us']} | {ratio['p99_us']} | {ratio['max_us']} | {ratio['rps']} |")
+    if r["steady"]["answers"] or r["during"]["answers"]:
+        print("\nanswers by version: " + "; ".join(
+            f"{name} " + ", ".join(f"{'v' if v != 'wrong' else ''}{v} {n}" for v, n in r[name]["answers"].items())
+            for name in ("steady", "during")) + f" (wrong: {r['wrong']})")
     if r["swap_seconds"]:
         print(f"\nswaps: {len(r['swap_seconds'])}, median {r['swap_median_s']} s, max {r['swap_max_s']} s "
               "(each: the other version loaded and warmed, the default moved, the old one drained)")
@@ -736,7 +752,7 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
         try:
             progress.step(f"steady, then {args.during_swap} swaps of {model}")
             r = run_swap(path, args.mode, size, args.clients[0], args.duration or 10.0, model, versions,
-                         args.during_swap)
+                         args.during_swap, check=bool(args.spawn_server) and model == SWAP_MODEL)
         finally:
             progress.close()
     finally:
@@ -753,12 +769,14 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
         print(json.dumps(report))
     else:
         print_swap(r, model, args.mode)
-    failed = r["failed"] or r["swap_error"]
+    failed = r["failed"] or r["wrong"] or r["swap_error"]
     if r["failed"]:
         errors = ", ".join(f"{phase} {code} {n}" for phase in ("steady", "during")
                            for code, n in r[phase]["errors"].items())
         first = r["during"]["first_error"] or r["steady"]["first_error"]
         print(f"shmserve bench: FAILED: {r['failed']} requests failed ({errors}); first: {first}", file=sys.stderr)
+    if r["wrong"]:
+        print(f"shmserve bench: FAILED: {r['wrong']} answers came from no version", file=sys.stderr)
     if r["swap_error"]:
         print(f"shmserve bench: FAILED: {r['swap_error']}", file=sys.stderr)
     return EXIT_FAILURE if failed else 0
@@ -770,7 +788,8 @@ if __name__ == "__main__":
             client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
                         sys.argv[7], float(sys.argv[8]))
         elif len(sys.argv) > 1 and sys.argv[1] == "--swap-client":
-            swap_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6])
+            swap_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
+                             sys.argv[7] == "check")
         else:
             sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: each client leaves quietly

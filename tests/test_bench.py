@@ -128,7 +128,8 @@ def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_p
 
 def test_bench_during_swap_measures_steady_state_and_swaps_in_one_run(tmp_path):
     """``--during-swap 3``: the same two clients measure the steady state, then the same while the
-    spawned repository's model moves between versions 1 and 2 three times; nothing fails."""
+    spawned repository's model moves between versions 1 and 2 three times; nothing fails and
+    every answer is one version's."""
     out = tmp_path / "swap.json"
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--during-swap", "3",
                         "--duration", "0.5", "--clients", "2", "--json-out", str(out)],
@@ -144,9 +145,13 @@ def test_bench_during_swap_measures_steady_state_and_swaps_in_one_run(tmp_path):
         ph = swap[phase]
         assert ph["n"] > 0 and ph["failed"] == 0 and ph["errors"] == {} and ph["first_error"] is None
         assert 0 < ph["p50_us"] <= ph["p99_us"] <= ph["max_us"] and ph["rps"] > 0 and ph["seconds"] > 0
+    # each version answers x + version: the default (2) alone before, no answer from neither
+    assert swap["steady"]["answers"] == {"2": swap["steady"]["n"]} and swap["wrong"] == 0
+    during = swap["during"]
+    assert set(during["answers"]) <= {"1", "2"} and sum(during["answers"].values()) == during["n"]
     assert set(swap["ratio"]) == {"p50_us", "p99_us", "max_us", "rps"} and all(swap["ratio"].values())
     assert "| steady state |" in r.stdout and "| during 3 swaps |" in r.stdout and "| during / steady |" in r.stdout
-    assert "swaps: 3, median" in r.stdout and "FAILED" not in r.stderr
+    assert "swaps: 3, median" in r.stdout and "(wrong: 0)" in r.stdout and "FAILED" not in r.stderr
     assert not bench_names(report["run_id"])
 
 
