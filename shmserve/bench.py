@@ -27,8 +27,9 @@ forth (``Client.load``, each waiting for its load to return).  It reports both
 phases' p50/p99/max and requests/s, their ratio, the failed requests (any is a
 failure of the run: exit 1) and the swap durations.  ``--spawn-server`` serves
 a temporary model repository holding ``swap`` (uint8 in, ``x + version`` out,
-versions 1 and 2); against a running server ``--model`` names a model with at
-least two versions.
+versions 1 and 2), and the clients also count answers by version (one that is
+no version's fails the run too); against a running server ``--model`` names a
+model with at least two versions.
 
 Must not: start anything it does not own (``--spawn-server`` starts and stops
 its own server on a temporary socket), or leave segments in /dev/shm.
