@@ -20,6 +20,17 @@ latency counts from when it was due, so a server that falls behind shows it).
 GB/s counts request payload bytes (the same amount comes back).  Machines here
 are shared and noisy: compare ratios within one run, not numbers across runs.
 
+``--during-swap [N]`` measures something else, in one run with the same client
+processes and payload: the steady state for ``--duration`` seconds, then the
+same while a control client moves the model's default version N times back and
+forth (``Client.load``, each waiting for its load to return).  It reports both
+phases' p50/p99/max and requests/s, their ratio, the failed requests (any is a
+failure of the run: exit 1) and the swap durations.  ``--spawn-server`` serves
+a temporary model repository holding ``swap`` (uint8 in, ``x + version`` out,
+versions 1 and 2), and the clients also count answers by version (one that is
+no version's fails the run too); against a running server ``--model`` names a
+model with at least two versions.
+
 Must not: start anything it does not own (``--spawn-server`` starts and stops
 its own server on a temporary socket), or leave segments in /dev/shm.
 """
@@ -92,6 +103,25 @@ def make_input(spec: dict, size: int, rng) -> tuple[str, np.ndarray]:
 WARMUP = 20  # requests per client before it reports ready
 
 
+def prepare(c, mode: str, size: int, model: str):
+    """(run, call, x): one request of ``model`` on client ``c`` as a callable (``call``: its
+    zero-copy call to release at the end, None inline; ``x``: the input), after ``WARMUP`` of
+    them; then says "ready" on stdout."""
+    spec = next(m for m in c.models() if m["name"] == model)
+    name, x = make_input(spec, size, np.random.default_rng(os.getpid()))
+    if mode == "inline":
+        run = lambda: c.infer(model, {name: x})  # noqa: E731
+        call = None
+    else:
+        call = c.zero_copy(model, {name: (x.shape, x.dtype)})
+        call.inputs[name][...] = x
+        run = call.run
+    for _ in range(WARMUP):
+        run()
+    print("ready", flush=True)
+    return run, call, x
+
+
 def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str,
                 rate: float = 0.0) -> None:
     """One benchmark client (a child process): connects and warms up, says "ready", waits for
@@ -103,18 +133,7 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
 
     samples = []
     with Client(path, timeout=120) as c:
-        spec = next(m for m in c.models() if m["name"] == model)
-        name, x = make_input(spec, size, np.random.default_rng(os.getpid()))
-        if mode == "inline":
-            run = lambda: c.infer(model, {name: x})  # noqa: E731
-            call = None
-        else:
-            call = c.zero_copy(model, {name: (x.shape, x.dtype)})
-            call.inputs[name][...] = x
-            run = call.run
-        for _ in range(WARMUP):
-            run()
-        print("ready", flush=True)
+        run, call, x = prepare(c, mode, size, model)
         sys.stdin.readline()
         start = time.monotonic()
         deadline = start + duration if duration else None
@@ -177,6 +196,129 @@ def summarize(samples: list[float], wall: float, size: int) -> dict:
     return {"n": len(samples), "p50_us": round(float(np.percentile(arr, 50)), 1),
             "p90_us": round(float(np.percentile(arr, 90)), 1), "p99_us": round(float(np.percentile(arr, 99)), 1),
             "max_us": round(float(arr.max()), 1), "rps": round(rps, 1), "GBps": round(rps * size / 1e9, 3)}
+
+
+def swap_client_main(path: str, mode: str, size: int, duration: float, model: str, check: bool) -> None:
+    """One client of ``--during-swap`` (a child process): connects and warms up, says "ready";
+    on each "go" line on stdin it measures a phase and prints its JSON (latencies in µs, its
+    window, its failed requests by error code): the first phase lasts ``duration`` seconds, the
+    second until a "stop" line arrives.  A failed request is counted, never fatal.  With
+    ``check`` (the spawned ``swap`` model: ``x + version`` back) it also counts the answers by
+    the version that gave them, and the wrong ones (no version's)."""
+    import select
+
+    from shmserve import Client
+    from shmserve.errors import ShmserveError
+
+    with Client(path, timeout=120) as c:
+        run, call, x = prepare(c, mode, size, model)
+        for phase in ("steady", "during"):
+            sys.stdin.readline()
+            samples, errors, first_error, answers = [], {}, None, {}
+            start = time.monotonic()
+            while True:
+                t0 = time.perf_counter_ns()
+                try:
+                    out = run()
+                    samples.append((time.perf_counter_ns() - t0) / 1e3)
+                    if check:
+                        y = out["y"]
+                        version = (int(y[0]) - int(x[0])) % 256 if y.shape == x.shape and y.size else 0
+                        version = version if np.array_equal(y, x + version) and version else "wrong"
+                        answers[str(version)] = answers.get(str(version), 0) + 1
+                except ShmserveError as exc:
+                    errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                    first_error = first_error or f"{exc.code.name}: {exc}"
+                if phase == "steady":
+                    if time.monotonic() - start >= duration:
+                        break
+                elif select.select([sys.stdin], [], [], 0)[0]:
+                    sys.stdin.readline()
+                    break
+            end = time.monotonic()
+            print(json.dumps({"samples": samples, "errors": errors, "first_error": first_error,
+                              "answers": answers, "nbytes": int(x.nbytes), "start": start, "end": end}), flush=True)
+        if call is not None:
+            call.release()
+
+
+def run_swap(path: str, mode: str, size: int, clients: int, duration: float, model: str,
+             versions: tuple[int, int], swaps: int, check: bool = False) -> dict:
+    """``--during-swap``: the same ``clients`` client processes measure the steady state for
+    ``duration`` seconds, then again while a control client makes ``versions[0]`` and
+    ``versions[1]`` the default in turn, ``swaps`` times (each ``Client.load`` waits for the new
+    version to be warm and the default moved; the old one drains and is unloaded).  A swap that
+    fails ends the swapping; the result says why (``swap_error``).  ``check``: the model is the
+    spawned ``swap``; each phase also counts its answers by version, and the wrong ones."""
+    from shmserve import Client
+    from shmserve.errors import ShmserveError
+
+    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
+                               str(duration), model, "check" if check else "-"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(clients)]
+
+    def phase() -> list[dict]:
+        reports = []
+        for p in procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a benchmark client failed (exit {p.wait()})")
+            reports.append(json.loads(line))
+        return reports
+
+    def tell(word: str) -> None:
+        for p in procs:
+            p.stdin.write(word + "\n")
+            p.stdin.flush()
+
+    swap_seconds, swap_error = [], None
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a benchmark client failed to start (exit {p.wait()})")
+        tell("go")
+        steady = phase()
+        tell("go")
+        try:
+            with Client(path, timeout=120) as control:
+                for i in range(swaps):
+                    t0 = time.monotonic()
+                    control.load(model, version=versions[i % 2])
+                    swap_seconds.append(time.monotonic() - t0)
+        except ShmserveError as exc:
+            swap_error = f"swap {len(swap_seconds) + 1} to version {versions[len(swap_seconds) % 2]}: {exc}"
+        tell("stop")
+        during = phase()
+        for p in procs:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    result = {"tensor_bytes": steady[0]["nbytes"], "swaps": swaps, "versions": list(versions),
+              "swap_seconds": [round(t, 3) for t in swap_seconds], "swap_error": swap_error}
+    for name, reports in (("steady", steady), ("during", during)):
+        samples = [s for r in reports for s in r["samples"]]
+        wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+        errors, answers = {}, {}
+        for r in reports:
+            for total, counts in ((errors, r["errors"]), (answers, r["answers"])):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        result[name] = summarize(samples or [0.0], wall, steady[0]["nbytes"]) | {
+            "n": len(samples), "seconds": round(wall, 2), "failed": sum(errors.values()), "errors": errors,
+            "first_error": next((r["first_error"] for r in reports if r["first_error"]), None),
+            "answers": dict(sorted(answers.items())), "wrong": answers.get("wrong", 0)}
+    result["failed"] = result["steady"]["failed"] + result["during"]["failed"]
+    result["wrong"] = result["steady"]["wrong"] + result["during"]["wrong"]
+    result["ratio"] = {key: round(result["during"][key] / result["steady"][key], 2) if result["steady"][key] else None
+                       for key in ("p50_us", "p99_us", "max_us", "rps")}
+    result["swap_median_s"] = round(statistics.median(swap_seconds), 3) if swap_seconds else None
+    result["swap_max_s"] = round(max(swap_seconds), 3) if swap_seconds else None
+    return result
 
 
 # -- floors -----------------------------------------------------------------------------------
@@ -251,17 +393,44 @@ def memcpy_floor(size: int, reps: int) -> float:
 
 # -- the server it may own ---------------------------------------------------------------------
 
-def spawn_server(workdir: Path) -> tuple[subprocess.Popen, str]:
+SWAP_MODEL = "swap"  # --during-swap --spawn-server: versions 1 and 2 of it, in a temporary repository
+SWAP_MODULE = """def f(inputs):
+    return {{"y": inputs["x"] + {version}}}  # each version answers differently
+
+
+f.inputs = [{{"name": "x", "dtype": "uint8", "shape": ["n"]}}]
+f.outputs = [{{"name": "y", "dtype": "uint8", "shape": ["n"]}}]
+"""
+
+
+def swap_repository(workdir: Path) -> Path:
+    """A model repository holding ``swap`` (python, two workers like ``identity``; uint8 ``x`` in,
+    ``x + version`` out), versions 1 and 2, both served at start (version 2 the default)."""
+    root = workdir / "repository"
+    (root / SWAP_MODEL).mkdir(parents=True)
+    (root / SWAP_MODEL / "config.toml").write_text('backend = "python"\npath = "swapmodel:f"\n'
+                                                   'version_policy = "all"\ninstances = 2\n')
+    for version in (1, 2):
+        (root / SWAP_MODEL / str(version)).mkdir()
+        (root / SWAP_MODEL / str(version) / "swapmodel.py").write_text(SWAP_MODULE.format(version=version))
+    return root
+
+
+def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
+    ``swap`` only the model repository of ``swap_repository``."""
     from shmserve import Client
     from shmserve.errors import ConnectionClosed
 
     instance = f"bench-{RUN_ID}"
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
-    cfg.write_text(f"""[server]
+    server = f"""[server]
 instance = "{instance}"
 max_request_bytes = {200 << 20}
-[[models]]
+"""
+    cfg.write_text(server + f"model_repository = {json.dumps(str(swap_repository(workdir)))}\n" if swap else
+                   server + f"""[[models]]
 name = "identity"
 backend = "python"
 path = "shmserve.models:identity"
@@ -366,6 +535,51 @@ def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, st
     return wanted or (MODEL if MODEL in names else names[0]), None
 
 
+def swap_versions(path: str, model: str) -> tuple[tuple[int, int] | None, tuple[int, str] | None]:
+    """((other, default), None): the versions ``--during-swap`` alternates for ``model`` at
+    ``path`` — its default and its newest other version; or (None, (exit code, why))."""
+    from shmserve.cli import EXIT_FAILURE
+    from shmserve.client import Client
+    from shmserve.errors import ShmserveError
+
+    try:
+        with Client(path, timeout=30) as client:
+            entry = next((m for m in client.models() if m["name"] == model), None)
+    except ShmserveError as exc:
+        return None, (EXIT_FAILURE, str(exc))
+    versions = sorted(entry.get("versions") or ()) if entry else []
+    others = [v for v in versions if v != entry["version"]] if entry else []
+    if not others:
+        return None, (EXIT_FAILURE, f"--during-swap needs a model with at least two versions; {model!r} has "
+                                    f"{', '.join(map(str, versions)) or 'none'} (serve a model repository with "
+                                    "two versions of it and give --model, or give --spawn-server)")
+    return (others[-1], entry["version"]), None
+
+
+def print_swap(r: dict, model: str, mode: str) -> None:
+    """The ``--during-swap`` table: both phases, their ratio, the swaps."""
+    from shmserve.inspection import plural
+
+    print(f"\nshmserve bench --during-swap {r['swaps']}, model {model} (versions {r['versions'][0]} and "
+          f"{r['versions'][1]} in turn), {human(r['tensor_bytes'])} {mode}, {plural(r['clients'], 'client')} "
+          f"back to back, {plural(os.cpu_count(), 'CPU')}, {time.strftime('%Y-%m-%d')}\n")
+    print("| phase | seconds | requests | failed | p50 µs | p99 µs | max µs | req/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, label in (("steady", "steady state"), ("during", f"during {plural(r['swaps'], 'swap')}")):
+        ph = r[name]
+        print(f"| {label} | {ph['seconds']} | {ph['n']} | {ph['failed']} | {ph['p50_us']} | {ph['p99_us']} | "
+              f"{ph['max_us']} | {ph['rps']} |")
+    ratio = r["ratio"]
+    print(f"| during / steady | | | | {ratio['p50_us']} | {ratio['p99_us']} | {ratio['max_us']} | {ratio['rps']} |")
+    if r["steady"]["answers"] or r["during"]["answers"]:
+        print("\nanswers by version: " + "; ".join(
+            f"{name} " + ", ".join(f"{'v' if v != 'wrong' else ''}{v} {n}" for v, n in r[name]["answers"].items())
+            for name in ("steady", "during")) + f" (wrong: {r['wrong']})")
+    if r["swap_seconds"]:
+        print(f"\nswaps: {len(r['swap_seconds'])}, median {r['swap_median_s']} s, max {r['swap_max_s']} s "
+              "(each: the other version loaded and warmed, the default moved, the old one drained)")
+
+
 def plot(results: list[dict], path: str, title: str) -> None:
     """Latency percentiles (p50, p90, p99) of every case, one group of bars per case."""
     try:
@@ -400,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="examples:\n  shmserve bench --spawn-server\n"
                                        "  shmserve bench --payload 4KiB,1MiB --json-out results.json\n"
                                        "  shmserve bench --payload 4KiB --clients 1,2,4,8 --plot latency.png\n"
-                                       "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n\n" + EXIT_CODES)
+                                       "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n"
+                                       "  shmserve bench --spawn-server --during-swap 20 --clients 2\n\n" + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: $SHMSERVE_SOCKET, else the --instance's socket "
                                     "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
     p.add_argument("--instance", type=instance_name, default="default", help="instance whose default socket to measure")
@@ -408,24 +623,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
-    p.add_argument("--payload", default="64,4KiB,1MiB,16MiB", help="comma-separated sizes")
-    p.add_argument("--mode", choices=("inline", "zero-copy", "both"), default="both", help="how requests travel")
+    p.add_argument("--payload", help="comma-separated sizes (default: 64,4KiB,1MiB,16MiB; --during-swap: 4KiB)")
+    p.add_argument("--mode", choices=("inline", "zero-copy", "both"),
+                   help="how requests travel (default: both; --during-swap: inline)")
     p.add_argument("--clients", type=parse_counts, default=[1], metavar="N[,N...]",
                    help="client processes per case; a list sweeps them (1,2,4,8)")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
-    p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds")
+    p.add_argument("--duration", type=float, default=0.0, help="or: stop each client after this many seconds "
+                                                                "(--during-swap: the steady phase's, default 10)")
     p.add_argument("--rate", type=float, default=0.0, metavar="N",
                    help="requests/s of all clients together, each due at its time (open loop); 0: back to back")
+    p.add_argument("--during-swap", type=int, nargs="?", const=20, metavar="N",
+                   help="steady state, then the same while the model's default version is swapped N times "
+                        "(default 20) back and forth; one payload, mode and client count; --spawn-server serves "
+                        f"model {SWAP_MODEL!r} with versions 1 and 2, else --model names one with two versions")
     p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
     args = p.parse_args(argv)
     if args.rate < 0:
         p.error("--rate must be 0 or more")
+    swapping = args.during_swap is not None
+    if swapping:
+        if args.during_swap < 1:
+            p.error("--during-swap: the number of swaps must be 1 or more")
+        for option, given in (("--rate", args.rate), ("--plot", args.plot), ("--mode both", args.mode == "both"),
+                              ("a list of --clients", len(args.clients) > 1)):
+            if given:
+                p.error(f"--during-swap takes no {option} (one payload, mode and client count, back to back)")
+        if args.duration < 0:
+            p.error("--duration must be 0 or more")
+    args.payload = args.payload or ("4KiB" if swapping else "64,4KiB,1MiB,16MiB")
+    args.mode = args.mode or ("inline" if swapping else "both")
     try:
         sizes = [parse_size(s) for s in args.payload.split(",")]
     except argparse.ArgumentTypeError as exc:
         p.error(f"--payload: {exc}")
+    if swapping and len(sizes) > 1:
+        p.error("--during-swap takes one --payload size")
     for option, target in (("--json-out", args.json_out), ("--plot", args.plot)):
         if target:
             try:
@@ -433,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 p.error(f"{option}: cannot write {target}: {exc.strerror or exc}")
     modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
+    if swapping:
+        return main_swap(args, sizes[0])
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
@@ -492,11 +729,68 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main_swap(args: argparse.Namespace, size: int) -> int:
+    """``shmserve bench --during-swap``: exit 0, or 1 when a request or a swap failed (said loudly)."""
+    from shmserve.cli import EXIT_FAILURE
+
+    tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
+    proc = None
+    try:
+        if args.spawn_server:
+            proc, path = spawn_server(Path(tmp.name), swap=True)
+            model, problem = args.model or SWAP_MODEL, None
+        else:
+            from shmserve.config import resolve_socket
+
+            path = resolve_socket(args.socket, None, args.instance)
+            model, problem = pick_model(path, args.model)
+        if not problem:
+            versions, problem = swap_versions(path, model)
+        if problem:
+            print(f"shmserve bench: {problem[1]}", file=sys.stderr)
+            return problem[0]
+        progress = Progress(1)
+        try:
+            progress.step(f"steady, then {args.during_swap} swaps of {model}")
+            r = run_swap(path, args.mode, size, args.clients[0], args.duration or 10.0, model, versions,
+                         args.during_swap, check=bool(args.spawn_server) and model == SWAP_MODEL)
+        finally:
+            progress.close()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        tmp.cleanup()
+    r.update(payload=size, mode=args.mode, clients=args.clients[0])
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
+              "during_swap": r}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_swap(r, model, args.mode)
+    failed = r["failed"] or r["wrong"] or r["swap_error"]
+    if r["failed"]:
+        errors = ", ".join(f"{phase} {code} {n}" for phase in ("steady", "during")
+                           for code, n in r[phase]["errors"].items())
+        first = r["during"]["first_error"] or r["steady"]["first_error"]
+        print(f"shmserve bench: FAILED: {r['failed']} requests failed ({errors}); first: {first}", file=sys.stderr)
+    if r["wrong"]:
+        print(f"shmserve bench: FAILED: {r['wrong']} answers came from no version", file=sys.stderr)
+    if r["swap_error"]:
+        print(f"shmserve bench: FAILED: {r['swap_error']}", file=sys.stderr)
+    return EXIT_FAILURE if failed else 0
+
+
 if __name__ == "__main__":
     try:
         if len(sys.argv) > 1 and sys.argv[1] == "--client":
             client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
                         sys.argv[7], float(sys.argv[8]))
+        elif len(sys.argv) > 1 and sys.argv[1] == "--swap-client":
+            swap_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
+                             sys.argv[7] == "check")
         else:
             sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: each client leaves quietly

@@ -124,3 +124,53 @@ def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_p
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert piped.returncode == 0 and "[1/3] floor for 64 B" in piped.stderr
     assert "[3/3] inline 64 B x 2 clients" in piped.stderr
+
+
+def test_bench_during_swap_measures_steady_state_and_swaps_in_one_run(tmp_path):
+    """``--during-swap 3``: the same two clients measure the steady state, then the same while the
+    spawned repository's model moves between versions 1 and 2 three times; nothing fails and
+    every answer is one version's."""
+    out = tmp_path / "swap.json"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--during-swap", "3",
+                        "--duration", "0.5", "--clients", "2", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    swap = report["during_swap"]
+    assert report["model"] == "swap" and swap["versions"] == [1, 2] and swap["swaps"] == 3
+    assert swap["clients"] == 2 and swap["mode"] == "inline" and swap["payload"] == swap["tensor_bytes"] == 4096
+    assert swap["failed"] == 0 and swap["swap_error"] is None and len(swap["swap_seconds"]) == 3
+    assert 0 < swap["swap_median_s"] <= swap["swap_max_s"]
+    for phase in ("steady", "during"):
+        ph = swap[phase]
+        assert ph["n"] > 0 and ph["failed"] == 0 and ph["errors"] == {} and ph["first_error"] is None
+        assert 0 < ph["p50_us"] <= ph["p99_us"] <= ph["max_us"] and ph["rps"] > 0 and ph["seconds"] > 0
+    # each version answers x + version: the default (2) alone before, no answer from neither
+    assert swap["steady"]["answers"] == {"2": swap["steady"]["n"]} and swap["wrong"] == 0
+    during = swap["during"]
+    assert set(during["answers"]) <= {"1", "2"} and sum(during["answers"].values()) == during["n"]
+    assert set(swap["ratio"]) == {"p50_us", "p99_us", "max_us", "rps"} and all(swap["ratio"].values())
+    assert "| steady state |" in r.stdout and "| during 3 swaps |" in r.stdout and "| during / steady |" in r.stdout
+    assert "swaps: 3, median" in r.stdout and "(wrong: 0)" in r.stdout and "FAILED" not in r.stderr
+    assert not bench_names(report["run_id"])
+
+
+def test_bench_during_swap_needs_two_versions_and_one_case(tmp_path):
+    """Against a running server the model must have two versions: a one-line error, exit 1;
+    a sweep of payloads or client counts is a usage error."""
+    from helpers.server import serving
+
+    with serving(tmp_path, """
+[[models]]
+name = "echo"
+backend = "python"
+path = "shmserve.models:identity"
+""") as srv:
+        r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--during-swap"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and "needs a model with at least two versions; 'echo' has 1" in r.stderr
+        assert "Traceback" not in r.stderr
+    for extra in (["--payload", "64,4KiB"], ["--clients", "1,2"], ["--mode", "both"]):
+        bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--during-swap", "3", *extra],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--during-swap takes" in bad.stderr, extra
