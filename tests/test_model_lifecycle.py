@@ -1,0 +1,143 @@
+"""Model lifecycle end to end (issue 12), with real server processes over a model repository:
+swaps under load, failed loads, canaries, shadow mode, residency, admin checks and SIGHUP.
+
+Every model here answers ``x + 1000 * version`` (or a variant), so a client can tell which
+version served it."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmserve.errors import ErrorCode, ShmserveError
+
+from conftest import shm_names
+from helpers.server import serving, wait_for
+
+ECHO = """\
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    return {{"y": inputs["x"] + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+BROKEN = "raise RuntimeError('broken at import: version {version}')\n"
+
+
+def add_version(repo: Path, model: str, version: int, body: str = ECHO, config: str = "") -> None:
+    """``repo/<model>/<version>/vmodel.py`` from ``body`` (formatted with the version), and the
+    model's config.toml (python backend, ``vmodel:model``, plus ``config``) if it has none."""
+    d = repo / model / str(version)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "vmodel.py").write_text(body.format(version=version))
+    cfg = repo / model / "config.toml"
+    if not cfg.exists():
+        cfg.write_text('backend = "python"\npath = "vmodel:model"\n' + textwrap.dedent(config))
+
+
+def repo_server_section(repo: Path, extra: str = "") -> str:
+    return f'model_repository = "{repo}"\nversion_drain_timeout_s = 10\n' + textwrap.dedent(extra)
+
+
+def served_version(x: np.ndarray, y: np.ndarray) -> int:
+    """Which version answered ``y`` for ``x`` (AssertionError unless y == x + 1000 * v)."""
+    v = int(round(float(y[0] - x[0]) / 1000))
+    np.testing.assert_allclose(y, x + np.float32(1000 * v), rtol=0, atol=1e-3)
+    return v
+
+
+def versions(c, model: str) -> dict[int, dict]:
+    return {v["version"]: v for v in c.repository()["models"] if v["name"] == model}
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_swap_under_load_is_sharp_and_loses_nothing(tmp_path):
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    with serving(tmp_path, "", server_section=repo_server_section(repo, "max_workers = 8")) as srv:
+        with srv.client() as c:
+            assert served_version(np.zeros(2, np.float32), c.infer("m", {"x": np.zeros(2, np.float32)})["y"]) == 2
+        shm_before, fds_before = shm_names(), fd_count(srv.proc.pid)
+
+        done = [0]  # swaps completed
+        started = [0]  # swaps begun
+        expected = {0: 2}  # swap number -> the version it made the default
+        stop = threading.Event()
+        failures: list[str] = []
+        answers = [0]
+        wrong: list[str] = []
+
+        def client(seed: int):
+            rng = np.random.default_rng(seed)
+            try:
+                with srv.client(timeout=60) as cc:
+                    while not stop.is_set():
+                        n = done[0]
+                        x = rng.uniform(0, 1, 4).astype(np.float32)
+                        y = cc.infer("m", {"x": x}, timeout=60)["y"]
+                        s = started[0]
+                        v = served_version(x, y)
+                        assert v in (1, 2), v
+                        answers[0] += 1
+                        if s == n and v != expected[n]:  # no swap began while it ran: swap n's version
+                            wrong.append(f"after swap {n} (version {expected[n]}) got version {v}")
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported
+                failures.append(repr(exc))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            with srv.client(timeout=120) as admin:
+                for i in range(20):
+                    v = 1 if i % 2 == 0 else 2
+                    expected[i + 1] = v
+                    started[0] = i + 1
+                    reply = admin.load("m", version=v)
+                    assert reply["version"] == v and reply["state"] == "ready", reply
+                    done[0] = i + 1
+                for n in (3, 1):
+                    assert admin.scale("m", n)["workers"] == n
+                    wait_for(lambda: versions(admin, "m")[2]["workers_ready"] == n, f"{n} workers ready")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        assert not failures, failures[:5]
+        assert not wrong, wrong[:5]
+        assert answers[0] > 0
+        with srv.client() as c:
+            live = versions(c, "m")
+            assert live[2]["state"] == "ready" and live[2]["default"] and live[2]["workers"] == 1
+            assert live[1]["state"] == "unloaded"
+        wait_for(lambda: shm_names() == shm_before, "/dev/shm as it began")
+        wait_for(lambda: fd_count(srv.proc.pid) == fds_before,
+                 f"the server's descriptors back to {fds_before}", timeout=30)
+
+
+def test_failed_load_keeps_the_old_version_serving(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2, BROKEN)
+        x = np.arange(3, dtype=np.float32)
+        with srv.client() as c:
+            with pytest.raises(ShmserveError) as err:
+                c.load("m", version=2)
+            assert err.value.code is ErrorCode.MODEL_UNAVAILABLE
+            assert "broken at import: version 2" in err.value.message
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+            live = versions(c, "m")
+            assert live[1]["state"] == "ready" and live[1]["default"]
+            assert live[2]["state"] == "unavailable"
+            assert "broken at import: version 2" in live[2]["reason"]
