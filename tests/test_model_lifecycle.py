@@ -141,3 +141,100 @@ def test_failed_load_keeps_the_old_version_serving(tmp_path):
             assert live[1]["state"] == "ready" and live[1]["default"]
             assert live[2]["state"] == "unavailable"
             assert "broken at import: version 2" in live[2]["reason"]
+
+
+FLAKY = """\
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    x = inputs["x"]
+    if 0 < x[0] < 0.05:  # not 0: warm-up inputs are zeros
+        raise ValueError("flaky candidate")
+    return {{"y": x + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+TERMINAL = ("complete", "rolled_back", "aborted")
+
+
+def drive_until_decided(c, model: str, max_requests: int = 20000) -> tuple[dict, dict[int, int], int]:
+    """Send uniform inputs to ``model`` until its canary ends (bounded); the final status, the
+    answers per version and the number of errors."""
+    rng = np.random.default_rng(12)
+    seen: dict[int, int] = {}
+    errors = 0
+    for i in range(max_requests):
+        x = rng.uniform(0, 1, 2).astype(np.float32)
+        try:
+            v = served_version(x, c.infer(model, {"x": x})["y"])
+            seen[v] = seen.get(v, 0) + 1
+        except ShmserveError:
+            errors += 1
+        if i % 50 == 0:
+            status = c.canary(model, "status")
+            if status["state"] in TERMINAL:
+                return status, seen, errors
+    raise AssertionError(f"the canary did not end within {max_requests} requests: {c.canary(model, 'status')}")
+
+
+PLAN = {"steps": [25, 50, 100], "hold_s": 0.5, "window_s": 5, "min_samples": 100, "max_error_rate_increase": 0.01}
+
+
+def test_canary_rolls_back_a_flaky_candidate_and_completes_a_good_one(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2, FLAKY)
+        add_version(repo, "m", 3)
+        with srv.client() as c:
+            assert c.canary("m", "start", version=2, plan=PLAN)["state"] not in TERMINAL
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "rolled_back", status
+            assert errors > 0 and seen.get(2, 0) > 0
+            assert any("max_error_rate_increase" in d["reason"] for d in status["decisions"]), status["decisions"]
+            live = versions(c, "m")
+            assert live[1]["default"] and live[1]["state"] == "ready"
+            x = np.zeros(2, np.float32) + 0.5
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+
+            c.canary("m", "start", version=3, plan=PLAN)
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "complete", status
+            assert errors == 0 and seen.get(3, 0) > 0
+            wait_for(lambda: versions(c, "m")[3].get("default"), "version 3 the default")
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 3
+
+
+def test_canary_keys_are_sticky(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2)
+        with srv.client() as c:
+            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 20})
+            by_key: dict[str, set[int]] = {}
+            x = np.ones(2, np.float32)
+            for k in range(24):
+                for _ in range(8):
+                    by_key.setdefault(f"key-{k}", set()).add(
+                        served_version(x, c.infer("m", {"x": x}, key=f"key-{k}")["y"]))
+            assert all(len(vs) == 1 for vs in by_key.values()), by_key
+            assert set().union(*by_key.values()) == {1, 2}  # 24 keys at 50 %: both versions serve some
+            assert c.canary("m", "status")["state"] not in TERMINAL
+            assert c.canary("m", "abort")["state"] == "aborted"
+            assert served_version(x, c.infer("m", {"x": x}, key="key-0")["y"]) == 1
+
+
+def test_shadow_clients_get_stable_and_a_mismatching_candidate_rolls_back(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2)  # answers x + 2000: never matches version 1
+        with srv.client() as c:
+            c.canary("m", "start", version=2, plan={"mode": "shadow", "hold_s": 0.5, "window_s": 5,
+                                                    "min_samples": 20, "max_mismatch_rate": 0.0})
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "rolled_back", status
+            assert errors == 0 and set(seen) == {1}, seen  # every client got the stable answer
+            assert status["shadow"]["mismatches"] > 0, status["shadow"]
+            assert versions(c, "m")[1]["default"]
