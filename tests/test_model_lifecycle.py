@@ -238,3 +238,67 @@ def test_shadow_clients_get_stable_and_a_mismatching_candidate_rolls_back(tmp_pa
             assert errors == 0 and set(seen) == {1}, seen  # every client got the stable answer
             assert status["shadow"]["mismatches"] > 0, status["shadow"]
             assert versions(c, "m")[1]["default"]
+
+
+SLOW_ECHO = """\
+import time
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    x = inputs["x"]
+    if x[0] >= 0.5:  # sleeps x[0] seconds (warm-up inputs are zeros)
+        time.sleep(min(float(x[0]), 10.0))
+    return {{"y": x + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+
+
+def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
+    measure = tmp_path / "measure"
+    measure.mkdir()
+    add_version(measure / "repo", "a", 1, SLOW_ECHO)
+    with serving(measure, "", server_section=repo_server_section(measure / "repo")) as srv:
+        with srv.client() as c:
+            one = wait_for(lambda: versions(c, "a")[1].get("memory_bytes"), "a measured memory use")
+    budget = int(one * 2.5)  # two versions fit, three do not
+
+    repo = tmp_path / "repo"
+    for name in "abc":
+        add_version(repo, name, 1, SLOW_ECHO, 'load = "on_demand"\n')
+    x = np.zeros(2, np.float32)
+    section = repo_server_section(repo, f"memory_budget = {{cpu = {budget}}}")
+    with serving(tmp_path, "", server_section=section) as srv:
+        with srv.client() as c:
+            def state(name):
+                return versions(c, name)[1]["state"]
+
+            assert {state(n) for n in "abc"} != {"ready"}  # nothing loaded before its first request
+            for name in "abc":
+                assert served_version(x, c.infer(name, {"x": x})["y"]) == 1
+            wait_for(lambda: state("a") == "evicted", "a (least recently used) evicted")
+            assert state("b") == "ready" and state("c") == "ready"
+
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1  # loaded again on demand
+            wait_for(lambda: state("b") == "evicted", "b evicted for a")
+            assert state("a") == "ready" and state("c") == "ready"
+
+            for _ in range(30):  # a is used most: c would be the victim were it idle
+                c.infer("a", {"x": x})
+            slow_answer: list = []
+
+            def slow():
+                with srv.client(timeout=60) as sc:
+                    xs = np.array([3.0, 0.0], np.float32)
+                    slow_answer.append(served_version(xs, sc.infer("c", {"x": xs})["y"]))
+
+            t = threading.Thread(target=slow)
+            t.start()
+            try:
+                wait_for(lambda: srv.info()["stats"]["slots_in_use"] > 0, "the slow request in flight")
+                assert served_version(x, c.infer("b", {"x": x})["y"]) == 1
+            finally:
+                t.join(60)
+            assert slow_answer == [1]
+            assert state("a") == "evicted", "the busy model c must not be evicted"
+            assert state("c") == "ready" and state("b") == "ready"
