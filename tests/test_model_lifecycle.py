@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shmserve import Client
 from shmserve.errors import ErrorCode, ShmserveError
 
 from conftest import shm_names
@@ -302,3 +303,63 @@ def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
             assert slow_answer == [1]
             assert state("a") == "evicted", "the busy model c must not be evicted"
             assert state("c") == "ready" and state("b") == "ready"
+
+
+def test_control_calls_need_an_admin_and_files_must_stay_in_the_repository(tmp_path):
+    from helpers.other_user import as_nobody, server_nobody_can_reach
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "vmodel.py").write_text(ECHO.format(version=2))
+    (repo / "m" / "2").mkdir()
+    (repo / "m" / "2" / "vmodel.py").symlink_to(outside / "vmodel.py")
+    x = np.ones(2, np.float32)
+
+    with server_nobody_can_reach(tmp_path, repo_server_section(repo, "allow_uids = [65534]")) as srv:
+        def attempts() -> str:  # as nobody: imports nothing new (root's files are not readable)
+            codes = []
+            with Client(srv.socket, timeout=30) as c:
+                y = c.infer("m", {"x": x})["y"]  # serving is open to nobody
+                codes.append(str(int(round(float(y[0] - x[0]) / 1000))))
+                for call in (lambda: c.load("m", version=1), lambda: c.unload("m"), lambda: c.scale("m", 2),
+                             lambda: c.canary("m", "start", version=1), lambda: c.canary("m", "status")):
+                    try:
+                        call()
+                        codes.append("allowed")
+                    except ShmserveError as exc:
+                        codes.append(exc.code.name)
+            return " ".join(codes)
+
+        answer = as_nobody(attempts)
+        assert answer == "1 " + " ".join(["PERMISSION_DENIED"] * 5), answer
+        with srv.client() as c:
+            live = versions(c, "m")
+            assert live[1]["state"] == "ready" and live[1]["workers"] == 1  # nobody changed nothing
+            with pytest.raises(ShmserveError) as err:
+                c.load("m", version=2)
+            assert err.value.code is ErrorCode.PERMISSION_DENIED, err.value
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+
+
+def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
+    import shutil
+    import signal
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    x = np.ones(2, np.float32)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "n", 3)
+        srv.proc.send_signal(signal.SIGHUP)
+        with srv.client() as c:
+            wait_for(lambda: versions(c, "n").get(3, {}).get("state") == "ready", "n loaded after SIGHUP")
+            assert served_version(x, c.infer("n", {"x": x})["y"]) == 3
+            shutil.rmtree(repo / "n")
+            srv.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: versions(c, "n").get(3, {}).get("state") != "ready", "n unloaded after SIGHUP")
+            with pytest.raises(ShmserveError) as err:
+                c.infer("n", {"x": x})
+            assert err.value.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE), err.value
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
