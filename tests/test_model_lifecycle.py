@@ -57,8 +57,15 @@ def versions(c, model: str) -> dict[int, dict]:
     return {v["version"]: v for v in c.repository()["models"] if v["name"] == model}
 
 
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def fds(pid: int) -> list[str]:
+    """What the process's descriptors refer to (sorted), to compare counts and name a leak."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.append(os.readlink(f"/proc/{pid}/fd/{fd}").split("[")[0])  # socket:[inode] -> socket:
+        except OSError:
+            pass
+    return sorted(found)
 
 
 def test_swap_under_load_is_sharp_and_loses_nothing(tmp_path):
@@ -68,7 +75,7 @@ def test_swap_under_load_is_sharp_and_loses_nothing(tmp_path):
     with serving(tmp_path, "", server_section=repo_server_section(repo, "max_workers = 8")) as srv:
         with srv.client() as c:
             assert served_version(np.zeros(2, np.float32), c.infer("m", {"x": np.zeros(2, np.float32)})["y"]) == 2
-        shm_before, fds_before = shm_names(), fd_count(srv.proc.pid)
+        shm_before, fds_before = shm_names(), fds(srv.proc.pid)
 
         done = [0]  # swaps completed
         started = [0]  # swaps begun
@@ -122,8 +129,11 @@ def test_swap_under_load_is_sharp_and_loses_nothing(tmp_path):
             assert live[2]["state"] == "ready" and live[2]["default"] and live[2]["workers"] == 1
             assert live[1]["state"] == "unloaded"
         wait_for(lambda: shm_names() == shm_before, "/dev/shm as it began")
-        wait_for(lambda: fd_count(srv.proc.pid) == fds_before,
-                 f"the server's descriptors back to {fds_before}", timeout=30)
+        try:
+            # no more than before (the health check's connection may still have been open then)
+            wait_for(lambda: len(fds(srv.proc.pid)) <= len(fds_before), "the server's descriptors as they began")
+        except AssertionError:
+            raise AssertionError(f"descriptors before: {fds_before}, now: {fds(srv.proc.pid)}") from None
 
 
 def test_failed_load_keeps_the_old_version_serving(tmp_path):
@@ -178,7 +188,8 @@ def drive_until_decided(c, model: str, max_requests: int = 20000) -> tuple[dict,
     raise AssertionError(f"the canary did not end within {max_requests} requests: {c.canary(model, 'status')}")
 
 
-PLAN = {"steps": [25, 50, 100], "hold_s": 0.5, "window_s": 5, "min_samples": 100, "max_error_rate_increase": 0.01}
+PLAN = {"steps": [25, 50, 100], "hold_s": 0.5, "window_s": 5, "min_samples": 100, "max_error_rate_increase": 0.01,
+        "max_p99_ratio": 1e6}  # latency on a shared test machine is no signal: errors decide
 
 
 def test_canary_rolls_back_a_flaky_candidate_and_completes_a_good_one(tmp_path):
@@ -212,7 +223,8 @@ def test_canary_keys_are_sticky(tmp_path):
     with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
         add_version(repo, "m", 2)
         with srv.client() as c:
-            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 20})
+            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 20,
+                                                      "max_p99_ratio": 1e6})
             by_key: dict[str, set[int]] = {}
             x = np.ones(2, np.float32)
             for k in range(24):
@@ -233,7 +245,8 @@ def test_shadow_clients_get_stable_and_a_mismatching_candidate_rolls_back(tmp_pa
         add_version(repo, "m", 2)  # answers x + 2000: never matches version 1
         with srv.client() as c:
             c.canary("m", "start", version=2, plan={"mode": "shadow", "hold_s": 0.5, "window_s": 5,
-                                                    "min_samples": 20, "max_mismatch_rate": 0.0})
+                                                    "min_samples": 20, "max_mismatch_rate": 0.0,
+                                                    "max_p99_ratio": 1e6})
             status, seen, errors = drive_until_decided(c, "m")
             assert status["state"] == "rolled_back", status
             assert errors == 0 and set(seen) == {1}, seen  # every client got the stable answer
