@@ -619,11 +619,10 @@ class Lifecycle:
             newest = max((v for v in model.serving() if v is not version), key=lambda v: v.version, default=None)
             if newest is not None:
                 model.default = newest.version
-            elif not (to == EVICTED and version.config.load == "on_demand"):
-                model.default = None  # an evicted on-demand default stays: a request loads it again
-            if newest is not None:
                 self.regions.adopt_lanes(newest)
-        target = model.current
+            elif to != EVICTED:  # an evicted default stays the default: a request for it loads it again
+                model.default = None
+        target = model.current if model.current is not version else None
         timeout = self.config().version_drain_timeout_s
         version.drain_failure = (ErrorCode.MODEL_UNAVAILABLE,
                                  f"version {version.version} of model {version.name!r} was {why}, and this request "

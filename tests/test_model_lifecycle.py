@@ -1,0 +1,378 @@
+"""Model lifecycle end to end (issue 12), with real server processes over a model repository:
+swaps under load, failed loads, canaries, shadow mode, residency, admin checks and SIGHUP.
+
+Every model here answers ``x + 1000 * version`` (or a variant), so a client can tell which
+version served it."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmserve import Client
+from shmserve.errors import ErrorCode, ShmserveError
+
+from conftest import shm_names
+from helpers.server import serving, wait_for
+
+ECHO = """\
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    return {{"y": inputs["x"] + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+BROKEN = "raise RuntimeError('broken at import: version {version}')\n"
+
+
+def add_version(repo: Path, model: str, version: int, body: str = ECHO, config: str = "") -> None:
+    """``repo/<model>/<version>/vmodel.py`` from ``body`` (formatted with the version), and the
+    model's config.toml (python backend, ``vmodel:model``, plus ``config``) if it has none."""
+    d = repo / model / str(version)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "vmodel.py").write_text(body.format(version=version))
+    cfg = repo / model / "config.toml"
+    if not cfg.exists():
+        cfg.write_text('backend = "python"\npath = "vmodel:model"\n' + textwrap.dedent(config))
+
+
+def repo_server_section(repo: Path, extra: str = "") -> str:
+    return f'model_repository = "{repo}"\nversion_drain_timeout_s = 10\n' + textwrap.dedent(extra)
+
+
+def served_version(x: np.ndarray, y: np.ndarray) -> int:
+    """Which version answered ``y`` for ``x`` (AssertionError unless y == x + 1000 * v)."""
+    v = int(round(float(y[0] - x[0]) / 1000))
+    np.testing.assert_allclose(y, x + np.float32(1000 * v), rtol=0, atol=1e-3)
+    return v
+
+
+def versions(c, model: str) -> dict[int, dict]:
+    return {v["version"]: v for v in c.repository()["models"] if v["name"] == model}
+
+
+def fds(pid: int) -> list[str]:
+    """What the process's descriptors refer to (sorted), to compare counts and name a leak."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.append(os.readlink(f"/proc/{pid}/fd/{fd}").split("[")[0])  # socket:[inode] -> socket:
+        except OSError:
+            pass
+    return sorted(found)
+
+
+def test_swap_under_load_is_sharp_and_loses_nothing(tmp_path):
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    with serving(tmp_path, "", server_section=repo_server_section(repo, "max_workers = 8")) as srv:
+        with srv.client() as c:
+            assert served_version(np.zeros(2, np.float32), c.infer("m", {"x": np.zeros(2, np.float32)})["y"]) == 2
+        shm_before, fds_before = shm_names(), fds(srv.proc.pid)
+
+        done = [0]  # swaps completed
+        started = [0]  # swaps begun
+        expected = {0: 2}  # swap number -> the version it made the default
+        stop = threading.Event()
+        failures: list[str] = []
+        answers = [0]
+        wrong: list[str] = []
+
+        def client(seed: int):
+            rng = np.random.default_rng(seed)
+            try:
+                with srv.client(timeout=60) as cc:
+                    while not stop.is_set():
+                        n = done[0]
+                        x = rng.uniform(0, 1, 4).astype(np.float32)
+                        y = cc.infer("m", {"x": x}, timeout=60)["y"]
+                        s = started[0]
+                        v = served_version(x, y)
+                        assert v in (1, 2), v
+                        answers[0] += 1
+                        if s == n and v != expected[n]:  # no swap began while it ran: swap n's version
+                            wrong.append(f"after swap {n} (version {expected[n]}) got version {v}")
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported
+                failures.append(repr(exc))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            with srv.client(timeout=120) as admin:
+                for i in range(20):
+                    v = 1 if i % 2 == 0 else 2
+                    expected[i + 1] = v
+                    started[0] = i + 1
+                    reply = admin.load("m", version=v)
+                    assert reply["version"] == v and reply["state"] == "ready", reply
+                    done[0] = i + 1
+                for n in (3, 1):
+                    assert admin.scale("m", n)["workers"] == n
+                    wait_for(lambda: versions(admin, "m")[2]["workers_ready"] == n, f"{n} workers ready")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        assert not failures, failures[:5]
+        assert not wrong, wrong[:5]
+        assert answers[0] > 0
+        with srv.client() as c:
+            live = versions(c, "m")
+            assert live[2]["state"] == "ready" and live[2]["default"] and live[2]["workers"] == 1
+            assert live[1]["state"] == "unloaded"
+        wait_for(lambda: shm_names() == shm_before, "/dev/shm as it began")
+        try:
+            # no more than before (the health check's connection may still have been open then)
+            wait_for(lambda: len(fds(srv.proc.pid)) <= len(fds_before), "the server's descriptors as they began")
+        except AssertionError:
+            raise AssertionError(f"descriptors before: {fds_before}, now: {fds(srv.proc.pid)}") from None
+
+
+def test_failed_load_keeps_the_old_version_serving(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2, BROKEN)
+        x = np.arange(3, dtype=np.float32)
+        with srv.client() as c:
+            with pytest.raises(ShmserveError) as err:
+                c.load("m", version=2)
+            assert err.value.code is ErrorCode.MODEL_UNAVAILABLE
+            assert "broken at import: version 2" in err.value.message
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+            live = versions(c, "m")
+            assert live[1]["state"] == "ready" and live[1]["default"]
+            assert live[2]["state"] == "unavailable"
+            assert "broken at import: version 2" in live[2]["reason"]
+
+
+FLAKY = """\
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    x = inputs["x"]
+    if 0 < x[0] < 0.05:  # not 0: warm-up inputs are zeros
+        raise ValueError("flaky candidate")
+    return {{"y": x + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+TERMINAL = ("complete", "rolled_back", "aborted")
+
+
+def drive_until_decided(c, model: str, max_requests: int = 20000) -> tuple[dict, dict[int, int], int]:
+    """Send uniform inputs to ``model`` until its canary ends (bounded); the final status, the
+    answers per version and the number of errors."""
+    rng = np.random.default_rng(12)
+    seen: dict[int, int] = {}
+    errors = 0
+    for i in range(max_requests):
+        x = rng.uniform(0, 1, 2).astype(np.float32)
+        try:
+            v = served_version(x, c.infer(model, {"x": x})["y"])
+            seen[v] = seen.get(v, 0) + 1
+        except ShmserveError:
+            errors += 1
+        if i % 50 == 0:
+            status = c.canary(model, "status")
+            if status["state"] in TERMINAL:
+                return status, seen, errors
+    raise AssertionError(f"the canary did not end within {max_requests} requests: {c.canary(model, 'status')}")
+
+
+PLAN = {"steps": [25, 50, 100], "hold_s": 0.5, "window_s": 5, "min_samples": 100, "max_error_rate_increase": 0.01,
+        "max_p99_ratio": 1e6}  # latency on a shared test machine is no signal: errors decide
+
+
+def test_canary_rolls_back_a_flaky_candidate_and_completes_a_good_one(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2, FLAKY)
+        add_version(repo, "m", 3)
+        with srv.client() as c:
+            assert c.canary("m", "start", version=2, plan=PLAN)["state"] not in TERMINAL
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "rolled_back", status
+            assert errors > 0 and seen.get(2, 0) > 0
+            assert any("max_error_rate_increase" in d["reason"] for d in status["decisions"]), status["decisions"]
+            live = versions(c, "m")
+            assert live[1]["default"] and live[1]["state"] == "ready"
+            x = np.zeros(2, np.float32) + 0.5
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+
+            c.canary("m", "start", version=3, plan=PLAN)
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "complete", status
+            assert errors == 0 and seen.get(3, 0) > 0
+            wait_for(lambda: versions(c, "m")[3].get("default"), "version 3 the default")
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 3
+
+
+def test_canary_keys_are_sticky(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2)
+        with srv.client() as c:
+            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 20,
+                                                      "max_p99_ratio": 1e6})
+            by_key: dict[str, set[int]] = {}
+            x = np.ones(2, np.float32)
+            for k in range(24):
+                for _ in range(8):
+                    by_key.setdefault(f"key-{k}", set()).add(
+                        served_version(x, c.infer("m", {"x": x}, key=f"key-{k}")["y"]))
+            assert all(len(vs) == 1 for vs in by_key.values()), by_key
+            assert set().union(*by_key.values()) == {1, 2}  # 24 keys at 50 %: both versions serve some
+            assert c.canary("m", "status")["state"] not in TERMINAL
+            assert c.canary("m", "abort")["state"] == "aborted"
+            assert served_version(x, c.infer("m", {"x": x}, key="key-0")["y"]) == 1
+
+
+def test_shadow_clients_get_stable_and_a_mismatching_candidate_rolls_back(tmp_path):
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "m", 2)  # answers x + 2000: never matches version 1
+        with srv.client() as c:
+            c.canary("m", "start", version=2, plan={"mode": "shadow", "hold_s": 0.5, "window_s": 5,
+                                                    "min_samples": 20, "max_mismatch_rate": 0.0,
+                                                    "max_p99_ratio": 1e6})
+            status, seen, errors = drive_until_decided(c, "m")
+            assert status["state"] == "rolled_back", status
+            assert errors == 0 and set(seen) == {1}, seen  # every client got the stable answer
+            assert status["shadow"]["mismatches"] > 0, status["shadow"]
+            assert versions(c, "m")[1]["default"]
+
+
+SLOW_ECHO = """\
+import time
+import numpy as np
+VERSION = {version}
+def model(inputs):
+    x = inputs["x"]
+    if x[0] >= 0.5:  # sleeps x[0] seconds (warm-up inputs are zeros)
+        time.sleep(min(float(x[0]), 10.0))
+    return {{"y": x + np.float32(VERSION * 1000)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+
+
+def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
+    measure = tmp_path / "measure"
+    measure.mkdir()
+    add_version(measure / "repo", "a", 1, SLOW_ECHO)
+    with serving(measure, "", server_section=repo_server_section(measure / "repo")) as srv:
+        with srv.client() as c:
+            one = wait_for(lambda: versions(c, "a")[1].get("memory_bytes"), "a measured memory use")
+    budget = int(one * 2.5)  # two versions fit, three do not
+
+    repo = tmp_path / "repo"
+    for name in "abc":
+        add_version(repo, name, 1, SLOW_ECHO, 'load = "on_demand"\n')
+    x = np.zeros(2, np.float32)
+    section = repo_server_section(repo, f"memory_budget = {{cpu = {budget}}}")
+    with serving(tmp_path, "", server_section=section) as srv:
+        with srv.client() as c:
+            def state(name):
+                return versions(c, name)[1]["state"]
+
+            assert {state(n) for n in "abc"} != {"ready"}  # nothing loaded before its first request
+            for name in "abc":
+                assert served_version(x, c.infer(name, {"x": x})["y"]) == 1
+            wait_for(lambda: state("a") == "evicted", "a (least recently used) evicted")
+            assert state("b") == "ready" and state("c") == "ready"
+
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1  # loaded again on demand
+            wait_for(lambda: state("b") == "evicted", "b evicted for a")
+            assert state("a") == "ready" and state("c") == "ready"
+
+            for _ in range(30):  # a is used most: c would be the victim were it idle
+                c.infer("a", {"x": x})
+            slow_answer: list = []
+
+            def slow():
+                with srv.client(timeout=60) as sc:
+                    xs = np.array([3.0, 0.0], np.float32)
+                    slow_answer.append(served_version(xs, sc.infer("c", {"x": xs})["y"]))
+
+            t = threading.Thread(target=slow)
+            t.start()
+            try:
+                wait_for(lambda: srv.info()["stats"]["slots_in_use"] > 0, "the slow request in flight")
+                assert served_version(x, c.infer("b", {"x": x})["y"]) == 1
+            finally:
+                t.join(60)
+            assert slow_answer == [1]
+            assert state("a") == "evicted", "the busy model c must not be evicted"
+            assert state("c") == "ready" and state("b") == "ready"
+
+
+def test_control_calls_need_an_admin_and_files_must_stay_in_the_repository(tmp_path):
+    from helpers.other_user import as_nobody, server_nobody_can_reach
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "vmodel.py").write_text(ECHO.format(version=2))
+    (repo / "m" / "2").mkdir()
+    (repo / "m" / "2" / "vmodel.py").symlink_to(outside / "vmodel.py")
+    x = np.ones(2, np.float32)
+
+    with server_nobody_can_reach(tmp_path, repo_server_section(repo, "allow_uids = [65534]")) as srv:
+        def attempts() -> str:  # as nobody: imports nothing new (root's files are not readable)
+            codes = []
+            with Client(srv.socket, timeout=30) as c:
+                y = c.infer("m", {"x": x})["y"]  # serving is open to nobody
+                codes.append(str(int(round(float(y[0] - x[0]) / 1000))))
+                for call in (lambda: c.load("m", version=1), lambda: c.unload("m"), lambda: c.scale("m", 2),
+                             lambda: c.canary("m", "start", version=1), lambda: c.canary("m", "status")):
+                    try:
+                        call()
+                        codes.append("allowed")
+                    except ShmserveError as exc:
+                        codes.append(exc.code.name)
+            return " ".join(codes)
+
+        answer = as_nobody(attempts)
+        assert answer == "1 " + " ".join(["PERMISSION_DENIED"] * 5), answer
+        with srv.client() as c:
+            live = versions(c, "m")
+            assert live[1]["state"] == "ready" and live[1]["workers"] == 1  # nobody changed nothing
+            with pytest.raises(ShmserveError) as err:
+                c.load("m", version=2)
+            assert err.value.code is ErrorCode.PERMISSION_DENIED, err.value
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+
+
+def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
+    import shutil
+    import signal
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1)
+    x = np.ones(2, np.float32)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        add_version(repo, "n", 3)
+        srv.proc.send_signal(signal.SIGHUP)
+        with srv.client() as c:
+            wait_for(lambda: versions(c, "n").get(3, {}).get("state") == "ready", "n loaded after SIGHUP")
+            assert served_version(x, c.infer("n", {"x": x})["y"]) == 3
+            shutil.rmtree(repo / "n")
+            srv.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: versions(c, "n").get(3, {}).get("state") != "ready", "n unloaded after SIGHUP")
+            with pytest.raises(ShmserveError) as err:
+                c.infer("n", {"x": x})
+            assert err.value.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE), err.value
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
