@@ -376,3 +376,37 @@ def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
                 c.infer("n", {"x": x})
             assert err.value.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE), err.value
             assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
+
+
+def test_the_async_client_loads_scales_and_unloads_and_names_versions(tmp_path):
+    """AsyncClient's lifecycle calls go through the same control path: load an older version (it
+    becomes the default), infer by version and by key, scale, unload, read the repository."""
+    import asyncio
+
+    from shmserve import AsyncClient
+
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        async def main():
+            c = AsyncClient(srv.socket, timeout=30)
+            await c.connect()
+            try:
+                x = {"x": np.arange(3, dtype=np.float32)}
+                assert served_version(x["x"], (await c.infer("m", x))["y"]) == 2
+                loaded = await c.load("m", version=1, keep=True)
+                assert loaded["version"] == 1 and loaded["state"] == "ready"
+                assert served_version(x["x"], (await c.infer("m", x, key="k"))["y"]) == 1  # the new default
+                assert served_version(x["x"], (await c.infer("m", x, version=2))["y"]) == 2  # kept
+                assert (await c.scale("m", 2))["workers"] == 2
+                assert (await c.unload("m", version=2))["unloaded"] == [2]
+                with pytest.raises(ShmserveError) as err:
+                    await c.infer("m", x, version=2)
+                assert err.value.code is ErrorCode.UNKNOWN_MODEL
+                states = {e["version"]: e["state"] for e in (await c.repository())["models"] if e["name"] == "m"}
+                assert states == {1: "ready", 2: "unloaded"}
+            finally:
+                await c.close()
+
+        asyncio.run(main())
