@@ -360,18 +360,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
                 raise ConfigError(f"server.{key}: expected a list of ids")
             kw[key] = tuple(_int(v, f"server.{key}[{i}]", 0, 2**32 - 1) for i, v in enumerate(values))
     if "allow_groups" in server:
-        import grp
-
-        names = server["allow_groups"]
-        if not isinstance(names, list):
-            raise ConfigError("server.allow_groups: expected a list of group names")
-        gids = list(kw.get("allow_gids", ()))
-        for i, name in enumerate(names):
-            try:
-                gids.append(grp.getgrnam(_str(name, f"server.allow_groups[{i}]")).gr_gid)
-            except KeyError:
-                raise ConfigError(f"server.allow_groups[{i}]: no group {name!r} on this machine") from None
-        kw["allow_gids"] = tuple(gids)
+        kw["allow_gids"] = tuple(kw.get("allow_gids", ())) + _group_ids(server["allow_groups"], "server.allow_groups")
     if "strict" in server:
         if type(server["strict"]) is not bool:
             raise ConfigError(f"server.strict: expected true or false, got {server['strict']!r}")
@@ -431,18 +420,7 @@ def _lifecycle(server: dict, base_dir: Path) -> dict:
     kw.update(_bounded(server, "server.", lambda v, w, lo, hi: float(_num(v, w, lo, hi)), (
         ("version_drain_timeout_s", 0, 86400),)))
     if "admin_groups" in server:
-        import grp
-
-        names = server["admin_groups"]
-        if not isinstance(names, list):
-            raise ConfigError("server.admin_groups: expected a list of group names")
-        gids = []
-        for i, name in enumerate(names):
-            try:
-                gids.append(grp.getgrnam(_str(name, f"server.admin_groups[{i}]")).gr_gid)
-            except KeyError:
-                raise ConfigError(f"server.admin_groups[{i}]: no group {name!r} on this machine") from None
-        kw["admin_group_gids"] = tuple(gids)
+        kw["admin_group_gids"] = _group_ids(server["admin_groups"], "server.admin_groups")
     if "memory_budget" in server:
         budget = server["memory_budget"]
         if not isinstance(budget, dict):
@@ -452,6 +430,22 @@ def _lifecycle(server: dict, base_dir: Path) -> dict:
                 raise ConfigError(f"server.memory_budget.{device}: expected 'cpu' or 'cuda:N' as the key")
         kw["memory_budget"] = tuple(sorted((d, parse_size(v, f"server.memory_budget.{d}")) for d, v in budget.items()))
     return kw
+
+
+def _group_ids(names, where: str) -> tuple[int, ...]:
+    """The gids of a list of group names (``allow_groups``, ``admin_groups``); ConfigError naming
+    ``where`` and the index of a name no group on this machine has."""
+    import grp
+
+    if not isinstance(names, list):
+        raise ConfigError(f"{where}: expected a list of group names")
+    gids = []
+    for i, name in enumerate(names):
+        try:
+            gids.append(grp.getgrnam(_str(name, f"{where}[{i}]")).gr_gid)
+        except KeyError:
+            raise ConfigError(f"{where}[{i}]: no group {name!r} on this machine") from None
+    return tuple(gids)
 
 
 _POLICY_HELP = 'expected {latest = N}, "all", or {versions = [1, 3]}'

@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
-try:
-    from workers import cuda as _cuda
-except ImportError:  # pragma: no cover
-    _cuda = None
-if _cuda is None or _cuda.available() is not None:
-    pytest.skip("cuda-python is not installed", allow_module_level=True)
+from helpers.gpu import require_gpu  # noqa: E402
+
+torch = require_gpu()
 
 from helpers.server import serving, wait_for  # noqa: E402
 
