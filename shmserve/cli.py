@@ -75,6 +75,14 @@ def _natural(text: str) -> int:
     return value
 
 
+def _counting(text: str) -> int:
+    """argparse type: an integer of 1 or more (a version, a worker count)."""
+    value = _natural(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
+    return value
+
+
 def _table(*columns: str, title: str | None = None):
     from rich.table import Table
 
@@ -466,10 +474,7 @@ def _cmd_unload(args: argparse.Namespace) -> int:
 
 @_talks_to_server
 def _cmd_scale(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        answer = client.scale(args.model, args.instances, version=args.version, timeout=args.timeout)
-    print(json.dumps(answer) if args.json else _describe("scale", answer))
-    return EXIT_OK
+    return _lifecycle_call(args, "scale", instances=args.instances, version=args.version)
 
 
 CANARY_FLAGS = (("steps", "STEPS", "percentages of traffic, e.g. 1,5,25,100"),
@@ -676,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     infer.add_argument("--print", action="store_true",
                        help=f"print the outputs' values (numpy-style; over {PRINT_THRESHOLD} elements, the edges)")
-    infer.add_argument("--version", type=_natural, default=None,
+    infer.add_argument("--version", type=_counting, default=None,
                        help="that version of the model (default: the model's default version)")
     infer.add_argument("--key", default=None, help="routing key: while a canary runs, one key reaches one version")
     infer.add_argument("--json", action="store_true", help="one line of JSON (with --print: the values too)")
@@ -705,9 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
     load = command("load", "load a model version, warm it, make it the default; the one before drains "
                            "(admins only)", "shmserve load resnet", "shmserve load resnet --version 3 --instances 2")
     load.add_argument("model")
-    load.add_argument("--version", type=_natural, default=None,
+    load.add_argument("--version", type=_counting, default=None,
                       help="the version (default: the newest its version_policy selects)")
-    load.add_argument("--instances", type=_natural, default=None, help="workers (default: its config's instances)")
+    load.add_argument("--instances", type=_counting, default=None, help="workers (default: its config's instances)")
     load.add_argument("--keep", action="store_true", help="keep the version serving before loaded (not the default)")
     load.add_argument("--json", action="store_true", help="one line of JSON")
     _socket_arg(load, timeout=900.0)
@@ -716,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     unload = command("unload", "drain and unload a model's version, or all its versions (admins only)",
                      "shmserve unload resnet --version 2", "shmserve unload resnet")
     unload.add_argument("model")
-    unload.add_argument("--version", type=_natural, default=None, help="the version (default: every version)")
+    unload.add_argument("--version", type=_counting, default=None, help="the version (default: every version)")
     unload.add_argument("--json", action="store_true", help="one line of JSON")
     _socket_arg(unload, timeout=900.0)
     unload.set_defaults(func=_cmd_unload)
@@ -724,8 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale = command("scale", "run N workers for a model's default version; removed ones finish their queue "
                              "first (admins only)", "shmserve scale resnet 3")
     scale.add_argument("model")
-    scale.add_argument("instances", type=_natural, help="workers")
-    scale.add_argument("--version", type=_natural, default=None, help="the version (default: the default one)")
+    scale.add_argument("instances", type=_counting, help="workers")
+    scale.add_argument("--version", type=_counting, default=None, help="the version (default: the default one)")
     scale.add_argument("--json", action="store_true", help="one line of JSON")
     _socket_arg(scale, timeout=900.0)
     scale.set_defaults(func=_cmd_scale)
@@ -737,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "shmserve canary resnet promote")
     canary.add_argument("model")
     canary.add_argument("action", choices=("start", "status", "promote", "abort"))
-    canary.add_argument("--version", type=_natural, default=None, help="start: the candidate version")
+    canary.add_argument("--version", type=_counting, default=None, help="start: the candidate version")
     from shmserve.frontend.canary import CanaryPlan
 
     defaults = CanaryPlan()
