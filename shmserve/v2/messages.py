@@ -1,0 +1,159 @@
+"""The KServe v2 (Open Inference Protocol) messages, independent of HTTP and gRPC.
+
+Owns: the v2 datatype names and what each is in shmserve (the dtype the
+dispatcher and workers use, its element size), the neutral form of an infer
+request and its result that both front doors convert to and from
+(``InferRequest``, ``InferResult``), the v2 error (``V2Error``) and the one
+mapping of shmserve's error codes onto HTTP and gRPC status codes.
+
+Tensor data here is always raw little-endian bytes in row-major order (BYTES:
+each element a 4-byte little-endian length and then its bytes, the v2 binary
+form); turning JSON lists into bytes and back is the HTTP codec's job, turning
+``raw_input_contents`` into them the gRPC door's.
+
+Must not: do I/O, parse HTTP or protobuf, or know how a request is served
+(``shmserve.v2.service``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shmserve.errors import ErrorCode
+
+# v2 datatype -> shmserve dtype name (shmserve.protocol.SUPPORTED_DTYPES)
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+    "FP16": "float16", "FP32": "float32", "FP64": "float64", "BF16": "bfloat16", "BYTES": "bytes",
+}
+V2_NAMES: dict[str, str] = {v: k for k, v in DATATYPES.items()}  # shmserve dtype -> v2 datatype
+# Bytes per element of the fixed-size datatypes (BYTES has none: its size is its data's).
+ITEMSIZE: dict[str, int] = {k: (2 if v == "bfloat16" else np.dtype(v).itemsize)
+                            for k, v in DATATYPES.items() if v != "bytes"}
+
+
+def fixed_nbytes(datatype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a fixed-size tensor (not BYTES)."""
+    n = ITEMSIZE[datatype]
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """A tensor in a registered system shared-memory region: ``region`` is the name the client
+    registered it under; ``offset`` and ``byte_size`` are within the registered range."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+@dataclass
+class InputTensor:
+    """One input.  Exactly one of ``data`` (raw bytes, see the module header) and ``shm``."""
+
+    name: str
+    datatype: str  # a key of DATATYPES (checked by the door that parsed it)
+    shape: tuple[int, ...]
+    data: bytes | memoryview | None = None
+    shm: ShmRef | None = None
+
+
+@dataclass
+class RequestedOutput:
+    """An output the client asked for.  ``binary``: HTTP only, answer it in binary form (None: the
+    request's default).  ``shm``: write it into that region instead of answering its bytes."""
+
+    name: str
+    binary: bool | None = None
+    shm: ShmRef | None = None
+
+
+@dataclass
+class InferRequest:
+    model: str
+    version: str | None  # as the URL or message gave it ("" or None: the model's default)
+    id: str | None
+    inputs: list[InputTensor]
+    outputs: list[RequestedOutput] | None = None  # None: every output of the model
+    binary_outputs: bool = False  # HTTP: the request's parameters.binary_data_output
+    timeout_s: float | None = None  # parameters.timeout (microseconds on the wire); None: the server's
+    key: str | None = None  # parameters.routing_key: a canary sends the same key to the same version
+
+
+@dataclass
+class OutputTensor:
+    """One output.  ``data``: its raw bytes (None when it was written to ``shm``)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview | None = None
+    shm: ShmRef | None = None
+    binary: bool | None = None  # HTTP: as RequestedOutput.binary
+
+
+@dataclass
+class InferResult:
+    model_name: str
+    model_version: str
+    id: str | None
+    outputs: list[OutputTensor] = field(default_factory=list)
+
+
+class V2Error(Exception):
+    """A refusal with a stable shmserve code; ``message`` is for people (it never holds a
+    shared-memory key).  ``http_status``/``grpc_status`` say how the doors report it."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 400)
+
+    @property
+    def grpc_status(self) -> str:
+        """The name of a ``grpc.StatusCode`` member."""
+        return GRPC_STATUS.get(self.code, "INVALID_ARGUMENT")
+
+
+# shmserve error code -> HTTP status (KServe: 400 for a bad request, 404 for an unknown model).
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.UNKNOWN_MODEL: 404,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.MODEL_UNAVAILABLE: 503,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.FRAME_TOO_LARGE: 413,
+    ErrorCode.OUTPUT_TOO_LARGE: 500,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.WORKER_CRASHED: 500,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.MODEL_ERROR: 500,
+}
+
+# shmserve error code -> grpc.StatusCode name.
+GRPC_STATUS: dict[ErrorCode, str] = {
+    ErrorCode.UNKNOWN_MODEL: "NOT_FOUND",
+    ErrorCode.PERMISSION_DENIED: "PERMISSION_DENIED",
+    ErrorCode.OVERLOADED: "UNAVAILABLE",
+    ErrorCode.SHUTTING_DOWN: "UNAVAILABLE",
+    ErrorCode.MODEL_UNAVAILABLE: "UNAVAILABLE",
+    ErrorCode.TIMEOUT: "DEADLINE_EXCEEDED",
+    ErrorCode.TOO_LARGE: "RESOURCE_EXHAUSTED",
+    ErrorCode.FRAME_TOO_LARGE: "RESOURCE_EXHAUSTED",
+    ErrorCode.OUTPUT_TOO_LARGE: "RESOURCE_EXHAUSTED",
+    ErrorCode.UNAVAILABLE: "UNAVAILABLE",
+    ErrorCode.WORKER_CRASHED: "INTERNAL",
+    ErrorCode.INTERNAL: "INTERNAL",
+    ErrorCode.MODEL_ERROR: "INTERNAL",
+}
