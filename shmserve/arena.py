@@ -207,6 +207,11 @@ class Arena:
         self._lock_fd = lock_fd  # the owner keeps its descriptor (and its flock) until close
         self._closed = False
 
+    @property
+    def file_id(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the segment: what names this arena however it is reached."""
+        return self._file_id
+
     # -- lifecycle -------------------------------------------------------------------------
 
     @classmethod

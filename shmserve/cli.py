@@ -180,6 +180,24 @@ def _access_refused(path: str) -> str | None:
     return None
 
 
+def _listen_address_problem(address: str) -> str | None:
+    """Why ``address`` (a Unix socket path, or a loopback host:port) cannot be listened on, or
+    None: a path needs its directory, a host must be loopback (nothing here is for the network)."""
+    if "/" in address:
+        directory = os.path.dirname(address) or "."
+        return None if os.path.isdir(directory) else f"no directory {directory!r} for the socket {address}"
+    from shmserve.metrics import check_loopback
+
+    host, colon, port = address.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        return f"expected a loopback host:port (like 127.0.0.1:8000) or a socket path, got {address!r}"
+    try:
+        check_loopback(host.strip("[]") or "127.0.0.1")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from shmserve import config as cfg
     from shmserve import logs, systemd
@@ -192,21 +210,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"shmserve: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    from dataclasses import replace
+
     if args.strict:
-        from dataclasses import replace
-
         config = replace(config, strict=True)
-    if args.metrics and "/" in args.metrics and not os.path.isdir(os.path.dirname(args.metrics) or "."):
-        print(f"shmserve: --metrics: no directory {os.path.dirname(args.metrics)!r} for the socket {args.metrics}",
-              file=sys.stderr)
-        return EXIT_USAGE
-    if args.metrics and "/" not in args.metrics:
-        from shmserve.metrics import check_loopback
-
-        try:
-            check_loopback(args.metrics.rpartition(":")[0].strip("[]") or "127.0.0.1")
-        except ValueError as exc:
-            print(f"shmserve: --metrics: {exc}", file=sys.stderr)
+    config = replace(config, http=args.http or config.http, grpc=args.grpc or config.grpc,
+                     v2_system_shared_memory=args.v2_system_shared_memory or config.v2_system_shared_memory)
+    for flag, address in (("--metrics", args.metrics), ("--http", config.http), ("--grpc", config.grpc)):
+        problem = address and _listen_address_problem(address)
+        if problem:
+            print(f"shmserve: {flag}: {problem}", file=sys.stderr)
             return EXIT_USAGE
     listen_sock = None
     activated = systemd.listen_sockets()  # socket activation: systemd made and bound the socket
@@ -226,8 +239,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if not os.path.isdir(repository):
             print(f"shmserve: --model-repository: no such directory {repository!r}", file=sys.stderr)
             return EXIT_USAGE
-        from dataclasses import replace
-
         config = replace(config, model_repository=repository)
         if not args.config:  # the repository alone, not the demo model beside it
             config = replace(config, models=())
@@ -665,6 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "loopback host:port")
     serve.add_argument("--model-repository", metavar="DIR",
                        help="serve the versioned models of DIR (docs/models.md); without --config, only those")
+    serve.add_argument("--http", metavar="ADDR", help="KServe v2 over HTTP on a loopback host:port or a Unix "
+                                                       "socket path ([server] http; docs/v2.md)")
+    serve.add_argument("--grpc", metavar="ADDR", help="KServe v2 over gRPC on a loopback host:port or a Unix "
+                                                       "socket path ([server] grpc)")
+    serve.add_argument("--v2-system-shared-memory", action="store_true",
+                       help="let v2 clients register their own /dev/shm objects ([server] v2_system_shared_memory)")
     serve.add_argument("--strict", action="store_true", help="a model that cannot load stops the start "
                                                              "(exit 1) instead of serving the others ([server] strict)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")

@@ -42,6 +42,10 @@ File format::
     max_workers = 64                # workers at once, all models and versions (a swap runs both versions)
     version_drain_timeout_s = 30    # a replaced version's requests may finish this long, then fail
     memory_budget = {cpu = "8GiB", "cuda:0" = "60GiB"}   # measured use of loaded versions per device
+    # The KServe v2 front door (docs/v2.md); each off unless given; also serve --http / --grpc:
+    http = "127.0.0.1:8000"         # loopback host:port, or a Unix socket path
+    grpc = "127.0.0.1:8001"
+    v2_system_shared_memory = false # true: clients may register their own /dev/shm objects
 
     [arena]
     slots = 256
@@ -229,6 +233,12 @@ class ServerConfig:
     # Per device ("cpu", "cuda:0", ...), the memory its loaded versions may use (bytes, measured after
     # load); on_demand versions are evicted to stay within it.  No entry: no budget for that device.
     memory_budget: tuple[tuple[str, int], ...] = ()
+    # -- the KServe v2 front door (issue 13; docs/v2.md): each off unless given --
+    http: str | None = None  # "127.0.0.1:8000" (loopback only) or a Unix socket path
+    grpc: str | None = None  # the same, for gRPC
+    # Clients may register /dev/shm objects of their own uid (Triton's system shared-memory
+    # extension).  Off: registering is refused PERMISSION_DENIED.
+    v2_system_shared_memory: bool = False
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -327,7 +337,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
                               "allow_groups", "restart_healthy_s", "strict", *CLIENT_LIMIT_KEYS} | REGION_KEYS
-          | LIFECYCLE_KEYS)
+          | LIFECYCLE_KEYS | V2_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
     inst = instance or server.get("instance", DEFAULT_INSTANCE)
@@ -366,6 +376,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             raise ConfigError(f"server.strict: expected true or false, got {server['strict']!r}")
         kw["strict"] = server["strict"]
     kw.update(_lifecycle(server, base_dir))
+    kw.update(_v2(server))
     kw["admin_gids"] = kw.get("admin_gids", ()) + kw.pop("admin_group_gids", ())
     if "slots" in arena:
         kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
@@ -388,6 +399,24 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
         names.add(mc.name)
         parsed.append(mc)
     return ServerConfig(models=tuple(parsed), **kw)
+
+
+# -- the KServe v2 front door (issue 13) --------------------------------------------------------
+
+V2_KEYS = {"http", "grpc", "v2_system_shared_memory"}
+
+
+def _v2(server: dict) -> dict:
+    """The [server] keys of the v2 front door (ServerConfig says what each does)."""
+    kw: dict = {}
+    for key in ("http", "grpc"):
+        if key in server:
+            kw[key] = _str(server[key], f"server.{key}") or None
+    if "v2_system_shared_memory" in server:
+        if type(server["v2_system_shared_memory"]) is not bool:
+            raise ConfigError("server.v2_system_shared_memory: expected true or false")
+        kw["v2_system_shared_memory"] = server["v2_system_shared_memory"]
+    return kw
 
 
 # -- model lifecycle (issue 12) ----------------------------------------------------------------

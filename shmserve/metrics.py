@@ -216,4 +216,5 @@ def check_loopback(host: str) -> None:
             return
     except ValueError:
         pass
-    raise ValueError(f"metrics address {host!r} is not a loopback address; use 127.0.0.1, ::1 or a Unix socket path")
+    raise ValueError(f"{host!r} is not a loopback address (shmserve listens only for this machine); use "
+                     "127.0.0.1, ::1 or a Unix socket path")

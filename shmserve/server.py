@@ -104,6 +104,8 @@ class Frontend:
         self.door: UnixDoor | None = None
         self.listener: Listener | None = None
         self.efd: int | None = None
+        self.v2 = None  # the KServe v2 service (shmserve.v2.service), when http or grpc is on
+        self.v2_doors: list = []  # its HTTP and gRPC doors
 
     # -- life -----------------------------------------------------------------------------
 
@@ -137,6 +139,7 @@ class Frontend:
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
             server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
+            await self._start_v2()
             tasks.append(loop.create_task(self._heartbeat()))
             if self.metrics_address:
                 from shmserve.metrics import MetricsServer
@@ -187,6 +190,36 @@ class Frontend:
                              allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
                              admin=(self.config.admin_uids, self.config.admin_gids))
         loop.add_reader(self.efd, self._on_completions)
+
+    async def _start_v2(self) -> None:
+        """Open the KServe v2 doors the config asks for (HTTP, gRPC), over one v2 service."""
+        config = self.config
+        if not (config.http or config.grpc):
+            return
+        from shmserve.v2.service import V2Service
+        from shmserve.v2.sysshm import SystemShm
+
+        shm = SystemShm(enabled=config.v2_system_shared_memory, own={self.arena.file_id},
+                        max_per_uid=config.max_regions_per_uid)
+        self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
+                            lifecycle=self.lifecycle, shm=shm, allowed=self.door.allowed,
+                            is_admin=self.door.is_admin)
+        if config.http:
+            from shmserve.v2.http import HttpDoor, HttpLimits
+
+            door = HttpDoor(self.v2, HttpLimits(max_body_bytes=2 * config.max_request_bytes + (1 << 20)))
+            await door.start(config.http)
+            self.v2_doors.append(door)
+            self.status.front_doors["http"] = door.address
+            log.info("v2: HTTP on %s", door.address)
+        if config.grpc:
+            from shmserve.v2.grpc import GrpcDoor, GrpcLimits
+
+            door = GrpcDoor(self.v2, GrpcLimits(max_message_bytes=2 * config.max_request_bytes + (1 << 20)))
+            await door.start(config.grpc)
+            self.v2_doors.append(door)
+            self.status.front_doors["grpc"] = door.address
+            log.info("v2: gRPC on %s", door.address)
 
     # -- loop hooks -----------------------------------------------------------------------
 
@@ -263,7 +296,8 @@ class Frontend:
             return
         old = self.config
         fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us", "max_workers",
-                             "socket_mode", "socket_group", "max_regions") if getattr(new, k) != getattr(old, k)]
+                             "socket_mode", "socket_group", "max_regions", "http", "grpc",
+                             "v2_system_shared_memory") if getattr(new, k) != getattr(old, k)]
         if self.repository_override is not None:  # serve --model-repository wins over the file
             new = dataclasses.replace(new, model_repository=self.repository_override)
         self.config = dataclasses.replace(
@@ -304,6 +338,8 @@ class Frontend:
             server.close()
         if self.listener is not None:
             self.listener.remove()
+        for door in self.v2_doors:  # stop taking new v2 requests; those in flight drain below
+            await door.stop_listening()
         if self.dispatcher is not None:
             self.dispatcher.stop_admitting()
             deadline = time.monotonic() + self.config.drain_timeout_s
@@ -316,6 +352,10 @@ class Frontend:
                 await asyncio.sleep(DRAIN_POLL_S)
             self.door.close_all()
             await asyncio.sleep(0)
+        for door in self.v2_doors:
+            await door.close()
+        if self.v2 is not None:
+            self.v2.shm.close_all()
         if self.supervisor is not None:
             await self.supervisor.stop_all()
         if self.efd is not None:

@@ -92,6 +92,7 @@ class Status:
         self.lifecycle = lifecycle
         self.dispatcher, self.regions, self.socket_path = dispatcher, regions, socket_path
         self.started = time.monotonic()
+        self.front_doors: dict[str, str] = {}  # "http"/"grpc" -> the address it listens on (the server sets it)
 
     @property
     def config(self) -> ServerConfig:
@@ -236,4 +237,4 @@ class Status:
                           "largest_extent": self.dispatcher.extents.largest},
                 "max_request_bytes": self.dispatcher.max_request, "request_timeout_s": config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
-                "lanes": self.regions.lane_count, "workers": workers}
+                "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors)}

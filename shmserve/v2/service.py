@@ -19,66 +19,238 @@ Must not: parse HTTP or protobuf, touch a socket, or block the loop.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
-from shmserve.v2.messages import InferRequest, InferResult
+from shmserve import __version__, protocol
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
+from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
+from shmserve.frontend.requests import Request
+from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, InferRequest, InferResult, OutputTensor, ShmRef,
+                                  V2Error)
+from shmserve.v2.sysshm import SystemShm
+
+log = logging.getLogger("shmserve.v2")
+
+EXTENSIONS = ("binary_tensor_data", "classification", "model_repository", "model_repository(unload_dependents)",
+              "schedule_policy", "model_configuration", "system_shared_memory", "cuda_shared_memory",
+              "statistics")
+# Triton's repository states (RepositoryIndex): what each lifecycle phase is called there.
+REPOSITORY_STATES = {"loading": "LOADING", SERVING: "READY", "draining": "UNLOADING", "unavailable": "UNAVAILABLE",
+                     "evicted": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
+# Triton's model-config backends and platforms for ours.
+PLATFORMS = {"onnx": ("onnxruntime", "onnxruntime_onnx"), "torch": ("pytorch", "pytorch_libtorch"),
+             "tensorrt": ("tensorrt", "tensorrt_plan"), "python": ("python", "python")}
 
 
 @dataclass(eq=False)
 class Caller:
     """A v2 client connection (HTTP) or peer (gRPC).  ``uid``/``groups``: its credentials (from
-    ``SO_PEERCRED`` on a Unix socket, or looked up for a loopback TCP peer); ``uid`` None when they
-    could not be found (such a caller is refused everything but the health routes)."""
+    ``SO_PEERCRED`` on a Unix socket, or looked up for a loopback TCP peer).  A caller whose uid
+    could not be found is refused by ``V2Service.connect``."""
 
-    uid: int | None
+    uid: int
     groups: frozenset[int] = frozenset()
     name: Hashable = None  # for logs: the peer address
-    door: object = field(default=None, repr=False)  # the dispatcher Door (set by V2Service.connect)
+    door: "V2Door" = field(default=None, repr=False)
+
+
+def _error(exc: ShmserveError) -> V2Error:
+    return V2Error(exc.code, exc.message)
+
+
+def version_number(model: str, version: str | None) -> int | None:
+    """A version as a v2 URL or message gives it ('' or None: the default).  V2Error
+    UNKNOWN_MODEL for one that is not a positive integer."""
+    if version is None or version == "":
+        return None
+    if not (isinstance(version, str) and version.isdigit() and len(version) <= 18 and int(version) > 0):
+        raise V2Error(ErrorCode.UNKNOWN_MODEL, f"model {model!r} has no version {str(version)[:40]!r}: "
+                                               "versions are positive integers")
+    return int(version)
+
+
+class V2Door:
+    """The dispatcher's door for one v2 caller: input bytes in, answers out, through futures."""
+
+    def __init__(self, service: "V2Service", caller: Caller):
+        self.service, self.caller = service, caller
+        self.dispatcher = service.dispatcher
+        # request -> (future of its answer, its inputs' sources: bytes or (region, ref, what))
+        self.pending: dict[Request, tuple[asyncio.Future, list]] = {}
+        self.ids = itertools.count(1)
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def waiting(self, req: Request) -> None:
+        pass
+
+    def admitted(self, req: Request, sinks: list | None) -> None:
+        entry = self.pending.get(req)
+        if entry is None or sinks is None:
+            return
+        fut, sources = entry
+        try:
+            for sink, source in zip(sinks, sources):
+                if isinstance(source, tuple):
+                    region, ref, what = source
+                    SystemShm.read_into(region, ref, sink, what)
+                else:
+                    sink[:] = source
+        except V2Error as exc:
+            del self.pending[req]
+            self.dispatcher.drop(req)
+            if not fut.done():
+                fut.set_exception(exc)
+            return
+        entry[1].clear()
+        self.dispatcher.received(req)
+
+    def answer(self, req: Request, answer: Answer) -> None:
+        entry = self.pending.pop(req, None)
+        if entry is None or entry[0].done():  # its caller gave up (cancelled) meanwhile
+            if isinstance(answer, Outputs) and answer.in_arena:
+                self.dispatcher.release(req)
+            return
+        entry[0].set_result(answer)
+
+    def close(self) -> None:
+        for req, (fut, _) in list(self.pending.items()):
+            del self.pending[req]
+            if not fut.done():
+                fut.cancel()
+            self.dispatcher.drop(req)
 
 
 class V2Service:
-    """The v2 operations over one running server (see the module header)."""
+    """The v2 operations over one running server (see the module header).
+
+    ``allowed(uid, groups)`` and ``is_admin(uid, groups)``: the Unix door's allow-list and admin
+    list (one definition of each).  ``lifecycle``: the model lifecycle (repository extension)."""
+
+    def __init__(self, *, dispatcher: Dispatcher, models: Models, status, lifecycle, shm: SystemShm,
+                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool]):
+        self.dispatcher, self.models, self.status, self.lifecycle, self.shm = dispatcher, models, status, lifecycle, shm
+        self.allowed, self.is_admin = allowed, is_admin
+        self.callers: set[Caller] = set()
+        self.started = True
 
     # -- connections ---------------------------------------------------------------------
 
     def connect(self, uid: int | None, groups=frozenset(), name: Hashable = None) -> Caller:
         """A new caller (one per HTTP connection; one per gRPC peer).  V2Error PERMISSION_DENIED if
         it is not on the allow-list (uid None included)."""
-        raise NotImplementedError
+        if uid is None:
+            raise V2Error(ErrorCode.PERMISSION_DENIED, "the caller's uid could not be found (only loopback "
+                                                       "TCP and Unix-socket clients are served)")
+        if not self.allowed(uid, set(groups)):
+            log.warning("v2: refused %s uid %d (not on the allow-list)", name, uid)
+            raise V2Error(ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
+        caller = Caller(uid, frozenset(groups), name)
+        caller.door = V2Door(self, caller)
+        self.callers.add(caller)
+        return caller
 
     def disconnect(self, caller: Caller) -> None:
         """The caller is gone: its requests still in flight are dropped (their space freed once
         workers let go)."""
-        raise NotImplementedError
+        self.callers.discard(caller)
+        if caller.door is not None:
+            caller.door.close()
+
+    def _admin(self, caller: Caller, what: str) -> None:
+        if not self.is_admin(caller.uid, set(caller.groups)):
+            raise V2Error(ErrorCode.PERMISSION_DENIED, f"uid {caller.uid} may not {what}: only the server's uid, "
+                                                       "root and server.admin_uids / admin_groups may")
 
     # -- health and metadata -------------------------------------------------------------
 
     def live(self) -> bool:
-        raise NotImplementedError
+        return not self.dispatcher.stopping
 
     def ready(self) -> bool:
         """Started and not shutting down, and every model's default version serving."""
-        raise NotImplementedError
+        return self.started and self.status.health()["status"] == "ok"
 
     def server_metadata(self) -> dict:
         """``{"name": "shmserve", "version": ..., "extensions": [...]}``."""
-        raise NotImplementedError
+        return {"name": "shmserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def _version(self, name: str, version: str | None) -> ModelState:
+        """The version a metadata call names (None: the default, or the newest loaded)."""
+        model = self.models.get(name)
+        if model is None or not model.versions:
+            raise V2Error(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+        number = version_number(name, version)
+        if number is None:
+            number = model.default if model.default is not None else max(model.versions)
+        v = model.versions.get(number)
+        if v is None:
+            raise V2Error(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no version {number}")
+        return v
 
     def model_metadata(self, name: str, version: str | None) -> dict:
         """``{"name", "versions": [str], "platform", "inputs": [{"name", "datatype", "shape"}],
-        "outputs": [...]}``; variable dimensions are -1.  V2Error UNKNOWN_MODEL."""
-        raise NotImplementedError
+        "outputs": [...]}``; variable dimensions are -1.  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE
+        (a version never loaded: its tensors are not known yet)."""
+        v = self._version(name, version)
+        spec = v.spec
+        if spec is None:
+            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded: "
+                                                       f"its inputs and outputs are not known yet")
+        model = self.models.get(name)
+
+        def tensors(ts):
+            return [{"name": t.name, "datatype": V2_NAMES.get(t.dtype, t.dtype.upper()),
+                     "shape": [d if isinstance(d, int) else -1 for d in t.shape]} for t in ts]
+
+        return {"name": name, "versions": [str(n) for n in sorted(model.versions)
+                                           if model.versions[n].phase == SERVING],
+                "platform": PLATFORMS.get(v.config.backend, (v.config.backend,) * 2)[1],
+                "inputs": tensors(spec.inputs), "outputs": tensors(spec.outputs)}
 
     def model_ready(self, name: str, version: str | None) -> bool:
         """V2Error UNKNOWN_MODEL for a model (or version) that does not exist."""
-        raise NotImplementedError
+        v = self._version(name, version)
+        return v.phase == SERVING and v.state == MODEL_READY
 
     def model_config(self, name: str, version: str | None) -> dict:
-        """Triton's model configuration as JSON (``name``, ``platform``, ``backend``,
-        ``max_batch_size``, ``input``/``output`` with ``data_type`` "TYPE_FP32" and ``dims``,
-        ``instance_group``, ``dynamic_batching`` when it batches).  V2Error UNKNOWN_MODEL."""
-        raise NotImplementedError
+        """Triton's model configuration as JSON.  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE."""
+        v = self._version(name, version)
+        spec, cfg = v.spec, v.config
+        if spec is None:
+            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded")
+        batch = cfg.max_batch_size
+
+        def tensors(ts):
+            out = []
+            for t in ts:
+                dims = [d if isinstance(d, int) else -1 for d in t.shape]
+                if batch and dims:
+                    dims = dims[1:]  # Triton leaves the batch dimension out when max_batch_size > 0
+                dtype = V2_NAMES.get(t.dtype, t.dtype.upper())
+                out.append({"name": t.name, "data_type": "TYPE_STRING" if dtype == "BYTES" else f"TYPE_{dtype}",
+                            "dims": dims})
+            return out
+
+        backend, platform = PLATFORMS.get(cfg.backend, (cfg.backend,) * 2)
+        config = {"name": name, "platform": platform, "backend": backend, "max_batch_size": batch,
+                  "version_policy": {"specific": {"versions": [v.version]}},
+                  "input": tensors(spec.inputs), "output": tensors(spec.outputs),
+                  "instance_group": [{"name": f"{name}_{v.version}", "count": cfg.instances,
+                                      "kind": "KIND_CPU" if cfg.device == "cpu" else "KIND_GPU",
+                                      **({"gpus": [int(cfg.device.partition(":")[2] or 0)]}
+                                         if cfg.device != "cpu" else {})}]}
+        if batch:
+            config["dynamic_batching"] = {"preferred_batch_size": list(cfg.preferred_batch_sizes),
+                                          "max_queue_delay_microseconds": cfg.max_queue_delay_us}
+        return config
 
     # -- inference -----------------------------------------------------------------------
 
@@ -88,62 +260,255 @@ class V2Service:
         ``OutputTensor.data`` is then None).  Output data is bytes the result owns.
 
         V2Error: every code the dispatcher refuses or fails a request with, plus BAD_INPUT (an
-        unknown datatype, data of the wrong size, an unknown or duplicate output), BAD_REGION (no
-        such region for this caller, offset or size outside it, an output larger than its
-        region), TOO_LARGE."""
-        raise NotImplementedError
+        unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
+        datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
+        offset or size outside it, an output larger than its region), TOO_LARGE."""
+        door = caller.door
+        metas = _input_metas(request)
+        sources, held = [], []
+        try:
+            for t, meta in zip(request.inputs, metas):
+                what = f"input {t.name!r}"
+                nbytes = meta.nbytes
+                if t.shm is not None:
+                    region = self.shm.take(caller.uid, t.shm, nbytes, what)
+                    held.append(region)
+                    if nbytes:
+                        sources.append((region, t.shm, what))
+                else:
+                    if t.data is None or len(t.data) != nbytes:
+                        got = 0 if t.data is None else len(t.data)
+                        raise V2Error(ErrorCode.BAD_INPUT, f"{what} has {got} bytes of data; shape "
+                                                           f"{list(t.shape)} of {t.datatype} needs {nbytes}")
+                    if nbytes:
+                        sources.append(t.data)
+            wanted = self._wanted(request)
+            for o in wanted or ():
+                if o.shm is not None:
+                    self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
+                    self.shm.give_back(self.shm.regions[(caller.uid, o.shm.region)])
+            parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
+                                           version=version_number(request.model, request.version),
+                                           key=request.key)
+            fut = asyncio.get_running_loop().create_future()
+            try:
+                req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
+            except ShmserveError as exc:
+                raise _error(exc) from None
+            door.pending[req] = (fut, sources)
+            self.dispatcher.admit(req)
+            try:
+                answer = await fut
+            except asyncio.CancelledError:
+                if door.pending.pop(req, None) is not None:
+                    self.dispatcher.drop(req)
+                raise
+        finally:
+            for region in held:
+                self.shm.give_back(region)
+        if isinstance(answer, Failure):
+            raise V2Error(answer.code, answer.message)
+        try:
+            return self._result(caller, request, req, answer, wanted)
+        finally:
+            if answer.in_arena:
+                self.dispatcher.release(req)
+
+    def _wanted(self, request: InferRequest):
+        if request.outputs is None:
+            return None
+        names = set()
+        for o in request.outputs:
+            if o.name in names:
+                raise V2Error(ErrorCode.BAD_INPUT, f"output {o.name!r} is asked for twice")
+            names.add(o.name)
+        model = self.models.get(request.model)
+        v = model.current if model is not None else None
+        if v is not None and v.spec is not None and request.version in (None, ""):
+            known = {t.name for t in v.spec.outputs}
+            for o in request.outputs:
+                if o.name not in known:
+                    raise V2Error(ErrorCode.BAD_INPUT, f"model {request.model!r} has no output {o.name!r} "
+                                                       f"(outputs: {', '.join(sorted(known))})")
+        return request.outputs
+
+    def _result(self, caller: Caller, request: InferRequest, req: Request, answer: Outputs, wanted) -> InferResult:
+        by_name = {o.name: o for o in answer.outputs}
+        order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
+        out = []
+        for name, asked in order:
+            o = by_name.get(name)
+            if o is None:
+                raise V2Error(ErrorCode.BAD_INPUT, f"model {request.model!r} has no output {name!r} "
+                                                   f"(outputs: {', '.join(sorted(by_name))})")
+            datatype = V2_NAMES.get(o.dtype, o.dtype.upper())
+            if asked is not None and asked.shm is not None:
+                what = f"output {name!r}"
+                region = self.shm.take(caller.uid, asked.shm, o.nbytes, what)
+                try:
+                    if o.nbytes:
+                        SystemShm.write_from(region, asked.shm, o.view, what)
+                finally:
+                    self.shm.give_back(region)
+                out.append(OutputTensor(name, datatype, tuple(o.shape), None,
+                                        ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
+            else:
+                out.append(OutputTensor(name, datatype, tuple(o.shape), bytes(o.view) if o.nbytes else b"",
+                                        None, asked.binary if asked is not None else None))
+        return InferResult(request.model, str(req.model.version), request.id, out)
 
     # -- system shared memory ------------------------------------------------------------
 
     def shm_register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of the POSIX shared-memory object ``key``
-        under ``name`` (names are per caller uid).  V2Error PERMISSION_DENIED (registration is
-        off: ``[server] v2_system_shared_memory``), BAD_REGION (no such object, not a regular
-        file, owned by another uid, one of the server's own segments, offset + size past its
-        end, the name taken).  The message never contains ``key``."""
-        raise NotImplementedError
+        under ``name`` (names are per caller uid).  V2Error as ``SystemShm.register`` says; the
+        message never contains ``key``."""
+        self.shm.register(caller.uid, name, key, offset, byte_size)
 
     async def shm_unregister(self, caller: Caller, name: str | None) -> None:
         """Unregister ``name`` (None: all of the caller's), once the requests using it are done.
         Unknown names are not an error (as Triton)."""
-        raise NotImplementedError
+        await self.shm.unregister(caller.uid, name)
 
     def shm_status(self, caller: Caller, name: str | None) -> list[dict]:
         """``[{"name", "key", "offset", "byte_size"}]`` of the caller's regions.  V2Error
         BAD_REGION for an unknown ``name``."""
-        raise NotImplementedError
+        return self.shm.status(caller.uid, name)
 
     def cuda_shm_register(self, caller: Caller, name: str, raw_handle: bytes, device_id: int,
                           byte_size: int) -> None:
         """Always V2Error BAD_REGION: CUDA shared memory is not supported."""
-        raise NotImplementedError
+        raise V2Error(ErrorCode.BAD_REGION, "CUDA shared memory is not supported by shmserve: use system shared "
+                                            "memory, or the native client's lanes for GPU models")
 
     def cuda_shm_status(self, caller: Caller, name: str | None) -> list[dict]:
         """Always empty; V2Error BAD_REGION for a ``name``."""
-        raise NotImplementedError
+        if name:
+            raise V2Error(ErrorCode.BAD_REGION, f"no CUDA shared-memory region {name!r} is registered")
+        return []
 
     # -- repository and statistics ---------------------------------------------------------
 
     def repository_index(self, caller: Caller, ready_only: bool = False) -> list[dict]:
         """``[{"name", "version", "state", "reason"}]`` (state READY, UNAVAILABLE, LOADING,
         UNLOADING).  V2Error PERMISSION_DENIED for a caller not on the admin list."""
-        raise NotImplementedError
+        self._admin(caller, "read the model repository")
+        out = []
+        for e in self.status.repository_index()["models"]:
+            phase = e["state"]
+            state = "READY" if phase == MODEL_READY else REPOSITORY_STATES.get(phase, "UNAVAILABLE")
+            if ready_only and state != "READY":
+                continue
+            out.append({"name": e["name"], "version": "" if e["version"] is None else str(e["version"]),
+                        "state": state, "reason": e.get("reason") or ""})
+        return out
+
+    def _control_version(self, name: str, parameters: dict | None) -> int | None:
+        parameters = parameters or {}
+        for key in parameters:
+            if key == "config" or key.startswith("file:"):
+                raise V2Error(ErrorCode.BAD_INPUT, f"load parameter {key!r} is not supported: shmserve loads "
+                                                   "models only from its model repository")
+            if key not in ("version", "unload_dependents"):
+                raise V2Error(ErrorCode.BAD_INPUT, f"unknown parameter {str(key)[:40]!r} (version, "
+                                                   "unload_dependents)")
+        version = parameters.get("version")
+        return version_number(name, str(version)) if version is not None else None
 
     async def repository_load(self, caller: Caller, name: str, parameters: dict | None = None) -> None:
         """Load ``name`` (its newest version, or ``parameters["version"]``) through the model
         lifecycle.  V2Error PERMISSION_DENIED, UNKNOWN_MODEL, MODEL_UNAVAILABLE (it failed to
-        load; the message says why), BAD_INPUT (``parameters`` Triton's ``config`` or ``file:``
-        overrides, which are refused)."""
-        raise NotImplementedError
+        load; the message says why), BAD_INPUT (Triton's ``config`` or ``file:`` overrides)."""
+        self._admin(caller, "load models")
+        self._check_name(name)
+        version = self._control_version(name, parameters)
+        try:
+            await self.lifecycle.load(name, version, None, by=f"uid {caller.uid} (v2)")
+        except ShmserveError as exc:
+            raise _error(exc) from None
 
     async def repository_unload(self, caller: Caller, name: str, parameters: dict | None = None) -> None:
         """Unload every loaded version of ``name`` (or ``parameters["version"]``).  V2Error
         PERMISSION_DENIED, UNKNOWN_MODEL."""
-        raise NotImplementedError
+        self._admin(caller, "unload models")
+        self._check_name(name)
+        version = self._control_version(name, parameters)
+        try:
+            await self.lifecycle.unload(name, version, by=f"uid {caller.uid} (v2)")
+        except ShmserveError as exc:
+            raise _error(exc) from None
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        try:
+            protocol.parse_name(name, "model")
+        except protocol.ProtocolViolation as exc:
+            raise V2Error(ErrorCode.BAD_INPUT, exc.message) from None
 
     def statistics(self, caller: Caller, name: str | None, version: str | None) -> dict:
         """Triton's statistics: ``{"model_stats": [{"name", "version", "last_inference",
-        "inference_count", "execution_count", "inference_stats": {"success": {"count", "ns"},
-        "fail": ..., "queue": ..., "compute_input": ..., "compute_infer": ...,
-        "compute_output": ...}, "batch_stats": [...]}]}``.  V2Error UNKNOWN_MODEL."""
-        raise NotImplementedError
+        "inference_count", "execution_count", "inference_stats": {"success", "fail", "queue",
+        "compute_input", "compute_infer", "compute_output": {"count", "ns"}}, "batch_stats":
+        []}]}`` from the counters and histograms the server keeps.  V2Error UNKNOWN_MODEL."""
+        if name:
+            versions = [self._version(name, version)] if version else \
+                [v for v in self.models.versions() if v.name == name]
+            if not versions:
+                raise V2Error(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+        else:
+            versions = self.models.versions()
+        outcomes = self.dispatcher.outcomes
+        snap = {(m.name, m.version): m for m in self.status.snapshot().models}
+        now_wall, now_mono = time.time(), time.monotonic()
+        stats = []
+        for v in versions:
+            m = snap.get((v.name, v.version))
+            ok = outcomes.get((v.name, v.version, "ok"), 0)
+            failed = sum(n for (model, ver, code), n in outcomes.items()
+                         if model == v.name and ver == v.version and code != "ok")
+
+            def stage(key, count=None):
+                if m is None:
+                    return {"count": 0, "ns": 0}
+                buckets, total_us = m.histograms[key]
+                return {"count": sum(buckets) if count is None else count, "ns": int(total_us * 1000)}
+
+            batch_buckets, _ = m.histograms["batch_size"] if m is not None else ((), 0)
+            stats.append({
+                "name": v.name, "version": str(v.version),
+                "last_inference": int((now_wall - (now_mono - v.last_used)) * 1000) if v.last_used else 0,
+                "inference_count": ok, "execution_count": sum(batch_buckets),
+                "inference_stats": {"success": {"count": ok, "ns": stage("total")["ns"]},
+                                    "fail": {"count": failed, "ns": 0},
+                                    "queue": stage("queue"), "compute_input": stage("copy_in"),
+                                    "compute_infer": stage("compute"), "compute_output": stage("copy_out")},
+                "batch_stats": []})
+        return {"model_stats": stats}
+
+
+def _input_metas(request: InferRequest) -> tuple[protocol.TensorMeta, ...]:
+    """The dispatcher's descriptions of a request's inputs, checked by the native protocol's own
+    rules (names, counts, ranks, dimension sizes; one owner of them).  V2Error BAD_INPUT,
+    BAD_DTYPE, BAD_SHAPE, BAD_FRAME (timeout, model name)."""
+    items = []
+    for t in request.inputs:
+        dtype = DATATYPES.get(t.datatype)
+        if dtype is None:
+            raise V2Error(ErrorCode.BAD_DTYPE, f"input {str(t.name)[:64]!r}: unknown datatype "
+                                               f"{str(t.datatype)[:20]!r} (one of {', '.join(DATATYPES)})")
+        item = {"name": t.name, "dtype": dtype, "shape": list(t.shape)}
+        if dtype not in FIXED_DTYPES:  # BYTES: its size is its data's
+            item["nbytes"] = t.shm.byte_size if t.shm is not None else len(t.data or b"")
+        items.append(item)
+    timeout = request.timeout_s
+    try:
+        protocol.parse_name(request.model, "the model name")
+        if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout <= protocol.MAX_TIMEOUT_S):
+            raise protocol.ProtocolViolation(ErrorCode.BAD_FRAME, f"the timeout must be in (0, "
+                                                                  f"{protocol.MAX_TIMEOUT_S}] seconds")
+        return protocol.parse_tensor_list(items, "inputs", with_offset=False)
+    except protocol.ProtocolViolation as exc:
+        raise V2Error(exc.code, exc.message) from None
+
+
+FIXED_DTYPES = frozenset(dtype for datatype, dtype in DATATYPES.items() if datatype in ITEMSIZE)

@@ -1,0 +1,221 @@
+"""The system shared-memory extension of KServe v2: regions a client registers by POSIX name.
+
+Owns: the registered regions (per caller uid: one uid's names never reach
+another's), the checks at registration and at every use, reading a
+request's inputs out of a region and writing its outputs into one, and
+unregistering (which waits for the requests that use the region).
+
+Triton's security history (CVE-2025-23319, -23320, -23334: a key naming the
+server's own segments, offsets past the end, use after unregister) sets the
+rules here:
+
+- registration is off unless the server enables it (``[server]
+  v2_system_shared_memory = true``);
+- a key is one name in /dev/shm (any number of leading slashes; no other
+  slash, no ``..``, no NUL); it may never name one of shmserve's own
+  segments (``shmserve.*``, of any instance) nor the same file as this
+  server's arena;
+- the object is opened ``O_NOFOLLOW|O_NONBLOCK`` and checked with ``fstat``:
+  a regular file, owned by the caller's uid (root may register anyone's but
+  ours), not writable by others, and ``offset + byte_size`` inside its real
+  size;
+- every use checks offset + size against the registered range, and reads
+  and writes go through ``pread``/``pwrite`` on the descriptor, never a
+  mapping: a client that shrinks its object under us makes its own request
+  fail (BAD_REGION), never the server (a mapping would take SIGBUS);
+- keys never appear in an error message (``status`` shows a caller its own).
+
+Costs: one copy in (``pread`` straight into the request's arena space) and
+one out (``pwrite`` from the arena), the same as the Unix socket's inline
+path, with no socket in between.
+
+Must not: decide anything about a request (``shmserve.v2.service``), or map a
+client's object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from dataclasses import dataclass, field
+
+from shmserve import layout
+from shmserve.errors import ErrorCode
+from shmserve.v2.messages import ShmRef, V2Error
+
+SHM_DIR = "/dev/shm"
+KEY_MAX = 255
+NAME_MAX = 256
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@dataclass(eq=False)
+class ShmRegion:
+    name: str
+    key: str
+    uid: int
+    fd: int
+    offset: int
+    byte_size: int
+    users: int = 0  # requests reading or writing it now
+    closing: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _bad(message: str) -> V2Error:
+    return V2Error(ErrorCode.BAD_REGION, message)
+
+
+def object_name(key: str) -> str:
+    """The /dev/shm entry a key names (leading slashes stripped).  V2Error BAD_REGION for a key
+    that is not one plain name (the message does not repeat it)."""
+    if not isinstance(key, str) or not key or len(key) > KEY_MAX:
+        raise _bad(f"the key must be a shared-memory name of 1 to {KEY_MAX} characters")
+    name = key.lstrip("/")
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise _bad("the key must be one shared-memory name (like '/my_region'), not a path")
+    if name.startswith(layout.NAME_PREFIX):
+        raise _bad(f"keys beginning '{layout.NAME_PREFIX}' are shmserve's own segments and cannot be registered")
+    return name
+
+
+class SystemShm:
+    """The registered regions of one server.  ``enabled``: registration allowed.  ``own``:
+    (st_dev, st_ino) of segments that can never be registered (the arena)."""
+
+    def __init__(self, *, enabled: bool, own: set[tuple[int, int]], max_per_uid: int = 256, server_uid: int | None = None):
+        self.enabled, self.own, self.max_per_uid = enabled, own, max_per_uid
+        self.server_uid = os.getuid() if server_uid is None else server_uid
+        self.regions: dict[tuple[int, str], ShmRegion] = {}
+
+    # -- registration -----------------------------------------------------------------
+
+    def register(self, uid: int, name: str, key: str, offset: int, byte_size: int) -> ShmRegion:
+        """See ``V2Service.shm_register``."""
+        if not self.enabled:
+            raise V2Error(ErrorCode.PERMISSION_DENIED, "registering system shared memory is off on this server "
+                                                       "(server.v2_system_shared_memory = true turns it on)")
+        if not isinstance(name, str) or not name or len(name) > NAME_MAX:
+            raise _bad(f"a region name must be 1 to {NAME_MAX} characters")
+        if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 0:
+            raise _bad(f"region {name!r}: offset and byte_size must be integers >= 0")
+        if (uid, name) in self.regions:
+            raise _bad(f"region {name!r} is already registered: unregister it first")
+        if sum(r.uid == uid for r in self.regions.values()) >= self.max_per_uid:
+            raise V2Error(ErrorCode.OVERLOADED, f"{self.max_per_uid} regions registered by uid {uid} "
+                                                f"(server.max_regions_per_uid)")
+        path = os.path.join(SHM_DIR, object_name(key))
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise _bad(f"region {name!r}: no shared-memory object by that key") from None
+        except OSError as exc:
+            raise _bad(f"region {name!r}: the key cannot be opened ({os.strerror(exc.errno)}); it must be "
+                       "a shared-memory object of the caller's uid") from None
+        try:
+            st = os.fstat(fd)
+            problem = self._problem(st, uid, offset, byte_size)
+            if problem:
+                raise _bad(f"region {name!r}: {problem}")
+        except BaseException:
+            os.close(fd)
+            raise
+        region = ShmRegion(name, key, uid, fd, offset, byte_size)
+        region.idle.set()
+        self.regions[(uid, name)] = region
+        return region
+
+    def _problem(self, st: os.stat_result, uid: int, offset: int, byte_size: int) -> str:
+        if not stat.S_ISREG(st.st_mode):
+            return "the key does not name a shared-memory object"
+        if (st.st_dev, st.st_ino) in self.own:
+            return "the key names one of the server's own segments"
+        if uid != 0 and st.st_uid != uid:
+            return "the object belongs to another uid; register only your own"
+        if st.st_uid == self.server_uid and uid != self.server_uid:
+            return "the object belongs to the server's uid"
+        if st.st_mode & stat.S_IWOTH:
+            return "the object is writable by every user (mode o+w): create it 0600 or 0660"
+        if offset + byte_size > st.st_size:
+            return (f"offset {offset} + byte_size {byte_size} is past the end of the object "
+                    f"({st.st_size} bytes)")
+        return ""
+
+    async def unregister(self, uid: int, name: str | None) -> None:
+        """Unregister ``name`` (None: all of ``uid``'s) once no request uses it; unknown names are
+        ignored.  New requests cannot name it meanwhile."""
+        targets = [r for (u, n), r in self.regions.items() if u == uid and (name is None or n == name)]
+        for r in targets:
+            r.closing = True
+        for r in targets:
+            await r.idle.wait()
+            if self.regions.get((uid, r.name)) is r:
+                del self.regions[(uid, r.name)]
+                os.close(r.fd)
+                r.fd = -1
+
+    def status(self, uid: int, name: str | None) -> list[dict]:
+        if name is not None and ((uid, name) not in self.regions or self.regions[(uid, name)].closing):
+            raise _bad(f"no region {name!r} is registered")
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for (u, n), r in sorted(self.regions.items(), key=lambda kv: kv[0][1])
+                if u == uid and not r.closing and (name is None or n == name)]
+
+    def close_all(self) -> None:
+        for r in self.regions.values():
+            if r.fd >= 0:
+                os.close(r.fd)
+                r.fd = -1
+        self.regions.clear()
+
+    # -- use --------------------------------------------------------------------------
+
+    def take(self, uid: int, ref: ShmRef, nbytes: int, what: str) -> ShmRegion:
+        """The region ``ref`` names, counted as in use until ``give_back``.  V2Error BAD_REGION: no
+        such region (or it is being unregistered), or ``nbytes`` at ``ref.offset`` does not fit
+        in ``ref.byte_size`` or the registered range."""
+        r = self.regions.get((uid, ref.region))
+        if r is None or r.closing:
+            raise _bad(f"{what}: no region {ref.region!r} is registered")
+        if type(ref.offset) is not int or type(ref.byte_size) is not int or ref.offset < 0 or ref.byte_size < 0:
+            raise _bad(f"{what}: shared_memory_offset and shared_memory_byte_size must be integers >= 0")
+        if ref.offset + ref.byte_size > r.byte_size:
+            raise _bad(f"{what}: offset {ref.offset} + byte_size {ref.byte_size} is past the end of region "
+                       f"{ref.region!r} ({r.byte_size} bytes)")
+        if nbytes > ref.byte_size:
+            raise _bad(f"{what}: needs {nbytes} bytes, shared_memory_byte_size is {ref.byte_size}")
+        r.users += 1
+        r.idle.clear()
+        return r
+
+    @staticmethod
+    def give_back(r: ShmRegion) -> None:
+        r.users -= 1
+        if r.users == 0:
+            r.idle.set()
+
+    @staticmethod
+    def read_into(r: ShmRegion, ref: ShmRef, sink: memoryview, what: str) -> None:
+        """Fill ``sink`` from the region at ``ref.offset``.  V2Error BAD_REGION if the object has
+        shrunk under it."""
+        want, got, at = len(sink), 0, r.offset + ref.offset
+        while got < want:
+            n = os.preadv(r.fd, [sink[got:]], at + got)
+            if n <= 0:
+                raise _bad(f"{what}: region {ref.region!r} is shorter than registered (was it truncated?)")
+            got += n
+
+    @staticmethod
+    def write_from(r: ShmRegion, ref: ShmRef, data: memoryview, what: str) -> None:
+        """Write ``data`` into the region at ``ref.offset``; V2Error BAD_REGION if the object has
+        shrunk (nothing is written past its end: the file is never grown)."""
+        at = r.offset + ref.offset
+        if os.fstat(r.fd).st_size < at + len(data):
+            raise _bad(f"{what}: region {ref.region!r} is shorter than registered (was it truncated?)")
+        done = 0
+        while done < len(data):
+            n = os.pwrite(r.fd, data[done:], at + done)
+            if n <= 0:
+                raise _bad(f"{what}: region {ref.region!r} could not be written")
+            done += n
