@@ -24,13 +24,18 @@ setup(
         "onnxruntime>=1.17,<2",  # the embedded demo model runs on it
         "prometheus_client>=0.17,<1",
         "rich>=13,<16",
+        "httptools>=0.6,<1",  # the KServe v2 HTTP door's parser (serve --http)
     ],
     extras_require={
         "plot": ["matplotlib>=3.7,<4"],  # shmserve bench --plot
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2", "matplotlib>=3.7,<4",
+                 # the v2 front door is tested with Triton's own clients (and serves gRPC in the tests)
+                 "tritonclient[http,grpc]>=2.73,<2.74", "grpcio>=1.60,<2",
                  # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU
                  "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'"],
         "gpu": ["cuda-python>=12.4,<14"],
+        # serve --grpc: grpcio, and Triton's generated GRPCInferenceService (shipped in tritonclient)
+        "grpc": ["grpcio>=1.60,<2", "tritonclient[grpc]>=2.50,<3"],
         "onnx": ["onnx>=1.15,<2"],  # to rebuild the demo model (tools/make_demo_model.py)
         "torch": ["torch>=2.3,<3"],
         "tensorrt": ["tensorrt>=10,<12"],

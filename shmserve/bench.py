@@ -53,6 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shmserve import bench_v2
+from shmserve.bench_v2 import MODES
+
 MODEL = "identity"  # uint8 vector in, the same vector out (shmserve.models:identity)
 # For a model whose rows are larger than the payload asked for (the demo's image is 12 KiB a row)
 # one row is sent: the table's "tensor" column says what really went, and GB/s counts that.
@@ -103,13 +106,21 @@ def make_input(spec: dict, size: int, rng) -> tuple[str, np.ndarray]:
 WARMUP = 20  # requests per client before it reports ready
 
 
-def prepare(c, mode: str, size: int, model: str):
-    """(run, call, x): one request of ``model`` on client ``c`` as a callable (``call``: its
-    zero-copy call to release at the end, None inline; ``x``: the input), after ``WARMUP`` of
-    them; then says "ready" on stdout."""
+def prepare(c, mode: str, size: int, model: str, protocol: str = "unix"):
+    """(run, call, x): one request of ``model`` on client ``c`` as a callable (``call``: what to
+    release or close at the end, None inline; ``x``: the input), after ``WARMUP`` of them; then
+    says "ready" on stdout.  ``protocol`` http or grpc: the request goes through that v2 door of
+    the same server (its address from ``info``), ``mode`` inline or shm."""
     spec = next(m for m in c.models() if m["name"] == model)
     name, x = make_input(spec, size, np.random.default_rng(os.getpid()))
-    if mode == "inline":
+    if protocol != "unix":
+        from shmserve.bench_v2 import v2_call
+
+        address = c.info()["v2"].get(protocol)
+        if not address:
+            raise SystemExit(f"the server does not serve {protocol} (serve --{protocol} ADDR)")
+        call = run = v2_call(protocol, address, model, spec, name, x, mode)
+    elif mode == "inline":
         run = lambda: c.infer(model, {name: x})  # noqa: E731
         call = None
     else:
@@ -123,7 +134,7 @@ def prepare(c, mode: str, size: int, model: str):
 
 
 def client_main(path: str, mode: str, size: int, requests: int, duration: float, model: str,
-                rate: float = 0.0) -> None:
+                rate: float = 0.0, protocol: str = "unix") -> None:
     """One benchmark client (a child process): connects and warms up, says "ready", waits for
     "go" on stdin (so that every client measures the same window, not its neighbours' start-up),
     then prints its latencies in microseconds and its measuring window as JSON.  With ``rate``
@@ -133,7 +144,7 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
 
     samples = []
     with Client(path, timeout=120) as c:
-        run, call, x = prepare(c, mode, size, model)
+        run, call, x = prepare(c, mode, size, model, protocol)
         sys.stdin.readline()
         start = time.monotonic()
         deadline = start + duration if duration else None
@@ -152,17 +163,17 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
                 break
         end = time.monotonic()
         if call is not None:
-            call.release()
+            call.release() if protocol == "unix" else call.close()
     print(json.dumps({"samples": samples, "nbytes": int(x.nbytes), "start": start, "end": end}), flush=True)
 
 
 def run_case(path: str, mode: str, size: int, clients: int, requests: int, duration: float,
-             model: str, rate: float = 0.0) -> dict:
+             model: str, rate: float = 0.0, protocol: str = "unix") -> dict:
     """Run ``clients`` client processes over one common window; requests/s counts that window only.
     ``rate``: requests/s of all of them together (0: each sends back to back)."""
     procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
-                               str(rate / clients if rate else 0.0)],
+                               str(rate / clients if rate else 0.0), protocol],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
     try:
@@ -428,6 +439,9 @@ def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, s
     server = f"""[server]
 instance = "{instance}"
 max_request_bytes = {200 << 20}
+http = "127.0.0.1:0"
+grpc = "127.0.0.1:0"
+v2_system_shared_memory = true
 """
     cfg.write_text(server + f"model_repository = {json.dumps(str(swap_repository(workdir)))}\n" if swap else
                    server + f"""[[models]]
@@ -500,6 +514,13 @@ class Progress:
             self.bar.update(self.task, completed=self.done)
             self.bar.stop()
             self.bar = None
+
+
+def parse_protocols(text: str) -> list[str]:
+    protocols = [p.strip() for p in text.split(",")]
+    if not protocols or any(p not in MODES for p in protocols) or len(set(protocols)) != len(protocols):
+        raise argparse.ArgumentTypeError(f"bad protocols {text!r} (use unix, http, grpc or a list: unix,http,grpc)")
+    return protocols
 
 
 def parse_counts(text: str) -> list[int]:
@@ -589,7 +610,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("shmserve bench: --plot needs matplotlib: pip install 'shmserve[plot]'") from None
-    labels = [f"{human(r['payload'])}\n{r['mode']}\n{r['clients']} cl." for r in results]
+    labels = [f"{human(r['payload'])}\n{r.get('protocol', 'unix')} {r['mode']}\n{r['clients']} cl." for r in results]
     x = np.arange(len(results))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results)), 4.5))
     for i, (key, name) in enumerate((("p50_us", "p50"), ("p90_us", "p90"), ("p99_us", "p99"))):
@@ -624,8 +645,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
     p.add_argument("--payload", help="comma-separated sizes (default: 64,4KiB,1MiB,16MiB; --during-swap: 4KiB)")
-    p.add_argument("--mode", choices=("inline", "zero-copy", "both"),
-                   help="how requests travel (default: both; --during-swap: inline)")
+    p.add_argument("--mode", choices=("inline", "zero-copy", "shm", "both"),
+                   help="how requests travel: unix inline or zero-copy (a lane), http/grpc inline (binary "
+                        "tensors) or shm (system shared memory); both: each of the protocol's two "
+                        "(default: both; --during-swap: inline)")
+    p.add_argument("--protocol", type=parse_protocols, default=["unix"], metavar="P[,P...]",
+                   help="unix (the native socket), http, grpc (the KServe v2 doors of the same server; "
+                        "--spawn-server serves both), or a list")
     p.add_argument("--clients", type=parse_counts, default=[1], metavar="N[,N...]",
                    help="client processes per case; a list sweeps them (1,2,4,8)")
     p.add_argument("--requests", type=int, default=500, help="requests per client per case (after 20 warm-up)")
@@ -667,7 +693,14 @@ def main(argv: list[str] | None = None) -> int:
                 open(target, "a").close()  # refused now, not after the run
             except OSError as exc:
                 p.error(f"{option}: cannot write {target}: {exc.strerror or exc}")
-    modes = ["inline", "zero-copy"] if args.mode == "both" else [args.mode]
+    if swapping and args.protocol != ["unix"]:
+        p.error("--during-swap measures the native socket only (no --protocol)")
+    cases = []  # (protocol, mode)
+    for protocol in args.protocol:
+        no_socket = {"zero-copy": "shm", "shm": "zero-copy"}  # each protocol's variant without tensor bytes on it
+        modes = MODES[protocol] if args.mode == "both" else \
+            [args.mode if args.mode in MODES[protocol] else no_socket[args.mode]]
+        cases += [(protocol, mode) for mode in modes]
     if swapping:
         return main_swap(args, sizes[0])
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
@@ -684,18 +717,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shmserve bench: {problem[1]}", file=sys.stderr)
             return problem[0]
     results = []
-    progress = Progress(len(sizes) * (len(modes) * len(args.clients) + 1))
+    progress = Progress(len(sizes) * (len(cases) * len(args.clients) + len(args.protocol)))
     try:
         for size in sizes:
             reps = max(20, min(2000, (256 << 20) // max(size, 1)))
-            progress.step(f"floor for {human(size)}")
-            floor = echo_floor(size, reps)
             copy = memcpy_floor(size, min(reps, 50)) if size >= (1 << 20) else 0.0
-            for mode in modes:
+            floors = {}
+            for protocol in args.protocol:
+                progress.step(f"{protocol} floor for {human(size)}")
+                floors[protocol] = echo_floor(size, reps) if protocol == "unix" else \
+                    bench_v2.echo_floor(protocol, size, reps)
+            for protocol, mode in cases:
+                floor = floors[protocol]
                 for clients in args.clients:
-                    progress.step(f"{mode} {human(size)} x {plural(clients, 'client')}")
-                    r = run_case(path, mode, size, clients, args.requests, args.duration, model, args.rate)
-                    r.update(payload=size, mode=mode, clients=clients, rate=args.rate,
+                    progress.step(f"{protocol} {mode} {human(size)} x {plural(clients, 'client')}")
+                    r = run_case(path, mode, size, clients, args.requests, args.duration, model, args.rate,
+                                 protocol)
+                    r.update(payload=size, protocol=protocol, mode=mode, clients=clients, rate=args.rate,
                              echo_floor_p50_us=round(floor, 1), memcpy_p50_us=round(copy, 1),
                              ratio_to_floor=round(r["p50_us"] / (floor + copy), 2))
                     results.append(r)
@@ -717,15 +755,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"\nshmserve bench, model {model}, clients {pacing}, {plural(os.cpu_count(), 'CPU')}, "
           f"{time.strftime('%Y-%m-%d')}\n")
-    print("| payload | tensor | mode | clients | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s | floor p50 µs "
-          "| p50 / floor |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| payload | tensor | protocol | mode | clients | p50 µs | p90 µs | p99 µs | max µs | req/s | GB/s "
+          "| floor p50 µs | p50 / floor |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         floor = r["echo_floor_p50_us"] + r["memcpy_p50_us"]
-        print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['mode']} | {r['clients']} | {r['p50_us']} | "
+        print(f"| {human(r['payload'])} | {human(r['tensor_bytes'])} | {r['protocol']} | {r['mode']} | "
+              f"{r['clients']} | {r['p50_us']} | "
               f"{r['p90_us']} | {r['p99_us']} | {r['max_us']} | {r['rps']} | {r['GBps']} | {floor:.1f} | "
               f"{r['ratio_to_floor']} |")
-    print("\nfloor = uvloop Unix-socket echo of the same payload (+ one memcpy into shared memory from 1 MiB up)")
+    print("\nfloor = an echo of the same payload over the same stack: unix, a uvloop Unix-socket echo; http, an "
+          "httptools/uvloop HTTP echo; grpc, a grpc.aio echo (+ one memcpy into shared memory from 1 MiB up)")
     return 0
 
 
@@ -787,7 +827,7 @@ if __name__ == "__main__":
     try:
         if len(sys.argv) > 1 and sys.argv[1] == "--client":
             client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
-                        sys.argv[7], float(sys.argv[8]))
+                        sys.argv[7], float(sys.argv[8]), sys.argv[9])
         elif len(sys.argv) > 1 and sys.argv[1] == "--swap-client":
             swap_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
                              sys.argv[7] == "check")

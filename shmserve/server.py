@@ -79,6 +79,19 @@ def check_not_served(instance: str) -> None:
                      f"start this one with another --instance")
 
 
+def check_v2(config: ServerConfig) -> None:
+    """SystemExit naming the fix if the v2 doors the config asks for cannot run here (checked
+    before anything is spawned)."""
+    if config.grpc:
+        try:
+            import shmserve.v2.grpc  # noqa: F401
+        except ImportError as exc:
+            raise SystemExit(f"serve --grpc needs the grpc extra ({exc}): pip install 'shmserve[grpc]'") from None
+    for address in (config.http, config.grpc):
+        if address and "/" in address:
+            check_socket_path(address)
+
+
 def strict_refusal(unready: list[ModelState], n_models: int) -> str:
     """The one line a strict start ends with: which models did not load, and why."""
     why = "; ".join(" ".join(m.unavailable_reason().split()) for m in unready)
@@ -115,6 +128,7 @@ class Frontend:
         check_not_served(self.config.instance)  # these two before anything is spawned: no model load is wasted
         if self.listen_sock is None:
             check_socket_path(self.socket_path)
+        check_v2(self.config)
         for removed in stale.sweep(self.config.instance):
             log.warning("removed stale arena /dev/shm/%s (%s)", removed.name, removed.reason)
         stop = asyncio.Event()

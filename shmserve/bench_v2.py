@@ -1,0 +1,231 @@
+"""`shmserve bench --protocol http|grpc`: the KServe v2 clients and floors of the benchmark.
+
+Owns: one request of a one-input model over the v2 HTTP door (binary tensor
+data, ``Inference-Header-Content-Length``) or gRPC door (``raw_input_contents``),
+inline or through system shared memory (the input written once into a
+region the client registered; the output read back from another), and the
+floors for them: an echo of the same payload over the same stacks — an HTTP
+server on the same parser (httptools on uvloop) answering the body back to the
+same client, and a gRPC server (grpc.aio) whose ``ModelInfer`` answers
+``raw_input_contents`` as ``raw_output_contents`` to the same stub.
+
+The clients are deliberately lean (``http.client`` on a kept-alive connection,
+grpcio's generated stub): a benchmark of the server, not of a client library.
+
+Must not: leave a /dev/shm object behind (regions are unlinked in ``finally``),
+or listen anywhere but loopback.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import mmap
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from shmserve.v2.messages import V2_NAMES
+
+PROTOCOLS = ("unix", "http", "grpc")
+MODES = {"unix": ("inline", "zero-copy"), "http": ("inline", "shm"), "grpc": ("inline", "shm")}
+
+
+class _Region:
+    """A /dev/shm object of this process (posix_ipc), mapped, unlinked by ``close``."""
+
+    def __init__(self, size: int):
+        import posix_ipc
+
+        self.key = f"/shmserve-bench-v2-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        shm = posix_ipc.SharedMemory(self.key, posix_ipc.O_CREX, mode=0o600, size=max(size, 1))
+        try:
+            self.buf = mmap.mmap(shm.fd, max(size, 1))
+        finally:
+            shm.close_fd()
+        self.size = size
+
+    def close(self) -> None:
+        import posix_ipc
+
+        self.buf.close()
+        posix_ipc.unlink_shared_memory(self.key)
+
+
+class HttpCall:
+    """One model's binary infer request over a kept-alive HTTP connection; ``shm``: its input and
+    output in two registered regions."""
+
+    def __init__(self, address: str, model: str, name: str, x: np.ndarray, output: str, shm: bool):
+        host, _, port = address.rpartition(":")
+        self.conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=120)
+        self.path = f"/v2/models/{model}/infer"
+        self.regions: list[_Region] = []
+        datatype = V2_NAMES[x.dtype.name]
+        tensor = {"name": name, "shape": list(x.shape), "datatype": datatype}
+        if shm:
+            src, dst = _Region(x.nbytes), _Region(x.nbytes)
+            self.regions = [src, dst]
+            np.frombuffer(src.buf, np.uint8, x.nbytes)[:] = x.reshape(-1).view(np.uint8)
+            for tag, r in (("in", src), ("out", dst)):
+                self._post(f"/v2/systemsharedmemory/region/{tag}{os.getpid()}/register",
+                           json.dumps({"key": r.key, "offset": 0, "byte_size": r.size}).encode())
+            tensor["parameters"] = {"shared_memory_region": f"in{os.getpid()}", "shared_memory_byte_size": x.nbytes}
+            out = {"name": output, "parameters": {"shared_memory_region": f"out{os.getpid()}",
+                                                  "shared_memory_byte_size": x.nbytes}}
+            self.body, self.headers = json.dumps({"inputs": [tensor], "outputs": [out]}).encode(), {}
+        else:
+            tensor["parameters"] = {"binary_data_size": x.nbytes}
+            header = json.dumps({"inputs": [tensor], "outputs": [{"name": output,
+                                                                  "parameters": {"binary_data": True}}]}).encode()
+            self.body = header + x.tobytes()
+            self.headers = {"Inference-Header-Content-Length": str(len(header))}
+        self.headers["Content-Type"] = "application/octet-stream"
+
+    def _post(self, path: str, body: bytes) -> bytes:
+        self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status}: {data[:200]!r}")
+        return data
+
+    def __call__(self) -> bytes:
+        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"infer: HTTP {r.status}: {data[:200]!r}")
+        return data
+
+    def close(self) -> None:
+        try:
+            if self.regions:
+                self._post("/v2/systemsharedmemory/unregister", b"")
+        finally:
+            self.conn.close()
+            for r in self.regions:
+                r.close()
+
+
+class GrpcCall:
+    """The same over gRPC (``raw_input_contents``); ``shm`` as ``HttpCall``."""
+
+    def __init__(self, address: str, model: str, name: str, x: np.ndarray, output: str, shm: bool):
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self.pb = service_pb2
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1),
+                                                               ("grpc.max_receive_message_length", -1)])
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.regions: list[_Region] = []
+        req = service_pb2.ModelInferRequest(model_name=model)
+        tensor = req.inputs.add(name=name, datatype=V2_NAMES[x.dtype.name], shape=list(x.shape))
+        out = req.outputs.add(name=output)
+        if shm:
+            src, dst = _Region(x.nbytes), _Region(x.nbytes)
+            self.regions = [src, dst]
+            np.frombuffer(src.buf, np.uint8, x.nbytes)[:] = x.reshape(-1).view(np.uint8)
+            for tag, r in (("in", src), ("out", dst)):
+                self.stub.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
+                    name=f"{tag}{os.getpid()}", key=r.key, offset=0, byte_size=r.size))
+            for t, tag in ((tensor, "in"), (out, "out")):
+                t.parameters["shared_memory_region"].string_param = f"{tag}{os.getpid()}"
+                t.parameters["shared_memory_byte_size"].int64_param = x.nbytes
+        else:
+            req.raw_input_contents.append(x.tobytes())
+        self.request = req
+
+    def __call__(self):
+        return self.stub.ModelInfer(self.request)
+
+    def close(self) -> None:
+        try:
+            if self.regions:
+                self.stub.SystemSharedMemoryUnregister(self.pb.SystemSharedMemoryUnregisterRequest())
+        finally:
+            self.channel.close()
+            for r in self.regions:
+                r.close()
+
+
+def v2_call(protocol: str, address: str, model: str, spec: dict, name: str, x: np.ndarray, mode: str):
+    """A callable making one request (and ``close()``), for ``shmserve.bench``'s clients."""
+    output = spec["outputs"][0]["name"]
+    cls = HttpCall if protocol == "http" else GrpcCall
+    return cls(address, model, name, x, output, shm=(mode == "shm"))
+
+
+# -- floors ------------------------------------------------------------------------------------
+
+HTTP_ECHO = """
+import asyncio, signal, sys, httptools, uvloop
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+class Echo(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t, self.p, self.body = t, httptools.HttpRequestParser(self), []
+    def data_received(self, d): self.p.feed_data(d)
+    def on_message_begin(self): self.body = []
+    def on_body(self, b): self.body.append(b)
+    def on_message_complete(self):
+        body = b"".join(self.body)
+        self.t.writelines([b"HTTP/1.1 200 OK\\r\\ncontent-type: application/octet-stream\\r\\n"
+                           b"content-length: %d\\r\\n\\r\\n" % len(body), body])
+async def main():
+    server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+GRPC_ECHO = """
+import asyncio, signal, grpc, uvloop
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):
+    async def ModelInfer(self, request, context):
+        reply = service_pb2.ModelInferResponse(model_name=request.model_name)
+        reply.raw_output_contents.extend(request.raw_input_contents)
+        return reply
+async def main():
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", -1),
+                                      ("grpc.max_receive_message_length", -1)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+uvloop.run(main())
+"""
+
+
+def echo_floor(protocol: str, size: int, reps: int) -> float:
+    """p50 microseconds of an echo of ``size`` bytes over the same HTTP or gRPC stack (server in
+    another process, the same client code as the benchmark's)."""
+    server = subprocess.Popen([sys.executable, "-c", HTTP_ECHO if protocol == "http" else GRPC_ECHO],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        x = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        spec = {"outputs": [{"name": "y"}]}
+        call = v2_call(protocol, f"127.0.0.1:{port}", "echo", spec, "x", x, "inline")
+        samples = []
+        try:
+            for i in range(reps + 10):
+                t0 = time.perf_counter_ns()
+                call()
+                if i >= 10:
+                    samples.append((time.perf_counter_ns() - t0) / 1e3)
+        finally:
+            call.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(10)
+    return float(statistics.median(samples))
