@@ -221,7 +221,8 @@ class Frontend:
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 
-            door = HttpDoor(self.v2, HttpLimits(max_body_bytes=2 * config.max_request_bytes + (1 << 20)))
+            door = HttpDoor(self.v2, HttpLimits(max_body_bytes=2 * config.max_request_bytes + (1 << 20)),
+                            door_limits_of(config), socket_mode=config.socket_mode, socket_group=config.socket_group)
             await door.start(config.http)
             self.v2_doors.append(door)
             self.status.front_doors["http"] = door.address
@@ -330,6 +331,8 @@ class Frontend:
         self.dispatcher.limits = limits_of(self.config)
         self.regions.limits = region_limits_of(self.config)
         self.door.limits = door_limits_of(self.config)
+        for door in self.v2_doors:
+            door.door_limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         self.door.admin = (self.config.admin_uids, self.config.admin_gids)
         if fixed:

@@ -18,6 +18,7 @@ Must not: do I/O, parse HTTP or protobuf, or know how a request is served
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -53,14 +54,42 @@ class ShmRef:
     offset: int = 0
 
 
+class Incoming:
+    """Input bytes that are still on their way from the caller's connection (an HTTP body being
+    received): ``size`` of them, received straight into the request's arena space by the
+    request's ``InferRequest.body`` once the dispatcher has given it that space."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class BodyReceiver(Protocol):
+    """The door that will receive a request's ``Incoming`` inputs (in order)."""
+
+    def fill(self, sinks: list[memoryview], done: Callable[[], None]) -> None:
+        """Receive the inputs' bytes into ``sinks`` (views of arena space, in input order), then
+        call ``done``.  If the connection ends first, ``done`` is never called (the service
+        drops the request)."""
+
+    def abort(self) -> None:
+        """The request was answered before its bytes were all received: write no more into the
+        sinks (skip what is left of the body)."""
+
+
 @dataclass
 class InputTensor:
-    """One input.  Exactly one of ``data`` (raw bytes, see the module header) and ``shm``."""
+    """One input.  Exactly one of ``data`` (raw bytes, see the module header, or ``Incoming``)
+    and ``shm``."""
 
     name: str
     datatype: str  # a key of DATATYPES (checked by the door that parsed it)
     shape: tuple[int, ...]
-    data: bytes | memoryview | None = None
+    data: bytes | memoryview | Incoming | None = None
     shm: ShmRef | None = None
 
 
@@ -84,6 +113,7 @@ class InferRequest:
     binary_outputs: bool = False  # HTTP: the request's parameters.binary_data_output
     timeout_s: float | None = None  # parameters.timeout (microseconds on the wire); None: the server's
     key: str | None = None  # parameters.routing_key: a canary sends the same key to the same version
+    body: BodyReceiver | None = None  # receives the inputs whose data is ``Incoming``
 
 
 @dataclass
@@ -100,10 +130,19 @@ class OutputTensor:
 
 @dataclass
 class InferResult:
+    """A request's outputs.  Their ``data`` may be views of the arena: valid until ``release()``,
+    which the door calls once it has sent them (or copied them); it is idempotent."""
+
     model_name: str
     model_version: str
     id: str | None
     outputs: list[OutputTensor] = field(default_factory=list)
+    releaser: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        releaser, self.releaser = self.releaser, None
+        if releaser is not None:
+            releaser()
 
 
 class V2Error(Exception):

@@ -31,15 +31,14 @@ from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.requests import Request
-from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, InferRequest, InferResult, OutputTensor, ShmRef,
-                                  V2Error)
+from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
+                                  ShmRef, V2Error)
 from shmserve.v2.sysshm import SystemShm
 
 log = logging.getLogger("shmserve.v2")
 
-EXTENSIONS = ("binary_tensor_data", "classification", "model_repository", "model_repository(unload_dependents)",
-              "schedule_policy", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "statistics")
+EXTENSIONS = ("binary_tensor_data", "model_repository", "model_configuration", "system_shared_memory",
+              "cuda_shared_memory", "statistics")
 # Triton's repository states (RepositoryIndex): what each lifecycle phase is called there.
 REPOSITORY_STATES = {"loading": "LOADING", SERVING: "READY", "draining": "UNLOADING", "unavailable": "UNAVAILABLE",
                      "evicted": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
@@ -76,13 +75,19 @@ def version_number(model: str, version: str | None) -> int | None:
 
 
 class V2Door:
-    """The dispatcher's door for one v2 caller: input bytes in, answers out, through futures."""
+    """The dispatcher's door for one v2 caller: input bytes in, answers out, through futures.
+
+    A request's inputs come from three sources (``pending[req]``'s list, one per input with
+    bytes, in input order): bytes of the message (copied into the arena), a registered region
+    (``(region, ref, what)``: read into it), or ``Incoming`` (received into it by the request's
+    ``body``, straight from the socket; the request is published once all have landed)."""
 
     def __init__(self, service: "V2Service", caller: Caller):
         self.service, self.caller = service, caller
         self.dispatcher = service.dispatcher
-        # request -> (future of its answer, its inputs' sources: bytes or (region, ref, what))
-        self.pending: dict[Request, tuple[asyncio.Future, list]] = {}
+        # request -> (future of its answer, its inputs' sources, its body receiver or None)
+        self.pending: dict[Request, tuple[asyncio.Future, list, object]] = {}
+        self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
         self.ids = itertools.count(1)
 
     def in_flight(self) -> int:
@@ -95,24 +100,51 @@ class V2Door:
         entry = self.pending.get(req)
         if entry is None or sinks is None:
             return
-        fut, sources = entry
+        fut, sources, body = entry
+        incoming = []
         try:
             for sink, source in zip(sinks, sources):
-                if isinstance(source, tuple):
+                if isinstance(source, Incoming):
+                    incoming.append(sink)
+                elif isinstance(source, tuple):
                     region, ref, what = source
                     SystemShm.read_into(region, ref, sink, what)
                 else:
                     sink[:] = source
         except V2Error as exc:
-            del self.pending[req]
-            self.dispatcher.drop(req)
-            if not fut.done():
-                fut.set_exception(exc)
+            self._fail(req, exc)
             return
-        entry[1].clear()
-        self.dispatcher.received(req)
+        sources.clear()
+        if not incoming:
+            self.dispatcher.received(req)
+            return
+        self.receiving.add(req)
+        body.fill(incoming, lambda: self._received(req))
+
+    def _received(self, req: Request) -> None:
+        if req in self.receiving:
+            self.receiving.discard(req)
+            self.dispatcher.received(req)
+
+    def _fail(self, req: Request, exc: V2Error) -> None:
+        """Fail a request this door holds (its inputs could not be read) and free its space."""
+        fut = self.pending.pop(req)[0]
+        self._stop_receiving(req)
+        self.dispatcher.drop(req)
+        if not fut.done():
+            fut.set_exception(exc)
+
+    def _stop_receiving(self, req: Request) -> None:
+        if req in self.receiving:
+            self.receiving.discard(req)
+            entry = self.pending.get(req)
+            body = entry[2] if entry is not None else None
+            if body is not None:
+                body.abort()
 
     def answer(self, req: Request, answer: Answer) -> None:
+        if req in self.receiving:  # answered before its body was all in: no byte more lands in its space
+            self._stop_receiving(req)
         entry = self.pending.pop(req, None)
         if entry is None or entry[0].done():  # its caller gave up (cancelled) meanwhile
             if isinstance(answer, Outputs) and answer.in_arena:
@@ -121,11 +153,12 @@ class V2Door:
         entry[0].set_result(answer)
 
     def close(self) -> None:
-        for req, (fut, _) in list(self.pending.items()):
+        for req, (fut, _, _) in list(self.pending.items()):
             del self.pending[req]
             if not fut.done():
                 fut.cancel()
             self.dispatcher.drop(req)
+        self.receiving.clear()
 
 
 class V2Service:
@@ -215,6 +248,18 @@ class V2Service:
                 "platform": PLATFORMS.get(v.config.backend, (v.config.backend,) * 2)[1],
                 "inputs": tensors(spec.inputs), "outputs": tensors(spec.outputs)}
 
+    def raw_input(self, name: str, version: str | None):
+        """The one input (a ``TensorSpec``) of a model a raw binary request names.  V2Error
+        UNKNOWN_MODEL, MODEL_UNAVAILABLE (not loaded yet), BAD_INPUT (it has several inputs)."""
+        v = self._version(name, version)
+        if v.spec is None:
+            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded: a raw "
+                                                       "binary request needs its input's shape; send a JSON header")
+        if len(v.spec.inputs) != 1:
+            raise V2Error(ErrorCode.BAD_INPUT, f"a raw binary request (Inference-Header-Content-Length: 0) is for a "
+                                               f"model of one input; {name!r} has {len(v.spec.inputs)}")
+        return v.spec.inputs[0]
+
     def model_ready(self, name: str, version: str | None) -> bool:
         """V2Error UNKNOWN_MODEL for a model (or version) that does not exist."""
         v = self._version(name, version)
@@ -256,8 +301,10 @@ class V2Service:
 
     async def infer(self, caller: Caller, request: InferRequest) -> InferResult:
         """Serve one request through the dispatcher.  Inputs with ``shm`` are read from the
-        caller's registered region, outputs asked for with ``shm`` are written into one (their
-        ``OutputTensor.data`` is then None).  Output data is bytes the result owns.
+        caller's registered region, inputs whose data is ``Incoming`` are received by
+        ``request.body``; outputs asked for with ``shm`` are written into one (their
+        ``OutputTensor.data`` is then None).  Other outputs' data are views of the arena: the
+        door calls ``result.release()`` once it has sent or copied them.
 
         V2Error: every code the dispatcher refuses or fails a request with, plus BAD_INPUT (an
         unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
@@ -280,13 +327,14 @@ class V2Service:
                         got = 0 if t.data is None else len(t.data)
                         raise V2Error(ErrorCode.BAD_INPUT, f"{what} has {got} bytes of data; shape "
                                                            f"{list(t.shape)} of {t.datatype} needs {nbytes}")
+                    if isinstance(t.data, Incoming) and request.body is None:
+                        raise V2Error(ErrorCode.INTERNAL, f"{what}: its bytes have no receiver")
                     if nbytes:
                         sources.append(t.data)
             wanted = self._wanted(request)
             for o in wanted or ():
                 if o.shm is not None:
-                    self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
-                    self.shm.give_back(self.shm.regions[(caller.uid, o.shm.region)])
+                    self.shm.give_back(self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}"))
             parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
                                            version=version_number(request.model, request.version),
                                            key=request.key)
@@ -295,12 +343,13 @@ class V2Service:
                 req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
             except ShmserveError as exc:
                 raise _error(exc) from None
-            door.pending[req] = (fut, sources)
+            door.pending[req] = (fut, sources, request.body)
             self.dispatcher.admit(req)
             try:
                 answer = await fut
             except asyncio.CancelledError:
                 if door.pending.pop(req, None) is not None:
+                    door._stop_receiving(req)
                     self.dispatcher.drop(req)
                 raise
         finally:
@@ -308,11 +357,15 @@ class V2Service:
                 self.shm.give_back(region)
         if isinstance(answer, Failure):
             raise V2Error(answer.code, answer.message)
+        release = (lambda: self.dispatcher.release(req)) if answer.in_arena else None
         try:
-            return self._result(caller, request, req, answer, wanted)
-        finally:
-            if answer.in_arena:
-                self.dispatcher.release(req)
+            result = self._result(caller, request, req, answer, wanted)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        result.releaser = release
+        return result
 
     def _wanted(self, request: InferRequest):
         if request.outputs is None:
@@ -353,7 +406,7 @@ class V2Service:
                 out.append(OutputTensor(name, datatype, tuple(o.shape), None,
                                         ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
             else:
-                out.append(OutputTensor(name, datatype, tuple(o.shape), bytes(o.view) if o.nbytes else b"",
+                out.append(OutputTensor(name, datatype, tuple(o.shape), o.view if o.nbytes else b"",
                                         None, asked.binary if asked is not None else None))
         return InferResult(request.model, str(req.model.version), request.id, out)
 

@@ -1,0 +1,785 @@
+"""The KServe v2 HTTP door: HTTP/1.1 on the front-end's loop, parsed by httptools.
+
+Owns: the listening socket (a loopback ``host:port``, or a Unix socket path
+made like the native socket: its directory trusted, its mode and group
+set), who may connect (the peer's uid, from ``shmserve.v2.peer``, against the
+allow-list: ``V2Service.connect``), and each connection: it pumps bytes into
+an ``httptools.HttpRequestParser``, answers requests one at a time in the
+order they came (pipelined ones wait their turn), and bounds what a client
+can make it hold (``HttpLimits`` and the native door's ``DoorLimits``).
+
+A connection's life is a table (``RULES``: state, event, next state); the
+request line and headers must arrive within ``frame_timeout_s``, a body
+within ``upload_timeout_s``; answers left unread for ``stall_timeout_s``
+close the connection.  Only one request is served at a time: the socket is
+not read while it is (the rest stays in the kernel's buffer).
+
+Data path: a binary infer request (``Inference-Header-Content-Length``, a
+``Content-Length``, no transfer or content encoding) whose body is still
+arriving once its JSON header is in is *streamed*: the header is parsed and
+the request submitted, and once the dispatcher gives it arena space
+(``BodyReceiver.fill``) ``get_buffer`` returns views of that space, so the
+kernel copies the tensor bytes straight into shared memory, as on the native
+socket.  Binary outputs are written with ``writelines`` from views of the
+arena, released once the transport has sent them.  Smaller requests (the
+whole body in one read) are parsed from the buffer they arrived in.
+
+Must not: decide anything about a request (``shmserve.v2.service``), know the
+JSON and binary forms (``shmserve.v2.rest``), or block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import zlib
+from dataclasses import dataclass
+
+import httptools
+
+from shmserve.errors import ErrorCode
+from shmserve.frontend.unix import DoorLimits, Listener
+from shmserve.v2 import peer, rest
+from shmserve.v2.messages import Incoming, V2Error
+from shmserve.v2.service import Caller, V2Service
+
+log = logging.getLogger("shmserve.v2.http")
+
+READ_BUFFER = 256 * 1024  # request heads and small bodies; streamed bodies bypass it
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers (nginx's default large_client_header_buffers is 32 KiB)
+MAX_HEADERS = 100
+MAX_PIPELINED = 16  # requests parsed ahead of the one being served
+MAX_JSON_BYTES = 8 << 20  # JSON is parsed on the loop: ~50 ms for 8 MiB; larger tensors go binary
+MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
+REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
+           504: "Gateway Timeout"}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP request may hold.  ``max_body_bytes``: a body (the server sets twice
+    ``server.max_request_bytes`` plus 1 MiB: the arena refuses what does not fit with its own
+    message)."""
+
+    max_body_bytes: int
+    max_json_bytes: int = MAX_JSON_BYTES
+
+
+# -- what a connection is receiving ---------------------------------------------------------------
+
+class Input(enum.Enum):
+    IDLE = "idle"  # between requests: no deadline
+    HEAD = "head"  # a request line and headers are arriving (frame_timeout_s)
+    BODY = "body"  # a body is arriving into the parser (upload_timeout_s)
+    STREAM = "stream"  # a binary body is arriving straight into arena space (upload_timeout_s)
+    DISCARD = "discard"  # the rest of a refused body is read and dropped (upload_timeout_s)
+    CLOSED = "closed"  # nothing more is read
+
+
+class Ev(enum.Enum):
+    BEGIN = "begin"
+    HEADERS = "headers"
+    COMPLETE = "complete"
+    STREAM = "stream"
+    REFUSED = "refused"
+    RECEIVED = "received"
+    CLOSE = "close"
+
+
+# Rules
+# -----
+# ========  ========  ========  ==========================================================
+# from      event     to        when
+# ========  ========  ========  ==========================================================
+# IDLE      BEGIN     HEAD      the first byte of a request
+# HEAD      HEADERS   BODY      its headers are complete (a request without a body
+#                               completes at once)
+# BODY      COMPLETE  IDLE      the whole request is parsed: queued to be served
+# BODY      STREAM    STREAM    a binary infer's JSON header is in, its tensors are not
+# STREAM    RECEIVED  IDLE      its tensors are in the arena
+# STREAM    REFUSED   DISCARD   it was refused or answered before its tensors were all in
+# DISCARD   RECEIVED  IDLE      the rest of its body is dropped
+# any       CLOSE     CLOSED    the connection ends (an error, a deadline, shutdown)
+# ========  ========  ========  ==========================================================
+#
+# Apart from that: one request at a time is *served* (``HttpConnection.current``), and the socket
+# is read only while none is (or to receive the streamed body of the one that is), so a client can
+# make a connection hold one parsed read of requests (``MAX_PIPELINED``) and one answer.
+I = Input
+RULES: dict[tuple[Input, Ev], Input] = {
+    (I.IDLE, Ev.BEGIN): I.HEAD,
+    (I.HEAD, Ev.HEADERS): I.BODY,
+    (I.BODY, Ev.COMPLETE): I.IDLE,
+    (I.BODY, Ev.STREAM): I.STREAM,
+    (I.STREAM, Ev.RECEIVED): I.IDLE,
+    (I.STREAM, Ev.REFUSED): I.DISCARD,
+    (I.DISCARD, Ev.RECEIVED): I.IDLE,
+    **{(state, Ev.CLOSE): I.CLOSED for state in Input},
+}
+_DEADLINES = {I.HEAD: "frame_timeout_s", I.BODY: "upload_timeout_s", I.STREAM: "upload_timeout_s",
+              I.DISCARD: "upload_timeout_s"}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug in the connection: an event its input state does not take."""
+
+
+class _Message:
+    """One parsed request: its line, headers and (unless streamed) body."""
+
+    __slots__ = ("method", "url", "headers", "body", "size", "keep_alive", "version", "length", "header_length",
+                 "request")
+
+    def __init__(self):
+        self.url, self.headers, self.body, self.size = bytearray(), {}, [], 0
+        self.method, self.keep_alive, self.version = "", True, "1.1"
+        self.length: int | None = None  # Content-Length
+        self.header_length: int | None = None  # Inference-Header-Content-Length
+        self.request = None  # a streamed infer: its InferRequest, parsed from the header alone
+
+    def data(self) -> bytes:
+        return b"".join(self.body)
+
+
+class HttpDoor:
+    """The HTTP door of one server: its listener and open connections.
+
+    ``limits``: what one request may hold; ``door_limits``: the native door's per-connection and
+    per-uid bounds, the same values (the server replaces both on reload);
+    ``socket_mode``/``socket_group``: for a Unix socket path."""
+
+    def __init__(self, service: V2Service, limits: HttpLimits, door_limits: DoorLimits, *,
+                 socket_mode: int = 0o600, socket_group: str | None = None):
+        self.service, self.limits, self.door_limits = service, limits, door_limits
+        self.socket_mode, self.socket_group = socket_mode, socket_group
+        self.server: asyncio.AbstractServer | None = None
+        self.listener: Listener | None = None
+        self.address: str | None = None
+        self.connections: set[HttpConnection] = set()
+        self.per_uid: collections.Counter[int] = collections.Counter()
+
+    @property
+    def json_limits(self) -> rest.Limits:
+        return rest.Limits(self.limits.max_body_bytes, self.limits.max_json_bytes)
+
+    async def start(self, address: str) -> None:
+        """Listen on ``address``.  SystemExit naming the flag and why if it cannot."""
+        loop = asyncio.get_running_loop()
+        try:
+            if "/" in address:
+                self.listener = Listener(address, mode=self.socket_mode, group=self.socket_group)
+                self.server = await loop.create_unix_server(lambda: HttpConnection(self), sock=self.listener.sock)
+                self.address = address
+            else:
+                host, _, port = address.rpartition(":")
+                self.server = await loop.create_server(lambda: HttpConnection(self), host=host.strip("[]") or
+                                                       "127.0.0.1", port=int(port), reuse_address=True, backlog=512)
+                bound = self.server.sockets[0].getsockname()
+                self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        except OSError as exc:
+            raise SystemExit(f"shmserve serve: --http {address}: cannot listen: {exc.strerror or exc}") from None
+
+    async def stop_listening(self) -> None:
+        """Take no new connection or request; those being served are answered (with Connection:
+        close) before ``close``."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.listener is not None:
+            self.listener.remove()
+            self.listener = None
+        for conn in list(self.connections):
+            conn.stop_reading()
+
+    async def close(self) -> None:
+        for conn in list(self.connections):
+            conn.transport.abort()
+
+    def enter(self, conn: "HttpConnection", uid: int) -> str | None:
+        """Count ``conn`` of ``uid``; or why it may not be served (``max_connections``,
+        ``max_connections_per_uid``)."""
+        limits = self.door_limits
+        if len(self.connections) >= limits.max_connections:
+            return f"the HTTP door has {len(self.connections)} connections open (server.max_connections)"
+        if self.per_uid[uid] >= limits.max_connections_per_uid:
+            return f"uid {uid} has {self.per_uid[uid]} HTTP connections open (server.max_connections_per_uid)"
+        self.connections.add(conn)
+        self.per_uid[uid] += 1
+        return None
+
+    def leave(self, conn: "HttpConnection") -> None:
+        if conn in self.connections:
+            self.connections.remove(conn)
+            self.per_uid[conn.caller.uid] -= 1
+            if not self.per_uid[conn.caller.uid]:
+                del self.per_uid[conn.caller.uid]
+
+
+class HttpConnection(asyncio.BufferedProtocol):
+    """One HTTP client (see the module header and ``RULES``); the ``BodyReceiver`` of the request
+    it streams."""
+
+    def __init__(self, door: HttpDoor):
+        self.door, self.service = door, door.service
+        self.input = Input.IDLE
+        self.parser = httptools.HttpRequestParser(self)
+        self.read_view = memoryview(bytearray(READ_BUFFER))
+        self.msg: _Message | None = None  # being parsed
+        self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting their turn
+        self.current: _Message | None = None  # being served (its task runs, or its answer is being sent)
+        self.task: asyncio.Task | None = None
+        self.held: list = []  # results whose arena views the transport may still hold
+        self.after: V2Error | None = None  # the answer to send once the current one is sent, then close
+        self.head_bytes = 0
+        self.caller: Caller | None = None
+        self.timer = None
+        self.stall_timer = None
+        self.reading = True
+        self.write_blocked = False
+        self.closing = False  # answer with Connection: close, then close
+        # The streamed body: the views it lands in, where in the first one, the bytes still to read,
+        # those that came with its header before there was space, and whom to tell it is in.
+        self.sinks: list[memoryview] = []
+        self.sink_pos = 0
+        self.remaining = 0
+        self.tail = b""
+        self.stream_done = None
+        self.refusal: V2Error | None = None  # the streamed request's refusal, sent once its body is dropped
+
+    def advance(self, event: Ev) -> None:
+        to = RULES.get((self.input, event))
+        if to is None:
+            raise IllegalTransition(f"HTTP connection: {event.value} while {self.input.value}")
+        self.input = to
+
+    # -- transport events -------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume: "all sent"
+        uid, groups = peer.credentials(transport.get_extra_info("socket"))
+        try:
+            caller = self.service.connect(uid, groups, name=transport.get_extra_info("peername"))
+        except V2Error as exc:
+            self._refuse_connection(exc)
+            return
+        refusal = self.door.enter(self, caller.uid)
+        if refusal is not None:
+            log.warning("HTTP: refused a connection of uid %d: %s", caller.uid, refusal)
+            self.service.disconnect(caller)
+            self._refuse_connection(V2Error(ErrorCode.OVERLOADED, refusal))
+            return
+        self.caller = caller
+
+    def _refuse_connection(self, exc: V2Error) -> None:
+        """Answer the request the client is about to send with ``exc``, and close."""
+        self.closing = True
+        self._write(exc.http_status, "application/json", [rest.error_body(exc)])
+        self._close()
+
+    def get_buffer(self, sizehint: int):
+        if self.input is Input.STREAM and self.sinks:
+            return self.sinks[0][self.sink_pos:]
+        if self.input in (Input.STREAM, Input.DISCARD):
+            return self.read_view[:min(READ_BUFFER, self.remaining)]
+        return self.read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.input is Input.STREAM:
+            self._streamed(nbytes)
+        elif self.input is Input.DISCARD:
+            self._discarded(nbytes)
+        elif self.input is not Input.CLOSED:
+            self._feed(self.read_view[:nbytes])
+        self._update()
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.input = Input.CLOSED
+        self._cancel_timer()
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        self._release_held()
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        if self.caller is not None:
+            self.door.leave(self)
+            self.service.disconnect(self.caller)
+            self.caller = None
+
+    def pause_writing(self) -> None:
+        """The answer waits in the transport: close the connection if it still does after
+        ``stall_timeout_s``."""
+        self.write_blocked = True
+        if self.stall_timer is None:
+            self.stall_timer = asyncio.get_running_loop().call_later(self.door.door_limits.stall_timeout_s,
+                                                                     self._stalled)
+
+    def resume_writing(self) -> None:
+        self.write_blocked = False
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        self._release_held()
+        if self.current is not None and self.task is None:
+            self._sent()
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        log.warning("HTTP: closing a connection of uid %d: its answer went unread for %g s (server.stall_timeout_s)",
+                    self.caller.uid if self.caller else -1, self.door.door_limits.stall_timeout_s)
+        self.transport.abort()
+
+    def stop_reading(self) -> None:
+        """Shutting down: the request being served is answered with Connection: close; nothing
+        more is read (a connection with none is closed now)."""
+        self.closing = True
+        if self.current is None and self.input is Input.IDLE:
+            self._close()
+        else:
+            self._update()
+
+    # -- parsing ----------------------------------------------------------------------------
+
+    def _feed(self, data) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            error = exc.__context__ if isinstance(exc.__context__, V2Error) else None
+            if error is None:
+                log.error("HTTP: internal error parsing a request; closing that connection", exc_info=exc)
+                error = V2Error(ErrorCode.INTERNAL, "internal server error")
+            self._fail_input(error)
+            return
+        except httptools.HttpParserError as exc:
+            self._fail_input(V2Error(ErrorCode.BAD_FRAME, f"malformed HTTP request: {exc}"))
+            return
+        msg = self.msg
+        if msg is not None and self.input is Input.BODY and msg.size >= (msg.header_length or 0) and \
+                self._streamable(msg):
+            self._start_stream(msg)
+
+    def _fail_input(self, error: V2Error) -> None:
+        """What the client sent cannot be read on (not HTTP, over a limit, a deadline): answer
+        ``error`` after the answers before it, and close."""
+        self.closing = True
+        self.queue.clear()
+        self.msg = None
+        self.advance(Ev.CLOSE)
+        self._cancel_timer()
+        if self.task is not None and self.current is not None and self.current.request is not None:
+            self.task.cancel()  # a streamed request whose body will never be in
+            self.task, self.current = None, None
+        if self.current is None:
+            self.current = _Message()
+            self._respond_error(error)
+        else:
+            self.after = error
+
+    def on_message_begin(self) -> None:
+        if len(self.queue) >= MAX_PIPELINED:
+            raise V2Error(ErrorCode.OVERLOADED, f"more than {MAX_PIPELINED} pipelined requests")
+        self.msg = _Message()
+        self.head_bytes = 0
+        self.advance(Ev.BEGIN)
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        self.msg.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        headers = self.msg.headers
+        if len(headers) >= MAX_HEADERS:
+            raise V2Error(ErrorCode.FRAME_TOO_LARGE, f"more than {MAX_HEADERS} headers")
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+
+    def _count_head(self, n: int) -> None:
+        self.head_bytes += n
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise V2Error(ErrorCode.FRAME_TOO_LARGE, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        msg, parser = self.msg, self.parser
+        msg.method = parser.get_method().decode("latin-1")
+        msg.keep_alive = parser.should_keep_alive()
+        msg.version = parser.get_http_version()
+        length = msg.headers.get("content-length")
+        msg.length = int(length) if length is not None else None  # llhttp has checked it is digits
+        limit = self.door.limits.max_body_bytes
+        if msg.length is not None and msg.length > limit:
+            raise V2Error(ErrorCode.TOO_LARGE, f"a body of {msg.length} bytes is more than this server takes "
+                                               f"({limit}: server.max_request_bytes)")
+        ihcl = msg.headers.get("inference-header-content-length")
+        if ihcl is not None:
+            if not ihcl.strip().isdigit() or len(ihcl) > 18:
+                raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length must be a number of bytes "
+                                                   f">= 0, got {ihcl[:20]!r}")
+            msg.header_length = int(ihcl)
+            if msg.header_length > (msg.length or 0):
+                raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {msg.header_length} is more "
+                                                   f"than the body's Content-Length {msg.length or 0}")
+        self.advance(Ev.HEADERS)
+        if msg.headers.get("expect", "").lower() == "100-continue" and msg.version == "1.1":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        msg = self.msg
+        msg.size += len(body)
+        limits = self.door.limits
+        if msg.size > limits.max_body_bytes:
+            raise V2Error(ErrorCode.TOO_LARGE, f"the body is more than this server takes ({limits.max_body_bytes} "
+                                               f"bytes: server.max_request_bytes)")
+        if msg.header_length is None and msg.size > limits.max_json_bytes:
+            raise V2Error(ErrorCode.TOO_LARGE, f"a JSON body of more than {limits.max_json_bytes} bytes: send "
+                                               "tensors as binary data (Inference-Header-Content-Length)")
+        msg.body.append(body)
+
+    def on_message_complete(self) -> None:
+        msg, self.msg = self.msg, None
+        self.queue.append(msg)
+        self.advance(Ev.COMPLETE)
+
+    def _streamable(self, msg: _Message) -> bool:
+        """Whether ``msg``'s body may go straight into the arena: a binary infer request with a
+        plain body still arriving, and no request served or waiting before it."""
+        return (msg.header_length is not None and msg.length is not None and msg.method == "POST"
+                and self.current is None and not self.queue and "transfer-encoding" not in msg.headers
+                and msg.headers.get("content-encoding", "identity").lower() == "identity"
+                and bytes(msg.url).split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer"))
+
+    # -- reading and deadlines ----------------------------------------------------------------
+
+    def _update(self) -> None:
+        """Serve what is parsed if nothing is served; read exactly while more may be read; run the
+        deadline of what the client is sending while it is read."""
+        if self.current is None and self.queue and self.input is not Input.CLOSED:
+            self._serve_next()
+        if self.input is Input.CLOSED:
+            return
+        if self.input is Input.STREAM:
+            want = bool(self.sinks)
+        elif self.input is Input.DISCARD:
+            want = True
+        else:
+            want = self.current is None and not self.queue and not self.closing
+        if want != self.reading:
+            self.reading = want
+            if want:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+        deadline = _DEADLINES.get(self.input) if want else None
+        if deadline is None:
+            self._cancel_timer()
+        elif self.timer is None or self.timer_key != deadline:
+            self._cancel_timer()
+            limit = getattr(self.door.door_limits, deadline)
+            self.timer_key = deadline
+            self.timer = asyncio.get_running_loop().call_later(limit, self._timed_out, deadline, limit)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.timer_key = None
+
+    def _timed_out(self, key: str, limit: float) -> None:
+        self.timer = None
+        what = "the request line and headers" if key == "frame_timeout_s" else "the body"
+        error = V2Error(ErrorCode.TIMEOUT if key == "upload_timeout_s" else ErrorCode.BAD_FRAME,
+                        f"{what} did not all arrive within {limit:g} s (server.{key})")
+        log.info("HTTP: closing a connection of uid %d: %s", self.caller.uid if self.caller else -1, error.message)
+        self._fail_input(error)
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def _serve_next(self) -> None:
+        msg = self.queue.popleft()
+        self.current = msg
+        self.task = asyncio.get_running_loop().create_task(self._serve(msg))
+        self.task.add_done_callback(self._served)
+
+    async def _serve(self, msg: _Message):
+        """(status, content type, body parts, extra headers, result to release) for ``msg``."""
+        try:
+            op, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+        except UnicodeDecodeError:
+            raise V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8") from None
+        if op == "infer":
+            return await self._infer(msg, params)
+        body = rest.loads(self._decoded(msg), self.door.json_limits) if msg.size else {}
+        value = await self._operation(op, params, body)
+        if isinstance(value, bool):  # health and readiness: the status says it
+            return (200 if value else 503), "application/json", [], (), None
+        return 200, "application/json", ([rest.dumps(value)] if value is not None else []), (), None
+
+    def _decoded(self, msg: _Message) -> bytes:
+        """The body, inflated if it came gzip or deflate (bounded: it may not inflate past
+        ``max_body_bytes``)."""
+        data = msg.data()
+        encoding = msg.headers.get("content-encoding", "identity").lower()
+        if encoding == "identity":
+            return data
+        if encoding not in ("gzip", "deflate"):
+            raise V2Error(ErrorCode.BAD_FRAME, f"Content-Encoding {encoding[:20]!r} is not supported (gzip, deflate)")
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        limit = self.door.limits.max_body_bytes
+        try:
+            out = inflater.decompress(data, limit + 1)
+        except zlib.error as exc:
+            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes "
+                                               "(server.max_request_bytes)")
+        return out
+
+    async def _operation(self, op: str, params: dict, body: dict):
+        service, caller = self.service, self.caller
+        m, v, r = params.get("m"), params.get("v"), params.get("r")
+        if op == "live":
+            return service.live()
+        if op == "ready":
+            return service.ready()
+        if op == "server_metadata":
+            return service.server_metadata()
+        if op == "model_metadata":
+            return service.model_metadata(m, v)
+        if op == "model_ready":
+            return service.model_ready(m, v)
+        if op == "model_config":
+            return service.model_config(m, v)
+        if op == "statistics":
+            return service.statistics(caller, m, v)
+        if op == "repository_index":
+            ready = body.get("ready", False)
+            if type(ready) is not bool:
+                raise V2Error(ErrorCode.BAD_INPUT, "'ready' must be true or false")
+            return service.repository_index(caller, ready)
+        if op in ("repository_load", "repository_unload"):
+            parameters = body.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise V2Error(ErrorCode.BAD_INPUT, "'parameters' must be an object")
+            await (service.repository_load if op == "repository_load" else service.repository_unload)(
+                caller, m, parameters)
+            return None
+        if op == "shm_status":
+            return service.shm_status(caller, r)
+        if op == "shm_register":
+            if r is None:
+                raise V2Error(ErrorCode.BAD_REGION, "register names its region: POST "
+                                                    "/v2/systemsharedmemory/region/{name}/register")
+            service.shm_register(caller, r, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+            return None
+        if op == "shm_unregister":
+            await service.shm_unregister(caller, r)
+            return None
+        if op == "cuda_shm_status":
+            return service.cuda_shm_status(caller, r)
+        if op == "cuda_shm_register":
+            service.cuda_shm_register(caller, r, body.get("raw_handle"), body.get("device_id"), body.get("byte_size"))
+        return None  # cuda_shm_unregister: nothing is ever registered
+
+    async def _infer(self, msg: _Message, params: dict):
+        model, version = params["m"], params["v"]
+        if msg.request is not None:  # streamed: parsed from its header, its tensors received into the arena
+            request = msg.request
+        elif msg.header_length is None:
+            request = rest.parse_infer(model, version, rest.loads(self._decoded(msg), self.door.json_limits))
+        else:
+            data = memoryview(self._decoded(msg))
+            h = msg.header_length
+            if h > len(data):
+                raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {h} is more than the "
+                                                   f"{len(data)}-byte body")
+            if h == 0:
+                request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
+                                                  len(data), data)
+            else:
+                header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
+                request = rest.parse_infer(model, version, header, binary=data[h:])
+        result = await self.service.infer(self.caller, request)
+        try:
+            header, parts, header_length = rest.encode_result(result, request.binary_outputs)
+        except BaseException:
+            result.release()
+            raise
+        if header_length is None:
+            result.release()
+            return 200, "application/json", [header], (), None
+        return 200, "application/octet-stream", [header, *parts], \
+            ((b"inference-header-content-length", b"%d" % header_length),), result
+
+    def _served(self, task: asyncio.Task) -> None:
+        if task is not self.task:
+            return  # cancelled (the connection ended, or gave up on it)
+        self.task = None
+        exc = task.exception()
+        if exc is None:
+            if self.input in (Input.STREAM, Input.DISCARD):  # answered early: once the body is dropped
+                self._refuse_stream(None, task.result())
+                return
+            self._respond(*task.result())
+            return
+        if not isinstance(exc, V2Error):
+            log.error("HTTP: internal error serving a request", exc_info=exc)
+            exc = V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")
+        if self.input in (Input.STREAM, Input.DISCARD):  # its body is still coming: answer once it is dropped
+            self._refuse_stream(exc)
+            return
+        self._respond_error(exc)
+
+    def _respond_error(self, error: V2Error) -> None:
+        extra = ((b"allow", ", ".join(error.allow).encode()),) if isinstance(error, rest.NoRoute) else ()
+        self._respond(error.http_status, "application/json", [rest.error_body(error)], extra, None)
+
+    def _respond(self, status: int, ctype: str, parts: list, extra=(), result=None) -> None:
+        """Write the current request's answer; the next is served once it is all sent."""
+        msg = self.current
+        if msg is not None and not msg.keep_alive:
+            self.closing = True
+        self._write(status, ctype, parts, extra)
+        if result is not None:
+            self.held.append(result)
+        if not self.write_blocked:
+            self._release_held()
+            self._sent()
+
+    def _write(self, status: int, ctype: str, parts: list, extra=()) -> None:
+        head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
+            status, REASONS.get(status, "Error").encode(), ctype.encode(), sum(len(p) for p in parts))]
+        head.extend(b"%s: %s\r\n" % (name, value) for name, value in extra)
+        if self.closing:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        self.transport.writelines([b"".join(head), *parts])
+
+    def _sent(self) -> None:
+        """The current answer is all sent: serve the next request, or read for one (or close)."""
+        self.current = None
+        if self.after is not None:
+            error, self.after = self.after, None
+            self.current = _Message()
+            self._respond_error(error)
+            return
+        if self.closing and (self.input in (Input.IDLE, Input.CLOSED) and not self.queue):
+            self._close()
+            return
+        self._update()
+
+    def _release_held(self) -> None:
+        held, self.held = self.held, []
+        for result in held:
+            result.release()
+
+    # -- the streamed body (BodyReceiver) -----------------------------------------------------
+
+    def _start_stream(self, msg: _Message) -> None:
+        """``msg``'s JSON header is in, its tensors are still in the socket: submit it now; they
+        land in the arena once it has space (``fill``)."""
+        data, h = msg.data(), msg.header_length
+        self.msg = None
+        self.parser = httptools.HttpRequestParser(self)  # the old one is mid-body: the next request starts afresh
+        self.advance(Ev.STREAM)
+        self.remaining, self.tail = msg.length - msg.size, data[h:]
+        self.current = msg
+        try:
+            _, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+            model, version = params["m"], params["v"]
+            if h == 0:
+                request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
+                                                  msg.length, Incoming(msg.length))
+            else:
+                header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
+                request = rest.parse_infer(model, version, header, streamed=msg.length - h)
+        except UnicodeDecodeError:
+            self._refuse_stream(V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8"))
+            return
+        except V2Error as exc:
+            self._refuse_stream(exc)
+            return
+        msg.request, request.body = request, self
+        self.task = asyncio.get_running_loop().create_task(self._serve(msg))
+        self.task.add_done_callback(self._served)
+
+    def fill(self, sinks: list[memoryview], done) -> None:
+        """``BodyReceiver.fill``: the streamed request has space; what came with its header goes in
+        now, the rest straight from the socket."""
+        if self.input is not Input.STREAM:
+            return
+        self.sinks, self.sink_pos, self.stream_done = list(sinks), 0, done
+        tail, self.tail = memoryview(self.tail), b""
+        while tail:
+            n = min(len(self.sinks[0]) - self.sink_pos, len(tail))
+            self.sinks[0][self.sink_pos:self.sink_pos + n] = tail[:n]
+            tail = tail[n:]
+            self._advance_sink(n)
+        if not self.sinks:
+            self._stream_complete()
+        self._update()
+
+    def _advance_sink(self, n: int) -> None:
+        self.sink_pos += n
+        if self.sink_pos == len(self.sinks[0]):
+            self.sinks.pop(0)
+            self.sink_pos = 0
+
+    def _streamed(self, n: int) -> None:
+        self.remaining -= n
+        self._advance_sink(n)
+        if not self.sinks:
+            self._stream_complete()
+
+    def _stream_complete(self) -> None:
+        self.advance(Ev.RECEIVED)
+        done, self.stream_done = self.stream_done, None
+        done()
+
+    def abort(self) -> None:
+        """``BodyReceiver.abort``: answered before its tensors were all in: drop the rest."""
+        if self.input is Input.STREAM:
+            self._refuse_stream(None)
+
+    def _refuse_stream(self, error: V2Error | None, answer: tuple | None = None) -> None:
+        """The streamed request will not use the rest of its body: read and drop it, then send
+        ``error`` (or ``answer``; neither: its task answers)."""
+        if self.input is Input.STREAM:
+            self.sinks, self.tail, self.stream_done = [], b"", None
+            self.advance(Ev.REFUSED)
+            if self.remaining > MAX_DISCARD_BYTES:
+                self.closing = True
+                self.remaining = 0
+        if error is not None or answer is not None:
+            self.refusal = error if error is not None else answer
+        if self.remaining == 0:
+            self._discard_done()
+        self._update()
+
+    def _discarded(self, n: int) -> None:
+        self.remaining -= n
+        if self.remaining == 0:
+            self._discard_done()
+
+    def _discard_done(self) -> None:
+        self.advance(Ev.RECEIVED)
+        refusal, self.refusal = self.refusal, None
+        if isinstance(refusal, V2Error):
+            self._respond_error(refusal)
+        elif refusal is not None:
+            self._respond(*refusal)
+        # None: the request's task is still running; its answer comes when it is done
+
+    def _close(self) -> None:
+        if self.input is not Input.CLOSED:
+            self.advance(Ev.CLOSE)
+        self._cancel_timer()
+        self.transport.close()

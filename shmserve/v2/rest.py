@@ -1,0 +1,509 @@
+"""KServe v2 over HTTP/1.1, sans I/O: routes, and the JSON and binary forms of tensors.
+
+Owns: the REST routes of the v2 protocol and its extensions (``route``:
+method and path in, the operation and its path parameters out); the infer
+request's JSON header and its binary tensor data extension
+(``Inference-Header-Content-Length``, ``binary_data_size``; the raw-binary
+single-input form), turned into ``messages.InferRequest``
+(``parse_infer``); JSON tensor data to raw bytes and back
+(``json_to_bytes``, ``bytes_to_json``); the infer response
+(``encode_result``: the JSON header and the list of binary parts that follow
+it); the error body (``{"error": ...}``); and every limit on what a body may
+hold (``Limits``).
+
+Every value here comes from a client: each field is type-checked and bounded
+before use, and a refusal is a ``V2Error`` with a stable code whose message
+never holds more than a short prefix of what the client sent.
+
+Must not: touch a socket, know what a model is (``shmserve.v2.service``), or
+decide what an HTTP connection does next (``shmserve.v2.http``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+import numpy as np
+import orjson
+
+from shmserve import protocol
+from shmserve.errors import ErrorCode
+from shmserve.v2.messages import (DATATYPES, ITEMSIZE, Incoming, InferRequest, InferResult, InputTensor,
+                                  RequestedOutput, ShmRef, V2Error)
+
+JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+MAX_JSON_DEPTH = protocol.MAX_DIMS + 4  # nested tensor data of the highest rank, in the request object
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one HTTP request may hold.  ``max_body_bytes``: the body (the server sets it from
+    ``server.max_request_bytes``: binary inputs plus their JSON header); ``max_json_bytes``: a
+    JSON header or a JSON-only body."""
+
+    max_body_bytes: int
+    max_json_bytes: int
+
+
+def _bad(message: str, code: ErrorCode = ErrorCode.BAD_INPUT) -> V2Error:
+    return V2Error(code, message)
+
+
+def _show(value) -> str:
+    """A client's value in a message: short, printable."""
+    text = repr(value)
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
+# -- routes ---------------------------------------------------------------------------------------
+
+# (method, pattern, operation).  Path parameters: m (model), v (version), r (region).  A model
+# name is any one path segment (percent-decoded); a version is digits.
+_M, _V, _R = r"(?P<m>[^/]+)", r"(?:/versions/(?P<v>[^/]*))?", r"(?:/region/(?P<r>[^/]+))?"
+ROUTES: tuple[tuple[str, re.Pattern, str], ...] = tuple((method, re.compile(pattern + r"/?\Z"), op) for method, pattern, op in (
+    ("GET", r"/v2/health/live", "live"),
+    ("GET", r"/v2/health/ready", "ready"),
+    ("GET", r"/v2", "server_metadata"),
+    ("GET", r"/v2/models/stats", "statistics"),
+    ("GET", rf"/v2/models/{_M}{_V}/stats", "statistics"),
+    ("GET", rf"/v2/models/{_M}{_V}/ready", "model_ready"),
+    ("GET", rf"/v2/models/{_M}{_V}/config", "model_config"),
+    ("POST", rf"/v2/models/{_M}{_V}/infer", "infer"),
+    ("GET", rf"/v2/models/{_M}{_V}", "model_metadata"),
+    ("POST", r"/v2/repository/index", "repository_index"),
+    ("POST", rf"/v2/repository/models/{_M}/load", "repository_load"),
+    ("POST", rf"/v2/repository/models/{_M}/unload", "repository_unload"),
+    ("GET", rf"/v2/systemsharedmemory{_R}/status", "shm_status"),
+    ("POST", rf"/v2/systemsharedmemory{_R}/register", "shm_register"),
+    ("POST", rf"/v2/systemsharedmemory{_R}/unregister", "shm_unregister"),
+    ("GET", rf"/v2/cudasharedmemory{_R}/status", "cuda_shm_status"),
+    ("POST", rf"/v2/cudasharedmemory{_R}/register", "cuda_shm_register"),
+    ("POST", rf"/v2/cudasharedmemory{_R}/unregister", "cuda_shm_unregister"),
+))
+
+
+class NoRoute(V2Error):
+    """No operation at this path (404), or not with this method (405: ``allow`` lists those
+    that are)."""
+
+    def __init__(self, message: str, allow: tuple[str, ...] = ()):
+        super().__init__(ErrorCode.UNKNOWN_MODEL if not allow else ErrorCode.BAD_FRAME, message)
+        self.allow = allow
+
+    @property
+    def http_status(self) -> int:
+        return 405 if self.allow else 404
+
+
+def route(method: str, target: str) -> tuple[str, dict[str, str | None], str]:
+    """The operation for ``method`` and ``target`` (the request line's path, with any query):
+    (operation, path parameters percent-decoded, query string).  NoRoute if there is none."""
+    path, _, query = target.partition("?")
+    allow = []
+    for m, pattern, op in ROUTES:
+        match = pattern.match(path)
+        if match is None:
+            continue
+        if m != method:
+            allow.append(m)
+            continue
+        params = {k: (unquote(v, errors="strict") if v is not None else None) for k, v in match.groupdict().items()}
+        return op, params, query
+    if allow:
+        raise NoRoute(f"{method} is not allowed on {_show(path)} (use {', '.join(sorted(set(allow)))})",
+                      tuple(sorted(set(allow))))
+    raise NoRoute(f"no v2 route {_show(path)} (see GET /v2 and docs/v2.md)")
+
+
+# -- JSON bodies -----------------------------------------------------------------------------------
+
+def loads(body, limits: Limits, what: str = "the request body") -> dict:
+    """A JSON object from a client.  V2Error BAD_FRAME if it is not one (too large, not JSON,
+    nested deeper than any request needs, not an object)."""
+    if len(body) > limits.max_json_bytes:
+        raise V2Error(ErrorCode.TOO_LARGE, f"{what} is {len(body)} bytes of JSON, more than "
+                                           f"{limits.max_json_bytes}; send tensors as binary data")
+    if not body:
+        return {}
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"{what} is not JSON: {str(exc)[:120]}", ErrorCode.BAD_FRAME) from None
+    if not isinstance(value, dict):
+        raise _bad(f"{what} must be a JSON object", ErrorCode.BAD_FRAME)
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise _bad(f"{what} is nested more than {MAX_JSON_DEPTH} deep", ErrorCode.BAD_FRAME)
+    return value
+
+
+def _depth(value, limit: int = MAX_JSON_DEPTH + 1) -> int:
+    """How deep ``value`` nests (stops counting past ``limit``); only the first element of a
+    list is followed (tensor data is regular; a ragged one is refused later)."""
+    depth = 0
+    while depth <= limit:
+        if isinstance(value, dict):
+            if not value:
+                return depth + 1
+            return depth + 1 + max(_depth(v, limit - depth - 1) for v in value.values())
+        if isinstance(value, list) and value:
+            value = value[0]
+            depth += 1
+            continue
+        return depth + (1 if isinstance(value, list) else 0)
+    return depth
+
+
+def dumps(value) -> bytes:
+    return orjson.dumps(value, option=JSON_OPTIONS)
+
+
+def error_body(error: V2Error) -> bytes:
+    """KServe's error body, with shmserve's stable code in the message and beside it."""
+    return orjson.dumps({"error": f"[{error.code.wire}] {error.message}", "code": error.code.wire})
+
+
+def parameters_of(obj: dict, what: str, allowed: frozenset[str]) -> dict:
+    """``obj["parameters"]`` checked: an object whose keys are all ``allowed``."""
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise _bad(f"{what}: 'parameters' must be an object")
+    unknown = [k for k in params if k not in allowed]
+    if unknown:
+        raise _bad(f"{what}: unknown parameter {_show(unknown[0])} (shmserve takes "
+                   f"{', '.join(sorted(allowed)) or 'none'})")
+    return params
+
+
+def _int_param(params: dict, key: str, what: str, hi: int = protocol.MAX_DATA) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= hi:
+        raise _bad(f"{what}: parameter {key!r} must be an integer in [0, {hi}], got {_show(value)}")
+    return value
+
+
+def _bool_param(params: dict, key: str, what: str) -> bool | None:
+    value = params.get(key)
+    if value is not None and type(value) is not bool:
+        raise _bad(f"{what}: parameter {key!r} must be true or false, got {_show(value)}")
+    return value
+
+
+def _str_param(params: dict, key: str, what: str) -> str | None:
+    value = params.get(key)
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= protocol.MAX_NAME):
+        raise _bad(f"{what}: parameter {key!r} must be a string of 1 to {protocol.MAX_NAME} characters")
+    return value
+
+
+def _shm_ref(params: dict, what: str) -> ShmRef | None:
+    region = _str_param(params, "shared_memory_region", what)
+    size = _int_param(params, "shared_memory_byte_size", what)
+    offset = _int_param(params, "shared_memory_offset", what)
+    if region is None:
+        if size is not None or offset is not None:
+            raise _bad(f"{what}: shared_memory_byte_size and shared_memory_offset need shared_memory_region",
+                       ErrorCode.BAD_REGION)
+        return None
+    if size is None:
+        raise _bad(f"{what}: shared_memory_region needs shared_memory_byte_size", ErrorCode.BAD_REGION)
+    return ShmRef(region, size, offset or 0)
+
+
+# -- infer requests --------------------------------------------------------------------------------
+
+REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs", "model_name", "model_version"})
+REQUEST_PARAMETERS = frozenset({"binary_data_output", "timeout", "routing_key", "priority", "sequence_id",
+                                "sequence_start", "sequence_end"})
+INPUT_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+INPUT_PARAMETERS = frozenset({"binary_data_size", "shared_memory_region", "shared_memory_byte_size",
+                              "shared_memory_offset"})
+OUTPUT_KEYS = frozenset({"name", "parameters"})
+OUTPUT_PARAMETERS = frozenset({"binary_data", "shared_memory_region", "shared_memory_byte_size",
+                               "shared_memory_offset", "classification"})
+
+
+def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
+                streamed: int | None = None) -> InferRequest:
+    """An infer request from its JSON header (``loads``d; the gRPC door builds the same form from
+    its message).  Inputs with ``binary_data_size`` take their bytes, in order, from ``binary``:
+    the body after the header (a memoryview), or one buffer per such input (a list: gRPC's
+    ``raw_input_contents``); or, with ``streamed`` (how many bytes follow the header, still in
+    the socket), they are ``Incoming``.
+
+    V2Error: BAD_INPUT (a field of the wrong type, an unknown key or parameter, data and
+    binary_data_size both or neither, binary sizes that do not add up to the bytes after the
+    header), BAD_DTYPE, BAD_SHAPE, BAD_REGION (a shared-memory reference that is incomplete),
+    BAD_FRAME (timeout out of range)."""
+    unknown = [k for k in header if k not in REQUEST_KEYS]
+    if unknown:
+        raise _bad(f"the request has unknown field {_show(unknown[0])} (it takes {', '.join(sorted(REQUEST_KEYS))})")
+    rid = header.get("id")
+    if rid is not None and not (isinstance(rid, str) and len(rid) <= protocol.MAX_NAME):
+        raise _bad(f"'id' must be a string of at most {protocol.MAX_NAME} characters")
+    params = parameters_of(header, "the request", REQUEST_PARAMETERS)
+    for key in ("sequence_id", "sequence_start", "sequence_end"):
+        if params.get(key) not in (None, 0, "", False):
+            raise _bad(f"parameter {key!r}: shmserve has no sequence batching (stateful models are not served)")
+    if params.get("priority") not in (None, 0):
+        raise _bad("parameter 'priority': shmserve serves requests in arrival order (give 0 or leave it out)")
+    timeout_us = _int_param(params, "timeout", "the request", protocol.MAX_TIMEOUT_S * 1_000_000)
+    key = _str_param(params, "routing_key", "the request")
+    binary_out = bool(_bool_param(params, "binary_data_output", "the request"))
+    raw = header.get("inputs")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'inputs' must be a non-empty list of tensors")
+    if len(raw) > protocol.MAX_TENSORS_PER_MESSAGE:
+        raise _bad(f"{len(raw)} inputs: at most {protocol.MAX_TENSORS_PER_MESSAGE}")
+    pieces = binary if isinstance(binary, list) else None
+    inputs, pos, used = [], 0, 0
+    available = len(binary) if isinstance(binary, memoryview) else streamed or 0
+    for i, item in enumerate(raw):
+        t, size = _parse_input(i, item)
+        if size is not None:
+            if pieces is not None:
+                if used == len(pieces) or len(pieces[used]) != size:
+                    raise _bad(f"input {t.name!r}: no raw contents of {size} bytes for it "
+                               f"({len(pieces)} raw_input_contents for the inputs without data or region)")
+                t.data = pieces[used]
+                used += 1
+                inputs.append(t)
+                continue
+            if pos + size > available:
+                raise _bad(f"input {t.name!r}: binary_data_size {size} goes past the end of the body "
+                           f"({available} bytes of binary data after the JSON header)")
+            t.data = binary[pos:pos + size] if binary is not None else Incoming(size)
+            pos += size
+        inputs.append(t)
+    if pieces is not None and used != len(pieces):
+        raise _bad(f"{len(pieces)} raw_input_contents for {used} inputs without data or region")
+    if pieces is None and pos != available:
+        raise _bad(f"the inputs' binary_data_size add up to {pos} bytes, but {available} follow the JSON header")
+    outputs = None
+    if "outputs" in header:
+        raw_out = header["outputs"]
+        if not isinstance(raw_out, list) or len(raw_out) > protocol.MAX_TENSORS_PER_MESSAGE:
+            raise _bad(f"'outputs' must be a list of at most {protocol.MAX_TENSORS_PER_MESSAGE} tensors")
+        outputs = [_parse_output(i, item) for i, item in enumerate(raw_out)]
+    return InferRequest(model, version, rid, inputs, outputs, binary_out,
+                        timeout_us / 1e6 if timeout_us else None, key)
+
+
+def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
+    what = f"inputs[{i}]"
+    if not isinstance(item, dict):
+        raise _bad(f"{what} must be an object")
+    unknown = [k for k in item if k not in INPUT_KEYS]
+    if unknown:
+        raise _bad(f"{what} has unknown field {_show(unknown[0])}")
+    name = item.get("name")
+    if not (isinstance(name, str) and 0 < len(name) <= protocol.MAX_NAME):
+        raise _bad(f"{what}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
+    what = f"input {name!r}"
+    datatype = item.get("datatype")
+    if datatype not in DATATYPES:
+        raise _bad(f"{what}: unknown datatype {_show(datatype)} (one of {', '.join(DATATYPES)})", ErrorCode.BAD_DTYPE)
+    shape = item.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= protocol.MAX_DIMS
+            and all(type(d) is int and 0 <= d < 2**40 for d in shape)):
+        raise _bad(f"{what}: 'shape' must be a list of at most {protocol.MAX_DIMS} integers >= 0 "
+                   f"(got {_show(shape)})", ErrorCode.BAD_SHAPE)
+    params = parameters_of(item, what, INPUT_PARAMETERS)
+    size = _int_param(params, "binary_data_size", what)
+    shm = _shm_ref(params, what)
+    given = [x for x in (size is not None, shm is not None, "data" in item) if x]
+    if len(given) != 1:
+        raise _bad(f"{what} needs exactly one of 'data', parameter binary_data_size, or "
+                   f"shared_memory_region (it has {len(given)})")
+    t = InputTensor(name, datatype, tuple(shape), shm=shm)
+    if "data" in item:
+        t.data = json_to_bytes(datatype, t.shape, item["data"], what)
+    return t, size
+
+
+def _parse_output(i: int, item) -> RequestedOutput:
+    what = f"outputs[{i}]"
+    if not isinstance(item, dict):
+        raise _bad(f"{what} must be an object")
+    unknown = [k for k in item if k not in OUTPUT_KEYS]
+    if unknown:
+        raise _bad(f"{what} has unknown field {_show(unknown[0])}")
+    name = item.get("name")
+    if not (isinstance(name, str) and 0 < len(name) <= protocol.MAX_NAME):
+        raise _bad(f"{what}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
+    what = f"output {name!r}"
+    params = parameters_of(item, what, OUTPUT_PARAMETERS)
+    if params.get("classification") not in (None, 0):
+        raise _bad(f"{what}: the classification extension is not served; ask for the output and rank it yourself")
+    shm = _shm_ref(params, what)
+    binary = _bool_param(params, "binary_data", what)
+    if shm is not None and binary:
+        raise _bad(f"{what}: binary_data and shared_memory_region exclude each other")
+    return RequestedOutput(name, binary, shm)
+
+
+def raw_binary_request(model: str, version: str | None, spec_input, size: int, data) -> InferRequest:
+    """The raw-binary form (``Inference-Header-Content-Length: 0``): the whole body is the data of
+    the model's one input ``spec_input`` (a ``TensorSpec``); its shape is the spec's with the one
+    dimension that is not fixed set to fit ``size`` bytes (BYTES: one element, shape [1]).  Every
+    output is answered in binary.  V2Error BAD_INPUT if the size does not fit the spec."""
+    from shmserve.v2.messages import V2_NAMES
+
+    datatype = V2_NAMES.get(spec_input.dtype)
+    if datatype is None:
+        raise _bad(f"input {spec_input.name!r}: its dtype {spec_input.dtype} has no v2 datatype")
+    what = f"the raw binary body for input {spec_input.name!r}"
+    if datatype == "BYTES":
+        if len(spec_input.shape) != 1:
+            raise _bad(f"{what}: a BYTES input takes a raw body only with rank 1")
+        shape = (1,)
+    else:
+        fixed = [d for d in spec_input.shape if isinstance(d, int)]
+        free = [i for i, d in enumerate(spec_input.shape) if not isinstance(d, int)]
+        per = ITEMSIZE[datatype] * math.prod(fixed)
+        if len(free) > 1:
+            raise _bad(f"{what}: the input has {len(free)} dimensions that are not fixed; send a JSON header")
+        if per == 0 or size % per:
+            raise _bad(f"{what}: {size} bytes are not a whole number of {per}-byte rows")
+        shape = list(spec_input.shape)
+        if free:
+            shape[free[0]] = size // per
+        elif size != per:
+            raise _bad(f"{what}: {size} bytes, the input's fixed shape needs {per}")
+        shape = tuple(shape)
+    return InferRequest(model, version, None, [InputTensor(spec_input.name, datatype, shape, data=data)],
+                        None, True)
+
+
+# -- JSON tensor data ------------------------------------------------------------------------------
+
+_KINDS = {"BOOL": "b", "FP16": "fiu", "BF16": "fiu", "FP32": "fiu", "FP64": "fiu"}
+
+
+def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> bytes:
+    """The raw little-endian bytes of JSON tensor data (a flat or nested list in row-major order;
+    BYTES elements are strings, sent as UTF-8).  V2Error BAD_INPUT if the values are not
+    ``prod(shape)`` of ``datatype`` (a wrong count, a ragged list, a value of the wrong kind or
+    out of range)."""
+    n = math.prod(shape)
+    if datatype == "BYTES":
+        flat = _flatten_strings(data, what)
+        if len(flat) != n:
+            raise _bad(f"{what}: {len(flat)} elements of data, shape {list(shape)} needs {n}")
+        return serialize_bytes(flat)
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        arr = np.asarray(data)
+    except (ValueError, OverflowError):
+        raise _bad(f"{what}: 'data' is not a regular list of numbers") from None
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise _bad(f"{what}: 'data' must be a regular list of {'booleans' if datatype == 'BOOL' else 'numbers'}")
+    if arr.size != n:
+        raise _bad(f"{what}: {arr.size} elements of data, shape {list(shape)} needs {n}")
+    kinds = _KINDS.get(datatype, "iu")
+    if arr.size and arr.dtype.kind not in kinds:
+        raise _bad(f"{what}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'} "
+                   f"({'integers' if kinds == 'iu' else ''}), got {arr.dtype.kind!r} values".replace(" ()", ""))
+    if datatype == "BF16":
+        import ml_dtypes
+
+        return arr.astype(np.float32).astype(ml_dtypes.bfloat16).tobytes()
+    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+    if kinds == "iu" and arr.size:
+        info = np.iinfo(dtype)
+        if int(arr.min()) < info.min or int(arr.max()) > info.max:
+            raise _bad(f"{what}: values outside the range of {datatype} [{info.min}, {info.max}]")
+    return arr.astype(dtype).tobytes()
+
+
+def _flatten_strings(data, what: str, depth: int = 0) -> list[bytes]:
+    if isinstance(data, str):
+        return [data.encode()]
+    if not isinstance(data, list) or depth > protocol.MAX_DIMS:
+        raise _bad(f"{what}: BYTES data must be a list of strings")
+    out = []
+    for x in data:
+        if isinstance(x, str):
+            out.append(x.encode())
+        else:
+            out.extend(_flatten_strings(x, what, depth + 1))
+    return out
+
+
+def serialize_bytes(elements) -> bytes:
+    """Elements (bytes) in the v2 binary form: each a 4-byte little-endian length, then its bytes."""
+    return b"".join(_LEN.pack(len(e)) + e for e in elements)
+
+
+def deserialize_bytes(data, count: int, what: str) -> list[bytes]:
+    """The ``count`` elements of BYTES data in the binary form.  V2Error BAD_INPUT if a length
+    runs past the end, or bytes are left over."""
+    view, pos, out = memoryview(data), 0, []
+    end = len(view)
+    for _ in range(count):
+        if pos + 4 > end:
+            raise _bad(f"{what}: BYTES data ends inside an element's length")
+        (n,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        if n > end - pos:
+            raise _bad(f"{what}: a BYTES element of {n} bytes runs past the end of the data")
+        out.append(bytes(view[pos:pos + n]))
+        pos += n
+    if pos != end:
+        raise _bad(f"{what}: {end - pos} bytes after the last BYTES element")
+    return out
+
+
+def bytes_to_json(datatype: str, shape: tuple[int, ...], data, what: str):
+    """JSON-serializable data (flat, row-major) of raw tensor bytes.  V2Error BAD_INPUT for BYTES
+    elements that are not UTF-8 (they can be asked for with binary_data)."""
+    n = math.prod(shape)
+    if datatype == "BYTES":
+        try:
+            return [e.decode() for e in deserialize_bytes(data, n, what)]
+        except UnicodeDecodeError:
+            raise _bad(f"{what} holds bytes that are not UTF-8 text: ask for it with parameter "
+                       "binary_data = true") from None
+    if datatype == "BF16":
+        import ml_dtypes
+
+        return np.frombuffer(data, ml_dtypes.bfloat16, n).astype(np.float32)
+    return np.frombuffer(data, np.dtype(DATATYPES[datatype]).newbyteorder("<"), n)
+
+
+# -- infer responses -------------------------------------------------------------------------------
+
+def encode_result(result: InferResult, default_binary: bool) -> tuple[bytes, list, int | None]:
+    """The response body of ``result``: (JSON header, binary parts to send after it, header
+    length for ``Inference-Header-Content-Length`` or None when nothing binary follows).  An
+    output is binary if it asked so (``binary``), else by ``default_binary``
+    (``binary_data_output``); shared-memory outputs carry only their metadata."""
+    outputs, parts = [], []
+    for o in result.outputs:
+        entry = {"name": o.name, "datatype": o.datatype, "shape": list(o.shape)}
+        if o.shm is not None:
+            entry["parameters"] = {"shared_memory_region": o.shm.region, "shared_memory_byte_size": o.shm.byte_size}
+            if o.shm.offset:
+                entry["parameters"]["shared_memory_offset"] = o.shm.offset
+        elif (o.binary if o.binary is not None else default_binary):
+            entry["parameters"] = {"binary_data_size": len(o.data)}
+            if len(o.data):
+                parts.append(o.data)
+        else:
+            entry["data"] = bytes_to_json(o.datatype, o.shape, o.data, f"output {o.name!r}")
+        outputs.append(entry)
+    body = {"model_name": result.model_name, "model_version": result.model_version, "outputs": outputs}
+    if result.id is not None:
+        body["id"] = result.id
+    header = dumps(body)
+    binary = any(o.shm is None and (o.binary if o.binary is not None else default_binary) for o in result.outputs)
+    return header, parts, (len(header) if binary else None)
