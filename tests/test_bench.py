@@ -31,7 +31,7 @@ def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
         assert c["n"] == 2 * 20 and 0 < c["p50_us"] <= c["p90_us"] <= c["p99_us"] <= c["max_us"]
         assert c["echo_floor_p50_us"] > 0 and c["rps"] > 0
         assert (c["memcpy_p50_us"] > 0) == (c["payload"] >= 1 << 20)
-    assert "| 64 B | 64 B | inline | 2 |" in r.stdout and "p50 / floor" in r.stdout
+    assert "| 64 B | 64 B | unix | inline | 2 |" in r.stdout and "p50 / floor" in r.stdout
     assert len(report["run_id"]) == 8 and not bench_names(report["run_id"])  # its server, its floors' segments
 
 
@@ -40,7 +40,7 @@ def test_bench_on_the_demo_model(tmp_path):
                         "--payload", "4KiB", "--mode", "zero-copy", "--requests", "10"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "| 4 KiB | 12 KiB | zero-copy |" in r.stdout  # one 3x32x32 float32 image
+    assert "| 4 KiB | 12 KiB | unix | zero-copy |" in r.stdout  # one 3x32x32 float32 image
 
 
 def test_bench_sweeps_client_counts_paces_an_open_loop_and_plots(tmp_path):
@@ -57,7 +57,7 @@ def test_bench_sweeps_client_counts_paces_an_open_loop_and_plots(tmp_path):
     for c in report["results"]:
         assert c["n"] == 30 * c["clients"] and c["rate"] == 200
         assert c["rps"] <= 200 * 1.05, c  # due times are never run ahead of
-    assert "| 4 KiB | 4 KiB | zero-copy | 2 |" in r.stdout and "at 200 req/s in all" in r.stdout
+    assert "| 4 KiB | 4 KiB | unix | zero-copy | 2 |" in r.stdout and "at 200 req/s in all" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not bench_names(report["run_id"])
 
@@ -76,7 +76,7 @@ path = "shmserve.models:identity"
         r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--payload", "64",
                             "--mode", "inline", "--requests", "10"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        assert "model echo" in r.stdout and "| 64 B | 64 B | inline | 1 |" in r.stdout
+        assert "model echo" in r.stdout and "| 64 B | 64 B | unix | inline | 1 |" in r.stdout
         bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--model", "nope",
                               "--payload", "64", "--requests", "10"], capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and "no one-input model 'nope'" in bad.stderr and "echo" in bad.stderr
@@ -122,8 +122,8 @@ def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_p
     text = seen.decode(errors="replace")
     assert "inline 64 B x 2 clients" in text and "━" in text and "[2/3]" not in text
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert piped.returncode == 0 and "[1/3] floor for 64 B" in piped.stderr
-    assert "[3/3] inline 64 B x 2 clients" in piped.stderr
+    assert piped.returncode == 0 and "[1/3] unix floor for 64 B" in piped.stderr
+    assert "[3/3] unix inline 64 B x 2 clients" in piped.stderr
 
 
 def test_bench_during_swap_measures_steady_state_and_swaps_in_one_run(tmp_path):
