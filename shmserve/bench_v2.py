@@ -9,7 +9,7 @@ server on the same parser (httptools on uvloop) answering the body back to the
 same client, and a gRPC server (grpc.aio) whose ``ModelInfer`` answers
 ``raw_input_contents`` as ``raw_output_contents`` to the same stub.
 
-The clients are deliberately lean (``http.client`` on a kept-alive connection,
+The clients are deliberately lean (a raw kept-alive HTTP/1.1 connection,
 grpcio's generated stub): a benchmark of the server, not of a client library.
 
 Must not: leave a /dev/shm object behind (regions are unlinked in ``finally``),
@@ -18,11 +18,11 @@ or listen anywhere but loopback.
 
 from __future__ import annotations
 
-import http.client
 import json
 import mmap
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,17 +58,62 @@ class _Region:
         posix_ipc.unlink_shared_memory(self.key)
 
 
+class HttpConnection:
+    """A lean HTTP/1.1 client on one kept-alive connection: a request is its prebuilt bytes (one
+    ``sendall``), an answer is read with ``recv_into`` into a buffer that is reused (the status
+    line and ``content-length`` are all it reads of the head).  Python's ``http.client`` parses
+    every head with the ``email`` package, which would cost more CPU than the server per request."""
+
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=120)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(1 << 16)
+
+    @staticmethod
+    def request(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+        head = [f"{method} {path} HTTP/1.1", "host: localhost", f"content-length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+    def __call__(self, request: bytes) -> tuple[int, memoryview]:
+        """Send ``request``; (status, body: a view of the reused buffer, valid until the next call)."""
+        self.sock.sendall(request)
+        have, end = 0, -1
+        while end < 0:
+            have += self._recv(have)
+            end = self.buf.find(b"\r\n\r\n", 0, have)
+        head = bytes(self.buf[:end]).lower()
+        status = int(head[9:12])
+        at = head.find(b"content-length:")
+        length = int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+        total = end + 4 + length
+        if len(self.buf) < total:
+            self.buf.extend(bytes(total - len(self.buf)))
+        while have < total:
+            have += self._recv(have)
+        return status, memoryview(self.buf)[end + 4:total]
+
+    def _recv(self, at: int) -> int:
+        n = self.sock.recv_into(memoryview(self.buf)[at:])
+        if not n:
+            raise ConnectionError("the server closed the connection")
+        return n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class HttpCall:
     """One model's binary infer request over a kept-alive HTTP connection; ``shm``: its input and
     output in two registered regions."""
 
     def __init__(self, address: str, model: str, name: str, x: np.ndarray, output: str, shm: bool):
-        host, _, port = address.rpartition(":")
-        self.conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=120)
-        self.path = f"/v2/models/{model}/infer"
+        self.conn = HttpConnection(address)
         self.regions: list[_Region] = []
         datatype = V2_NAMES[x.dtype.name]
         tensor = {"name": name, "shape": list(x.shape), "datatype": datatype}
+        path = f"/v2/models/{model}/infer"
         if shm:
             src, dst = _Region(x.nbytes), _Region(x.nbytes)
             self.regions = [src, dst]
@@ -79,35 +124,31 @@ class HttpCall:
             tensor["parameters"] = {"shared_memory_region": f"in{os.getpid()}", "shared_memory_byte_size": x.nbytes}
             out = {"name": output, "parameters": {"shared_memory_region": f"out{os.getpid()}",
                                                   "shared_memory_byte_size": x.nbytes}}
-            self.body, self.headers = json.dumps({"inputs": [tensor], "outputs": [out]}).encode(), {}
+            self.request = HttpConnection.request("POST", path, json.dumps({"inputs": [tensor], "outputs": [out]})
+                                                  .encode(), {"content-type": "application/json"})
         else:
             tensor["parameters"] = {"binary_data_size": x.nbytes}
             header = json.dumps({"inputs": [tensor], "outputs": [{"name": output,
                                                                   "parameters": {"binary_data": True}}]}).encode()
-            self.body = header + x.tobytes()
-            self.headers = {"Inference-Header-Content-Length": str(len(header))}
-        self.headers["Content-Type"] = "application/octet-stream"
+            self.request = HttpConnection.request("POST", path, header + x.tobytes(), {
+                "inference-header-content-length": len(header), "content-type": "application/octet-stream"})
 
-    def _post(self, path: str, body: bytes) -> bytes:
-        self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        r = self.conn.getresponse()
-        data = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{path}: HTTP {r.status}: {data[:200]!r}")
+    def _post(self, path: str, body: bytes) -> memoryview:
+        status, data = self.conn(HttpConnection.request("POST", path, body, {"content-type": "application/json"}))
+        if status != 200:
+            raise RuntimeError(f"{path}: HTTP {status}: {bytes(data[:200])!r}")
         return data
 
-    def __call__(self) -> bytes:
-        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
-        r = self.conn.getresponse()
-        data = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"infer: HTTP {r.status}: {data[:200]!r}")
+    def __call__(self) -> memoryview:
+        status, data = self.conn(self.request)
+        if status != 200:
+            raise RuntimeError(f"infer: HTTP {status}: {bytes(data[:200])!r}")
         return data
 
     def close(self) -> None:
         try:
-            if self.regions:
-                self._post("/v2/systemsharedmemory/unregister", b"")
+            for tag in ("in", "out") if self.regions else ():  # by name: the other clients' stay
+                self._post(f"/v2/systemsharedmemory/region/{tag}{os.getpid()}/unregister", b"")
         finally:
             self.conn.close()
             for r in self.regions:
@@ -148,8 +189,9 @@ class GrpcCall:
 
     def close(self) -> None:
         try:
-            if self.regions:
-                self.stub.SystemSharedMemoryUnregister(self.pb.SystemSharedMemoryUnregisterRequest())
+            for tag in ("in", "out") if self.regions else ():  # by name: the other clients' stay
+                self.stub.SystemSharedMemoryUnregister(self.pb.SystemSharedMemoryUnregisterRequest(
+                    name=f"{tag}{os.getpid()}"))
         finally:
             self.channel.close()
             for r in self.regions:

@@ -103,3 +103,23 @@ def holds_device_memory(config):
     identity.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
     identity.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]}]
     return identity
+
+
+def two_outputs(inputs):
+    """x back as y, and 2x as z (float32 vectors): a request may ask for either, both, or none."""
+    x = inputs["x"]
+    return {"y": x, "z": x * 2}
+
+
+two_outputs.inputs = [{"name": "x", "dtype": "float32", "shape": ["n"]}]
+two_outputs.outputs = [{"name": "y", "dtype": "float32", "shape": ["n"]},
+                       {"name": "z", "dtype": "float32", "shape": ["n"]}]
+
+
+def two_inputs(inputs):
+    """a + b (int32 vectors of one length): inputs given in any mix of JSON, binary and regions."""
+    return {"sum": inputs["a"] + inputs["b"]}
+
+
+two_inputs.inputs = [{"name": "a", "dtype": "int32", "shape": ["n"]}, {"name": "b", "dtype": "int32", "shape": ["n"]}]
+two_inputs.outputs = [{"name": "sum", "dtype": "int32", "shape": ["n"]}]

@@ -111,8 +111,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.service.ready())
 
     async def ModelReady(self, request, context):
-        ready = await self._call(context, self.service.model_ready, request.name, request.version)
-        return pb.ModelReadyResponse(ready=bool(ready))
+        try:  # a model that does not exist is not ready (the question has an answer)
+            ready = self.service.model_ready(request.name, request.version)
+        except V2Error:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         meta = self.service.server_metadata()
