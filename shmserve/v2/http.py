@@ -421,7 +421,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                                                f"({limit}: server.max_request_bytes)")
         ihcl = msg.headers.get("inference-header-content-length")
         if ihcl is not None:
-            if not ihcl.strip().isdigit() or len(ihcl) > 18:
+            if not (ihcl.isascii() and ihcl.strip().isdigit()) or len(ihcl) > 18:  # str.isdigit takes '²'
                 raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length must be a number of bytes "
                                                    f">= 0, got {ihcl[:20]!r}")
             msg.header_length = int(ihcl)
