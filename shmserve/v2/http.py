@@ -425,9 +425,9 @@ class HttpConnection(asyncio.BufferedProtocol):
                 raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length must be a number of bytes "
                                                    f">= 0, got {ihcl[:20]!r}")
             msg.header_length = int(ihcl)
-            if msg.header_length > (msg.length or 0):
+            if msg.length is not None and msg.header_length > msg.length:  # chunked: checked once it is in
                 raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {msg.header_length} is more "
-                                                   f"than the body's Content-Length {msg.length or 0}")
+                                                   f"than the body's Content-Length {msg.length}")
         self.advance(Ev.HEADERS)
         if msg.headers.get("expect", "").lower() == "100-continue" and msg.version == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
