@@ -373,11 +373,14 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.closing = True
         self.queue.clear()
         self.msg = None
+        discarding = self.input is Input.DISCARD
         self.advance(Ev.CLOSE)
         self._cancel_timer()
         if self.task is not None and self.current is not None and self.current.request is not None:
             self.task.cancel()  # a streamed request whose body will never be in
             self.task, self.current = None, None
+        elif discarding and self.task is None:  # a refused one: its answer waited for the rest of its body
+            self.current, self.refusal = None, None
         if self.current is None:
             self.current = _Message()
             self._respond_error(error)
