@@ -310,9 +310,17 @@ class V2Service:
         unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
         datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
         offset or size outside it, an output larger than its region), TOO_LARGE."""
+        outs = {}  # output name -> its region: held (unregister waits) until the output is written
+        try:
+            return await self._infer(caller, request, outs)
+        finally:
+            for region in outs.values():
+                self.shm.give_back(region)
+
+    async def _infer(self, caller: Caller, request: InferRequest, outs: dict) -> InferResult:
         door = caller.door
         metas = _input_metas(request)
-        sources, held = [], []
+        sources, held = [], []  # held: input regions, until the answer
         try:
             for t, meta in zip(request.inputs, metas):
                 what = f"input {t.name!r}"
@@ -334,7 +342,7 @@ class V2Service:
             wanted = self._wanted(request)
             for o in wanted or ():
                 if o.shm is not None:
-                    self.shm.give_back(self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}"))
+                    outs[o.name] = self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
             parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
                                            version=version_number(request.model, request.version),
                                            key=request.key)
@@ -359,7 +367,7 @@ class V2Service:
             raise V2Error(answer.code, answer.message)
         release = (lambda: self.dispatcher.release(req)) if answer.in_arena else None
         try:
-            result = self._result(caller, request, req, answer, wanted)
+            result = self._result(request, req, answer, wanted, outs)
         except BaseException:
             if release is not None:
                 release()
@@ -385,7 +393,7 @@ class V2Service:
                                                        f"(outputs: {', '.join(sorted(known))})")
         return request.outputs
 
-    def _result(self, caller: Caller, request: InferRequest, req: Request, answer: Outputs, wanted) -> InferResult:
+    def _result(self, request: InferRequest, req: Request, answer: Outputs, wanted, outs: dict) -> InferResult:
         by_name = {o.name: o for o in answer.outputs}
         order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
         out = []
@@ -397,12 +405,9 @@ class V2Service:
             datatype = V2_NAMES.get(o.dtype, o.dtype.upper())
             if asked is not None and asked.shm is not None:
                 what = f"output {name!r}"
-                region = self.shm.take(caller.uid, asked.shm, o.nbytes, what)
-                try:
-                    if o.nbytes:
-                        SystemShm.write_from(region, asked.shm, o.view, what)
-                finally:
-                    self.shm.give_back(region)
+                SystemShm.fits(asked.shm, o.nbytes, what)
+                if o.nbytes:
+                    SystemShm.write_from(outs[name], asked.shm, o.view, what)
                 out.append(OutputTensor(name, datatype, tuple(o.shape), None,
                                         ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
             else:

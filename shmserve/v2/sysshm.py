@@ -183,11 +183,16 @@ class SystemShm:
         if ref.offset + ref.byte_size > r.byte_size:
             raise _bad(f"{what}: offset {ref.offset} + byte_size {ref.byte_size} is past the end of region "
                        f"{ref.region!r} ({r.byte_size} bytes)")
-        if nbytes > ref.byte_size:
-            raise _bad(f"{what}: needs {nbytes} bytes, shared_memory_byte_size is {ref.byte_size}")
+        SystemShm.fits(ref, nbytes, what)
         r.users += 1
         r.idle.clear()
         return r
+
+    @staticmethod
+    def fits(ref: ShmRef, nbytes: int, what: str) -> None:
+        """V2Error BAD_REGION if ``nbytes`` do not fit in ``ref.byte_size``."""
+        if nbytes > ref.byte_size:
+            raise _bad(f"{what}: needs {nbytes} bytes, shared_memory_byte_size is {ref.byte_size}")
 
     @staticmethod
     def give_back(r: ShmRegion) -> None:
