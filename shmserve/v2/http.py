@@ -124,6 +124,18 @@ _DEADLINES = {I.HEAD: "frame_timeout_s", I.BODY: "upload_timeout_s", I.STREAM: "
               I.DISCARD: "upload_timeout_s"}
 
 
+class HeadTooLarge(V2Error):
+    """The request line and headers are over ``MAX_HEAD_BYTES`` or ``MAX_HEADERS``: 431 (RFC 6585),
+    not 413, which is about the body."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.FRAME_TOO_LARGE, message)
+
+    @property
+    def http_status(self) -> int:
+        return 431
+
+
 class IllegalTransition(RuntimeError):
     """A bug in the connection: an event its input state does not take."""
 
@@ -402,14 +414,14 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._count_head(len(name) + len(value))
         headers = self.msg.headers
         if len(headers) >= MAX_HEADERS:
-            raise V2Error(ErrorCode.FRAME_TOO_LARGE, f"more than {MAX_HEADERS} headers")
+            raise HeadTooLarge(f"more than {MAX_HEADERS} headers")
         key, text = name.decode("latin-1").lower(), value.decode("latin-1")
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
 
     def _count_head(self, n: int) -> None:
         self.head_bytes += n
         if self.head_bytes > MAX_HEAD_BYTES:
-            raise V2Error(ErrorCode.FRAME_TOO_LARGE, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+            raise HeadTooLarge(f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         msg, parser = self.msg, self.parser
