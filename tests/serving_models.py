@@ -123,3 +123,17 @@ def two_inputs(inputs):
 
 two_inputs.inputs = [{"name": "a", "dtype": "int32", "shape": ["n"]}, {"name": "b", "dtype": "int32", "shape": ["n"]}]
 two_inputs.outputs = [{"name": "sum", "dtype": "int32", "shape": ["n"]}]
+
+
+def typed_echo(config):
+    """Each input back as ``out_<name>``: one vector input per dtype in ``options.dtypes``, named
+    by its dtype.  ``options = {factory = true, dtypes = ["int8", ...]}`` (at most 8: a slot holds
+    16 tensors, inputs and outputs together)."""
+    dtypes = list(config.options["dtypes"])
+
+    def echo(inputs):
+        return {f"out_{d}": inputs[d] for d in dtypes}
+
+    echo.inputs = [{"name": d, "dtype": d, "shape": ["n"]} for d in dtypes]
+    echo.outputs = [{"name": f"out_{d}", "dtype": d, "shape": ["n"]} for d in dtypes]
+    return echo

@@ -556,6 +556,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         if len(out) > limit or inflater.unconsumed_tail:
             raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes "
                                                "(server.max_request_bytes)")
+        if not inflater.eof or inflater.unused_data:  # cut short (its checksum never seen), or more after it
+            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body is cut short or has bytes after its end")
         return out
 
     async def _operation(self, op: str, params: dict, body: dict):
