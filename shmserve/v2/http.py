@@ -372,6 +372,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._fail_input(error)
             return
         except httptools.HttpParserError as exc:
+            if self.queue and not self.queue[-1].keep_alive:
+                return  # llhttp refuses bytes after a request that closes: they are never read (RFC 9112 9.6)
             self._fail_input(V2Error(ErrorCode.BAD_FRAME, f"malformed HTTP request: {exc}"))
             return
         msg = self.msg
