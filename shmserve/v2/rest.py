@@ -416,13 +416,18 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
     if datatype == "BF16":
         import ml_dtypes
 
-        return arr.astype(np.float32).astype(ml_dtypes.bfloat16).tobytes()
-    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
     if kinds == "iu" and arr.size:
         info = np.iinfo(dtype)
         if int(arr.min()) < info.min or int(arr.max()) > info.max:
             raise _bad(f"{what}: values outside the range of {datatype} [{info.min}, {info.max}]")
-    return arr.astype(dtype).tobytes()
+    with np.errstate(over="ignore"):
+        out = arr.astype(dtype)
+    if kinds == "fiu" and not np.isfinite(out).all():  # JSON numbers are finite: these overflowed
+        raise _bad(f"{what}: values outside the range of {datatype} (they would be infinite)")
+    return out.tobytes()
 
 
 def _flatten_strings(data, what: str, depth: int = 0) -> list[bytes]:
