@@ -309,7 +309,7 @@ def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
         raise _bad(f"{what}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
     what = f"input {name!r}"
     datatype = item.get("datatype")
-    if datatype not in DATATYPES:
+    if not isinstance(datatype, str) or datatype not in DATATYPES:  # a list or object is not hashable
         raise _bad(f"{what}: unknown datatype {_show(datatype)} (one of {', '.join(DATATYPES)})", ErrorCode.BAD_DTYPE)
     shape = item.get("shape")
     if not (isinstance(shape, list) and len(shape) <= protocol.MAX_DIMS
