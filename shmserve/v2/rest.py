@@ -403,6 +403,10 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
         data = [data]
     try:
         arr = np.asarray(data)
+        if datatype == "UINT64" and arr.dtype.kind in "fO":  # ints of 2**63 and up among smaller ones:
+            whole = np.asarray(data, dtype=object)  # numpy made them all float64; uint64 holds them exactly
+            if all(type(v) is int and v >= 0 for v in whole.flat):
+                arr = whole.astype(np.uint64)
     except (ValueError, OverflowError):
         raise _bad(f"{what}: 'data' is not a regular list of numbers") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
