@@ -1,0 +1,186 @@
+"""A real server with both v2 doors for the edge-case tests (HTTP, gRPC, shared memory, fuzz):
+its models, short deadlines, and the checks each group of tests ends with: the server is alive,
+answers a good request, holds no slot or arena space, and has no more descriptors open than it
+had before."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from helpers import raw_http
+from helpers.server import ServerProcess, serving, wait_for
+
+DEADLINE_S = 1  # frame_timeout_s, upload_timeout_s and stall_timeout_s of these servers
+MAX_REQUEST_BYTES = 20 << 20  # HTTP bodies and gRPC messages up to 2x this + 1 MiB
+BIG_OUT = 4096 * 1000 * 4  # bytes of "big"'s answer to 4096 float32s (serving_models.grow): 16.4 MB
+
+# Datatypes of the two typed_echo models (serving_models.typed_echo; a slot holds 16 tensors).
+TYPED = {"typed_a": ["bool", "int8", "int16", "int32", "int64", "uint8"],
+         "typed_b": ["uint16", "uint32", "uint64", "float16", "float32", "float64"]}
+
+MODELS = textwrap.dedent(f"""
+    [[models]]
+    name = "identity"
+    backend = "python"
+    path = "shmserve.models:identity"
+    instances = 2
+
+    [[models]]
+    name = "f32"
+    backend = "python"
+    path = "shmserve.models:identity_f32"
+
+    [[models]]
+    name = "slow"
+    backend = "python"
+    path = "serving_models:slow"
+
+    [[models]]
+    name = "two_inputs"
+    backend = "python"
+    path = "serving_models:two_inputs"
+
+    [[models]]
+    name = "two_outputs"
+    backend = "python"
+    path = "serving_models:two_outputs"
+
+    [[models]]
+    name = "big"
+    backend = "python"
+    path = "serving_models:grow"
+    max_output_bytes = {BIG_OUT + 4096}
+    """) + "".join(textwrap.dedent(f"""
+    [[models]]
+    name = "{name}"
+    backend = "python"
+    path = "serving_models:typed_echo"
+    options = {{factory = true, dtypes = {dtypes!r}}}
+    """).replace("'", '"') for name, dtypes in TYPED.items())
+
+
+def section(*, shm: bool = True, extra: str = "") -> str:
+    """The [server] keys: both doors on loopback port 0, 1 s deadlines, 20 MiB requests."""
+    return (f'http = "127.0.0.1:0"\ngrpc = "127.0.0.1:0"\nv2_system_shared_memory = {str(shm).lower()}\n'
+            f"max_request_bytes = {MAX_REQUEST_BYTES}\nframe_timeout_s = {DEADLINE_S}\n"
+            f"upload_timeout_s = {DEADLINE_S}\nstall_timeout_s = {DEADLINE_S}\n{extra}")
+
+
+@contextlib.contextmanager
+def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS):
+    """``helpers.server.serving`` with both v2 doors; ``srv.http`` and ``srv.grpc`` are their
+    addresses.  The native socket answers before the doors are listed, so this waits for them."""
+    with serving(workdir, models, server_section=section(shm=shm, extra=extra)) as srv:
+        v2 = wait_for(lambda: (lambda d: d if {"http", "grpc"} <= set(d) else None)(srv.info()["v2"]),
+                      "the v2 doors to listen", timeout=30)
+        srv.http, srv.grpc = v2["http"], v2["grpc"]
+        yield srv
+
+
+def open_fds(srv: ServerProcess, under: str | None = None) -> int:
+    """How many descriptors the server's front-end has open now (``under``: only those open on a
+    file whose path begins so, say a client's /dev/shm objects)."""
+    fds = os.listdir(f"/proc/{srv.proc.pid}/fd")
+    if under is None:
+        return len(fds)
+    count = 0
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{srv.proc.pid}/fd/{fd}").startswith(under)
+    return count
+
+
+def good_request(srv: ServerProcess) -> None:
+    """A well-formed binary infer over a fresh HTTP connection is answered right."""
+    x = np.arange(37, dtype=np.uint8)
+    header = {"inputs": [{"name": "x", "datatype": "UINT8", "shape": [37],
+                          "parameters": {"binary_data_size": 37}}], "parameters": {"binary_data_output": True}}
+    r = raw_http.one(srv.http, raw_http.binary_infer("identity", header, x.tobytes()))
+    assert r.status == 200, r
+    assert r.json()["outputs"][0]["shape"] == [37] and r.binary == x.tobytes()
+
+
+def still_serving(srv: ServerProcess, fds: int | None = None) -> None:
+    """The checks after a group: alive, serves, nothing held; with ``fds``, the front-end's
+    descriptors are back to at most that many (its side of closed connections closes a moment
+    after the client's)."""
+    assert srv.proc.poll() is None, f"the server died:\n{srv.log()[-4000:]}"
+    good_request(srv)
+    srv.wait_idle()
+    if fds is not None:
+        wait_for(lambda: open_fds(srv) <= fds, f"the server's descriptors back to {fds} (now {open_fds(srv)})",
+                 timeout=15)
+
+
+# -- client shared-memory objects --------------------------------------------------------------------
+
+@contextlib.contextmanager
+def shm_objects():
+    """A factory of /dev/shm objects named for this test session: ``make(size, mode, data, uid)``
+    returns its key ("/name"); every one is removed on the way out."""
+    from conftest import new_instance
+
+    made = []
+
+    def make(size: int = 4096, mode: int = 0o600, data: bytes = b"", uid: int | None = None) -> str:
+        name = new_instance("v2shm")
+        path = os.path.join("/dev/shm", name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        made.append(path)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, size)
+            if data:
+                os.pwrite(fd, data, 0)
+            if uid is not None:
+                os.fchown(fd, uid, -1)
+        finally:
+            os.close(fd)
+        return "/" + name
+
+    try:
+        yield make
+    finally:
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def shm_path(key: str) -> str:
+    return os.path.join("/dev/shm", key.lstrip("/"))
+
+
+# -- gRPC, message by message ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def grpc_stub(address: str, max_message: int = 256 << 20):
+    """Triton's GRPCInferenceService stub on a fresh channel (closed on the way out)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_message),
+                                                      ("grpc.max_receive_message_length", max_message)])
+    try:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    finally:
+        channel.close()
+
+
+def grpc_refused(call, status: str, code: str | None = None) -> str:
+    """``call()`` fails with gRPC ``status`` (a StatusCode name) and, given, shmserve's stable
+    ``code`` at the start of its details; returns the details."""
+    import grpc
+
+    try:
+        call()
+    except grpc.RpcError as exc:
+        assert exc.code() == getattr(grpc.StatusCode, status), (exc.code(), exc.details())
+        if code is not None:
+            assert exc.details().startswith(f"[{code}] "), exc.details()
+        return exc.details()
+    raise AssertionError(f"succeeded; expected {status}")
