@@ -14,6 +14,7 @@ import os
 import pytest
 
 from conftest import new_instance
+from helpers.v2_server import shm_objects
 from shmserve.errors import ErrorCode
 from shmserve.v2.messages import ShmRef, V2Error
 from shmserve.v2.sysshm import SHM_DIR, SystemShm
@@ -24,28 +25,8 @@ UID = os.getuid()
 @pytest.fixture
 def shm_object():
     """A factory of /dev/shm objects of this test session (mode, size); removed after the test."""
-    made = []
-
-    def make(size: int = 4096, mode: int = 0o600, data: bytes = b"") -> str:
-        name = new_instance("v2shm")
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-        try:
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, size)
-            if data:
-                os.pwrite(fd, data, 0)
-        finally:
-            os.close(fd)
-        made.append(path)
-        return "/" + name
-
-    yield make
-    for path in made:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    with shm_objects() as make:
+        yield make
 
 
 def refused(code: ErrorCode, call, *args, secret: str | None = None) -> str:

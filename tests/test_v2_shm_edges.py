@@ -1,0 +1,391 @@
+"""System shared memory through both v2 doors of a real server, on real /dev/shm objects: the
+edge cases of Triton's L0_shared_memory and its CVE lessons, end to end.
+
+``test_v2_sysshm`` checks the registry's rules one by one in-process; here each goes through HTTP
+and gRPC as a client would send it: registration off unless enabled, offsets and sizes out of
+range at registration and at use, keys naming the server's own arena (by name with any number of
+slashes, by a hard link, by a symlink), FIFOs and directories planted in /dev/shm, an object
+truncated under registered requests, unregistering while a request reads and writes a region,
+and names kept per uid.  Keys never appear in an error; the server keeps serving, holds nothing
+after, and each registration's descriptor is closed when it is unregistered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from helpers import raw_http
+from helpers.raw_http import one, request
+from helpers.server import wait_for
+from helpers.v2_server import (grpc_refused, grpc_stub, open_fds, shm_objects, shm_path, still_serving,
+                               v2_serving)
+
+NOBODY = 65534
+
+
+def client_fds(srv) -> int:
+    """The server's descriptors open on this test session's /dev/shm objects (registrations)."""
+    from conftest import SESSION_TAG
+
+    return open_fds(srv, f"/dev/shm/{SESSION_TAG}")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with v2_serving(tmp_path_factory.mktemp("v2shm"), extra=f"allow_uids = [{NOBODY}]\n") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(srv):
+    with grpc_stub(srv.grpc) as s:
+        assert s.ServerLive(pb.ServerLiveRequest()).live
+        yield s
+
+
+@pytest.fixture(scope="module")
+def baseline(srv, stub):
+    still_serving(srv)
+    return open_fds(srv)
+
+
+@pytest.fixture
+def make(srv, stub, baseline):
+    """/dev/shm objects for the test; after it: every region unregistered, the server serving,
+    holding nothing, and back to its descriptors."""
+    with shm_objects() as factory:
+        yield factory
+        assert unregister(srv).status == 200
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+        still_serving(srv, baseline)
+
+
+def register(srv, name: str, key, offset=0, byte_size=None, *, address: str | None = None) -> raw_http.Response:
+    body = {"key": key, "offset": offset}
+    if byte_size is not None:
+        body["byte_size"] = byte_size
+    return one(address or srv.http, request("POST", f"/v2/systemsharedmemory/region/{name}/register",
+                                            json.dumps(body).encode()))
+
+
+def unregister(srv, name: str | None = None, address: str | None = None) -> raw_http.Response:
+    path = f"/v2/systemsharedmemory/region/{name}/unregister" if name else "/v2/systemsharedmemory/unregister"
+    return one(address or srv.http, request("POST", path))
+
+
+def status(srv, address: str | None = None) -> list:
+    r = one(address or srv.http, request("GET", "/v2/systemsharedmemory/status"))
+    assert r.status == 200, r
+    return r.json()
+
+
+def grpc_register(stub, name: str, key: str, offset: int, byte_size: int):
+    return stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset,
+                                                                                byte_size=byte_size))
+
+
+def no_key_in(text: str, key: str, srv=None) -> None:
+    assert key.lstrip("/") not in text, f"the key appeared in an error: {text}"
+    if srv is not None:
+        assert srv.instance not in text, f"the server's instance appeared in an error: {text}"
+
+
+def refused_http(r: raw_http.Response, status_code: int, code: str, key: str | None = None, srv=None) -> str:
+    assert r.status == status_code and r.code == code, r
+    if key is not None:
+        no_key_in(r.error, key, srv)
+    return r.error
+
+
+def shm_infer(x: np.ndarray, region: str, byte_size: int | None = None, offset: int = 0, model: str = "slow",
+              out: tuple | None = None) -> dict:
+    """A request for ``model`` (FP32 vectors x -> y) whose input is in ``region``; ``out``:
+    (region, byte_size, offset) for the output."""
+    params = {"shared_memory_region": region, "shared_memory_byte_size": x.nbytes if byte_size is None else byte_size}
+    if offset:
+        params["shared_memory_offset"] = offset
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "parameters": params}]}
+    if out is not None:
+        body["outputs"] = [{"name": "y", "parameters": {"shared_memory_region": out[0], "shared_memory_byte_size": out[1],
+                                                        **({"shared_memory_offset": out[2]} if out[2] else {})}}]
+    return body
+
+
+def grpc_shm_infer(x: np.ndarray, region: str, byte_size: int, offset: int = 0, out: tuple | None = None):
+    msg = pb.ModelInferRequest(model_name="slow")
+    t = msg.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    t.parameters["shared_memory_region"].string_param = region
+    t.parameters["shared_memory_byte_size"].int64_param = byte_size
+    if offset:
+        t.parameters["shared_memory_offset"].int64_param = offset
+    if out is not None:
+        o = msg.outputs.add(name="y")
+        o.parameters["shared_memory_region"].string_param = out[0]
+        o.parameters["shared_memory_byte_size"].int64_param = out[1]
+    return msg
+
+
+def floats(key: str, n: int, offset: int = 0) -> np.ndarray:
+    with open(shm_path(key), "rb") as f:
+        f.seek(offset)
+        return np.frombuffer(f.read(4 * n), np.float32)
+
+
+# -- off unless enabled ------------------------------------------------------------------------------
+
+def test_registration_is_off_by_default_on_both_doors(tmp_path):
+    with v2_serving(tmp_path, shm=False) as off, shm_objects() as make, grpc_stub(off.grpc) as stub:
+        key = make(256)
+        r = register(off, "r", key, 0, 256)
+        assert "v2_system_shared_memory" in refused_http(r, 403, "permission_denied", key, off)
+        details = grpc_refused(lambda: grpc_register(stub, "r", key, 0, 256), "PERMISSION_DENIED", "permission_denied")
+        no_key_in(details, key, off)
+        assert status(off) == [] and unregister(off).status == 200 and unregister(off, "r").status == 200
+        x = np.ones(4, np.float32)
+        r = one(off.http, raw_http.json_infer("slow", shm_infer(x, "r")))
+        assert refused_http(r, 400, "bad_region", key).endswith("no region 'r' is registered")
+        grpc_refused(lambda: stub.ModelInfer(grpc_shm_infer(x, "r", 16)), "INVALID_ARGUMENT", "bad_region")
+        still_serving(off)
+
+
+# -- ranges at registration and at use -----------------------------------------------------------------
+
+@pytest.mark.parametrize("offset, size", [(0, 4097), (4096, 1), (4095, 2), (1 << 62, 1 << 62), (2**64 - 32, 64),
+                                          (0, 2**64 - 1), (-1, 16), (0, -16), ("0", 16), (0, 16.0), (True, 16),
+                                          (0, None), (None, 16)])
+def test_out_of_range_or_mistyped_registrations_are_refused_over_http(srv, make, offset, size):
+    key = make(4096)
+    fds = client_fds(srv)
+    refused_http(register(srv, "r", key, offset, size), 400, "bad_region", key, srv)
+    assert status(srv) == [] and client_fds(srv) == fds
+
+
+@pytest.mark.parametrize("offset, size", [(0, 4097), (4096, 1), (2**63, 2**63), (2**64 - 1, 1), (1, 2**64 - 1)])
+def test_out_of_range_registrations_are_refused_over_grpc(srv, stub, make, offset, size):
+    key = make(4096)
+    fds = client_fds(srv)
+    no_key_in(grpc_refused(lambda: grpc_register(stub, "r", key, offset, size), "INVALID_ARGUMENT", "bad_region"),
+              key, srv)
+    assert not stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest()).regions and client_fds(srv) == fds
+
+
+def test_ranges_at_use_are_checked_against_the_registration_on_both_doors(srv, stub, make):
+    x = np.arange(8, dtype=np.float32) / 4
+    key = make(256, data=bytes(64) + x.tobytes())
+    out_key = make(64)
+    assert register(srv, "in", key, 64, 128).status == 200  # bytes 64..191 of the object
+    assert register(srv, "out", out_key, 0, 32).status == 200
+    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in", out=("out", 32, 0))))
+    assert r.status == 200 and r.json()["outputs"][0]["parameters"]["shared_memory_byte_size"] == 32, r
+    assert np.array_equal(floats(out_key, 8), x * 2)
+    cases = [(shm_infer(x, "in", 32, offset=100), ["offset 100 + byte_size 32 is past the end", "(128 bytes)"]),
+             (shm_infer(x, "in", 129), ["past the end of region 'in'"]),
+             (shm_infer(x, "in", 16), ["needs 32 bytes, shared_memory_byte_size is 16"]),
+             (shm_infer(x, "in", out=("out", 16, 0)), ["output 'y'", "needs 32 bytes"]),
+             (shm_infer(x, "in", out=("out", 32, 4)), ["output 'y'", "past the end"]),
+             (shm_infer(x, "nope"), ["no region 'nope' is registered"]),
+             (shm_infer(x, "in", out=("nope", 32, 0)), ["output 'y'", "no region 'nope'"])]
+    for body, words in cases:
+        message = refused_http(one(srv.http, raw_http.json_infer("slow", body)), 400, "bad_region", key, srv)
+        assert all(w in message for w in words), (words, message)
+    for msg, words in ((grpc_shm_infer(x, "in", 32, offset=97), ["past the end"]),
+                       (grpc_shm_infer(x, "in", 16), ["needs 32 bytes"]),
+                       (grpc_shm_infer(x, "in", 32, out=("out", 8)), ["output 'y'", "needs 32 bytes"])):
+        details = grpc_refused(lambda: stub.ModelInfer(msg), "INVALID_ARGUMENT", "bad_region")
+        assert all(w in details for w in words) and key.lstrip("/") not in details, details
+    reply = stub.ModelInfer(grpc_shm_infer(x, "in", 32))
+    assert np.array_equal(np.frombuffer(reply.raw_output_contents[0], np.float32), x * 2)
+    # the same name twice is refused; once unregistered it may be registered again
+    refused_http(register(srv, "in", key, 0, 16), 400, "bad_region", key, srv)
+    assert unregister(srv, "in").status == 200
+    assert register(srv, "in", key, 0, 16).status == 200
+
+
+# -- keys that name the server's own segments, links, FIFOs, directories ---------------------------------
+
+def test_a_key_naming_the_servers_arena_is_refused_however_it_is_spelled(srv, stub, make):
+    arena = f"shmserve.{srv.instance}"
+    assert os.path.exists(shm_path(arena))
+    spellings = [arena, "/" + arena, "//" + arena, "/" * 40 + arena, "shmserve.other-instance", "/shmserve.x",
+                 f"shmserve.{srv.instance}.r1"]
+    fds = client_fds(srv)
+    for key in spellings:
+        message = refused_http(register(srv, "a", key, 0, 16), 400, "bad_region", key, srv)
+        assert "shmserve's own segments" in message
+        details = grpc_refused(lambda: grpc_register(stub, "a", key, 0, 16), "INVALID_ARGUMENT", "bad_region")
+        no_key_in(details, key, srv)
+    for key in ("/dev/shm/" + arena, f"../shm/{arena}", f"/x/../{arena}", arena + "\0", f"./{arena}"):
+        refused_http(register(srv, "a", key, 0, 16), 400, "bad_region", key, srv)
+    assert status(srv) == [] and client_fds(srv) == fds
+
+
+def test_the_arena_by_another_name_a_hard_link_or_a_symlink_is_refused(srv, stub, make):
+    """A name that does not begin 'shmserve.' but is the arena's file (a hard link root can make)
+    or points at it (a symlink: never followed)."""
+    from conftest import new_instance
+
+    arena = shm_path(f"shmserve.{srv.instance}")
+    hard, soft = "/" + new_instance("hard"), "/" + new_instance("soft")
+    os.link(arena, shm_path(hard))
+    os.symlink(arena, shm_path(soft))
+    try:
+        for key, words in ((hard, "the server's own segments"), (soft, "cannot be opened")):
+            message = refused_http(register(srv, "a", key, 0, 16), 400, "bad_region", key, srv)
+            assert words in message, message
+            grpc_refused(lambda: grpc_register(stub, "a", key, 0, 16), "INVALID_ARGUMENT", "bad_region")
+    finally:
+        os.unlink(shm_path(hard))
+        os.unlink(shm_path(soft))
+
+
+def test_fifos_directories_symlinks_and_loose_objects_planted_in_dev_shm_are_refused_without_hanging(srv, stub, make):
+    from conftest import new_instance
+
+    target = make(4096)
+    fifo, folder, link = ("/" + new_instance(t) for t in ("fifo", "dir", "link"))
+    os.mkfifo(shm_path(fifo), 0o600)
+    os.mkdir(shm_path(folder), 0o700)
+    os.symlink(shm_path(target), shm_path(link))
+    loose = make(4096, mode=0o666)
+    try:
+        fds = client_fds(srv)
+        for key, words in ((fifo, "does not name a shared-memory object"), (folder, "cannot be opened"),
+                           (link, "cannot be opened"), (loose, "o+w"), ("/" + new_instance("absent"), "no shared-memory")):
+            start = time.monotonic()
+            message = refused_http(register(srv, "p", key, 0, 16), 400, "bad_region", key, srv)
+            assert words in message, message
+            grpc_refused(lambda: grpc_register(stub, "p", key, 0, 16), "INVALID_ARGUMENT", "bad_region")
+            assert time.monotonic() - start < 5, "registering a planted object hung"
+        assert status(srv) == [] and client_fds(srv) == fds
+    finally:
+        os.unlink(shm_path(fifo))
+        os.rmdir(shm_path(folder))
+        os.unlink(shm_path(link))
+
+
+# -- an object truncated under the server --------------------------------------------------------------
+
+def test_an_object_truncated_after_registration_fails_its_requests_not_the_server(srv, stub, make):
+    x = np.arange(16, dtype=np.float32)
+    key = make(4096, data=x.tobytes())
+    out_key = make(4096)
+    assert register(srv, "in", key, 0, 4096).status == 200
+    assert register(srv, "out", out_key, 0, 4096).status == 200
+    pid = srv.proc.pid
+    os.truncate(shm_path(key), 10)  # shorter than the input
+    message = refused_http(one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
+    assert "shorter than registered" in message
+    grpc_refused(lambda: stub.ModelInfer(grpc_shm_infer(x, "in", 64)), "INVALID_ARGUMENT", "bad_region")
+    os.truncate(shm_path(key), 0)
+    refused_http(one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
+    os.truncate(shm_path(out_key), 16)  # the output no longer fits
+    json_x = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": x.tolist()}],
+              "outputs": [{"name": "y", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}]}
+    message = refused_http(one(srv.http, raw_http.json_infer("slow", json_x)), 400, "bad_region", out_key)
+    assert "output 'y'" in message and "shorter than registered" in message
+    assert os.stat(shm_path(out_key)).st_size == 16, "the server grew a client's object"
+    assert srv.proc.poll() is None and srv.proc.pid == pid
+    with open(shm_path(key), "r+b") as f:  # grown back and refilled: served again
+        f.truncate(4096)
+        f.write((x + 1).tobytes())
+    os.truncate(shm_path(out_key), 4096)
+    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in", out=("out", 64, 0))))
+    assert r.status == 200 and np.array_equal(floats(out_key, 16), (x + 1) * 2), r
+
+
+# -- unregistering while requests use a region ----------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["out", "in", "all"])
+def test_unregister_waits_for_the_request_reading_and_writing_the_region(srv, stub, make, which):
+    """While a request reads its input from "in" and will write its output into "out", the
+    client unregisters "out" (HTTP), "in" (HTTP) or all (gRPC): the call returns only once the
+    request is done, the request succeeds, and meanwhile no new request may name the region."""
+    x = np.array([0.8, 1, 2, 3], np.float32)  # slow sleeps x[0] seconds
+    in_key, out_key = make(64, data=x.tobytes()), make(64)
+    assert register(srv, "in", in_key, 0, 64).status == 200
+    assert register(srv, "out", out_key, 0, 64).status == 200
+    answers = {}
+    runner = threading.Thread(target=lambda: answers.update(r=one(srv.http, raw_http.json_infer(
+        "slow", shm_infer(x, "in", out=("out", 16, 0))))))
+    runner.start()
+    wait_for(lambda: srv.info()["stats"]["slots_in_use"] == 1, "the request to run")
+    start = time.monotonic()
+    if which == "all":
+        call = lambda: stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())  # noqa: E731
+    else:
+        call = lambda: unregister(srv, which)  # noqa: E731
+    waiter = threading.Thread(target=lambda: answers.update(u=call(), took=time.monotonic() - start))
+    waiter.start()
+    time.sleep(0.15)
+    meanwhile = (runner.is_alive(), [r["name"] for r in status(srv)],
+                 one(srv.http, raw_http.json_infer("slow", shm_infer(x[1:], "in", out=("out", 16, 0)))))
+    waiter.join(30)
+    runner.join(30)
+    assert answers["r"].status == 200, answers["r"]
+    assert np.array_equal(floats(out_key, 4), x * 2)
+    assert getattr(answers["u"], "status", 200) == 200
+    assert answers["took"] >= 0.5, "unregister returned while the request still used the region"
+    if meanwhile[0]:
+        gone = {"in", "out"} if which == "all" else {which}
+        assert not gone & set(meanwhile[1]), meanwhile[1]
+        refused_http(meanwhile[2], 400, "bad_region")
+    left = {"in", "out"} - ({"in", "out"} if which == "all" else {which})
+    assert {r["name"] for r in status(srv)} == left
+
+
+def test_each_registration_holds_one_descriptor_until_it_is_unregistered(srv, stub, make):
+    keys = [make(256) for _ in range(5)]
+    fds = client_fds(srv)
+    for i, key in enumerate(keys):
+        assert register(srv, f"r{i}", key, 0, 256).status == 200
+    grpc_register(stub, "g", keys[0], 0, 128)
+    assert client_fds(srv) == fds + 6
+    assert unregister(srv, "r0").status == 200 and unregister(srv, "never").status == 200
+    assert client_fds(srv) == fds + 5
+    assert unregister(srv).status == 200
+    assert client_fds(srv) == fds
+
+
+# -- names are per uid ----------------------------------------------------------------------------------
+
+def test_region_names_are_per_uid(srv, make):
+    """nobody (uid 65534) and root each register "r": each sees, uses and unregisters only its
+    own; nobody cannot register root's object; root may register nobody's."""
+    from helpers.other_user import as_nobody, nobody_group
+
+    nobody_group()  # skips unless root on a machine with nobody
+    x = np.arange(4, dtype=np.float32)  # slow sleeps x[0] seconds
+    y = np.array([0.01, 7, 8, 9], np.float32)
+    mine = make(64, data=y.tobytes())
+    theirs = make(64, data=x.tobytes(), uid=NOBODY)
+    assert register(srv, "r", mine, 0, 64).status == 200
+    assert register(srv, "root_only", mine, 0, 64).status == 200
+
+    def as_nobody_client() -> str:
+        out = {"own": register(srv, "r", theirs, 0, 64).status,
+               "root_object": register(srv, "s", mine, 0, 64).error,
+               "status": [r["name"] for r in status(srv)]}
+        r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "r")))
+        out["infer"] = r.json()["outputs"][0]["data"] if r.status == 200 else r.error
+        out["root_only"] = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "root_only"))).error
+        out["unregister_all"] = unregister(srv).status
+        return json.dumps(out)
+
+    answer = as_nobody(as_nobody_client)
+    got = json.loads(answer) if answer.startswith("{") else pytest.fail(answer)
+    assert got["own"] == 200 and got["status"] == ["r"]
+    assert "another uid" in got["root_object"] and mine.lstrip("/") not in got["root_object"]
+    assert got["infer"] == (x * 2).tolist()  # its own "r", not root's
+    assert "no region 'root_only'" in got["root_only"]
+    assert got["unregister_all"] == 200
+    assert [r["name"] for r in status(srv)] == ["r", "root_only"]  # nobody's unregister left root's alone
+    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "r")))
+    assert r.status == 200 and np.array_equal(np.array(r.json()["outputs"][0]["data"], np.float32), y * 2), r
+    assert register(srv, "nobodys", theirs, 0, 64).status == 200  # root may register another uid's object
