@@ -666,21 +666,22 @@ class HttpConnection(asyncio.BufferedProtocol):
         msg = self.current
         if msg is not None and not msg.keep_alive:
             self.closing = True
-        self._write(status, ctype, parts, extra)
+        self._write(status, ctype, parts, extra, body=msg is None or msg.method != "HEAD")
         if result is not None:
             self.held.append(result)
         if not self.write_blocked:
             self._release_held()
             self._sent()
 
-    def _write(self, status: int, ctype: str, parts: list, extra=()) -> None:
+    def _write(self, status: int, ctype: str, parts: list, extra=(), body: bool = True) -> None:
+        """The answer's head and (unless ``body`` is false: a HEAD request's) its ``parts``."""
         head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
             status, REASONS.get(status, "Error").encode(), ctype.encode(), sum(len(p) for p in parts))]
         head.extend(b"%s: %s\r\n" % (name, value) for name, value in extra)
         if self.closing:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
-        self.transport.writelines([b"".join(head), *parts])
+        self.transport.writelines([b"".join(head), *(parts if body else ())])
 
     def _sent(self) -> None:
         """The current answer is all sent: serve the next request, or read for one (or close)."""
