@@ -477,6 +477,20 @@ def test_the_wrong_method_is_405_with_an_allow_header(srv, method, path, allow):
     assert r.headers["allow"] == allow
 
 
+def test_a_head_request_is_answered_without_a_body(srv):
+    """HEAD is on no route: 405, and no body after the head (HTTP forbids one), so the next answer
+    on the connection starts right after it."""
+    for path in ("/v2/health/live", "/v2/models/identity", "/v2/models/identity/infer", "/nope"):
+        with connect(srv.http) as s:
+            s.sendall(request("HEAD", path) + request("GET", "/v2/health/live", headers={"Connection": "close"}))
+            data = b""
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        first, _, rest = data.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 405 " if path != "/nope" else b"HTTP/1.1 404 "), data
+        assert rest.startswith(b"HTTP/1.1 200 OK\r\n"), data
+
+
 def test_a_method_that_is_not_a_token_is_refused_and_closed(srv):
     with connect(srv.http) as s:
         s.sendall(b"G(T /v2/health/live HTTP/1.1\r\n\r\n")
