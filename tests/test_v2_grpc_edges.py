@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 
-import grpc
-import ml_dtypes  # noqa: F401  (numpy's bfloat16, for the raw BF16 case)
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from helpers.server import wait_for
-from helpers.v2_server import MAX_REQUEST_BYTES, TYPED, grpc_refused, grpc_stub, open_fds, still_serving, v2_serving
+from helpers.v2_server import MAX_REQUEST_BYTES, TYPED, grpc_refused, grpc_stub, server_fixture, still_serving
+from helpers.v2_server import baseline, stub  # noqa: F401  (fixtures)
 
 MAX_MESSAGE = 2 * MAX_REQUEST_BYTES + (1 << 20)
 V2 = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "uint8": "UINT8",
@@ -30,23 +29,7 @@ FIELD = {"bool": "bool_contents", "int8": "int_contents", "int16": "int_contents
          "uint64": "uint64_contents", "float32": "fp32_contents", "float64": "fp64_contents"}  # FP16: raw only
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with v2_serving(tmp_path_factory.mktemp("v2grpc")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def stub(srv):
-    with grpc_stub(srv.grpc) as s:
-        assert s.ServerReady(pb.ServerReadyRequest()).ready
-        yield s
-
-
-@pytest.fixture(scope="module")
-def baseline(srv, stub):
-    still_serving(srv)
-    return open_fds(srv)
+srv = server_fixture("v2grpc")
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +91,8 @@ def test_raw_input_contents_must_match_the_inputs_one_to_one(stub):
     a, b = np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32) * 5
     two = infer("two_inputs", ("a", "INT32", [3]), ("b", "INT32", [3]), raw=[a.tobytes(), b.tobytes()])
     assert np.array_equal(np.frombuffer(stub.ModelInfer(two).raw_output_contents[0], np.int32), a + b)
-    swapped_sizes = infer("two_inputs", ("a", "INT32", [3]), ("b", "INT32", [3]), raw=[a.tobytes()[:8], b.tobytes() + b"1234"])
+    swapped_sizes = infer("two_inputs", ("a", "INT32", [3]), ("b", "INT32", [3]),
+                          raw=[a.tobytes()[:8], b.tobytes() + b"1234"])
     grpc_refused(lambda: stub.ModelInfer(swapped_sizes), "INVALID_ARGUMENT", "bad_input")
     one_short = infer("two_inputs", ("a", "INT32", [3]), ("b", "INT32", [3]), raw=[a.tobytes()])
     assert "input 'b' has no data" in grpc_refused(lambda: stub.ModelInfer(one_short), "INVALID_ARGUMENT", "bad_input")

@@ -30,25 +30,13 @@ import pytest
 from helpers import raw_http
 from helpers.raw_http import Reader, Sender, binary_infer, connect, json_infer, one, request
 from helpers.server import wait_for
-from helpers.v2_server import BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, good_request, open_fds, still_serving, v2_serving
+from helpers.v2_server import BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, server_fixture, still_serving
+from helpers.v2_server import baseline  # noqa: F401  (a fixture)
 
 MAX_BODY = 2 * MAX_REQUEST_BYTES + (1 << 20)  # the server's HTTP body limit
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with v2_serving(tmp_path_factory.mktemp("v2http")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def baseline(srv):
-    """The front-end's descriptors with no v2 client connected (after one request, so that
-    nothing opened on first use counts as a leak)."""
-    good_request(srv)
-    srv.wait_idle()
-    wait_for(lambda: open_fds(srv) == open_fds(srv), "a steady descriptor count")
-    return open_fds(srv)
+srv = server_fixture("v2http")
 
 
 @pytest.fixture(autouse=True)
@@ -283,7 +271,8 @@ def test_a_wrong_binary_data_size_is_refused(srv, path, size, words):
 
 def test_binary_data_sizes_of_several_inputs_must_each_fit(srv):
     a, b = np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32) * 7
-    good = {"inputs": [tensor("a", "INT32", (3,), binary_data_size=12), tensor("b", "INT32", (3,), binary_data_size=12)],
+    good = {"inputs": [tensor("a", "INT32", (3,), binary_data_size=12),
+                       tensor("b", "INT32", (3,), binary_data_size=12)],
             "parameters": {"binary_data_output": True}}
     r = one(srv.http, binary_infer("two_inputs", good, a.tobytes() + b.tobytes()))
     assert r.status == 200 and np.array_equal(np.frombuffer(r.binary, np.int32), a + b), r
@@ -510,13 +499,15 @@ def chunked(body: bytes, pieces: int = 3) -> bytes:
 def test_chunked_bodies_json_binary_and_raw(srv):
     te = {"Transfer-Encoding": "chunked"}
     body = json.dumps(json_body()).encode()
-    answered_identity(one(srv.http, request("POST", "/v2/models/identity/infer", chunked(body), te)), bytes((1, 2, 3, 4)))
+    r = one(srv.http, request("POST", "/v2/models/identity/infer", chunked(body), te))
+    answered_identity(r, bytes((1, 2, 3, 4)))
     x = bytes(range(100))
     text = json.dumps(binary_header(len(x))).encode()
     r = one(srv.http, request("POST", "/v2/models/identity/infer", chunked(text + x, 7),
                               te | {"Inference-Header-Content-Length": str(len(text))}))
     answered_identity(r, x)
-    r = one(srv.http, request("POST", "/v2/models/identity/infer", chunked(x), te | {"Inference-Header-Content-Length": "0"}))
+    r = one(srv.http, request("POST", "/v2/models/identity/infer", chunked(x),
+                              te | {"Inference-Header-Content-Length": "0"}))
     answered_identity(r, x)
     r = one(srv.http, request("POST", "/v2/models/identity/infer", chunked(text[:10]),
                               te | {"Inference-Header-Content-Length": str(len(text))}))
@@ -536,7 +527,8 @@ def gzip_bomb(inflated: int) -> bytes:
 
 def test_gzip_and_deflate_bodies_work_and_a_gzip_bomb_is_refused(srv):
     body = json.dumps(json_body()).encode()
-    for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("GZIP", gzip.compress(body))):
+    for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                             ("GZIP", gzip.compress(body))):
         r = one(srv.http, request("POST", "/v2/models/identity/infer", packed, {"Content-Encoding": encoding}))
         answered_identity(r, bytes((1, 2, 3, 4)))
     x = bytes(range(256)) * 3
@@ -563,8 +555,9 @@ def test_gzip_and_deflate_bodies_work_and_a_gzip_bomb_is_refused(srv):
 def test_pipelined_requests_are_answered_in_order(srv):
     slow = {"inputs": [tensor(datatype="FP32", shape=(2,)) | {"data": [0.3, 1.0]}]}
     x = bytes(range(50))
-    data = (json_infer("slow", slow) + request("GET", "/v2/health/live") + binary_infer("identity", binary_header(50), x)
-            + request("GET", "/v2/models/nope") + json_infer("identity", json_body((9, 8))))
+    data = (json_infer("slow", slow) + request("GET", "/v2/health/live")
+            + binary_infer("identity", binary_header(50), x) + request("GET", "/v2/models/nope")
+            + json_infer("identity", json_body((9, 8))))
     with connect(srv.http) as s:
         s.sendall(data)
         answers = Reader(s).read(5)
@@ -724,7 +717,8 @@ def test_connection_close_is_answered_then_closed_and_what_follows_is_not_read(s
 
 def test_expect_100_continue(srv):
     body = json.dumps(json_body()).encode()
-    head = request("POST", "/v2/models/identity/infer", b"", {"Content-Length": str(len(body)), "Expect": "100-continue"})
+    head = request("POST", "/v2/models/identity/infer", b"",
+                   {"Content-Length": str(len(body)), "Expect": "100-continue"})
     with connect(srv.http) as s:
         s.sendall(head)
         reader = Reader(s)

@@ -24,8 +24,9 @@ from tritonclient.grpc import service_pb2 as pb
 from helpers import raw_http
 from helpers.raw_http import one, request
 from helpers.server import wait_for
-from helpers.v2_server import (grpc_refused, grpc_stub, open_fds, shm_objects, shm_path, still_serving,
-                               v2_serving)
+from helpers.v2_server import (grpc_refused, grpc_stub, open_fds, server_fixture, shm_objects, shm_path,
+                               still_serving, v2_serving)
+from helpers.v2_server import baseline, stub  # noqa: F401  (fixtures)
 
 NOBODY = 65534
 
@@ -37,23 +38,7 @@ def client_fds(srv) -> int:
     return open_fds(srv, f"/dev/shm/{SESSION_TAG}")
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with v2_serving(tmp_path_factory.mktemp("v2shm"), extra=f"allow_uids = [{NOBODY}]\n") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def stub(srv):
-    with grpc_stub(srv.grpc) as s:
-        assert s.ServerLive(pb.ServerLiveRequest()).live
-        yield s
-
-
-@pytest.fixture(scope="module")
-def baseline(srv, stub):
-    still_serving(srv)
-    return open_fds(srv)
+srv = server_fixture("v2shm", extra=f"allow_uids = [{NOBODY}]\n")
 
 
 @pytest.fixture
@@ -113,8 +98,10 @@ def shm_infer(x: np.ndarray, region: str, byte_size: int | None = None, offset: 
         params["shared_memory_offset"] = offset
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "parameters": params}]}
     if out is not None:
-        body["outputs"] = [{"name": "y", "parameters": {"shared_memory_region": out[0], "shared_memory_byte_size": out[1],
-                                                        **({"shared_memory_offset": out[2]} if out[2] else {})}}]
+        params = {"shared_memory_region": out[0], "shared_memory_byte_size": out[1]}
+        if out[2]:
+            params["shared_memory_offset"] = out[2]
+        body["outputs"] = [{"name": "y", "parameters": params}]
     return body
 
 
@@ -257,7 +244,8 @@ def test_fifos_directories_symlinks_and_loose_objects_planted_in_dev_shm_are_ref
     try:
         fds = client_fds(srv)
         for key, words in ((fifo, "does not name a shared-memory object"), (folder, "cannot be opened"),
-                           (link, "cannot be opened"), (loose, "o+w"), ("/" + new_instance("absent"), "no shared-memory")):
+                           (link, "cannot be opened"), (loose, "o+w"),
+                           ("/" + new_instance("absent"), "no shared-memory")):
             start = time.monotonic()
             message = refused_http(register(srv, "p", key, 0, 16), 400, "bad_region", key, srv)
             assert words in message, message

@@ -6,11 +6,12 @@ had before."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from helpers import raw_http
 from helpers.server import ServerProcess, serving, wait_for
@@ -23,45 +24,26 @@ BIG_OUT = 4096 * 1000 * 4  # bytes of "big"'s answer to 4096 float32s (serving_m
 TYPED = {"typed_a": ["bool", "int8", "int16", "int32", "int64", "uint8"],
          "typed_b": ["uint16", "uint32", "uint64", "float16", "float32", "float64"]}
 
-MODELS = textwrap.dedent(f"""
-    [[models]]
-    name = "identity"
-    backend = "python"
-    path = "shmserve.models:identity"
-    instances = 2
+def python_model(name: str, path: str, **keys) -> str:
+    """A [[models]] table of the python backend; ``keys`` are TOML values written by json.dumps
+    (options: an inline table of them)."""
+    lines = ["[[models]]", f'name = "{name}"', 'backend = "python"', f'path = "{path}"']
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            value = "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + "}"
+        else:
+            value = json.dumps(value)
+        lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n\n"
 
-    [[models]]
-    name = "f32"
-    backend = "python"
-    path = "shmserve.models:identity_f32"
 
-    [[models]]
-    name = "slow"
-    backend = "python"
-    path = "serving_models:slow"
-
-    [[models]]
-    name = "two_inputs"
-    backend = "python"
-    path = "serving_models:two_inputs"
-
-    [[models]]
-    name = "two_outputs"
-    backend = "python"
-    path = "serving_models:two_outputs"
-
-    [[models]]
-    name = "big"
-    backend = "python"
-    path = "serving_models:grow"
-    max_output_bytes = {BIG_OUT + 4096}
-    """) + "".join(textwrap.dedent(f"""
-    [[models]]
-    name = "{name}"
-    backend = "python"
-    path = "serving_models:typed_echo"
-    options = {{factory = true, dtypes = {dtypes!r}}}
-    """).replace("'", '"') for name, dtypes in TYPED.items())
+MODELS = "".join([
+    python_model("identity", "shmserve.models:identity", instances=2),
+    python_model("f32", "shmserve.models:identity_f32"),
+    *(python_model(name, f"serving_models:{name}") for name in ("slow", "two_inputs", "two_outputs")),
+    python_model("big", "serving_models:grow", max_output_bytes=BIG_OUT + 4096),
+    *(python_model(name, "serving_models:typed_echo", options={"factory": True, "dtypes": dtypes})
+      for name, dtypes in TYPED.items())])
 
 
 def section(*, shm: bool = True, extra: str = "") -> str:
@@ -80,6 +62,33 @@ def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str 
                       "the v2 doors to listen", timeout=30)
         srv.http, srv.grpc = v2["http"], v2["grpc"]
         yield srv
+
+
+def server_fixture(tag: str, **options):
+    """A module-scoped fixture ``srv``: ``v2_serving`` (with ``options``) in a fresh directory
+    named after ``tag``.  A test module assigns it to ``srv``."""
+    @pytest.fixture(scope="module")
+    def srv(tmp_path_factory):
+        with v2_serving(tmp_path_factory.mktemp(tag), **options) as s:
+            yield s
+
+    return srv
+
+
+@pytest.fixture(scope="module")
+def stub(srv):
+    """Triton's gRPC stub on the module's server, one channel for the whole module."""
+    with grpc_stub(srv.grpc) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def baseline(srv):
+    """The front-end's descriptors once it has served a request (so that nothing it opens on
+    first use counts as a leak), with the module's long-lived connections open: a fixture that
+    asks for it asks for ``stub`` first."""
+    still_serving(srv)
+    return open_fds(srv)
 
 
 def open_fds(srv: ServerProcess, under: str | None = None) -> int:
@@ -115,6 +124,17 @@ def still_serving(srv: ServerProcess, fds: int | None = None) -> None:
     if fds is not None:
         wait_for(lambda: open_fds(srv) <= fds, f"the server's descriptors back to {fds} (now {open_fds(srv)})",
                  timeout=15)
+
+
+def json_values(keys, max_leaves: int = 25):
+    """A hypothesis strategy of JSON values (what a client's body may hold): scalars past every
+    integer type, lists and objects whose keys come from ``keys``."""
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=10)
+               | st.floats(allow_nan=False, allow_infinity=False))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(keys, inner, max_size=5),
+                        max_leaves=max_leaves)
 
 
 # -- client shared-memory objects --------------------------------------------------------------------
