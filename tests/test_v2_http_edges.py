@@ -5,9 +5,11 @@ What Triton's qa suites check (L0_http, L0_input_validation), and more: headers 
 body (Inference-Header-Content-Length, Content-Length, binary_data_size), bodies cut short, bodies
 that stall, headers that never end or never stop, JSON that is not JSON, too deep or too large,
 requests that do not fit their model, every optional field and parameter refused or taken,
-transfer and content encodings (chunked, gzip, a gzip bomb), pipelining, a request split at every
-byte boundary, a client that never reads, clients that vanish mid-request and mid-answer,
-HTTP/1.0, ``Connection: close``, ``Expect: 100-continue``, 404 and 405.
+transfer and content encodings (chunked, gzip, a gzip bomb), pipelining (and garbage behind it),
+a request split at every byte boundary, streamed requests refused before their body is in, a
+client that never reads, clients that vanish mid-request and mid-answer, HTTP/1.0,
+``Connection: close``, ``Expect: 100-continue``, HEAD, 404 and 405, the other routes' bodies, the
+per-uid connection limit and shutdown with connections open.
 
 Each refusal is a 4xx with the stable code in a ``{"error": "[code] ...", "code": ...}`` body.
 After every test the server is alive, answers a good request, holds no slot or arena space
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import signal
 import socket
 import time
 import zlib
@@ -30,7 +33,8 @@ import pytest
 from helpers import raw_http
 from helpers.raw_http import Reader, Sender, binary_infer, connect, json_infer, one, request
 from helpers.server import wait_for
-from helpers.v2_server import BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, server_fixture, still_serving
+from helpers.v2_server import (BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, python_model, server_fixture, still_serving,
+                               v2_serving)
 from helpers.v2_server import baseline  # noqa: F401  (a fixture)
 
 MAX_BODY = 2 * MAX_REQUEST_BYTES + (1 << 20)  # the server's HTTP body limit
@@ -267,6 +271,53 @@ def test_a_wrong_binary_data_size_is_refused(srv, path, size, words):
             s.sendall(whole[-2:])
         refused(reader.one(), 400, "bad_input", *words)
         keeps_serving(s, reader)
+
+
+@pytest.mark.parametrize("model, header, status, code", [
+    ("no_such_model", binary_header(1 << 20), 404, "unknown_model"),
+    ("identity", {"inputs": [tensor(datatype="INT8", shape=(1 << 20,), binary_data_size=1 << 20)]}, 400, "bad_dtype"),
+    ("identity", {"inputs": [tensor(shape=(1024, 1024), binary_data_size=1 << 20)]}, 400, "bad_shape"),
+    ("identity", {"inputs": [tensor(shape=(1 << 19,), binary_data_size=1 << 20)]}, 400, "bad_input"),
+    ("two_inputs", {"inputs": [tensor("a", "INT32", (1 << 18,), binary_data_size=1 << 20)]}, 400, "bad_input"),
+    ("identity", binary_header(1 << 20, outputs=[{"name": "nope"}]), 400, "bad_input"),
+])
+def test_a_streamed_request_refused_before_its_body_is_in_is_answered_once_the_body_is_read(srv, model, header,
+                                                                                           status, code):
+    """The JSON header is in and refused; 1 MiB of tensors is still coming: it is read and
+    dropped, then the refusal is sent and the connection serves on."""
+    head, rest = split_at_header(header, bytes(1 << 20), model)
+    with connect(srv.http) as s:
+        reader = Reader(s)
+        s.sendall(head + rest[:100])
+        time.sleep(0.05)
+        sender = Sender(s, rest[100:])
+        refused(reader.one(), status, code)
+        sender.join(10)
+        assert sender.error is None
+        keeps_serving(s, reader)
+
+
+@pytest.mark.parametrize("method, path, body, status, code", [
+    ("POST", "/v2/systemsharedmemory/region/r/register", b"[1]", 400, "bad_frame"),
+    ("POST", "/v2/systemsharedmemory/region/r/register", b"{key", 400, "bad_frame"),
+    ("POST", "/v2/systemsharedmemory/region/r/register", b'{"key": 5, "byte_size": 1}', 400, "bad_region"),
+    ("POST", "/v2/systemsharedmemory/register", b'{"key": "/x", "byte_size": 1}', 400, "bad_region"),
+    ("POST", "/v2/repository/index", b'{"ready": "yes"}', 400, "bad_input"),
+    ("POST", "/v2/repository/models/identity/load", b'{"parameters": [1]}', 400, "bad_input"),
+    ("POST", "/v2/repository/models/identity/load", b'{"parameters": {"config": "{}"}}', 400, "bad_input"),
+    ("POST", "/v2/repository/models/identity/unload", b'{"parameters": {"version": "x"}}', 404, "unknown_model"),
+    ("POST", "/v2/repository/models/%00/load", b"", 400, "bad_input"),
+    ("POST", "/v2/repository/models/no_such_model/load", b"", 404, "unknown_model"),
+    ("GET", "/v2/health/live", b"not json", 400, "bad_frame"),
+    ("GET", "/v2/models/identity/versions/0", b"", 404, "unknown_model"),
+    ("GET", "/v2/models/no_such_model/stats", b"", 404, "unknown_model"),
+    ("GET", "/v2/systemsharedmemory/region/nope/status", b"", 400, "bad_region"),
+    ("GET", "/v2/cudasharedmemory/region/nope/status", b"", 400, "bad_region"),
+    ("POST", "/v2/cudasharedmemory/region/c/register", b'{"raw_handle": {"b64": "AA=="}, "byte_size": 4}', 400,
+     "bad_region"),
+])
+def test_the_other_routes_check_their_bodies_and_names(srv, method, path, body, status, code):
+    refused(one(srv.http, request(method, path, body)), status, code)
 
 
 def test_binary_data_sizes_of_several_inputs_must_each_fit(srv):
@@ -568,6 +619,20 @@ def test_pipelined_requests_are_answered_in_order(srv):
     answered_identity(answers[4], bytes((9, 8)))
 
 
+def test_garbage_pipelined_behind_a_request_is_refused_and_the_connection_closed(srv):
+    """The request before it in the same read may go unanswered (the close tells the client to
+    send it again, as with any pipelined request); the garbage is answered 400 and nothing after."""
+    slow = json_infer("slow", {"inputs": [tensor(datatype="FP32", shape=(1,)) | {"data": [0.3]}]})
+    with connect(srv.http) as s:
+        s.sendall(slow + b"NOT HTTP AT ALL\r\n\r\n" + request("GET", "/v2/health/live"))
+        reader = Reader(s)
+        then_closed(reader)
+    *before, last = reader.done
+    refused(last, 400, "bad_frame", "malformed HTTP request")
+    assert len(before) <= 1 and all(r.status == 200 and r.json()["outputs"][0]["data"] == pytest.approx([0.6])
+                                    for r in before), before
+
+
 def test_more_pipelined_requests_than_a_connection_holds_are_refused_503_in_order(srv):
     with connect(srv.http) as s:
         s.sendall(request("GET", "/v2/health/live") * 40)
@@ -738,3 +803,61 @@ def test_expect_100_continue(srv):
     with connect(srv.http) as s:  # refused at once: no 100 first
         s.sendall(too_big)
         refused(Reader(s).read(1, interim=True)[0], 413, "too_large")
+
+
+# -- connection limits and shutdown (servers of their own) -------------------------------------------
+
+SMALL = python_model("identity", "shmserve.models:identity") + python_model("slow", "serving_models:slow")
+
+
+def test_connections_over_the_per_uid_limit_are_refused_503_and_closed(tmp_path):
+    with v2_serving(tmp_path, models=SMALL, extra="max_connections_per_uid = 3\n") as small:
+        held = [connect(small.http) for _ in range(3)]
+        try:
+            readers = [Reader(s) for s in held]
+            for s, reader in zip(held, readers):  # let in, counted, kept open
+                s.sendall(request("GET", "/v2/health/live"))
+                assert reader.one().status == 200
+            for _ in range(2):
+                with connect(small.http) as s:  # sends nothing: the refusal is written at once
+                    reader = Reader(s)
+                    refused(reader.one(), 503, "overloaded", "uid 0 has 3 HTTP connections",
+                            "max_connections_per_uid")
+                    then_closed(reader)
+            held.pop().close()
+
+            def let_in() -> bool:
+                with connect(small.http) as s:
+                    reader = Reader(s)
+                    s.settimeout(0.5)
+                    try:  # refused: the 503 comes unasked; let in: nothing until it asks
+                        return reader.one().status != 503
+                    except socket.timeout:
+                        return True
+
+            wait_for(let_in, "the closed connection's place to free up")
+        finally:
+            for s in held:
+                s.close()
+        still_serving(small)
+
+
+def test_shutdown_answers_the_request_being_served_with_connection_close_and_closes_the_rest(tmp_path):
+    with v2_serving(tmp_path, models=SMALL) as small:
+        busy, idle, half = connect(small.http), connect(small.http), connect(small.http)
+        idle.sendall(request("GET", "/v2/health/live"))
+        idle_reader = Reader(idle)
+        assert idle_reader.one().status == 200
+        busy.sendall(json_infer("slow", {"inputs": [tensor(datatype="FP32", shape=(1,)) | {"data": [0.8]}]}))
+        half.sendall(b"GET /v2/health/live HTTP/1.1\r\nHo")
+        wait_for(lambda: small.info()["stats"]["slots_in_use"] == 1, "the slow request to run")
+        small.proc.send_signal(signal.SIGTERM)
+        busy_reader = Reader(busy)
+        r = busy_reader.one()
+        assert r.status == 200 and r.json()["outputs"][0]["data"] == [1.6] and r.headers["connection"] == "close"
+        for reader in (busy_reader, idle_reader, Reader(half)):
+            then_closed(reader)
+            assert not reader.done
+        assert small.proc.wait(30) == 0
+        for s in (busy, idle, half):
+            s.close()
