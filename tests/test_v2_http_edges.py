@@ -297,6 +297,25 @@ def test_a_streamed_request_refused_before_its_body_is_in_is_answered_once_the_b
         keeps_serving(s, reader)
 
 
+def test_a_request_that_times_out_while_its_body_streams_in_is_answered_once_the_body_is_read(srv):
+    """Its timeout (0.2 s) passes while its tensors arrive; once they are in it is timed out (the
+    slow model would take 0.5 s: no worker can finish it first), after its body is read."""
+    x = np.zeros(1 << 16, np.float32)
+    x[0] = 0.5
+    header = {"inputs": [tensor(datatype="FP32", shape=x.shape, binary_data_size=x.nbytes)],
+              "parameters": {"timeout": 200_000}}
+    head, rest = split_at_header(header, x.tobytes(), "slow")
+    with connect(srv.http) as s:
+        reader = Reader(s)
+        s.sendall(head + rest[:1000])
+        time.sleep(0.4)  # past its timeout, within the upload deadline
+        sender = Sender(s, rest[1000:])
+        refused(reader.one(), 504, "timeout", "within 0.2 s")
+        sender.join(10)
+        assert sender.error is None
+        keeps_serving(s, reader)
+
+
 @pytest.mark.parametrize("method, path, body, status, code", [
     ("POST", "/v2/systemsharedmemory/region/r/register", b"[1]", 400, "bad_frame"),
     ("POST", "/v2/systemsharedmemory/region/r/register", b"{key", 400, "bad_frame"),
@@ -839,6 +858,22 @@ def test_connections_over_the_per_uid_limit_are_refused_503_and_closed(tmp_path)
         finally:
             for s in held:
                 s.close()
+        still_serving(small)
+
+
+def test_a_uid_not_on_the_allow_list_is_refused_403_before_it_sends_anything(tmp_path):
+    from helpers.other_user import as_nobody, nobody_group
+
+    nobody_group()  # skips unless root on a machine with nobody
+    with v2_serving(tmp_path, models=SMALL) as small:
+        def as_nobody_client() -> str:
+            with connect(small.http) as s:
+                reader = Reader(s)
+                r = reader.one()
+                return json.dumps([r.status, r.code, r.error, reader.closes()])
+
+        status, code, error, closed = json.loads(as_nobody(as_nobody_client))
+        assert (status, code, closed) == (403, "permission_denied", True) and "uid 65534 is not allowed" in error
         still_serving(small)
 
 
