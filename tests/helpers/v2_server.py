@@ -77,8 +77,12 @@ def server_fixture(tag: str, **options):
 
 @pytest.fixture(scope="module")
 def stub(srv):
-    """Triton's gRPC stub on the module's server, one channel for the whole module."""
+    """Triton's gRPC stub on the module's server, one channel for the whole module, connected
+    (gRPC connects on the first call: before it, the server's descriptors do not count it)."""
+    from tritonclient.grpc import service_pb2 as pb
+
     with grpc_stub(srv.grpc) as s:
+        assert s.ServerLive(pb.ServerLiveRequest()).live
         yield s
 
 
