@@ -36,7 +36,6 @@ from shmserve.v2.messages import (DATATYPES, ITEMSIZE, Incoming, InferRequest, I
                                   RequestedOutput, ShmRef, V2Error)
 
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
-MAX_JSON_DEPTH = protocol.MAX_DIMS + 4  # nested tensor data of the highest rank, in the request object
 _LEN = struct.Struct("<I")
 
 
@@ -66,6 +65,7 @@ def _show(value) -> str:
 # name is any one path segment (percent-decoded); a version is digits.
 _M, _V, _R = r"(?P<m>[^/]+)", r"(?:/versions/(?P<v>[^/]*))?", r"(?:/region/(?P<r>[^/]+))?"
 ROUTES: tuple[tuple[str, re.Pattern, str], ...] = tuple((method, re.compile(pattern + r"/?\Z"), op) for method, pattern, op in (
+    ("POST", rf"/v2/models/{_M}{_V}/infer", "infer"),  # first: the one the hot path asks for
     ("GET", r"/v2/health/live", "live"),
     ("GET", r"/v2/health/ready", "ready"),
     ("GET", r"/v2", "server_metadata"),
@@ -73,7 +73,6 @@ ROUTES: tuple[tuple[str, re.Pattern, str], ...] = tuple((method, re.compile(patt
     ("GET", rf"/v2/models/{_M}{_V}/stats", "statistics"),
     ("GET", rf"/v2/models/{_M}{_V}/ready", "model_ready"),
     ("GET", rf"/v2/models/{_M}{_V}/config", "model_config"),
-    ("POST", rf"/v2/models/{_M}{_V}/infer", "infer"),
     ("GET", rf"/v2/models/{_M}{_V}", "model_metadata"),
     ("POST", r"/v2/repository/index", "repository_index"),
     ("POST", rf"/v2/repository/models/{_M}/load", "repository_load"),
@@ -123,8 +122,9 @@ def route(method: str, target: str) -> tuple[str, dict[str, str | None], str]:
 # -- JSON bodies -----------------------------------------------------------------------------------
 
 def loads(body, limits: Limits, what: str = "the request body") -> dict:
-    """A JSON object from a client.  V2Error BAD_FRAME if it is not one (too large, not JSON,
-    nested deeper than any request needs, not an object)."""
+    """A JSON object from a client.  V2Error BAD_FRAME if it is not one (not JSON, not an
+    object; orjson refuses nesting deeper than 1024), TOO_LARGE past ``limits.max_json_bytes``.
+    Tensor data nested deeper than a tensor's rank is refused where it is read (``json_to_bytes``)."""
     if len(body) > limits.max_json_bytes:
         raise V2Error(ErrorCode.TOO_LARGE, f"{what} is {len(body)} bytes of JSON, more than "
                                            f"{limits.max_json_bytes}; send tensors as binary data")
@@ -136,26 +136,7 @@ def loads(body, limits: Limits, what: str = "the request body") -> dict:
         raise _bad(f"{what} is not JSON: {str(exc)[:120]}", ErrorCode.BAD_FRAME) from None
     if not isinstance(value, dict):
         raise _bad(f"{what} must be a JSON object", ErrorCode.BAD_FRAME)
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise _bad(f"{what} is nested more than {MAX_JSON_DEPTH} deep", ErrorCode.BAD_FRAME)
     return value
-
-
-def _depth(value, limit: int = MAX_JSON_DEPTH + 1) -> int:
-    """How deep ``value`` nests (stops counting past ``limit``); only the first element of a
-    list is followed (tensor data is regular; a ragged one is refused later)."""
-    depth = 0
-    while depth <= limit:
-        if isinstance(value, dict):
-            if not value:
-                return depth + 1
-            return depth + 1 + max(_depth(v, limit - depth - 1) for v in value.values())
-        if isinstance(value, list) and value:
-            value = value[0]
-            depth += 1
-            continue
-        return depth + (1 if isinstance(value, list) else 0)
-    return depth
 
 
 def dumps(value) -> bytes:
