@@ -150,10 +150,10 @@ class Frontend:
                 log.error("%s", m.unavailable_reason())
             if unready and self.config.strict:  # stopped in order by the finally below
                 raise SystemExit(strict_refusal(unready, len(self.models)))
+            await self._start_v2()  # first: once the native socket answers, every door does
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
             server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
-            await self._start_v2()
             tasks.append(loop.create_task(self._heartbeat()))
             if self.metrics_address:
                 from shmserve.metrics import MetricsServer

@@ -214,6 +214,32 @@ def test_a_rank_2_batch_and_json_data_back(hc, gc):
     assert same(np.array(data, np.float32), x.ravel())
 
 
+def test_large_tensors_stream_into_the_arena(server, hc, gc, regions):
+    """8 MiB each way: over HTTP the body arrives after its JSON header and is received straight
+    into arena space; through system shared memory the region copies run on a thread."""
+    x = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    for mod, client in ((tritonhttp, hc), (tritongrpc, gc)):
+        inp = mod.InferInput("x", [x.size], "UINT8")
+        inp.set_data_from_numpy(x)
+        assert same(client.infer("identity", [inp]).as_numpy("y"), x)
+    key, handle = regions(x.nbytes)
+    out_key, out_handle = regions(x.nbytes)
+    triton_shm.set_shared_memory_region(handle, [x])
+    hc.register_system_shared_memory("big_in", key, x.nbytes)
+    hc.register_system_shared_memory("big_out", out_key, x.nbytes)
+    try:
+        inp = tritonhttp.InferInput("x", [x.size], "UINT8")
+        inp.set_shared_memory("big_in", x.nbytes)
+        out = tritonhttp.InferRequestedOutput("y")
+        out.set_shared_memory("big_out", x.nbytes)
+        hc.infer("identity", [inp], outputs=[out])
+        assert same(triton_shm.get_contents_as_numpy(out_handle, np.uint8, [x.size]), x)
+    finally:
+        hc.unregister_system_shared_memory("big_in")
+        hc.unregister_system_shared_memory("big_out")
+    server.wait_idle()
+
+
 # -- requested outputs, several inputs ---------------------------------------------------------------
 
 def test_requested_output_subsets(server, hc, gc):

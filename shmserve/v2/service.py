@@ -79,8 +79,12 @@ class V2Door:
 
     A request's inputs come from three sources (``pending[req]``'s list, one per input with
     bytes, in input order): bytes of the message (copied into the arena), a registered region
-    (``(region, ref, what)``: read into it), or ``Incoming`` (received into it by the request's
-    ``body``, straight from the socket; the request is published once all have landed)."""
+    (``(region, ref, what)``: read into it, on a thread when it is ``OFFLOAD_BYTES`` or more so
+    the loop serves others meanwhile), or ``Incoming`` (received into it by the request's
+    ``body``, straight from the socket; the request is published once all have landed).
+
+    While a thread reads into a request's space (``copying``), nothing frees that space: a drop
+    then waits for the read to end."""
 
     def __init__(self, service: "V2Service", caller: Caller):
         self.service, self.caller = service, caller
@@ -88,6 +92,8 @@ class V2Door:
         # request -> (future of its answer, its inputs' sources, its body receiver or None)
         self.pending: dict[Request, tuple[asyncio.Future, list, object]] = {}
         self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
+        self.copying: dict[Request, asyncio.Future] = {}  # a thread reads regions into their space
+        self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
         self.ids = itertools.count(1)
 
     def in_flight(self) -> int:
@@ -100,37 +106,68 @@ class V2Door:
         entry = self.pending.get(req)
         if entry is None or sinks is None:
             return
-        fut, sources, body = entry
-        incoming = []
+        sources = entry[1]
+        incoming, reads = [], []
+        for sink, source in zip(sinks, sources):
+            if isinstance(source, Incoming):
+                incoming.append(sink)
+            elif isinstance(source, tuple):
+                reads.append((sink, source))
+            else:
+                sink[:] = source
+        sources.clear()
+        if sum(len(sink) for sink, _ in reads) >= OFFLOAD_BYTES:
+            copy = asyncio.get_running_loop().run_in_executor(None, _read_regions, reads)
+            self.copying[req] = copy
+            copy.add_done_callback(lambda f: self._copied(req, f, incoming))
+            return
         try:
-            for sink, source in zip(sinks, sources):
-                if isinstance(source, Incoming):
-                    incoming.append(sink)
-                elif isinstance(source, tuple):
-                    region, ref, what = source
-                    SystemShm.read_into(region, ref, sink, what)
-                else:
-                    sink[:] = source
+            _read_regions(reads)
         except V2Error as exc:
             self._fail(req, exc)
             return
-        sources.clear()
+        self._inputs_read(req, incoming)
+
+    def _copied(self, req: Request, copy: asyncio.Future, incoming: list) -> None:
+        del self.copying[req]
+        if req in self.dropped:
+            self.dropped.discard(req)
+            self.dispatcher.drop(req)
+            return
+        exc = copy.exception()
+        if isinstance(exc, V2Error):
+            self._fail(req, exc)
+        elif exc is not None:
+            self._fail(req, V2Error(ErrorCode.INTERNAL, f"reading a region failed: {exc!r}"))
+        else:
+            self._inputs_read(req, incoming)
+
+    def _inputs_read(self, req: Request, incoming: list) -> None:
+        """The message's and the regions' bytes are in: the socket's next, or publish."""
         if not incoming:
             self.dispatcher.received(req)
             return
         self.receiving.add(req)
-        body.fill(incoming, lambda: self._received(req))
+        self.pending[req][2].fill(incoming, lambda: self._received(req))
 
     def _received(self, req: Request) -> None:
         if req in self.receiving:
             self.receiving.discard(req)
             self.dispatcher.received(req)
 
+    def drop(self, req: Request) -> None:
+        """Nobody is left to answer ``req``: free what it holds (once a read into it has ended)."""
+        self._stop_receiving(req)
+        if req in self.copying:
+            self.dropped.add(req)
+        else:
+            self.dispatcher.drop(req)
+
     def _fail(self, req: Request, exc: V2Error) -> None:
         """Fail a request this door holds (its inputs could not be read) and free its space."""
-        fut = self.pending.pop(req)[0]
-        self._stop_receiving(req)
-        self.dispatcher.drop(req)
+        fut = self.pending[req][0]
+        self.drop(req)
+        del self.pending[req]
         if not fut.done():
             fut.set_exception(exc)
 
@@ -154,11 +191,30 @@ class V2Door:
 
     def close(self) -> None:
         for req, (fut, _, _) in list(self.pending.items()):
+            self.drop(req)
             del self.pending[req]
             if not fut.done():
                 fut.cancel()
-            self.dispatcher.drop(req)
         self.receiving.clear()
+
+
+OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
+
+
+def _read_regions(reads: list) -> None:
+    for sink, (region, ref, what) in reads:
+        SystemShm.read_into(region, ref, sink, what)
+
+
+async def _offload(fn, *args) -> None:
+    """``fn(*args)`` on a thread; if the awaiting task is cancelled meanwhile, the cancellation
+    waits for ``fn`` to end (what it uses is freed only after)."""
+    job = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
 
 
 class V2Service:
@@ -349,8 +405,10 @@ class V2Service:
                 answer = await fut
             except asyncio.CancelledError:
                 if door.pending.pop(req, None) is not None:
-                    door._stop_receiving(req)
-                    self.dispatcher.drop(req)
+                    door.drop(req)
+                copy = door.copying.get(req)
+                if copy is not None:  # a thread still reads its regions: they stay registered until it ends
+                    await asyncio.wait([copy])
                 raise
         finally:
             for region in held:
@@ -359,7 +417,7 @@ class V2Service:
             raise V2Error(answer.code, answer.message)
         release = (lambda: self.dispatcher.release(req)) if answer.in_arena else None
         try:
-            result = self._result(caller, request, req, answer, wanted)
+            result = await self._result(caller, request, req, answer, wanted)
         except BaseException:
             if release is not None:
                 release()
@@ -385,7 +443,8 @@ class V2Service:
                                                        f"(outputs: {', '.join(sorted(known))})")
         return request.outputs
 
-    def _result(self, caller: Caller, request: InferRequest, req: Request, answer: Outputs, wanted) -> InferResult:
+    async def _result(self, caller: Caller, request: InferRequest, req: Request, answer: Outputs,
+                      wanted) -> InferResult:
         by_name = {o.name: o for o in answer.outputs}
         order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
         out = []
@@ -399,7 +458,9 @@ class V2Service:
                 what = f"output {name!r}"
                 region = self.shm.take(caller.uid, asked.shm, o.nbytes, what)
                 try:
-                    if o.nbytes:
+                    if o.nbytes >= OFFLOAD_BYTES:
+                        await _offload(SystemShm.write_from, region, asked.shm, o.view, what)
+                    elif o.nbytes:
                         SystemShm.write_from(region, asked.shm, o.view, what)
                 finally:
                     self.shm.give_back(region)
