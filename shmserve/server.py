@@ -217,7 +217,8 @@ class Frontend:
                         max_per_uid=config.max_regions_per_uid)
         self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
                             lifecycle=self.lifecycle, shm=shm, allowed=self.door.allowed,
-                            is_admin=self.door.is_admin)
+                            is_admin=self.door.is_admin,
+                            max_inflight_per_uid=lambda: self.config.max_inflight_per_uid)
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 

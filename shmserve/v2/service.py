@@ -20,6 +20,7 @@ Must not: parse HTTP or protobuf, touch a socket, or block the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -224,9 +225,12 @@ class V2Service:
     list (one definition of each).  ``lifecycle``: the model lifecycle (repository extension)."""
 
     def __init__(self, *, dispatcher: Dispatcher, models: Models, status, lifecycle, shm: SystemShm,
-                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool]):
+                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool],
+                 max_inflight_per_uid: Callable[[], int] = lambda: 1 << 20):
         self.dispatcher, self.models, self.status, self.lifecycle, self.shm = dispatcher, models, status, lifecycle, shm
         self.allowed, self.is_admin = allowed, is_admin
+        self.max_inflight_per_uid = max_inflight_per_uid  # server.max_inflight_per_uid (it may change on reload)
+        self.inflight: collections.Counter[int] = collections.Counter()  # uid -> v2 requests being served
         self.callers: set[Caller] = set()
         self.started = True
 
@@ -366,6 +370,19 @@ class V2Service:
         unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
         datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
         offset or size outside it, an output larger than its region), TOO_LARGE."""
+        uid, limit = caller.uid, self.max_inflight_per_uid()
+        if self.inflight[uid] >= limit:
+            raise V2Error(ErrorCode.OVERLOADED, f"uid {uid} has {self.inflight[uid]} v2 requests in flight "
+                                                f"(server.max_inflight_per_uid)")
+        self.inflight[uid] += 1
+        try:
+            return await self._infer(caller, request)
+        finally:
+            self.inflight[uid] -= 1
+            if not self.inflight[uid]:
+                del self.inflight[uid]
+
+    async def _infer(self, caller: Caller, request: InferRequest) -> InferResult:
         door = caller.door
         metas = _input_metas(request)
         sources, held = [], []
