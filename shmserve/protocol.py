@@ -16,7 +16,9 @@ Frame (little-endian)::
     +-------+---------+------+----------+----------+--------------+-----------+
 
 ``meta`` is a JSON object; ``data`` is raw tensor bytes, back to back in the
-order the metadata lists them (no per-tensor padding).  The receiver decides
+order the metadata lists them (no per-tensor padding; a bytes tensor's are its
+serialized elements, ``shmserve.layout``'s "Bytes tensors", and its descriptor
+says how many: ``nbytes``).  The receiver decides
 where ``data`` goes *before* it arrives (``accept_payload`` with destination
 buffers, e.g. views of the arena), so the socket layer can ``recv_into`` the
 final place: the only copy is the kernel's.

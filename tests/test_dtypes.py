@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 
 import numpy as np
 import pytest
 
-from shmserve import AsyncClient, BadArgument, ErrorCode, ShmserveError, layout, protocol
+from shmserve import AsyncClient, BadArgument, ErrorCode, ShmserveError, inspection, lanes, layout, protocol
 from shmserve.protocol import Kind
 
 from helpers.raw_frames import connect, read_frames
-from helpers.server import serving
+from helpers.server import concurrent_infer, serving
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -60,6 +61,9 @@ def server(tmp_path_factory):
     upper, bf16 = _onnx_models(workdir)
     config = "".join(_python(f"id_{d}", "shmserve.models:typed_identity",
                              f'[models.options]\nfactory = true\ndtype = "{d}"') for d in DTYPES)
+    config += "".join(_python(f"batched_{d}", "shmserve.models:typed_identity",
+                              f'max_batch_size = 8\nmax_queue_delay_us = 200000\n'
+                              f'[models.options]\nfactory = true\ndtype = "{d}"') for d in ("bfloat16", "bytes"))
     config += (_python("reverse", "shmserve.models:bytes_reverse")
                + _python("ints_as_bytes", "serving_models:bytes_of_ints")
                + _python("bytes_grow", "serving_models:bytes_grow", "max_output_bytes = 4096")
@@ -111,6 +115,15 @@ def test_every_dtype_at_once_through_the_async_client(server):
                 assert_same(out["y"], x)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bytes"])
+def test_batches_of_the_new_dtypes_give_each_request_its_own_rows(server, dtype):
+    inputs = [sample(dtype, 1 + i % 4, seed=20 + i) for i in range(6)]
+    for x, y in zip(inputs, concurrent_infer(server, f"batched_{dtype}", "x", "y", inputs)):
+        assert_same(y, x)
+    runs = inspection.snapshot(server.instance)["latency_us"][f"batched_{dtype}"]["batch_size"]["count"]
+    assert runs < len(inputs)  # at least two requests shared a run
 
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["lane", "region"])
@@ -253,3 +266,41 @@ def test_onnxruntime_bfloat16_in_and_out(server):
         with c.zero_copy("bf16", {"x": (x.shape, x.dtype)}) as call:
             call.inputs["x"][...] = x
             assert_same(np.array(call.run()["y"]), x)
+
+
+def test_a_lane_client_writing_bytes_tensors_is_checked_like_any_other(server, monkeypatch):
+    """Our clients send no bytes tensor through a lane, but a lane's client writes every byte of it:
+    the worker unpacks a bytes descriptor there as anywhere (a bad one fails alone, bad_input), and
+    a bytes output read from a lane is refused in the client (bad_dtype)."""
+    def call(region, shape, data, nbytes=None):
+        view = np.ndarray((max(len(data), 1),), np.uint8, buffer=region.buf, offset=lanes.DATA_FLOOR)
+        view[:len(data)] = np.frombuffer(data, np.uint8)
+
+        def as_bytes(buf, geometry, slot, tensor, *, role, name_index, offset, region, **_):
+            """The descriptor a hostile lane client writes: a bytes tensor of ``shape`` and ``nbytes``."""
+            size = len(data) if nbytes is None else nbytes
+            layout.TENSOR.pack(buf, geometry.tensor_off(slot, tensor), layout.BYTES_CODE, len(shape), role,
+                               name_index, region, offset, size, *shape, *[0] * (layout.MAX_DIMS - len(shape)))
+
+        with monkeypatch.context() as patched:
+            patched.setattr(layout, "encode_tensor", as_bytes)
+            index, generation = region.lane.submit(1, 0, [(0, lanes.DATA_FLOOR, view)], lanes.DATA_FLOOR + 4096,
+                                                   4096)
+        region.lane.wait(index, generation, time.monotonic() + 20, 0.0, lambda: None)
+        with pytest.raises(ShmserveError) as info:
+            region.lane.read(index, generation, lanes.DATA_FLOOR + 4096, 4096)
+        return info.value
+
+    with server.client() as c:
+        region = c.open_region(1 << 20, lane="id_bytes")
+        ran = call(region, [2], layout.encode_bytes([b"ab", b""]))
+        assert ran.code is ErrorCode.BAD_DTYPE and "infer()" in ran.message  # it ran: its output is bytes
+        for shape, data, nbytes, code in [
+                ([2], U32.pack(3) + b"abc" + U32.pack(10) + b"xy", None, ErrorCode.BAD_INPUT),  # past the end
+                ([1], U32.pack(1) + b"a" + b"zz", None, ErrorCode.BAD_INPUT),  # trailing garbage
+                ([1], U32.pack(0xFFFFFFFF), None, ErrorCode.BAD_INPUT),  # a huge length
+                ([3], bytes(8), None, ErrorCode.BAD_REGION),  # the descriptor itself: too small for 3 lengths
+                ([1], U32.pack(1) + b"a", 2**40, ErrorCode.BAD_REGION)]:  # past the region
+            failed = call(region, shape, data, nbytes)
+            assert failed.code is code, (shape, data, failed)
+        assert call(region, [0], b"").code is ErrorCode.BAD_DTYPE  # and the lane serves on
