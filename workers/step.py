@@ -2,8 +2,9 @@
 
 Owns: the slot tables a worker serves (``Space``: the arena's, or a lane's),
 and the request step (``Step``): claim a READY slot (READY -> RUNNING),
-decode and validate its inputs into numpy views, lay its outputs out in its
-output area (``OutputPlacer``), run the backend, publish DONE or ERROR, count
+decode and validate its inputs into numpy views (a bytes input unpacked into
+an object array, its elements checked), lay its outputs out in its output
+area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
 the worker's latency histograms.
 
