@@ -124,6 +124,7 @@ def two_inputs(inputs):
 two_inputs.inputs = [{"name": "a", "dtype": "int32", "shape": ["n"]}, {"name": "b", "dtype": "int32", "shape": ["n"]}]
 two_inputs.outputs = [{"name": "sum", "dtype": "int32", "shape": ["n"]}]
 
+
 def bytes_of_ints(inputs):
     """A bytes output whose elements are ints: the worker must refuse it (MODEL_ERROR)."""
     return {"y": np.arange(len(inputs["x"]), dtype=object)}

@@ -48,7 +48,7 @@ def typed_models() -> str:
         """)
 
 
-MODELS = (typed_models() if os.environ.get("TYPED") else "") + textwrap.dedent("""
+MODELS = typed_models() + textwrap.dedent("""
     [[models]]
     name = "identity"
     backend = "python"
@@ -123,8 +123,10 @@ def native_answer(server, model: str, inputs: dict[str, np.ndarray]) -> dict[str
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Bit for bit (NaNs and signed zeros included); BYTES element by element."""
     a, b = np.asarray(a), np.asarray(b)
-    if a.dtype == object or b.dtype == object:
-        return a.shape == b.shape and all(bytes(x) == bytes(y) for x, y in zip(a.ravel(), b.ravel()))
+    if a.dtype == object or b.dtype == object:  # JSON gives BYTES back as text
+        def raw(v):
+            return v.encode() if isinstance(v, str) else bytes(v)
+        return a.shape == b.shape and all(raw(x) == raw(y) for x, y in zip(a.ravel(), b.ravel()))
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 

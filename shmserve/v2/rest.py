@@ -391,6 +391,8 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
     if arr.size != n:
         raise _bad(f"{what}: {arr.size} elements of data, shape {list(shape)} needs {n}")
     kinds = _KINDS.get(datatype, "iu")
+    if kinds == "iu" and arr.dtype.kind == "f":  # integers past int64's range make numpy choose float64
+        arr = _exact_integers(data, arr.shape, what)
     if arr.size and arr.dtype.kind not in kinds:
         raise _bad(f"{what}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'} "
                    f"({'integers' if kinds == 'iu' else ''}), got {arr.dtype.kind!r} values".replace(" ()", ""))
@@ -404,6 +406,19 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
         if int(arr.min()) < info.min or int(arr.max()) > info.max:
             raise _bad(f"{what}: values outside the range of {datatype} [{info.min}, {info.max}]")
     return arr.astype(dtype).tobytes()
+
+
+def _exact_integers(data, shape: tuple, what: str) -> np.ndarray:
+    """``data`` as Python integers, exactly (an object array), or V2Error BAD_INPUT if one of them
+    is not an integer."""
+    flat = np.array(data, dtype=object).reshape(-1)
+    if not all(type(v) is int for v in flat):
+        raise _bad(f"{what}: integer data must be integers")
+    if flat.size and (min(flat) < -(1 << 63) or max(flat) >= 1 << 64):
+        raise _bad(f"{what}: values outside 64 bits")
+    if flat.size and min(flat) < 0:
+        return np.array(flat.tolist(), dtype=np.int64).reshape(shape)
+    return np.array(flat.tolist(), dtype=np.uint64).reshape(shape)
 
 
 def _flatten_strings(data, what: str, depth: int = 0) -> list[bytes]:
