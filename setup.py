@@ -19,6 +19,7 @@ setup(
     install_requires=[
         "posix_ipc>=1.1,<2",
         "numpy>=1.24,<3",
+        "ml_dtypes>=0.3,<1",  # bfloat16 for numpy (numpy has none)
         "uvloop>=0.19,<1",
         "orjson>=3.9,<4",
         "onnxruntime>=1.17,<2",  # the embedded demo model runs on it

@@ -311,8 +311,10 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         outputs = client.infer(args.model, inputs, timeout=args.timeout, version=args.version, key=args.key)
         round_trip_ms = (time.perf_counter() - started) * 1e3
-    rows = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape),
-             "crc32": f"{zlib.crc32(np.ascontiguousarray(a).tobytes()):08x}"} for n, a in outputs.items()]
+    from shmserve import layout
+
+    rows = [{"name": n, "dtype": layout.dtype_name(a.dtype), "shape": list(a.shape),
+             "crc32": f"{zlib.crc32(_wire_bytes(a)):08x}"} for n, a in outputs.items()]
     if args.print:
         for row in rows:
             row["values"] = np.array2string(outputs[row["name"]], threshold=PRINT_THRESHOLD, edgeitems=3)
@@ -337,11 +339,26 @@ def _cmd_infer(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _wire_bytes(a) -> bytes:
+    """An output's bytes as the wire carries them (a bytes output serialized), for its checksum."""
+    import numpy as np
+
+    from shmserve import layout
+
+    return layout.encode_bytes(a) if a.dtype == layout.BYTES_DTYPE else np.ascontiguousarray(a).tobytes()
+
+
 def _random(rng, dtype: str, shape):
     import numpy as np
 
-    dt = np.dtype(dtype)
-    if dt.kind == "f":
+    from shmserve import layout
+
+    if dtype == layout.BYTES:  # elements of 0-16 random bytes
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.fromiter((rng.bytes(int(n)) for n in rng.integers(0, 17, count)), dtype=object,
+                           count=count).reshape(shape)
+    dt = layout.numpy_dtype(dtype)
+    if dt.kind == "f" or dtype == "bfloat16":
         return rng.random(shape, dtype=np.float64).astype(dt)
     if dt.kind == "b":
         return rng.integers(0, 2, shape).astype(bool)

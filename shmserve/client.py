@@ -49,7 +49,7 @@ import numpy as np
 
 from shmserve import layout, protocol
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us, trusted_server_uids
-from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.errors import BadArgument, ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import Kind, TensorMeta
 from shmserve.session import (NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed,
@@ -372,6 +372,14 @@ def _estimate(spec: ModelSpec | None, specs: dict) -> int:
     return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
 
 
+def _check_fixed_outputs(spec: ModelSpec) -> None:
+    """BadArgument (BAD_DTYPE) if the model has a bytes output: a zero-copy call cannot carry one."""
+    carried = [t.name for t in spec.outputs if t.dtype == protocol.BYTES]
+    if carried:
+        raise BadArgument(ErrorCode.BAD_DTYPE, f"model {spec.name!r} outputs {', '.join(map(repr, carried))} as "
+                                               f"bytes: {layout.NO_ZERO_COPY_BYTES}")
+
+
 def region_limit(info: dict) -> int:
     """The largest region a server makes, from its ``info`` (its max_request_bytes + slack)."""
     limit = info.get("max_request_bytes")
@@ -408,6 +416,8 @@ class _ZeroCopyPlan:
     def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
                  output_capacity: int | None, regions: list[Region], region_limit: int | None = None):
         self.specs, self.sizes = _normalize(inputs)
+        if spec is not None:
+            _check_fixed_outputs(spec)
         self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None

@@ -198,7 +198,7 @@ class ClientLane:
     def read(self, index: int, generation: int, out_offset: int,
              out_capacity: int) -> dict[int, tuple[np.dtype, tuple, int]]:
         """The finished slot's outputs as output index -> (dtype, shape, offset in the region);
-        raises its error as ShmserveError.  Frees the slot either way."""
+        raises its error as ShmserveError (BAD_DTYPE for a bytes output).  Frees the slot either way."""
         buf = self.buf
         got_generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
         try:
@@ -215,6 +215,9 @@ class ClientLane:
                     if d.region != self.region_id or not (out_offset <= d.offset and
                                                           d.offset + d.nbytes <= out_offset + out_capacity):
                         raise layout.LayoutError("an output lies outside the output area")
+                    if d.dtype is layout.BYTES_DTYPE:  # no view of the region can hold one
+                        raise ShmserveError(ErrorCode.BAD_DTYPE, f"output {d.name_index} is bytes: "
+                                                                 f"{layout.NO_ZERO_COPY_BYTES}")
                     outputs[d.name_index] = (d.dtype, d.shape, d.offset)
             except layout.LayoutError as exc:
                 raise ShmserveError(ErrorCode.INTERNAL, f"the worker wrote a bad output descriptor: {exc}") from None

@@ -50,6 +50,8 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 2::
                       |         role, name index, region, offset, nbytes,     |
                       |         shape[8]; region 0 = this arena's data region,|
                       |         r > 0 = client region r (a sealed memfd)      |
+                      |         (a bytes tensor's nbytes: its serialized size,|
+                      |         "Bytes tensors" below)                        |
     data_off          +-------------------------------------------------------+
      (2 MiB aligned)  | data region: size classes one after the other; each   |
                       | class is extent_count extents of extent_size bytes,   |
@@ -71,6 +73,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from shmserve import _atomics as atomics
@@ -111,10 +114,25 @@ ROLE_INPUT, ROLE_OUTPUT = 1, 2
 # dtype codes: stable on the wire and in the arena, never renumbered.
 DTYPE_CODES: dict[str, int] = {
     "bool": 1, "int8": 2, "uint8": 3, "int16": 4, "uint16": 5, "int32": 6, "uint32": 7,
-    "int64": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12,
+    "int64": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12, "bfloat16": 13, "bytes": 14,
 }
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-_ITEMSIZE = {code: np.dtype(name).itemsize for name, code in DTYPE_CODES.items()}
+BYTES = "bytes"  # variable-size elements (KServe v2 BYTES): "Bytes tensors" below
+BYTES_CODE = DTYPE_CODES[BYTES]
+BYTES_DTYPE = np.dtype(object)  # a bytes tensor in numpy: an object array whose elements are bytes
+BYTES_LENGTH = struct.Struct("<I")  # each element of a bytes tensor: this length, then its bytes
+# Why a zero-copy call (client region or lane) refuses a bytes tensor: its space cannot be laid out
+# before its data is known, nor read back as a view.
+NO_ZERO_COPY_BYTES = "zero-copy calls carry fixed-size tensors only; send bytes tensors with infer()"
+# The numpy dtype of each name: numpy has no bfloat16, ml_dtypes' is the one onnx, jax and
+# tritonclient use; a bytes tensor is an object array.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    name: BYTES_DTYPE if name == BYTES else np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    for name in DTYPE_CODES}
+# Bytes per element of the fixed-size dtypes (a bytes tensor has no element size).
+ITEMSIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items() if name != BYTES}
+# Bytes per element by code; for bytes, the least an element takes (its length).
+_ITEMSIZE = {DTYPE_CODES[name]: ITEMSIZES.get(name, BYTES_LENGTH.size) for name in DTYPE_CODES}
 
 
 class LayoutError(ValueError):
@@ -155,13 +173,24 @@ def parse_segment_name(listed: str) -> tuple[str, int | None] | None:
     return instance, int(region) if rest[:1] == "r" and region.isdigit() and len(region) <= 10 else 0
 
 
-_DTYPES = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
+_DTYPES = {code: NUMPY_DTYPES[name] for name, code in DTYPE_CODES.items()}
 _CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPES.items()}
-_NAME_OF_DTYPE = {dtype: name for name, dtype in ((n, np.dtype(n)) for n in DTYPE_CODES)}
+_NAME_OF_DTYPE = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
+# code -> (numpy dtype, bytes per element; for bytes the least one takes): decode_tensor's one lookup
+_DECODE = {code: (_DTYPES[code], _ITEMSIZE[code]) for code in _DTYPES}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name (``NUMPY_DTYPES``); LayoutError if it is not one."""
+    try:
+        return NUMPY_DTYPES[name]
+    except (KeyError, TypeError):
+        raise LayoutError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPE_CODES)})") from None
 
 
 def dtype_code(dtype) -> int:
-    """Return the arena code of a numpy dtype (or dtype name); LayoutError if it has none."""
+    """Return the arena code of a numpy dtype (or dtype name); LayoutError if it has none.
+    The object dtype is bytes' (``BYTES_DTYPE``)."""
     try:  # the hot path passes names or native dtypes: a dict lookup (dtype.name is slow)
         code = DTYPE_CODES.get(dtype) if isinstance(dtype, str) else _CODE_OF_DTYPE.get(dtype)
     except TypeError:  # unhashable: let numpy say what it is
@@ -815,14 +844,27 @@ class TensorDesc(NamedTuple):
 
 
 def encode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int, *, role: int,
-                  name_index: int, dtype, shape: Sequence[int], offset: int, region: int = 0) -> int:
-    """Write one tensor descriptor; returns its nbytes.  ValueError on bad shapes."""
+                  name_index: int, dtype, shape: Sequence[int], offset: int, region: int = 0,
+                  nbytes: int | None = None) -> int:
+    """Write one tensor descriptor; returns its nbytes.
+
+    ``nbytes``: a bytes tensor's serialized size (required for one: its shape does not say it;
+    at least ``BYTES_LENGTH.size`` per element); for a fixed-size dtype it may be given and must
+    then be what the shape says.  LayoutError on bad shapes, dtypes or sizes."""
     if len(shape) > MAX_DIMS:
         raise LayoutError(f"rank {len(shape)} exceeds the maximum of {MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise LayoutError(f"negative dimension in shape {tuple(shape)}")
     code = dtype_code(dtype)
-    nbytes = math.prod(shape) * _ITEMSIZE[code]
+    size = math.prod(shape) * _ITEMSIZE[code]
+    if code == BYTES_CODE:
+        if nbytes is None or not size <= nbytes < 2**64:
+            raise LayoutError(f"a bytes tensor of shape {tuple(shape)} needs its nbytes, at least {size}; "
+                              f"got {nbytes}")
+    elif nbytes is not None and nbytes != size:
+        raise LayoutError(f"shape {tuple(shape)} of {DTYPE_NAMES[code]} is {size} bytes, not {nbytes}")
+    else:
+        nbytes = size
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     TENSOR.pack(buf, geometry.tensor_off(slot_index, tensor_index),
                 code, len(shape), role, name_index, region, offset, nbytes, *dims)
@@ -835,28 +877,31 @@ def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int,
 
     Region 0 is checked against the arena's data region; region r > 0 against
     ``region_sizes[r]`` (a mapping of region id to size in bytes; an id not
-    in it is an error).
+    in it is an error).  A bytes tensor's nbytes must be at least
+    ``BYTES_LENGTH.size`` per element (its elements are checked when they
+    are read: ``decode_bytes``).
     """
     base = geometry.tensor_off(slot_index, tensor_index)
     try:
         code, ndim, role, name_index, region, offset, nbytes, *dims = TENSOR.unpack(buf, base)
     except struct.error as exc:
         raise LayoutError(f"tensor descriptor at {base}: {exc}") from None
-    dtype = _DTYPES.get(code)
-    if dtype is None:
+    entry = _DECODE.get(code)
+    if entry is None:
         raise LayoutError(f"unknown dtype code {code}")
+    dtype, expected = entry
     if ndim > MAX_DIMS:
         raise LayoutError(f"tensor rank {ndim} exceeds {MAX_DIMS}")
     if role != ROLE_INPUT and role != ROLE_OUTPUT:
         raise LayoutError(f"unknown tensor role {role}")
     shape = tuple(dims[:ndim])
-    expected = dtype.itemsize
     for d in shape:
         if d < 0:
             raise LayoutError(f"negative dimension in shape {shape}")
         expected *= d
-    if expected != nbytes:
-        raise LayoutError(f"shape {shape} of {dtype.name} is {expected} bytes, descriptor says {nbytes}")
+    if expected != nbytes and (code != BYTES_CODE or nbytes < expected):
+        raise LayoutError(f"shape {shape} of {DTYPE_NAMES[code]} is {'at least ' if code == BYTES_CODE else ''}"
+                          f"{expected} bytes, descriptor says {nbytes}")
     if offset % TENSOR_ALIGN:
         raise LayoutError(f"tensor offset {offset} is not {TENSOR_ALIGN}-byte aligned")
     if region == 0:
@@ -869,6 +914,78 @@ def decode_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int,
         if offset + nbytes > size:
             raise LayoutError(f"tensor [{offset}, +{nbytes}) lies outside region {region} ({size} bytes)")
     return TensorDesc(role, name_index, dtype, shape, offset, nbytes, region)
+
+
+# ---------------------------------------------------------------------------
+# Bytes tensors (KServe v2 BYTES, Triton's TYPE_STRING): elements of any length, serialized
+# in row-major order, each as its length (BYTES_LENGTH: u32, little-endian) and then its bytes,
+# with nothing between or after them.  The same bytes in the arena, in a client region and in
+# a frame's payload; the descriptor's nbytes is their total (a shape does not say it).  In
+# numpy a bytes tensor is an object array of ``bytes`` (``BYTES_DTYPE``); ``str`` elements
+# are taken as their UTF-8.
+
+def encode_bytes(array) -> bytes:
+    """The serialized form of a bytes tensor: ``array`` (an object array, or anything numpy makes
+    one of) of bytes, bytearray or str elements.  LayoutError naming the first element that is
+    none of these (or one of 4 GiB or more)."""
+    flat = np.asarray(array, dtype=object).reshape(-1)
+    pack, parts = BYTES_LENGTH.pack, []
+    for i, element in enumerate(flat):
+        if isinstance(element, str):
+            element = element.encode()
+        elif not isinstance(element, (bytes, bytearray)):
+            raise LayoutError(f"element {i} of a bytes tensor is {type(element).__name__}, not bytes or str")
+        try:
+            parts.append(pack(len(element)))
+        except struct.error:
+            raise LayoutError(f"element {i} of a bytes tensor is {len(element)} bytes, more than a u32 "
+                              f"length says") from None
+        parts.append(element)
+    return b"".join(parts)
+
+
+def decode_bytes(buf, shape: Sequence[int], offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+    """A bytes tensor of ``shape`` from ``nbytes`` bytes of ``buf`` at ``offset`` (default: to
+    the end): a new object array of ``bytes``.  Untrusted: LayoutError unless exactly
+    ``prod(shape)`` elements take exactly ``nbytes`` (a length running past the end, bytes left
+    over, fewer bytes than the lengths alone need)."""
+    with memoryview(buf) as whole, whole.cast("B") as view:  # released on the way out: buf may be unmapped
+        end = len(view) if nbytes is None else offset + nbytes
+        if not 0 <= offset <= end <= len(view):
+            raise LayoutError(f"bytes tensor [{offset}, {end}) lies outside its buffer of {len(view)} bytes")
+        count = math.prod(shape)
+        step = BYTES_LENGTH.size
+        if count * step > end - offset:
+            raise LayoutError(f"{count} elements need at least {count * step} bytes, the tensor has "
+                              f"{end - offset}")
+        out = np.empty(count, dtype=object)
+        unpack, pos = BYTES_LENGTH.unpack_from, offset
+        for i in range(count):
+            if end - pos < step:
+                raise LayoutError(f"element {i} of {count}: its length lies past the end of the tensor")
+            (length,) = unpack(view, pos)
+            pos += step
+            if length > end - pos:
+                raise LayoutError(f"element {i} of {count}: length {length} runs past the end of the tensor "
+                                  f"({end - pos} bytes left)")
+            out[i] = bytes(view[pos:pos + length])
+            pos += length
+        if pos != end:
+            raise LayoutError(f"{end - pos} bytes follow the last of {count} elements")
+    return out.reshape(tuple(shape))
+
+
+def array_from_bytes(data, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """A new array of ``dtype`` (a name) and ``shape`` holding the tensor bytes ``data`` (raw
+    elements; a bytes tensor's serialized form).  LayoutError if they do not make one."""
+    if dtype == BYTES:
+        return decode_bytes(data, shape)
+    out = np.empty(tuple(shape), numpy_dtype(dtype))
+    if out.nbytes != len(data):
+        raise LayoutError(f"shape {tuple(shape)} of {dtype} is {out.nbytes} bytes, the data {len(data)}")
+    if out.nbytes:
+        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, np.uint8)
+    return out
 
 
 def region_of_tensor(buf, geometry: Geometry, slot_index: int, tensor_index: int) -> int:

@@ -16,7 +16,9 @@ Frame (little-endian)::
     +-------+---------+------+----------+----------+--------------+-----------+
 
 ``meta`` is a JSON object; ``data`` is raw tensor bytes, back to back in the
-order the metadata lists them (no per-tensor padding).  The receiver decides
+order the metadata lists them (no per-tensor padding; a bytes tensor's are its
+serialized elements, ``shmserve.layout``'s "Bytes tensors", and its descriptor
+says how many: ``nbytes``).  The receiver decides
 where ``data`` goes *before* it arrives (``accept_payload`` with destination
 buffers, e.g. views of the arena), so the socket layer can ``recv_into`` the
 final place: the only copy is the kernel's.
@@ -45,13 +47,14 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import orjson
 
+from shmserve import layout
 from shmserve.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
@@ -69,8 +72,8 @@ MAX_TIMEOUT_S = 86400  # a request's timeout_s: a day is longer than any inferen
 MAX_VERSION = 2**31 - 1  # a model version: a positive integer
 MAX_INSTANCES = 64  # workers of one model version (config's bound on instances)
 REGION_SLACK = 1 << 20  # a region may hold one largest request (server.max_request_bytes) plus this much
-SUPPORTED_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                    "float16", "float32", "float64")
+SUPPORTED_DTYPES = tuple(layout.DTYPE_CODES)  # bool, ints, floats, bfloat16, bytes (docs/protocol.md)
+BYTES = layout.BYTES  # its tensors carry their size: a descriptor's "nbytes" (the arena's encoding)
 
 
 class Kind(enum.IntEnum):
@@ -352,16 +355,26 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     offset: int | None = None  # zero-copy only: where it lies in the client's region
+    byte_size: int | None = None  # bytes tensors only: their serialized size (the wire's "nbytes")
 
     @functools.cached_property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.dtype, self.shape)
+        return self.byte_size if self.byte_size is not None else tensor_nbytes(self.dtype, self.shape)
 
     def to_wire(self) -> dict:
-        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        if self.offset is not None:
-            out["offset"] = self.offset
-        return out
+        return tensor_wire(self.name, self.dtype, self.shape, self.byte_size, self.offset)
+
+
+def tensor_wire(name: str, dtype: str, shape, nbytes: int | None = None, offset: int | None = None) -> dict:
+    """One tensor's descriptor as the wire carries it: ``{name, dtype, shape}``, with ``nbytes``
+    for a bytes tensor (only: a fixed-size tensor's follows from its shape) and ``offset`` for a
+    zero-copy one."""
+    out = {"name": name, "dtype": dtype, "shape": list(shape)}
+    if dtype == BYTES:
+        out["nbytes"] = nbytes
+    if offset is not None:
+        out["offset"] = offset
+    return out
 
 
 @dataclass(frozen=True)
@@ -377,12 +390,16 @@ class InferRequest:
     key: str | None = None  # a routing key: a canary sends the same key to the same version
 
 
-_ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
+_ITEMSIZE = layout.ITEMSIZES
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes of a tensor of ``dtype`` (a name) and ``shape``."""
-    n = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    """Bytes of a tensor of fixed-size ``dtype`` (a name) and ``shape``.  ValueError for bytes
+    (its size is its data's, ``TensorMeta.byte_size``) or a name that is no dtype."""
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        raise ValueError(f"a {dtype} tensor's size does not follow from its shape" if dtype == BYTES
+                         else f"dtype {dtype!r} is not supported")
     for d in shape:
         n *= d
     return n
@@ -412,7 +429,11 @@ def parse_name(value, what: str) -> str:
 
 
 def parse_tensor_list(items, what: str, *, with_offset: bool) -> tuple[TensorMeta, ...]:
-    """Validate a list of tensor descriptors (name, dtype, shape[, offset])."""
+    """Validate a list of tensor descriptors: name, dtype, shape, ``nbytes`` for a bytes tensor
+    (required, and only there: at least 4 bytes per element, ``layout.BYTES_LENGTH``), and
+    ``offset`` when ``with_offset``.  ProtocolViolation: BAD_FRAME (the schema), BAD_INPUT (a
+    name twice, a bytes tensor's nbytes too small for its shape), BAD_DTYPE, BAD_SHAPE,
+    BAD_REGION (an offset)."""
     _require(isinstance(items, list) and len(items) <= MAX_TENSORS_PER_MESSAGE,
              f"'{what}' must be a list of at most {MAX_TENSORS_PER_MESSAGE} tensors")
     out, names = [], set()
@@ -428,10 +449,20 @@ def parse_tensor_list(items, what: str, *, with_offset: bool) -> tuple[TensorMet
         _require(isinstance(shape, list) and len(shape) <= MAX_DIMS
                  and all(type(d) is int and 0 <= d < 2**40 for d in shape),
                  f"{what}[{i}].shape must be a list of at most {MAX_DIMS} non-negative integers", ErrorCode.BAD_SHAPE)
+        byte_size = None
+        if dtype == BYTES:
+            byte_size = _int(item, "nbytes", 0, MAX_DATA)
+            count = math.prod(shape)
+            _require(byte_size >= layout.BYTES_LENGTH.size * count,
+                     f"{what}[{i}]: {byte_size} bytes cannot hold the {count} elements of shape {shape} "
+                     f"(each takes at least {layout.BYTES_LENGTH.size})", ErrorCode.BAD_INPUT)
+        elif "nbytes" in item:
+            raise ProtocolViolation(ErrorCode.BAD_FRAME, f"{what}[{i}].nbytes is for bytes tensors only: a {dtype} "
+                                                         f"tensor's size follows from its shape")
         offset = None
         if with_offset:
             offset = _int(item, "offset", 0, MAX_DATA, ErrorCode.BAD_REGION)
-        out.append(TensorMeta(name, dtype, tuple(shape), offset))
+        out.append(TensorMeta(name, dtype, tuple(shape), offset, byte_size))
     return tuple(out)
 
 

@@ -150,10 +150,10 @@ class Frontend:
                 log.error("%s", m.unavailable_reason())
             if unready and self.config.strict:  # stopped in order by the finally below
                 raise SystemExit(strict_refusal(unready, len(self.models)))
+            await self._start_v2()  # first: once the native socket answers, every door does
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
             server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
-            await self._start_v2()
             tasks.append(loop.create_task(self._heartbeat()))
             if self.metrics_address:
                 from shmserve.metrics import MetricsServer
@@ -217,7 +217,8 @@ class Frontend:
                         max_per_uid=config.max_regions_per_uid)
         self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
                             lifecycle=self.lifecycle, shm=shm, allowed=self.door.allowed,
-                            is_admin=self.door.is_admin)
+                            is_admin=self.door.is_admin,
+                            max_inflight_per_uid=lambda: self.config.max_inflight_per_uid)
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 

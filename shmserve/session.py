@@ -23,6 +23,7 @@ Rules (answers)
 request         answered by            event
 ==============  =====================  ==============================================
 INFER           RESULT + payload       InferResult: the payload lands in new arrays
+                                       (bytes outputs: unpacked into object arrays)
 INFER_REGION    RESULT_REGION          RegionResult: placements in the output area
 OPEN_REGION     REGION + descriptor    RegionGranted: carries the next descriptor
 CLOSE_REGION    REPLY                  Reply: the answer less its id
@@ -37,8 +38,11 @@ The table is ``_RULES`` below.  "Anything else": a frame ``protocol.Connection``
 refuses, an answer to an id that is not outstanding or of a kind its request
 is not answered by, a result whose payload size does not match its outputs,
 unreadable metadata.  A result that places an output outside the output area
-its request named is a ``RequestFailed`` (INTERNAL), and so is a REGION answer
-without a descriptor: the connection itself is still in step.
+its request named is a ``RequestFailed`` (INTERNAL), and so are a REGION answer
+without a descriptor and a bytes output whose elements do not take exactly its
+size: the connection itself is still in step.  A zero-copy result with a bytes
+output is a ``RequestFailed`` (BAD_DTYPE): zero-copy calls carry fixed-size
+tensors only.
 
 Descriptors: the server passes a region's descriptor with the REGION frame's
 bytes, and the kernel delivers it with the read that holds that frame's
@@ -70,8 +74,10 @@ __all__ = ["NEED_DATA", "ClientSession", "ConnectionFailed", "InferResult", "Pla
 
 READ_BUFFER = 256 * 1024  # scratch for frame headers and metadata; a result's payload goes to its arrays
 
-_DTYPES = {name: np.dtype(name) for name in protocol.SUPPORTED_DTYPES}
+_DTYPES = dict(layout.NUMPY_DTYPES)
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # dtype.name is slow
+_BYTES_DTYPE = layout.BYTES_DTYPE
+BYTES_HINT = "a bytes tensor is a numpy object array of bytes or str"
 NOT_SENT = "server answered a request this client did not send"
 
 
@@ -107,12 +113,15 @@ def check_routing(version, key) -> dict:
 def check_tensor(name: str, shape, dtype) -> tuple[tuple[int, ...], np.dtype]:
     """A zero-copy input's ``(shape, dtype)`` as (tuple of ints, supported numpy dtype).
 
-    Raises BadArgument: BAD_DTYPE for a dtype the protocol does not carry, BAD_SHAPE for a
-    shape that is not a sequence of at most MAX_DIMS non-negative integers."""
+    Raises BadArgument: BAD_DTYPE for a dtype the protocol does not carry or a bytes tensor
+    (its size is not known before it is written: ``infer`` carries it), BAD_SHAPE for a shape
+    that is not a sequence of at most MAX_DIMS non-negative integers."""
     try:
-        dt = np.dtype(dtype)
+        dt = np.dtype(dtype) if dtype != protocol.BYTES else _BYTES_DTYPE
     except (TypeError, ValueError):
         dt = None
+    if dt is _BYTES_DTYPE:
+        raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r} is bytes: {layout.NO_ZERO_COPY_BYTES}")
     if dt not in _DTYPE_NAMES:
         raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {dtype!r} is not supported (supported: "
                                                f"{', '.join(protocol.SUPPORTED_DTYPES)})")
@@ -250,6 +259,7 @@ class ClientSession:
         self._outstanding: dict[int, tuple[_Rule, tuple[int, int] | None]] = {}  # id -> (its rule, output area)
         self._fds: deque[int] = deque()
         self._filling: InferResult | None = None  # its arrays are receiving the current payload
+        self._packed: list | None = None  # its bytes outputs, (name, shape, raw): unpacked once it is in
         self._failure: ConnectionFailed | None = None
         self._scratch = memoryview(bytearray(READ_BUFFER))
         self._into_payload = False  # whether read_buffer() last returned a payload view
@@ -260,10 +270,12 @@ class ClientSession:
               key: str | None = None) -> tuple[int, list]:
         """An inline request: its frame header, then each input's bytes from the array itself.
         ``version``: the model version (None: its default); ``key``: a routing key (a canary
-        sends one key to one version).  BadArgument (before an id is taken): BAD_DTYPE for an
-        unsupported dtype, BAD_ARGUMENT for a timeout out of range (``check_timeout``), a version
-        that is not a positive integer or a key that is not a printable string of 1-256
-        characters; ConnectionClosed if failed."""
+        sends one key to one version).  A bytes input (an object array of bytes or str) is
+        serialized here (``layout.encode_bytes``).  BadArgument (before an id is taken):
+        BAD_DTYPE for an unsupported dtype or a bytes input's element that is neither,
+        BAD_ARGUMENT for a timeout out of range (``check_timeout``), a version that is not a
+        positive integer or a key that is not a printable string of 1-256 characters;
+        ConnectionClosed if failed."""
         check_timeout(timeout_s)
         extra = check_routing(version, key)
         metas, parts, total = [], [b""], 0
@@ -271,7 +283,18 @@ class ClientSession:
             a = np.ascontiguousarray(value)
             dtype = _DTYPE_NAMES.get(a.dtype)
             if dtype is None:
-                raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported")
+                raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: dtype {a.dtype} is not supported "
+                                                       f"({BYTES_HINT})")
+            if dtype == protocol.BYTES:
+                try:
+                    data = layout.encode_bytes(a)
+                except layout.LayoutError as exc:
+                    raise BadArgument(ErrorCode.BAD_DTYPE, f"input {name!r}: {exc} ({BYTES_HINT})") from None
+                metas.append(protocol.tensor_wire(name, dtype, a.shape, len(data)))
+                if data:
+                    parts.append(data)
+                    total += len(data)
+                continue
             metas.append({"name": name, "dtype": dtype, "shape": a.shape})
             if a.nbytes:
                 parts.append(_raw(a))
@@ -377,6 +400,8 @@ class ClientSession:
                     return answer
             elif kind is PayloadDone:
                 answer, self._filling = self._filling, None
+                if self._packed is not None:
+                    answer = self._unpack(answer)
                 return answer
             else:  # ProtocolError
                 return self.fail(f"unreadable answer from the server: {event.message}")
@@ -393,7 +418,7 @@ class ClientSession:
         if self._failure is None:
             self._failure = ConnectionFailed(message, code)
             self._outstanding.clear()
-            self._filling = None
+            self._filling = self._packed = None
             _close_all(self._fds)
             self._fds.clear()
         return self._failure
@@ -450,25 +475,48 @@ class ClientSession:
         tensors, total = _tensors(meta, with_offset=False)
         if total != data_len:
             return self.fail("server sent a result whose payload does not match its outputs")
-        outputs, sinks = {}, []
+        outputs, sinks, packed = {}, [], None
         try:
             for name, dtype, shape, nbytes, _ in tensors:
+                if dtype is _BYTES_DTYPE:  # its serialized form lands here, then becomes its array
+                    outputs[name] = raw = bytearray(nbytes)
+                    packed = packed or []
+                    packed.append((name, shape, raw))
+                    if nbytes:
+                        sinks.append(raw)
+                    continue
                 outputs[name] = a = np.empty(shape, dtype)
                 if nbytes:
                     sinks.append(_raw(a))
         except MemoryError:
             return self.fail(f"no memory for a result of {data_len} bytes")
         result = InferResult(rid, outputs)
+        self._packed = packed
         if not data_len:
-            return result
+            return result if packed is None else self._unpack(result)
         self._conn.accept_payload(sinks)
         self._filling = result
         return None
+
+    def _unpack(self, result: InferResult) -> InferResult | RequestFailed:
+        """``result`` with its bytes outputs turned into object arrays; RequestFailed (INTERNAL)
+        if one is malformed (the connection is still in step: its payload was the size it said)."""
+        packed, self._packed = self._packed, None
+        for name, shape, raw in packed:
+            try:
+                result.outputs[name] = layout.decode_bytes(raw, shape)
+            except layout.LayoutError as exc:
+                return RequestFailed(result.request_id, ShmserveError(
+                    ErrorCode.INTERNAL, f"the server sent a malformed bytes output {name!r}: {exc}"))
+        return result
 
     def _region_result(self, rid: int, meta: dict, _data_len, output_area: tuple[int, int]) -> RegionResult | RequestFailed:
         lo, hi = output_area
         placements = []
         for name, dtype, shape, nbytes, offset in _tensors(meta, with_offset=True)[0]:
+            if dtype is _BYTES_DTYPE:
+                return RequestFailed(rid, ShmserveError(ErrorCode.BAD_DTYPE, f"output {name!r} is bytes: "
+                                                                             f"{layout.NO_ZERO_COPY_BYTES}"))
             if not (lo <= offset and offset + nbytes <= hi):
                 return RequestFailed(rid, ShmserveError(ErrorCode.INTERNAL,
                                                         "server placed an output outside the output area"))
@@ -548,7 +596,13 @@ def _tensors(meta: dict, *, with_offset: bool) -> tuple[list[tuple[str, np.dtype
             if type(offset) is not int or offset < 0:
                 raise _Unreadable(f"output {name!r}: 'offset' must be a non-negative integer")
         shape = tuple(shape)
-        nbytes = dtype.itemsize * math.prod(shape)
+        if dtype is _BYTES_DTYPE:  # its size is its data's: the answer says it
+            nbytes = item.get("nbytes")
+            floor = layout.BYTES_LENGTH.size * math.prod(shape)
+            if type(nbytes) is not int or not floor <= nbytes <= protocol.MAX_DATA:
+                raise _Unreadable(f"bytes output {name!r}: 'nbytes' must be an integer, at least 4 per element")
+        else:
+            nbytes = dtype.itemsize * math.prod(shape)
         out.append((name, dtype, shape, nbytes, offset))
         total += nbytes
     return out, total
@@ -556,7 +610,10 @@ def _tensors(meta: dict, *, with_offset: bool) -> tuple[list[tuple[str, np.dtype
 
 def _raw(a: np.ndarray) -> memoryview:
     """The bytes of a non-empty C-contiguous array: a flat byte view of its own memory."""
-    return a.data.cast("B")
+    try:
+        return a.data.cast("B")
+    except ValueError:  # a dtype the buffer protocol cannot name (ml_dtypes' bfloat16): through uint8
+        return a.reshape(-1).view(np.uint8).data
 
 
 def _close_all(fds: Iterable[int]) -> None:

@@ -31,7 +31,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.protocol import SUPPORTED_DTYPES, TensorMeta, tensor_nbytes
+from shmserve.protocol import BYTES, SUPPORTED_DTYPES, TensorMeta, tensor_nbytes
 
 Dim = Union[int, str, None]
 PLACEHOLDER_DIMS = frozenset({"", "?", "None"})  # names exporters write for "unknown": read as None
@@ -58,9 +58,14 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorSpec":
-        dtype = np.dtype(d["dtype"]).name
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"tensor {d['name']!r}: dtype {dtype} is not supported")
+        """``d``'s dtype is one of ``SUPPORTED_DTYPES`` or a numpy dtype (or name) of one of the
+        fixed-size ones ("f4", numpy.float32, ml_dtypes.bfloat16).  ValueError otherwise, or for
+        a dimension that is not an int, a str or None."""
+        given = d["dtype"]
+        dtype = given if isinstance(given, str) and given in SUPPORTED_DTYPES else np.dtype(given).name
+        if dtype not in SUPPORTED_DTYPES or (dtype == BYTES and given != BYTES):  # numpy's "bytes" is S0
+            raise ValueError(f"tensor {d['name']!r}: dtype {given!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_DTYPES)})")
         for x in d["shape"]:
             if not (x is None or isinstance(x, (int, str))) or isinstance(x, bool):
                 raise ValueError(f"tensor {d['name']!r}: bad dimension {x!r}")
@@ -164,11 +169,12 @@ def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]
 
 def estimate_output_bytes(spec: ModelSpec, symbols: dict[str, int], fallback: int) -> int:
     """Bytes to reserve for outputs: exact where every dimension is fixed or bound by the
-    inputs, ``fallback`` for each output that has an unknown dimension."""
+    inputs, ``fallback`` for each output that has an unknown dimension and for each bytes
+    output (its size is known only once the model has made it)."""
     total = 0
     for t in spec.outputs:
         dims = [d if isinstance(d, int) else symbols.get(d) if isinstance(d, str) else None for d in t.shape]
-        total += fallback if any(d is None for d in dims) else tensor_nbytes(t.dtype, dims)
+        total += fallback if t.dtype == BYTES or any(d is None for d in dims) else tensor_nbytes(t.dtype, dims)
         total += 64  # each output starts on a cache line
     return total
 

@@ -125,6 +125,33 @@ two_inputs.inputs = [{"name": "a", "dtype": "int32", "shape": ["n"]}, {"name": "
 two_inputs.outputs = [{"name": "sum", "dtype": "int32", "shape": ["n"]}]
 
 
+def bytes_of_ints(inputs):
+    """A bytes output whose elements are ints: the worker must refuse it (MODEL_ERROR)."""
+    return {"y": np.arange(len(inputs["x"]), dtype=object)}
+
+
+bytes_of_ints.inputs = [{"name": "x", "dtype": "bytes", "shape": ["n"]}]
+bytes_of_ints.outputs = [{"name": "y", "dtype": "bytes", "shape": ["n"]}]
+
+
+def bytes_grow(inputs):
+    """A bytes output of one element 1000 times the input's total size: more than max_output_bytes."""
+    return {"y": np.array([b"x" * 1000 * sum(len(e) for e in inputs["x"])], dtype=object)}
+
+
+bytes_grow.inputs = [{"name": "x", "dtype": "bytes", "shape": ["n"]}]
+bytes_grow.outputs = [{"name": "y", "dtype": "bytes", "shape": [1]}]
+
+
+def digits(inputs):
+    """Each int64 element as its decimal digits: a bytes output made of str elements (sent as UTF-8)."""
+    return {"y": np.array([str(v) for v in inputs["x"].tolist()], dtype=object).reshape(inputs["x"].shape)}
+
+
+digits.inputs = [{"name": "x", "dtype": "int64", "shape": ["n"]}]
+digits.outputs = [{"name": "y", "dtype": "bytes", "shape": ["n"]}]
+
+
 def typed_echo(config):
     """Each input back as ``out_<name>``: one vector input per dtype in ``options.dtypes``, named
     by its dtype.  ``options = {factory = true, dtypes = ["int8", ...]}`` (at most 8: a slot holds

@@ -175,13 +175,20 @@ def readme_python() -> str:
     return "\n".join(blocks)
 
 
+README_HTTP = "127.0.0.1:8000"  # the README's v2 address; the test's server listens on a free port instead
+
+
 def test_readme_python_examples_run_against_the_demo_model(tmp_path):
-    """Every ```python block of the README, as written, against a server on the demo model."""
+    """Every ```python block of the README, as written (but for the v2 port), against a server on
+    the demo model: the native client's examples and Triton's client on the v2 HTTP door."""
     demo = config.demo_config().models[0].path
-    srv = ServerProcess(tmp_path, f'[[models]]\nname = "demo"\nbackend = "onnxruntime"\npath = "{demo}"\n').start()
+    srv = ServerProcess(tmp_path, f'[[models]]\nname = "demo"\nbackend = "onnxruntime"\npath = "{demo}"\n',
+                        server_section='http = "127.0.0.1:0"\n').start()
     try:
         script = tmp_path / "readme_example.py"
-        script.write_text(readme_python())
+        code = readme_python()
+        assert README_HTTP in code
+        script.write_text(code.replace(README_HTTP, srv.info()["v2"]["http"]))
         env = dict(os.environ, SHMSERVE_SOCKET=srv.socket)
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
                            cwd=tmp_path)

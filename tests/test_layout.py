@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -163,21 +165,135 @@ def test_hostile_tensor_descriptors_never_escape_their_space(small_arena_buf, ra
         assert g.data_off <= t.offset and t.offset + t.nbytes <= g.data_off + g.data_size
     else:
         assert t.region == 7 and t.offset + t.nbytes <= 10_000
-    assert t.nbytes == t.dtype.itemsize * int(np.prod(t.shape, dtype=object))
+    count = int(np.prod(t.shape, dtype=object))
+    if t.dtype is layout.BYTES_DTYPE:  # its size is its data's: at least a length per element
+        assert t.nbytes >= layout.BYTES_LENGTH.size * count
+    else:
+        assert t.nbytes == t.dtype.itemsize * count
 
 
 @given(st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**64 - 1), st.sampled_from(list(layout.DTYPE_CODES)))
 def test_forged_offsets_are_rejected(small_arena_buf, dim, offset, dtype):
     g, buf = small_arena_buf
     base = g.tensor_off(1, 0)
+    itemsize = layout.ITEMSIZES.get(dtype, layout.BYTES_LENGTH.size)
     layout.TENSOR.pack(buf, base, layout.DTYPE_CODES[dtype], 1, layout.ROLE_INPUT, 0, 0, offset,
-                       max(dim, 0) * np.dtype(dtype).itemsize % 2**64, dim, *[0] * 7)
+                       max(dim, 0) * itemsize % 2**64, dim, *[0] * 7)
     try:
         t = layout.decode_tensor(buf, g, 1, 0)
     except LayoutError:
         return
     assume(t is not None)
     assert g.contains_data(t.offset, t.nbytes)
+
+
+def test_bfloat16_and_bytes_descriptors_round_trip(small_arena_buf):
+    g, buf = small_arena_buf
+    off = g.classes[0].offset + 128
+    bf16 = layout.numpy_dtype("bfloat16")
+    assert layout.encode_tensor(buf, g, 1, 0, role=layout.ROLE_INPUT, name_index=0, dtype=bf16, shape=(3, 5),
+                                offset=off) == 30
+    t = layout.decode_tensor(buf, g, 1, 0)
+    assert (t.dtype, t.shape, t.nbytes, layout.dtype_name(t.dtype)) == (bf16, (3, 5), 30, "bfloat16")
+    assert layout.encode_tensor(buf, g, 1, 1, role=layout.ROLE_OUTPUT, name_index=1, dtype="bytes", shape=(2, 3),
+                                offset=off, nbytes=100) == 100
+    t = layout.decode_tensor(buf, g, 1, 1)
+    assert (t.dtype, t.shape, t.nbytes, layout.dtype_name(t.dtype)) == (layout.BYTES_DTYPE, (2, 3), 100, "bytes")
+    assert layout.dtype_code(np.dtype(object)) == layout.BYTES_CODE == layout.dtype_code("bytes")
+    assert layout.encode_tensor(buf, g, 1, 1, role=layout.ROLE_OUTPUT, name_index=1, dtype="bytes", shape=(0,),
+                                offset=off, nbytes=0) == 0
+    assert layout.decode_tensor(buf, g, 1, 1).nbytes == 0
+
+
+@pytest.mark.parametrize("dtype,shape,nbytes", [
+    ("bytes", (3,), None),  # a bytes tensor's size is not its shape's: it must be given
+    ("bytes", (3,), 11),  # fewer bytes than three lengths
+    ("bytes", (1,), 2**64),
+    ("float32", (3,), 11),  # given for a fixed-size tensor, it must be what the shape says
+])
+def test_encoding_a_descriptor_checks_its_size(small_arena_buf, dtype, shape, nbytes):
+    g, buf = small_arena_buf
+    with pytest.raises(LayoutError):
+        layout.encode_tensor(buf, g, 0, 2, role=layout.ROLE_INPUT, name_index=0, dtype=dtype, shape=shape,
+                             offset=g.classes[0].offset, nbytes=nbytes)
+
+
+def _bytes_descriptor(buf, g, shape, offset, nbytes, region=0):
+    layout.TENSOR.pack(buf, g.tensor_off(0, 3), layout.BYTES_CODE, len(shape), layout.ROLE_INPUT, 0, region, offset,
+                       nbytes, *shape, *[0] * (layout.MAX_DIMS - len(shape)))
+    return layout.decode_tensor(buf, g, 0, 3, {5: 4096})
+
+
+def test_hostile_bytes_descriptors_are_bounded(small_arena_buf):
+    g, buf = small_arena_buf
+    start, end = g.data_off, g.data_off + g.data_size
+    assert _bytes_descriptor(buf, g, (4,), start, 16).nbytes == 16
+    assert _bytes_descriptor(buf, g, (2,), 64, 4032, region=5).nbytes == 4032
+    for shape, offset, nbytes, region in [
+        ((4,), start, 15, 0),  # less than a length per element
+        ((2**40, 2**40), start, 64, 0),  # a huge shape in a few bytes
+        ((1,), end - 64, 128, 0),  # past the data region
+        ((1,), start, 2**64 - 1, 0),  # offset + nbytes beyond any region (no wrap-around)
+        ((1,), 64, 4096, 5),  # past its client region
+        ((1,), 0, 8, 6),  # an unknown region
+    ]:
+        with pytest.raises(LayoutError):
+            _bytes_descriptor(buf, g, shape, offset, nbytes, region)
+
+
+elements = st.lists(st.binary(max_size=40), max_size=20)
+
+
+@given(elements, st.sampled_from(["bytes", "str"]))
+def test_bytes_tensors_round_trip(items, kind):
+    given_items = [e.decode("latin-1") for e in items] if kind == "str" else items
+    data = layout.encode_bytes(np.array(given_items + [b""], dtype=object)[:len(items)])
+    assert len(data) == sum(4 + len(e.encode() if isinstance(e, str) else e) for e in given_items)
+    decoded = layout.decode_bytes(data, (len(items),))
+    assert decoded.dtype == object and decoded.shape == (len(items),)
+    assert decoded.tolist() == [e.encode() if isinstance(e, str) else e for e in given_items]
+    framed = b"junk" + data + b"more"  # at an offset of a larger buffer, with the size given
+    assert layout.decode_bytes(framed, (len(items),), 4, len(data)).tolist() == decoded.tolist()
+
+
+@given(st.binary(max_size=64), st.lists(st.integers(0, 6), max_size=3))
+@settings(max_examples=500)
+def test_hostile_bytes_tensors_are_refused_or_exact(raw, shape):
+    try:
+        decoded = layout.decode_bytes(raw, shape)
+    except LayoutError:
+        return
+    assert decoded.shape == tuple(shape)
+    assert layout.encode_bytes(decoded) == raw  # accepted: exactly its elements, nothing else
+
+
+@pytest.mark.parametrize("raw,shape,what", [
+    (struct.pack("<I", 3) + b"ab", (1,), "runs past the end"),
+    (struct.pack("<I", 2**32 - 1) + b"abcd", (1,), "runs past the end"),
+    (struct.pack("<I", 1) + b"a" + b"\x01\x00\x00", (2,), "its length lies past the end"),
+    (struct.pack("<I", 1) + b"ab", (1,), "1 bytes follow"),
+    (b"\0" * 7, (2,), "at least 8"),
+    (b"", (2**40, 2**40), "at least"),
+])
+def test_bytes_tensor_errors_say_what_is_wrong(raw, shape, what):
+    with pytest.raises(LayoutError, match=what):
+        layout.decode_bytes(raw, shape)
+
+
+def test_bytes_elements_must_be_bytes_or_str():
+    for bad in ([b"a", 1], [b"a", None], [np.float32(1)], [memoryview(b"ab")]):
+        with pytest.raises(LayoutError, match="not bytes or str"):
+            layout.encode_bytes(np.array(bad + [0], dtype=object)[:len(bad)])
+
+
+def test_arrays_from_tensor_bytes():
+    x = np.arange(6, dtype=np.float32).astype(layout.numpy_dtype("bfloat16")).reshape(2, 3)
+    got = layout.array_from_bytes(x.tobytes(), "bfloat16", (2, 3))
+    assert got.dtype == x.dtype and got.tobytes() == x.tobytes()
+    assert layout.array_from_bytes(layout.encode_bytes([b"a", b""]), "bytes", (2,)).tolist() == [b"a", b""]
+    assert layout.array_from_bytes(b"", "int8", (0, 4)).shape == (0, 4)
+    with pytest.raises(LayoutError):
+        layout.array_from_bytes(b"abc", "float32", (1,))
 
 
 def test_index_bounds():

@@ -231,3 +231,58 @@ def test_close_stops_receiving_into_the_sinks():
     conn.receive_data(b"abcdefgh")
     assert conn.state is State.ERROR and conn.payload_buffer() is None and conn.next_event() is NEED_DATA
     assert sink == bytearray(8) and not conn.mid_frame
+
+
+# -- bytes tensors carry their size; no other tensor does ---------------------------------------
+
+def test_a_bytes_tensor_descriptor_carries_nbytes():
+    # the form shmserve.v2.service builds for a KServe v2 BYTES input
+    items = [{"name": "s", "dtype": "bytes", "shape": [2, 3], "nbytes": 30},
+             {"name": "b", "dtype": "bfloat16", "shape": [4]}]
+    s, b = protocol.parse_tensor_list(items, "inputs", with_offset=False)
+    assert (s.dtype, s.shape, s.nbytes, s.byte_size) == ("bytes", (2, 3), 30, 30)
+    assert (b.dtype, b.nbytes, b.byte_size) == ("bfloat16", 8, None)
+    assert s.to_wire() == items[0] and b.to_wire() == items[1]
+    assert protocol.parse_tensor_list([s.to_wire(), b.to_wire()], "inputs", with_offset=False) == (s, b)
+    zc = protocol.parse_tensor_list([items[0] | {"offset": 64}], "inputs", with_offset=True)[0]
+    assert (zc.offset, zc.nbytes) == (64, 30) and zc.to_wire() == items[0] | {"offset": 64}
+    assert protocol.parse_tensor_list([{"name": "e", "dtype": "bytes", "shape": [0], "nbytes": 0}], "inputs",
+                                      with_offset=False)[0].nbytes == 0
+    with pytest.raises(ValueError, match="does not follow from its shape"):
+        protocol.tensor_nbytes("bytes", (1,))
+
+
+@pytest.mark.parametrize("item,code", [
+    ({"dtype": "bytes", "shape": [2]}, ErrorCode.BAD_FRAME),  # no nbytes
+    ({"dtype": "bytes", "shape": [2], "nbytes": "8"}, ErrorCode.BAD_FRAME),
+    ({"dtype": "bytes", "shape": [2], "nbytes": True}, ErrorCode.BAD_FRAME),
+    ({"dtype": "bytes", "shape": [2], "nbytes": -1}, ErrorCode.BAD_FRAME),
+    ({"dtype": "bytes", "shape": [2], "nbytes": protocol.MAX_DATA + 1}, ErrorCode.BAD_FRAME),
+    ({"dtype": "bytes", "shape": [2], "nbytes": 7}, ErrorCode.BAD_INPUT),  # two lengths need 8
+    ({"dtype": "bytes", "shape": [2**39, 2**39], "nbytes": 2**40}, ErrorCode.BAD_INPUT),
+    ({"dtype": "uint8", "shape": [2], "nbytes": 2}, ErrorCode.BAD_FRAME),  # only bytes tensors carry it
+    ({"dtype": "bfloat16", "shape": [2], "nbytes": 4}, ErrorCode.BAD_FRAME),
+    ({"dtype": "string", "shape": [2], "nbytes": 8}, ErrorCode.BAD_DTYPE),
+])
+def test_nbytes_is_for_bytes_tensors_only_and_checked(item, code):
+    with pytest.raises(ProtocolViolation) as info:
+        protocol.parse_tensor_list([{"name": "x"} | item], "inputs", with_offset=False)
+    assert info.value.code is code, info.value.message
+
+
+@given(st.sampled_from(protocol.SUPPORTED_DTYPES), st.lists(st.integers(0, 2**12), max_size=3),
+       st.one_of(st.none(), st.integers(-2, 2**41), st.text(max_size=2)))
+@settings(max_examples=300)
+def test_tensor_descriptors_are_accepted_only_with_a_size_that_can_hold_them(dtype, shape, nbytes):
+    item = {"name": "x", "dtype": dtype, "shape": shape}
+    if nbytes is not None:
+        item["nbytes"] = nbytes
+    try:
+        (t,) = protocol.parse_tensor_list([item], "inputs", with_offset=False)
+    except ProtocolViolation as exc:
+        assert exc.code in (ErrorCode.BAD_FRAME, ErrorCode.BAD_INPUT)
+        return
+    if dtype == "bytes":
+        assert t.nbytes == nbytes and 4 * int(np.prod(shape, dtype=object)) <= nbytes <= protocol.MAX_DATA
+    else:
+        assert nbytes is None and t.nbytes == protocol.tensor_nbytes(dtype, shape)

@@ -9,7 +9,9 @@ them; every malformed answer ends the connection with ConnectionFailed and never
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 
 import numpy as np
 import orjson
@@ -18,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmserve import layout, protocol
-from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.errors import BadArgument, ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.protocol import FRAME_HEADER, Kind, TensorMeta
 from shmserve.session import (NEED_DATA, NOT_SENT, ClientSession, ConnectionFailed, InferResult, Placement,
-                              RegionGranted, RegionResult, Reply, RequestFailed)
+                              RegionGranted, RegionResult, Reply, RequestFailed, check_tensor)
 
 EVENT_TYPES = (InferResult, RegionResult, Reply, RegionGranted, RequestFailed, ConnectionFailed)
 
@@ -76,7 +78,8 @@ def summary(event):
     """An event as plain data (arrays as dtype, shape and bytes; errors as code and message)."""
     if type(event) is InferResult:
         return ("result", event.request_id,
-                {name: (a.dtype.str, a.shape, a.tobytes()) for name, a in event.outputs.items()})
+                {name: (a.dtype.str, a.shape, layout.encode_bytes(a) if a.dtype == object else a.tobytes())
+                 for name, a in event.outputs.items()})
     if type(event) is RequestFailed:
         return ("failed", event.request_id, event.error.code, event.error.message)
     if type(event) is RegionGranted:
@@ -162,6 +165,50 @@ def test_an_unsupported_dtype_is_refused_before_an_id_is_taken():
         s.infer("m", {"x": np.array([object()])}, 1.0)
     assert info.value.code is ErrorCode.BAD_DTYPE and "'x'" in info.value.message
     assert s.health()[0] == 1
+
+
+def test_bytes_and_bfloat16_inputs_encode_to_what_the_server_accepts():
+    s = ClientSession()
+    text = np.array([[b"ab", "é"], [b"", b"\x00"]], dtype=object)
+    half = np.arange(3, dtype=np.float32).astype(layout.numpy_dtype("bfloat16"))
+    rid, parts = s.infer("m", {"text": text, "half": half}, 1.0)
+    header, meta, data = decode_request(parts)
+    packed = layout.encode_bytes(text)
+    assert meta["inputs"] == [{"name": "text", "dtype": "bytes", "shape": [2, 2], "nbytes": len(packed)},
+                              {"name": "half", "dtype": "bfloat16", "shape": [3]}]
+    assert data == packed + half.tobytes() and header[4] == len(data)
+    request = protocol.parse_infer(meta, zero_copy=False)
+    assert [t.nbytes for t in request.inputs] == [len(packed), 6]
+    with pytest.raises(BadArgument) as info:
+        s.infer("m", {"text": np.array([b"a", 1.5], dtype=object)}, 1.0)
+    assert info.value.code is ErrorCode.BAD_DTYPE and "element 1" in info.value.message
+    for dtype in (object, "bytes"):
+        with pytest.raises(BadArgument) as info:
+            check_tensor("x", (2,), dtype)
+        assert info.value.code is ErrorCode.BAD_DTYPE and "infer()" in info.value.message
+    assert check_tensor("x", (2,), "bfloat16") == ((2,), layout.numpy_dtype("bfloat16"))
+
+
+def test_bytes_outputs_are_unpacked_and_a_malformed_one_fails_only_its_request():
+    s = ClientSession()
+    bad, good = s.infer("m", {}, 1.0)[0], s.infer("m", {}, 1.0)[0]
+    region = s.infer_region("m", [], 1, 0, 4096, 1.0)[0]
+    packed = layout.encode_bytes([b"xy", b""])
+    half = np.ones(2, layout.numpy_dtype("bfloat16"))
+    stream = (result(bad, [{"name": "y", "dtype": "bytes", "shape": [1], "nbytes": 6}], struct.pack("<I", 3) + b"ab")
+              + result(good, [{"name": "y", "dtype": "bytes", "shape": [2], "nbytes": len(packed)},
+                              {"name": "h", "dtype": "bfloat16", "shape": [2]},
+                              {"name": "none", "dtype": "bytes", "shape": [0, 3], "nbytes": 0}],
+                       packed + half.tobytes())
+              + frame(Kind.RESULT_REGION, {"id": region, "outputs": [
+                  {"name": "y", "dtype": "bytes", "shape": [1], "nbytes": 4, "offset": 0}]}))
+    first, second, third = pump(s, stream, range(0, len(stream), 5), via_buffer=True)
+    assert type(first) is RequestFailed and first.error.code is ErrorCode.INTERNAL and "'y'" in first.error.message
+    assert type(second) is InferResult and second.request_id == good
+    assert second.outputs["y"].tolist() == [b"xy", b""] and second.outputs["none"].shape == (0, 3)
+    assert second.outputs["h"].dtype == half.dtype and second.outputs["h"].tobytes() == half.tobytes()
+    assert type(third) is RequestFailed and third.error.code is ErrorCode.BAD_DTYPE
+    assert s.failure is None
 
 
 # -- answers, split at every boundary -----------------------------------------------------
@@ -269,9 +316,12 @@ def test_result_payloads_land_in_the_returned_arrays(outputs, read_size, rnd):
     rid, _ = s.infer("m", {}, 1.0)
     metas, payload, want = [], b"", {}
     for i, (dtype, shape) in enumerate(outputs):
-        data = rnd.randbytes(protocol.tensor_nbytes(dtype, shape))
-        metas.append({"name": f"o{i}", "dtype": dtype, "shape": shape})
-        want[f"o{i}"] = (np.dtype(dtype).str, tuple(shape), data)
+        if dtype == "bytes":  # elements of any length, empty ones among them, serialized
+            data = layout.encode_bytes([rnd.randbytes(rnd.randrange(3)) for _ in range(math.prod(shape))])
+        else:
+            data = rnd.randbytes(protocol.tensor_nbytes(dtype, shape))
+        metas.append(protocol.tensor_wire(f"o{i}", dtype, shape, len(data)))
+        want[f"o{i}"] = (layout.numpy_dtype(dtype).str, tuple(shape), data)
         payload += data
     stream = result(rid, metas, payload)
     events = pump(s, stream, range(0, len(stream), read_size), via_buffer=True)
@@ -427,6 +477,9 @@ MALFORMED = [  # (what, answer, what the failure says) — ids 1-4 are outstandi
     ("an output not an object", result(1, [["y", "uint8", [4]]], b"abcd"), "must be an object"),
     ("an object dtype", result(1, [out(dtype="object", shape=[1])], bytes(8)), "not supported"),
     ("a dtype not a string", result(1, [out(dtype=["uint8"])], b"abcd"), "not supported"),
+    ("a bytes output without nbytes", result(1, [out(dtype="bytes", shape=[1])], b"abcd"), "'nbytes'"),
+    ("a bytes output too small for its shape", result(1, [out(dtype="bytes", shape=[2]) | {"nbytes": 4}],
+                                                       b"abcd"), "at least 4 per element"),
     ("a name not a string", result(1, [out(name=3)], b"abcd"), "not a string"),
     ("one name twice", result(1, [out(), out()], bytes(8)), "appears twice"),
     ("a negative dimension", result(1, [out(shape=[-4])], b""), "non-negative"),

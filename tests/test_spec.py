@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shmserve.errors import ErrorCode, ShmserveError
@@ -77,3 +78,19 @@ def test_check_dims_must_name_an_input_dimension():
     check_dims_used(ModelSpec.from_dict({**SPEC.to_dict(), "check_dims": ["batch"]}))
     with pytest.raises(ValueError, match="'btach', which no input"):
         check_dims_used(ModelSpec.from_dict({**SPEC.to_dict(), "check_dims": ["btach"]}))
+
+
+def test_new_dtypes_in_specs_and_a_bytes_output_reserves_the_fallback():
+    import ml_dtypes
+
+    for given, name in [("bfloat16", "bfloat16"), (ml_dtypes.bfloat16, "bfloat16"), ("bytes", "bytes"),
+                        ("f4", "float32")]:
+        assert TensorSpec.from_dict({"name": "x", "dtype": given, "shape": [1]}).dtype == name
+    for bad in ("S", object, "object", np.bytes_, "complex64"):  # numpy's own names for bytes are not bytes
+        with pytest.raises(ValueError, match="not supported"):
+            TensorSpec.from_dict({"name": "x", "dtype": bad, "shape": [1]})
+    spec = ModelSpec("m", "python", (TensorSpec("x", "bytes", ("n",)),),
+                     (TensorSpec("y", "bytes", ("n",)), TensorSpec("z", "bfloat16", ("n",))))
+    symbols = bind_inputs(spec, [TensorMeta("x", "bytes", (5,), byte_size=40)])
+    assert symbols == {"n": 5}
+    assert estimate_output_bytes(spec, symbols, 1000) == 1000 + 64 + 10 + 64

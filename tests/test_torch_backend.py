@@ -21,6 +21,8 @@ from helpers.torch_models import save_models  # noqa: E402
 def torch_server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("torch")
     paths = save_models(workdir)
+    paths["halve"] = str(workdir / "halve.pt")
+    torch.jit.script(Halve()).save(paths["halve"])
     before = shm_names()
     srv = ServerProcess(workdir, f"""
         [[models]]
@@ -45,6 +47,24 @@ def torch_server(tmp_path_factory):
         path = "{paths['export']}"
 
         [[models]]
+        name = "halve_bf16"
+        backend = "torch"
+        path = "{paths['halve']}"
+        max_batch_size = 8
+        max_queue_delay_us = 200000
+        inputs = [{{name = "x", dtype = "bfloat16", shape = ["batch", 4]}}]
+        outputs = [{{name = "half", dtype = "bfloat16", shape = ["batch", 4]}},
+                   {{name = "wide", dtype = "float32", shape = ["batch", 4]}}]
+
+        [[models]]
+        name = "halve_bytes"
+        backend = "torch"
+        path = "{paths['halve']}"
+        inputs = [{{name = "x", dtype = "bytes", shape = ["batch", 4]}}]
+        outputs = [{{name = "half", dtype = "bfloat16", shape = ["batch", 4]}},
+                   {{name = "wide", dtype = "float32", shape = ["batch", 4]}}]
+
+        [[models]]
         name = "on_gpu"
         backend = "torch"
         path = "{paths['torchscript']}"
@@ -55,6 +75,19 @@ def torch_server(tmp_path_factory):
     yield srv, paths
     assert srv.stop() == 0, srv.log()
     assert shm_names() == before
+
+
+class Halve(torch.nn.Module):
+    """bfloat16 in; x / 2 in bfloat16 and x widened to float32 out."""
+
+    def forward(self, x):
+        return x / 2, x.float()
+
+
+def bf16_sample(shape, seed):
+    import ml_dtypes
+
+    return np.random.default_rng(seed).standard_normal(shape).astype(ml_dtypes.bfloat16)
 
 
 def reference(path, x):
@@ -108,3 +141,31 @@ def test_batching_through_the_torch_backend(torch_server):
     info = srv.info()
     (worker,) = [w for w in info["workers"] if w["model"] == "convnet_batched"]
     assert worker["requests"] == len(inputs)
+
+
+def test_bfloat16_tensors_are_torch_bfloat16_over_the_same_bytes(torch_server):
+    srv, paths = torch_server
+    module = torch.jit.load(paths["halve"])
+    with srv.client() as c:
+        for rows in (1, 3):
+            x = bf16_sample((rows, 4), rows)
+            half, wide = module(torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16))
+            out = c.infer("halve_bf16", {"x": x})
+            assert out["half"].dtype == x.dtype and out["wide"].dtype == np.float32
+            assert out["half"].view(np.uint16).tolist() == half.view(torch.uint16).numpy().tolist()  # bit for bit
+            np.testing.assert_array_equal(out["wide"], wide.numpy())
+            with c.zero_copy("halve_bf16", {"x": (x.shape, x.dtype)}) as call:
+                call.inputs["x"][...] = x
+                np.testing.assert_array_equal(np.array(call.run()["half"]), out["half"])
+    inputs = [bf16_sample((1 + i % 3, 4), 10 + i) for i in range(5)]  # batched: rows written in place
+    for x, y in zip(inputs, concurrent_infer(srv, "halve_bf16", "x", "half", inputs)):
+        np.testing.assert_array_equal(y, (x.astype(np.float32) / 2).astype(x.dtype))
+
+
+def test_a_torch_model_with_bytes_tensors_does_not_load(torch_server):
+    srv, _ = torch_server
+    with srv.client() as c:
+        listing = {m["name"]: m for m in c.models()}
+        assert listing["halve_bytes"]["state"] == "unavailable"
+        assert "'x' are declared bytes" in listing["halve_bytes"]["error"]
+        assert "python or onnxruntime" in listing["halve_bytes"]["error"]

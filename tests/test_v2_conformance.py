@@ -48,7 +48,7 @@ def typed_models() -> str:
         """)
 
 
-MODELS = (typed_models() if os.environ.get("TYPED") else "") + textwrap.dedent("""
+MODELS = typed_models() + textwrap.dedent("""
     [[models]]
     name = "identity"
     backend = "python"
@@ -123,8 +123,10 @@ def native_answer(server, model: str, inputs: dict[str, np.ndarray]) -> dict[str
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Bit for bit (NaNs and signed zeros included); BYTES element by element."""
     a, b = np.asarray(a), np.asarray(b)
-    if a.dtype == object or b.dtype == object:
-        return a.shape == b.shape and all(bytes(x) == bytes(y) for x, y in zip(a.ravel(), b.ravel()))
+    if a.dtype == object or b.dtype == object:  # JSON gives BYTES back as text
+        def raw(v):
+            return v.encode() if isinstance(v, str) else bytes(v)
+        return a.shape == b.shape and all(raw(x) == raw(y) for x, y in zip(a.ravel(), b.ravel()))
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
@@ -212,6 +214,32 @@ def test_a_rank_2_batch_and_json_data_back(hc, gc):
     result = hc.infer("f32", [inp], outputs=[tritonhttp.InferRequestedOutput("y", binary_data=False)])
     data = result.get_output("y")["data"]  # flat, row-major, as KServe says
     assert same(np.array(data, np.float32), x.ravel())
+
+
+def test_large_tensors_stream_into_the_arena(server, hc, gc, regions):
+    """8 MiB each way: over HTTP the body arrives after its JSON header and is received straight
+    into arena space; through system shared memory the region copies run on a thread."""
+    x = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    for mod, client in ((tritonhttp, hc), (tritongrpc, gc)):
+        inp = mod.InferInput("x", [x.size], "UINT8")
+        inp.set_data_from_numpy(x)
+        assert same(client.infer("identity", [inp]).as_numpy("y"), x)
+    key, handle = regions(x.nbytes)
+    out_key, out_handle = regions(x.nbytes)
+    triton_shm.set_shared_memory_region(handle, [x])
+    hc.register_system_shared_memory("big_in", key, x.nbytes)
+    hc.register_system_shared_memory("big_out", out_key, x.nbytes)
+    try:
+        inp = tritonhttp.InferInput("x", [x.size], "UINT8")
+        inp.set_shared_memory("big_in", x.nbytes)
+        out = tritonhttp.InferRequestedOutput("y")
+        out.set_shared_memory("big_out", x.nbytes)
+        hc.infer("identity", [inp], outputs=[out])
+        assert same(triton_shm.get_contents_as_numpy(out_handle, np.uint8, [x.size]), x)
+    finally:
+        hc.unregister_system_shared_memory("big_in")
+        hc.unregister_system_shared_memory("big_out")
+    server.wait_idle()
 
 
 # -- requested outputs, several inputs ---------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_the_tensorrt_backend_states_its_calls_without_an_engine():
 
     adapter = BackendAdapter(object.__new__(TensorRTBackend))  # nothing runs: only what it has is read
     assert statements(adapter) == {"writes_outputs": True, "writes_row_splits": True, "synchronizes": True,
-                                   "takes_memory": True, "takes_declare": False, "own_warmup": True,
+                                   "takes_memory": True, "takes_declare": True, "own_warmup": True,
                                    "tells_device_bytes": False, "closes": True}
 
 

@@ -183,8 +183,7 @@ class Batcher:
                 try:
                     if results is not None:
                         for name in step.output_dtypes:
-                            part = np.asarray(results[name][start:start + n])
-                            np.copyto(placer.allocate(name, part.shape, part.dtype), part, casting="no")
+                            placer.put(name, results[name][start:start + n])
                     n_outputs = placer.finish()
                 except Exception as exc:
                     failure = worker_failure(exc)

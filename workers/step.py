@@ -2,8 +2,9 @@
 
 Owns: the slot tables a worker serves (``Space``: the arena's, or a lane's),
 and the request step (``Step``): claim a READY slot (READY -> RUNNING),
-decode and validate its inputs into numpy views, lay its outputs out in its
-output area (``OutputPlacer``), run the backend, publish DONE or ERROR, count
+decode and validate its inputs into numpy views (a bytes input unpacked into
+an object array, its elements checked), lay its outputs out in its output
+area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
 the worker's latency histograms.
 
@@ -38,6 +39,7 @@ LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as va
 
 _READY, _RUNNING, _DONE, _ERROR = SlotState.READY, SlotState.RUNNING, SlotState.DONE, SlotState.ERROR
 _WORKER = Actor.WORKER
+_BYTES = layout.BYTES_DTYPE
 
 
 class RequestFailed(Exception):
@@ -99,33 +101,69 @@ class OutputPlacer:
         self.step, self.space, self.index, self.first = step, space, index, first_tensor
         self.region, self.base, self.capacity, self.target = region, base, capacity, target
         self.pos = 0
-        self.placed: dict[str, tuple[int, tuple, np.dtype]] = {}
+        self.placed: dict[str, tuple[int, tuple, np.dtype, int]] = {}  # name -> (offset, shape, dtype, nbytes)
 
     def allocate(self, name: str, shape, dtype) -> np.ndarray:
         """A writable view of the output area for output ``name``.
 
         RequestFailed: MODEL_ERROR for an undeclared output, a dtype other than
-        the declared one, or an output produced twice; OUTPUT_TOO_LARGE if it
+        the declared one, a bytes output (its size is known only once it is
+        made: ``put`` it), or an output produced twice; OUTPUT_TOO_LARGE if it
         does not fit in what is left of the area.
         """
+        declared = self._declared(name)
+        dtype = np.dtype(dtype)
+        if dtype != declared:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {layout.dtype_name(dtype)}, "
+                                                       f"declared {layout.dtype_name(declared)}")
+        if dtype is _BYTES:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is bytes: a backend returns it from run() "
+                                                       f"(its size is known only once it is made)")
+        shape = tuple(int(d) for d in shape)
+        nbytes = dtype.itemsize * math.prod(shape)
+        offset = self._reserve(name, nbytes)
+        self.placed[name] = (offset, shape, dtype, nbytes)
+        return np.ndarray(shape, dtype, buffer=self.target, offset=offset)
+
+    def put(self, name: str, value) -> None:
+        """Copy the model's output ``value`` (an array, or what numpy makes one of) into the output
+        area: a fixed-size output as it is (its dtype must be the declared one, no casting), a
+        bytes output serialized (``layout.encode_bytes``: elements bytes, or str taken as UTF-8).
+        RequestFailed as ``allocate``; MODEL_ERROR for a bytes output with another element."""
+        if self.step.output_dtypes.get(name) is not _BYTES:
+            arr = np.asarray(value)
+            np.copyto(self.allocate(name, arr.shape, arr.dtype), arr, casting="no")
+            return
+        self._declared(name)
+        arr = np.asarray(value, dtype=object)
+        try:
+            data = layout.encode_bytes(arr)
+        except layout.LayoutError as exc:
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r}: {exc}") from None
+        offset = self._reserve(name, len(data))
+        self.target[offset:offset + len(data)] = data
+        self.placed[name] = (offset, arr.shape, _BYTES, len(data))
+
+    def _declared(self, name: str) -> np.dtype:
+        """The declared dtype of output ``name``; RequestFailed(MODEL_ERROR) if it is not one, or is
+        placed already."""
         declared = self.step.output_dtypes.get(name)
         if declared is None:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
-        dtype = np.dtype(dtype)
-        if dtype != declared:
-            raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} is {dtype.name}, declared {declared.name}")
         if name in self.placed:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r} produced twice")
-        shape = tuple(int(d) for d in shape)
-        nbytes = dtype.itemsize * math.prod(shape)
+        return declared
+
+    def _reserve(self, name: str, nbytes: int) -> int:
+        """The offset of ``nbytes`` for output ``name``, next in the area; OUTPUT_TOO_LARGE if they
+        do not fit."""
         pos = layout.align_tensor(self.pos)
         if pos + nbytes > self.capacity:
             raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
                                 f"outputs need more than the {self.capacity} bytes reserved for them "
                                 f"(output {name!r} is {nbytes} bytes); raise max_output_bytes")
         self.pos = pos + nbytes
-        self.placed[name] = (self.base + pos, shape, dtype)
-        return np.ndarray(shape, dtype, buffer=self.target, offset=self.base + pos)
+        return self.base + pos
 
     def finish(self) -> int:
         """Write the output descriptors (the backend's writes have landed); how many.
@@ -136,10 +174,19 @@ class OutputPlacer:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
         buf, g, index, first, region = self.space.buf, self.space.geometry, self.index, self.first, self.region
         for i, t in enumerate(outputs):
-            offset, shape, dtype = placed[t.name]
+            offset, shape, dtype, nbytes = placed[t.name]
             layout.encode_tensor(buf, g, index, first + i, role=layout.ROLE_OUTPUT, name_index=i, dtype=dtype,
-                                 shape=shape, offset=offset, region=region)
+                                 shape=shape, offset=offset, region=region, nbytes=nbytes)
         return len(outputs)
+
+
+def _bytes_input(source, desc: layout.TensorDesc, name: str) -> np.ndarray:
+    """A bytes input as the model gets it; RequestFailed(BAD_INPUT) if its serialized elements do
+    not take exactly its nbytes (the client wrote them)."""
+    try:
+        return layout.decode_bytes(source, desc.shape, desc.offset, desc.nbytes)
+    except layout.LayoutError as exc:
+        raise RequestFailed(ErrorCode.BAD_INPUT, f"bytes input {name!r}: {exc}") from None
 
 
 class Step:
@@ -156,7 +203,7 @@ class Step:
         self.arena_buf, self.geometry, self.index = arena.buf, arena.geometry, index
         self.regions, self.adapter, self.spec = regions, adapter, spec
         self.input_names = tuple(t.name for t in spec.inputs)
-        self.output_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
+        self.output_dtypes = {t.name: layout.numpy_dtype(t.dtype) for t in spec.outputs}
         self._outputs = tuple(t.name for t in spec.outputs)
         entry_off = arena.geometry.worker_off(index)
         self._requests_off = entry_off + layout.WORKER.offset("requests")
@@ -197,8 +244,7 @@ class Step:
                 for name in self._outputs:
                     if name not in results:
                         raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return output {name!r}")
-                    arr = np.asarray(results[name])
-                    np.copyto(placer.allocate(name, arr.shape, arr.dtype), arr, casting="no")
+                    placer.put(name, results[name])
                 del results
         except Exception as exc:  # the model's failure is this request's error, not the worker's
             self.settle()
@@ -250,11 +296,13 @@ class Step:
         return found
 
     def decode(self, space: Space, index: int):
-        """The slot's request record and read-only numpy views of its inputs by name.
+        """The slot's request record and read-only numpy views of its inputs by name (a bytes
+        input: a new object array of ``bytes``).
 
         RequestFailed: BAD_REGION for a descriptor out of bounds (or, in a lane,
         outside its data space); INTERNAL for a malformed arena slot (the
-        front-end wrote it) and BAD_INPUT for a malformed lane slot; whatever
+        front-end wrote it) and BAD_INPUT for a malformed lane slot or a bytes
+        input whose elements do not take exactly its size; whatever
         ``bind_inputs`` says of a lane's inputs that do not fit the model.
         """
         g, buf, names = space.geometry, space.buf, self.input_names
@@ -278,8 +326,11 @@ class Step:
                 if desc.role != layout.ROLE_INPUT or desc.name_index >= len(names):
                     raise RequestFailed(ErrorCode.BAD_INPUT if lane else ErrorCode.INTERNAL,
                                         f"tensor {t} is not an input of this model")
-                view = np.ndarray(desc.shape, desc.dtype, buffer=maps[region] if region else self.arena_buf,
-                                  offset=desc.offset)
+                source = maps[region] if region else self.arena_buf
+                if desc.dtype is _BYTES:
+                    view = _bytes_input(source, desc, names[desc.name_index])
+                else:
+                    view = np.ndarray(desc.shape, desc.dtype, buffer=source, offset=desc.offset)
                 view.flags.writeable = False
                 inputs[names[desc.name_index]] = view
         except layout.LayoutError as exc:

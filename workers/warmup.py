@@ -5,7 +5,8 @@ Owns: the warm-up inputs of issue 12 item 6, from the model's config
 files named in ``warmup.inputs``, loaded without pickle and checked against
 the input's spec; the other inputs generated: the backend's own warm-up
 inputs if it has them, else zeros of the smallest valid shape, a named
-dimension taking the size a sample file gave it), the batch sizes, and the
+dimension taking the size a sample file gave it; a bytes input's zeros are
+empty elements), the batch sizes, and the
 sequence of inputs, one per run (``runs``).
 
 Batch sizes: the batch dimension is the first dimension of every input when
@@ -26,6 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
+from shmserve import layout
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
 
@@ -34,13 +36,16 @@ def _load(name: str, path: str, spec: TensorSpec, batched: bool) -> np.ndarray:
     """The sample file ``path`` for input ``name``, checked against ``spec``; ValueError naming the
     file and the config key if it cannot be read or does not fit."""
     where = f"warmup.inputs.{name} ({path})"
+    if spec.dtype == layout.BYTES:
+        raise ValueError(f"{where}: input {name!r} is bytes, which no .npy file holds without pickle; leave it "
+                         f"out (its warm-up input is then empty elements)")
     try:
         sample = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise ValueError(f"{where}: not a readable .npy file: {exc}") from None
     if not isinstance(sample, np.ndarray):
         raise ValueError(f"{where}: an .npz archive, expected one array in an .npy file")
-    if sample.dtype != np.dtype(spec.dtype):
+    if sample.dtype != layout.numpy_dtype(spec.dtype):
         raise ValueError(f"{where}: dtype {sample.dtype}, but input {name!r} is {spec.dtype}")
     shape = list(spec.shape)
     if sample.ndim != len(shape):
@@ -85,8 +90,9 @@ def samples(config: ModelConfig, specs: tuple[TensorSpec, ...], own: dict[str, n
         elif own is not None and t.name in own:
             out[t.name] = own[t.name]
         else:
-            out[t.name] = np.zeros([d if isinstance(d, int) else sizes.get(d, 1) if isinstance(d, str) else 1
-                                    for d in t.shape], dtype=t.dtype)
+            shape = [d if isinstance(d, int) else sizes.get(d, 1) if isinstance(d, str) else 1 for d in t.shape]
+            out[t.name] = np.full(shape, b"", dtype=object) if t.dtype == layout.BYTES else \
+                np.zeros(shape, dtype=layout.numpy_dtype(t.dtype))
     return out
 
 

@@ -162,12 +162,10 @@ class Limits:
     spin_s: float = 0.0  # poll completion rings this long after the last completion before sleeping
 
 
-def _array(output: Output):
-    """A copy of an inline output as a numpy array."""
-    import numpy as np
-
-    return np.frombuffer(output.view, dtype=output.dtype).reshape(output.shape).copy() if output.nbytes else \
-        np.empty(output.shape, output.dtype)
+def output_array(output: Output):
+    """A copy of an inline output as a numpy array (a bytes output: an object array of bytes).
+    LayoutError if its bytes do not make one."""
+    return layout.array_from_bytes(output.view if output.nbytes else b"", output.dtype, output.shape)
 
 
 class _ShadowDoor:
@@ -434,7 +432,7 @@ class Dispatcher:
                 if nbytes:
                     sinks.append(self.view[offset:offset + nbytes])
             layout.encode_tensor(buf, g, index, i, role=layout.ROLE_INPUT, name_index=spec.input_index(t.name),
-                                 dtype=t.dtype, shape=t.shape, offset=offset, region=region_id)
+                                 dtype=t.dtype, shape=t.shape, offset=offset, region=region_id, nbytes=t.nbytes)
         if region is None:
             req.out_offset, req.out_capacity = pos, req.extent.offset + req.extent.size - pos
         if sinks:
@@ -651,11 +649,15 @@ class Dispatcher:
         """Copy finished inline request ``req`` to version ``target`` (canary shadow mode): its
         inputs, still in its extent, into new arena space; the copy's answer goes to
         ``shadow_done`` with ``req``'s outputs, never to a client.  Skipped when ``target`` has
-        no ready worker or there is no arena space now (a shadow copy never waits)."""
+        no ready worker, there is no arena space now (a shadow copy never waits), or a bytes
+        output of ``req`` does not unpack (its client gets it as it is)."""
         if target.pick_worker() is None or self.waiting or self.stopping:
             return
         now = self.clock.monotonic()
-        mine = {o.name: _array(o) for o in outputs.outputs}
+        try:
+            mine = {o.name: output_array(o) for o in outputs.outputs}
+        except layout.LayoutError:
+            return
         sources, pos = [], req.extent.offset
         for t in req.inputs:
             if t.nbytes:

@@ -51,7 +51,7 @@ import logging
 import time
 from typing import Callable
 
-from shmserve import protocol, repository
+from shmserve import layout, protocol, repository
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend import canary
@@ -355,7 +355,7 @@ class Lifecycle:
     def shadow_done(self, copy, stable_outputs: dict, answer) -> None:
         """A shadow copy's answer: compared with the stable version's outputs (an error is a
         mismatch), recorded in the rollout."""
-        from shmserve.frontend.dispatcher import Outputs
+        from shmserve.frontend.dispatcher import Outputs, output_array
 
         model = self.models.by_name.get(copy.model.name)
         rollout = model.rollout if model is not None else None
@@ -363,11 +363,11 @@ class Lifecycle:
             return
         match = False
         if isinstance(answer, Outputs):
-            import numpy as np
-
-            theirs = {o.name: (np.frombuffer(o.view, dtype=o.dtype).reshape(o.shape) if o.nbytes
-                               else np.empty(o.shape, o.dtype)) for o in answer.outputs}
-            match = canary.outputs_match(stable_outputs, theirs, rollout.plan)
+            try:
+                theirs = {o.name: output_array(o) for o in answer.outputs}
+            except layout.LayoutError:  # a bytes output the worker wrote badly: not a match
+                theirs = None
+            match = theirs is not None and canary.outputs_match(stable_outputs, theirs, rollout.plan)
         rollout.record_shadow(match, time.monotonic())
 
     def _tick_soon(self) -> None:

@@ -708,14 +708,14 @@ class ClientConnection(asyncio.BufferedProtocol):
                 if self.proto.state is protocol.State.AWAIT:
                     self.proto.discard_payload()
         elif answer.in_arena:
-            metas = [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} for o in answer.outputs]
+            metas = [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} if o.dtype != protocol.BYTES
+                     else protocol.tensor_wire(o.name, o.dtype, o.shape, o.nbytes) for o in answer.outputs]
             header = protocol.encode_frame(Kind.RESULT, {"id": req.id, "outputs": metas},
                                            sum(o.nbytes for o in answer.outputs))
             entry.parts = [header] + [o.view for o in answer.outputs if o.nbytes]
             entry.held = True
         else:
-            metas = [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape), "offset": o.offset}
-                     for o in answer.outputs]
+            metas = [protocol.tensor_wire(o.name, o.dtype, o.shape, o.nbytes, o.offset) for o in answer.outputs]
             entry.parts = [protocol.encode_frame(Kind.RESULT_REGION, {"id": req.id, "outputs": metas})]
         self.flush()
         if not self.reading:

@@ -5,11 +5,30 @@
   ``tools/make_demo_model.py``.
 * Python-backend models for benchmarks and tests (``backend = "python"``,
   ``path = "shmserve.models:identity"`` and so on): numpy only.
+
+  - ``identity``: ``y = x``, uint8 of shape ``["n"]``; ``identity_f32``: the
+    same in float32 of shape ``["batch", "features"]``.
+  - ``nonzero``: the indices of a float32 vector's non-zero elements (an output
+    whose size is known only after running).
+  - ``typed_identity``: ``y = x`` of shape ``["n"]`` in any dtype shmserve
+    carries, a factory that reads it from the options::
+
+        path = "shmserve.models:typed_identity"
+        options = {factory = true, dtype = "bfloat16"}   # or bool, uint8 .. float64, bytes
+
+  - ``bytes_reverse``: each element of a bytes vector (shape ``["n"]``)
+    reversed, so a test sees that the model really ran.
+
+  A bfloat16 tensor is a numpy array of ``ml_dtypes.bfloat16``; a bytes tensor
+  an object array of ``bytes`` (a model may return ``str`` elements: they are
+  sent as UTF-8).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from shmserve.protocol import SUPPORTED_DTYPES
 
 
 def identity(inputs):
@@ -37,3 +56,28 @@ def nonzero(inputs):
 
 nonzero.inputs = [{"name": "x", "dtype": "float32", "shape": [None]}]
 nonzero.outputs = [{"name": "indices", "dtype": "int64", "shape": [None]}]
+
+
+def typed_identity(config):
+    """A factory (``options = {factory = true, dtype = ...}``): a model returning its input ``x`` as
+    ``y``, both of that dtype and shape ``["n"]``.  ValueError for a dtype shmserve does not carry."""
+    dtype = config.options.get("dtype")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"typed_identity needs options.dtype, one of {', '.join(SUPPORTED_DTYPES)}; got {dtype!r}")
+
+    def model(inputs):
+        return {"y": inputs["x"]}
+
+    model.inputs = [{"name": "x", "dtype": dtype, "shape": ["n"]}]
+    model.outputs = [{"name": "y", "dtype": dtype, "shape": ["n"]}]
+    return model
+
+
+def bytes_reverse(inputs):
+    """Each element of a bytes vector, its bytes in reverse order."""
+    x = inputs["x"]
+    return {"y": np.fromiter((element[::-1] for element in x), dtype=object, count=len(x))}
+
+
+bytes_reverse.inputs = [{"name": "x", "dtype": "bytes", "shape": ["n"]}]
+bytes_reverse.outputs = [{"name": "y", "dtype": "bytes", "shape": ["n"]}]

@@ -36,7 +36,6 @@ from shmserve.v2.messages import (DATATYPES, ITEMSIZE, Incoming, InferRequest, I
                                   RequestedOutput, ShmRef, V2Error)
 
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
-MAX_JSON_DEPTH = protocol.MAX_DIMS + 4  # nested tensor data of the highest rank, in the request object
 _LEN = struct.Struct("<I")
 
 
@@ -66,6 +65,7 @@ def _show(value) -> str:
 # name is any one path segment (percent-decoded); a version is digits.
 _M, _V, _R = r"(?P<m>[^/]+)", r"(?:/versions/(?P<v>[^/]*))?", r"(?:/region/(?P<r>[^/]+))?"
 ROUTES: tuple[tuple[str, re.Pattern, str], ...] = tuple((method, re.compile(pattern + r"/?\Z"), op) for method, pattern, op in (
+    ("POST", rf"/v2/models/{_M}{_V}/infer", "infer"),  # first: the one the hot path asks for
     ("GET", r"/v2/health/live", "live"),
     ("GET", r"/v2/health/ready", "ready"),
     ("GET", r"/v2", "server_metadata"),
@@ -73,7 +73,6 @@ ROUTES: tuple[tuple[str, re.Pattern, str], ...] = tuple((method, re.compile(patt
     ("GET", rf"/v2/models/{_M}{_V}/stats", "statistics"),
     ("GET", rf"/v2/models/{_M}{_V}/ready", "model_ready"),
     ("GET", rf"/v2/models/{_M}{_V}/config", "model_config"),
-    ("POST", rf"/v2/models/{_M}{_V}/infer", "infer"),
     ("GET", rf"/v2/models/{_M}{_V}", "model_metadata"),
     ("POST", r"/v2/repository/index", "repository_index"),
     ("POST", rf"/v2/repository/models/{_M}/load", "repository_load"),
@@ -123,8 +122,9 @@ def route(method: str, target: str) -> tuple[str, dict[str, str | None], str]:
 # -- JSON bodies -----------------------------------------------------------------------------------
 
 def loads(body, limits: Limits, what: str = "the request body") -> dict:
-    """A JSON object from a client.  V2Error BAD_FRAME if it is not one (too large, not JSON,
-    nested deeper than any request needs, not an object)."""
+    """A JSON object from a client.  V2Error BAD_FRAME if it is not one (not JSON, not an
+    object; orjson refuses nesting deeper than 1024), TOO_LARGE past ``limits.max_json_bytes``.
+    Tensor data nested deeper than a tensor's rank is refused where it is read (``json_to_bytes``)."""
     if len(body) > limits.max_json_bytes:
         raise V2Error(ErrorCode.TOO_LARGE, f"{what} is {len(body)} bytes of JSON, more than "
                                            f"{limits.max_json_bytes}; send tensors as binary data")
@@ -136,26 +136,7 @@ def loads(body, limits: Limits, what: str = "the request body") -> dict:
         raise _bad(f"{what} is not JSON: {str(exc)[:120]}", ErrorCode.BAD_FRAME) from None
     if not isinstance(value, dict):
         raise _bad(f"{what} must be a JSON object", ErrorCode.BAD_FRAME)
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise _bad(f"{what} is nested more than {MAX_JSON_DEPTH} deep", ErrorCode.BAD_FRAME)
     return value
-
-
-def _depth(value, limit: int = MAX_JSON_DEPTH + 1) -> int:
-    """How deep ``value`` nests (stops counting past ``limit``); only the first element of a
-    list is followed (tensor data is regular; a ragged one is refused later)."""
-    depth = 0
-    while depth <= limit:
-        if isinstance(value, dict):
-            if not value:
-                return depth + 1
-            return depth + 1 + max(_depth(v, limit - depth - 1) for v in value.values())
-        if isinstance(value, list) and value:
-            value = value[0]
-            depth += 1
-            continue
-        return depth + (1 if isinstance(value, list) else 0)
-    return depth
 
 
 def dumps(value) -> bytes:
@@ -403,10 +384,6 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
         data = [data]
     try:
         arr = np.asarray(data)
-        if datatype == "UINT64" and arr.dtype.kind in "fO":  # ints of 2**63 and up among smaller ones:
-            whole = np.asarray(data, dtype=object)  # numpy made them all float64; uint64 holds them exactly
-            if all(type(v) is int and v >= 0 for v in whole.flat):
-                arr = whole.astype(np.uint64)
     except (ValueError, OverflowError):
         raise _bad(f"{what}: 'data' is not a regular list of numbers") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
@@ -414,6 +391,8 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
     if arr.size != n:
         raise _bad(f"{what}: {arr.size} elements of data, shape {list(shape)} needs {n}")
     kinds = _KINDS.get(datatype, "iu")
+    if kinds == "iu" and arr.dtype.kind == "f":  # integers past int64's range make numpy choose float64
+        arr = _exact_integers(data, arr.shape, what)
     if arr.size and arr.dtype.kind not in kinds:
         raise _bad(f"{what}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'} "
                    f"({'integers' if kinds == 'iu' else ''}), got {arr.dtype.kind!r} values".replace(" ()", ""))
@@ -432,6 +411,19 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
     if kinds == "fiu" and not np.isfinite(out).all():  # JSON numbers are finite: these overflowed
         raise _bad(f"{what}: values outside the range of {datatype} (they would be infinite)")
     return out.tobytes()
+
+
+def _exact_integers(data, shape: tuple, what: str) -> np.ndarray:
+    """``data`` as Python integers, exactly (an object array), or V2Error BAD_INPUT if one of them
+    is not an integer."""
+    flat = np.array(data, dtype=object).reshape(-1)
+    if not all(type(v) is int for v in flat):
+        raise _bad(f"{what}: integer data must be integers")
+    if flat.size and (min(flat) < -(1 << 63) or max(flat) >= 1 << 64):
+        raise _bad(f"{what}: values outside 64 bits")
+    if flat.size and min(flat) < 0:
+        return np.array(flat.tolist(), dtype=np.int64).reshape(shape)
+    return np.array(flat.tolist(), dtype=np.uint64).reshape(shape)
 
 
 def _flatten_strings(data, what: str, depth: int = 0) -> list[bytes]:

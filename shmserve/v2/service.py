@@ -20,6 +20,7 @@ Must not: parse HTTP or protobuf, touch a socket, or block the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -79,8 +80,12 @@ class V2Door:
 
     A request's inputs come from three sources (``pending[req]``'s list, one per input with
     bytes, in input order): bytes of the message (copied into the arena), a registered region
-    (``(region, ref, what)``: read into it), or ``Incoming`` (received into it by the request's
-    ``body``, straight from the socket; the request is published once all have landed)."""
+    (``(region, ref, what)``: read into it, on a thread when it is ``OFFLOAD_BYTES`` or more so
+    the loop serves others meanwhile), or ``Incoming`` (received into it by the request's
+    ``body``, straight from the socket; the request is published once all have landed).
+
+    While a thread reads into a request's space (``copying``), nothing frees that space: a drop
+    then waits for the read to end."""
 
     def __init__(self, service: "V2Service", caller: Caller):
         self.service, self.caller = service, caller
@@ -88,6 +93,8 @@ class V2Door:
         # request -> (future of its answer, its inputs' sources, its body receiver or None)
         self.pending: dict[Request, tuple[asyncio.Future, list, object]] = {}
         self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
+        self.copying: dict[Request, asyncio.Future] = {}  # a thread reads regions into their space
+        self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
         self.ids = itertools.count(1)
 
     def in_flight(self) -> int:
@@ -100,37 +107,68 @@ class V2Door:
         entry = self.pending.get(req)
         if entry is None or sinks is None:
             return
-        fut, sources, body = entry
-        incoming = []
+        sources = entry[1]
+        incoming, reads = [], []
+        for sink, source in zip(sinks, sources):
+            if isinstance(source, Incoming):
+                incoming.append(sink)
+            elif isinstance(source, tuple):
+                reads.append((sink, source))
+            else:
+                sink[:] = source
+        sources.clear()
+        if sum(len(sink) for sink, _ in reads) >= OFFLOAD_BYTES:
+            copy = asyncio.get_running_loop().run_in_executor(None, _read_regions, reads)
+            self.copying[req] = copy
+            copy.add_done_callback(lambda f: self._copied(req, f, incoming))
+            return
         try:
-            for sink, source in zip(sinks, sources):
-                if isinstance(source, Incoming):
-                    incoming.append(sink)
-                elif isinstance(source, tuple):
-                    region, ref, what = source
-                    SystemShm.read_into(region, ref, sink, what)
-                else:
-                    sink[:] = source
+            _read_regions(reads)
         except V2Error as exc:
             self._fail(req, exc)
             return
-        sources.clear()
+        self._inputs_read(req, incoming)
+
+    def _copied(self, req: Request, copy: asyncio.Future, incoming: list) -> None:
+        del self.copying[req]
+        if req in self.dropped:
+            self.dropped.discard(req)
+            self.dispatcher.drop(req)
+            return
+        exc = copy.exception()
+        if isinstance(exc, V2Error):
+            self._fail(req, exc)
+        elif exc is not None:
+            self._fail(req, V2Error(ErrorCode.INTERNAL, f"reading a region failed: {exc!r}"))
+        else:
+            self._inputs_read(req, incoming)
+
+    def _inputs_read(self, req: Request, incoming: list) -> None:
+        """The message's and the regions' bytes are in: the socket's next, or publish."""
         if not incoming:
             self.dispatcher.received(req)
             return
         self.receiving.add(req)
-        body.fill(incoming, lambda: self._received(req))
+        self.pending[req][2].fill(incoming, lambda: self._received(req))
 
     def _received(self, req: Request) -> None:
         if req in self.receiving:
             self.receiving.discard(req)
             self.dispatcher.received(req)
 
+    def drop(self, req: Request) -> None:
+        """Nobody is left to answer ``req``: free what it holds (once a read into it has ended)."""
+        self._stop_receiving(req)
+        if req in self.copying:
+            self.dropped.add(req)
+        else:
+            self.dispatcher.drop(req)
+
     def _fail(self, req: Request, exc: V2Error) -> None:
         """Fail a request this door holds (its inputs could not be read) and free its space."""
-        fut = self.pending.pop(req)[0]
-        self._stop_receiving(req)
-        self.dispatcher.drop(req)
+        fut = self.pending[req][0]
+        self.drop(req)
+        del self.pending[req]
         if not fut.done():
             fut.set_exception(exc)
 
@@ -154,11 +192,30 @@ class V2Door:
 
     def close(self) -> None:
         for req, (fut, _, _) in list(self.pending.items()):
+            self.drop(req)
             del self.pending[req]
             if not fut.done():
                 fut.cancel()
-            self.dispatcher.drop(req)
         self.receiving.clear()
+
+
+OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
+
+
+def _read_regions(reads: list) -> None:
+    for sink, (region, ref, what) in reads:
+        SystemShm.read_into(region, ref, sink, what)
+
+
+async def _offload(fn, *args) -> None:
+    """``fn(*args)`` on a thread; if the awaiting task is cancelled meanwhile, the cancellation
+    waits for ``fn`` to end (what it uses is freed only after)."""
+    job = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
 
 
 class V2Service:
@@ -168,9 +225,12 @@ class V2Service:
     list (one definition of each).  ``lifecycle``: the model lifecycle (repository extension)."""
 
     def __init__(self, *, dispatcher: Dispatcher, models: Models, status, lifecycle, shm: SystemShm,
-                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool]):
+                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool],
+                 max_inflight_per_uid: Callable[[], int] = lambda: 1 << 20):
         self.dispatcher, self.models, self.status, self.lifecycle, self.shm = dispatcher, models, status, lifecycle, shm
         self.allowed, self.is_admin = allowed, is_admin
+        self.max_inflight_per_uid = max_inflight_per_uid  # server.max_inflight_per_uid (it may change on reload)
+        self.inflight: collections.Counter[int] = collections.Counter()  # uid -> v2 requests being served
         self.callers: set[Caller] = set()
         self.started = True
 
@@ -310,12 +370,20 @@ class V2Service:
         unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
         datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
         offset or size outside it, an output larger than its region), TOO_LARGE."""
+        uid, limit = caller.uid, self.max_inflight_per_uid()
+        if self.inflight[uid] >= limit:
+            raise V2Error(ErrorCode.OVERLOADED, f"uid {uid} has {self.inflight[uid]} v2 requests in flight "
+                                                f"(server.max_inflight_per_uid)")
+        self.inflight[uid] += 1
         outs = {}  # output name -> its region: held (unregister waits) until the output is written
         try:
             return await self._infer(caller, request, outs)
         finally:
             for region in outs.values():
                 self.shm.give_back(region)
+            self.inflight[uid] -= 1
+            if not self.inflight[uid]:
+                del self.inflight[uid]
 
     async def _infer(self, caller: Caller, request: InferRequest, outs: dict) -> InferResult:
         door = caller.door
@@ -357,8 +425,10 @@ class V2Service:
                 answer = await fut
             except asyncio.CancelledError:
                 if door.pending.pop(req, None) is not None:
-                    door._stop_receiving(req)
-                    self.dispatcher.drop(req)
+                    door.drop(req)
+                copy = door.copying.get(req)
+                if copy is not None:  # a thread still reads its regions: they stay registered until it ends
+                    await asyncio.wait([copy])
                 raise
         finally:
             for region in held:
@@ -367,7 +437,7 @@ class V2Service:
             raise V2Error(answer.code, answer.message)
         release = (lambda: self.dispatcher.release(req)) if answer.in_arena else None
         try:
-            result = self._result(request, req, answer, wanted, outs)
+            result = await self._result(request, req, answer, wanted, outs)
         except BaseException:
             if release is not None:
                 release()
@@ -393,7 +463,7 @@ class V2Service:
                                                        f"(outputs: {', '.join(sorted(known))})")
         return request.outputs
 
-    def _result(self, request: InferRequest, req: Request, answer: Outputs, wanted, outs: dict) -> InferResult:
+    async def _result(self, request: InferRequest, req: Request, answer: Outputs, wanted, outs: dict) -> InferResult:
         by_name = {o.name: o for o in answer.outputs}
         order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
         out = []
@@ -406,7 +476,9 @@ class V2Service:
             if asked is not None and asked.shm is not None:
                 what = f"output {name!r}"
                 SystemShm.fits(asked.shm, o.nbytes, what)
-                if o.nbytes:
+                if o.nbytes >= OFFLOAD_BYTES:
+                    await _offload(SystemShm.write_from, outs[name], asked.shm, o.view, what)
+                elif o.nbytes:
                     SystemShm.write_from(outs[name], asked.shm, o.view, what)
                 out.append(OutputTensor(name, datatype, tuple(o.shape), None,
                                         ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))

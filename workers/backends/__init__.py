@@ -22,6 +22,7 @@ from typing import Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
+from shmserve import layout
 from shmserve.spec import TensorSpec
 
 ENTRY_POINT_GROUP = "shmserve.backends"
@@ -105,6 +106,15 @@ class RowSplit(NamedTuple):
 
 class BackendNotFound(LookupError):
     pass
+
+
+def refuse_bytes(backend: str, inputs, outputs) -> None:
+    """For a backend whose models take only fixed-size tensors (its ``declare``): ValueError naming
+    the tensors the final specs declare bytes, so that the model does not load."""
+    carried = [t.name for t in (*inputs, *outputs) if t.dtype == layout.BYTES]
+    if carried:
+        raise ValueError(f"tensors {', '.join(map(repr, carried))} are declared bytes, which a {backend} model "
+                         f"cannot take or return: serve it with the python or onnxruntime backend")
 
 
 def names() -> list[str]:

@@ -18,6 +18,7 @@ so for a ``RowSplit`` it executes into its device buffer and one
 view (page-locked shared memory, in either mode).
 
 ``synchronize`` waits for the stream before the worker publishes DONE.
+bfloat16 tensors (``trt.DataType.BF16``) are shmserve's bfloat16 (``dtype_name``).
 Errors say what to do: TensorRT missing, a file that is not an engine (or
 was built for another TensorRT or GPU), a shape outside the profile.
 Every CUDA call goes through ``workers.cuda.check``.
@@ -29,9 +30,10 @@ import math
 
 import numpy as np
 
+from shmserve import layout
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
-from workers.backends import RowSplit
+from workers.backends import RowSplit, refuse_bytes
 
 
 def import_tensorrt():
@@ -95,7 +97,7 @@ class TensorRTBackend:
         inputs, outputs, self.profiles = [], [], {}
         for i in range(self.engine.num_io_tensors):
             name = self.engine.get_tensor_name(i)
-            dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name))).name
+            dtype = dtype_name(trt, name, self.engine.get_tensor_dtype(name))
             shape = tuple(None if d < 0 else int(d) for d in self.engine.get_tensor_shape(name))
             spec = TensorSpec(name, dtype, shape)
             if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
@@ -110,12 +112,16 @@ class TensorRTBackend:
     def bind_memory(self, memory) -> None:
         self.memory = memory
 
+    def declare(self, inputs, outputs) -> None:
+        """ValueError if the config declares a tensor bytes (an engine's tensors are fixed-size)."""
+        refuse_bytes("TensorRT", inputs, outputs)
+
     def warmup_inputs(self) -> dict[str, np.ndarray]:
         """Zeros at the profile's optimal shape (dynamic inputs) or the fixed shape."""
         out = {}
         for t in self.inputs:
             shape = self.profiles[t.name][1] if t.name in self.profiles else t.shape
-            out[t.name] = np.zeros(shape, dtype=t.dtype)
+            out[t.name] = np.zeros(shape, dtype=layout.numpy_dtype(t.dtype))
         return out
 
     # -- running --------------------------------------------------------------------------
@@ -201,6 +207,21 @@ class TensorRTBackend:
         self._buffers.clear()
         cuda.check(cuda.cudart.cudaStreamDestroy(self.stream), "cudaStreamDestroy")
         self.context = self.engine = self.runtime = None
+
+
+def dtype_name(trt, tensor: str, dtype) -> str:
+    """shmserve's name of an engine tensor's ``trt.DataType``: bfloat16 for BF16 (numpy has none,
+    so ``trt.nptype`` cannot name it; its memory is the same 2-byte elements), numpy's name of
+    ``trt.nptype`` for the others.  ValueError for a type shmserve does not carry (FP8, INT4, ...)."""
+    if dtype == trt.DataType.BF16:
+        return "bfloat16"
+    try:
+        name = np.dtype(trt.nptype(dtype)).name
+    except TypeError:
+        name = None
+    if name not in layout.ITEMSIZES:
+        raise ValueError(f"tensor {tensor!r} has TensorRT type {dtype}, which shmserve does not carry")
+    return name
 
 
 _LOGGER = None

@@ -25,6 +25,11 @@ before the worker publishes DONE.  Inputs are positional in the order of the
 model's declared inputs; outputs (a tensor, or a tuple/list of tensors) map to
 the declared outputs in order.  TorchScript carries no shapes, so declare
 ``inputs``/``outputs`` in the config; ``.pt2`` programs report theirs.
+
+bfloat16 tensors are ``torch.bfloat16`` over the same memory: numpy's side
+(``ml_dtypes.bfloat16``) has no buffer torch can take, so its bytes are
+taken as uint16 and viewed as bfloat16 (no conversion, no copy).  Bytes
+tensors are refused at load: a torch model takes tensors of numbers.
 """
 
 from __future__ import annotations
@@ -33,18 +38,19 @@ import warnings
 
 import numpy as np
 
+from shmserve import layout
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
-from workers.backends import RowSplit
+from workers.backends import RowSplit, refuse_bytes
 
 
 _TORCH_DTYPES: dict = {}
+_BF16 = layout.numpy_dtype("bfloat16")
 
 
 def _init_dtypes(torch) -> None:
     if not _TORCH_DTYPES:
-        for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                     "float16", "float32", "float64"):
+        for name in layout.ITEMSIZES:
             if hasattr(torch, name):
                 _TORCH_DTYPES[name] = getattr(torch, name)
 
@@ -115,7 +121,9 @@ class TorchBackend:
         self.memory = memory
 
     def declare(self, inputs, outputs) -> None:
-        """The worker tells the final (config-merged) specs: positional order of inputs/outputs."""
+        """The worker tells the final (config-merged) specs: positional order of inputs/outputs.
+        ValueError for a bytes tensor (the model cannot load)."""
+        refuse_bytes("torch", inputs, outputs)
         self._input_names = [t.name for t in inputs]
         self._output_names = [t.name for t in outputs]
 
@@ -141,31 +149,35 @@ class TorchBackend:
         flat = base[offset:offset + view.nbytes].view(_TORCH_DTYPES[view.dtype.name])
         return flat.view(view.shape)
 
+    def _host(self, array: np.ndarray):
+        """A CPU tensor over ``array``'s own memory (bfloat16: its bytes viewed, see the header)."""
+        if array.dtype == _BF16:
+            return self.torch.from_numpy(array.view(np.uint16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(array)
+
     def _input(self, view: np.ndarray):
-        torch = self.torch
         if self.device.type == "cpu":
-            return torch.from_numpy(view)
+            return self._host(view)
         mapped = self._mapped(view)
         if mapped is not None:
             return mapped
-        return torch.from_numpy(view).to(self.device, non_blocking=True)  # DMA from page-locked memory
+        return self._host(view).to(self.device, non_blocking=True)  # DMA from page-locked memory
 
     def _write(self, value, dst) -> None:
         """Write the output ``value`` into ``dst``: a numpy view of shared memory, or a RowSplit
         (a batch: each request's rows into its own view)."""
-        torch = self.torch
         if type(dst) is RowSplit:
             for start, stop, view in dst.parts:
                 self._write(value[start:stop], view)
             return
         if value.device.type == "cpu" or self.device.type == "cpu":
-            torch.from_numpy(dst).copy_(value)
+            self._host(dst).copy_(value)
             return
         mapped = self._mapped(dst)
         if mapped is not None:
             mapped.copy_(value)  # the GPU writes shared memory through the mapping
         else:
-            torch.from_numpy(dst).copy_(value, non_blocking=True)  # DMA into page-locked memory
+            self._host(dst).copy_(value, non_blocking=True)  # DMA into page-locked memory
 
     def _forward(self, inputs):
         names = self._input_names or list(inputs)
@@ -182,7 +194,7 @@ class TorchBackend:
             results = self._forward(inputs)
             for name, value in results.items():
                 value = value.contiguous()
-                dtype = np.dtype(str(value.dtype).removeprefix("torch."))
+                dtype = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
                 self._write(value, allocate(name, tuple(value.shape), dtype))
 
     def synchronize(self) -> None:
