@@ -479,7 +479,8 @@ def test_bool_data_is_booleans_only():
     ("INT32", (2, 2), [[1, 2], [3]], ["regular"]),
     ("INT32", (2,), [1, [2]], ["regular"]),
     ("INT32", (2,), [1.5, 2], ["integers"]),
-    ("UINT64", (2,), [-1, 2**64 - 1], ["integers"]),  # numpy makes that pair float64: refused, never wrapped
+    ("UINT64", (2,), [-1, 2**64 - 1], ["outside the range"]),  # no 64-bit type holds both: never wrapped
+    ("INT64", (2,), [-1, 2**63], ["outside the range"]),
     ("INT8", (1,), ["1"], ["numbers"]),
     ("INT8", (1,), [None], ["numbers"]),
     ("FP32", (1,), [{"v": 1}], ["numbers"]),

@@ -421,6 +421,8 @@ def _exact_integers(data, shape: tuple, what: str) -> np.ndarray:
         raise _bad(f"{what}: integer data must be integers")
     if flat.size and (min(flat) < -(1 << 63) or max(flat) >= 1 << 64):
         raise _bad(f"{what}: values outside 64 bits")
+    if flat.size and min(flat) < 0 and max(flat) >= 1 << 63:  # neither int64 nor uint64 holds both
+        raise _bad(f"{what}: values outside the range of every integer datatype (negative ones and 2**63 or more)")
     if flat.size and min(flat) < 0:
         return np.array(flat.tolist(), dtype=np.int64).reshape(shape)
     return np.array(flat.tolist(), dtype=np.uint64).reshape(shape)
