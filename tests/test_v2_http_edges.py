@@ -404,18 +404,23 @@ def test_malformed_bytes_tensors_are_refused(srv):
 
 # -- JSON too deep or too large -------------------------------------------------------------------
 
-@pytest.mark.parametrize("body", [
-    b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    b'{"a": ' * 100_000 + b"1" + b"}" * 100_000,
-    json.dumps(json_body() | {"inputs": [tensor(shape=(1,)) | {"data": [[[[[[[[[[[[[[1]]]]]]]]]]]]]]}]}).encode(),
-    json.dumps({"inputs": [tensor(shape=(1,)) | {"parameters": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {
-        "i": {"j": {"k": {"l": {}}}}}}}}}}}}}}]}).encode(),
-], ids=["100000_lists", "100000_objects", "deep_data", "deep_parameters"])
-def test_deeply_nested_json_is_refused(srv, body):
+@pytest.mark.parametrize("body, code, words", [
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "bad_frame", ["not JSON", "depth"]),
+    (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "bad_frame", ["not JSON", "depth"]),
+    (json.dumps(json_body() | {"inputs": [tensor(shape=(1,)) | {"data": [[[[[[[[[[[[[[1]]]]]]]]]]]]]]}]}).encode(),
+     "bad_input", ["nested 14 deep, deeper than shape [1]"]),
+    (b'{"inputs": [{"name": "x", "datatype": "UINT8", "shape": [1], "data": ' + b"[" * 1000 + b"1" + b"]" * 1000
+     + b"}]}", "bad_input", ["'data' is not a regular list"]),  # within orjson's limit, past numpy's 64
+    (json.dumps({"inputs": [tensor(shape=(1,)) | {"data": [1], "parameters": {"a": {"b": {"c": {"d": {"e": {
+        "f": {"g": {"h": {"i": {"j": {"k": {"l": {}}}}}}}}}}}}}}]}).encode(), "bad_input", ["unknown parameter 'a'"]),
+], ids=["100000_lists", "100000_objects", "deep_data", "1000_deep_data", "deep_parameters"])
+def test_deeply_nested_json_is_refused(srv, body, code, words):
+    """orjson refuses nesting past 1024; within it, tensor data deeper than its shape, and objects
+    where no field takes one, are refused as what they are."""
     with connect(srv.http) as s:
         s.sendall(request("POST", "/v2/models/identity/infer", body, {"Content-Type": "application/json"}))
         reader = Reader(s)
-        refused(reader.one(), 400, "bad_frame", "nested" if len(body) < 1000 else "not JSON")
+        refused(reader.one(), 400, code, *words)
         keeps_serving(s, reader)
 
 

@@ -423,7 +423,7 @@ def test_uint64_data_past_int64_among_small_values_is_exact():
     values = [0, 2**63, 2**64 - 1, 7]
     raw = rest.json_to_bytes("UINT64", (4,), values, "x")
     assert rest.bytes_to_json("UINT64", (4,), raw, "x").tolist() == values
-    assert rest.json_to_bytes("UINT64", (2,), [[1], [2**63]], "x") == np.array([1, 2**63], "<u8").tobytes()
+    assert rest.json_to_bytes("UINT64", (2, 1), [[1], [2**63]], "x") == np.array([1, 2**63], "<u8").tobytes()
     for data in ([-1, 2**63], [0.5, 2**63], [0, 2**64], ["1", 2**63]):
         refused(ErrorCode.BAD_INPUT, rest.json_to_bytes, "UINT64", (2,), data, "x")
     refused(ErrorCode.BAD_INPUT, rest.json_to_bytes, "INT64", (2,), [0, 2**63], "x")
@@ -493,10 +493,21 @@ def test_json_data_of_the_wrong_count_kind_or_form_is_refused(datatype, shape, d
     assert all(w in message for w in words), message
 
 
+@pytest.mark.parametrize("datatype, shape, data", [
+    ("UINT8", (1,), [[1]]), ("FP32", (2,), [[1.0], [2.0]]), ("INT32", (2, 2), [[[1, 2]], [[3, 4]]]),
+    ("BOOL", (1,), [[[[[[[[[[True]]]]]]]]]]), ("BYTES", (2,), [["a"], ["b"]]), ("BYTES", (1, 1), [[["a"]]]),
+    ("BYTES", (), [["a"]]),
+])
+def test_json_data_nested_deeper_than_its_shape_is_refused(datatype, shape, data):
+    message = refused(ErrorCode.BAD_INPUT, rest.json_to_bytes, datatype, shape, data, "input 'x'")
+    assert "deeper than" in message, message
+
+
 def test_json_data_may_be_nested_flat_or_a_lone_scalar():
     flat = rest.json_to_bytes("INT16", (2, 2), [1, 2, 3, 4], "x")
     assert flat == rest.json_to_bytes("INT16", (2, 2), [[1, 2], [3, 4]], "x") == np.arange(1, 5, dtype="<i2").tobytes()
     assert rest.json_to_bytes("FP32", (), 2.5, "x") == rest.json_to_bytes("FP32", (1,), [2.5], "x")
+    assert rest.json_to_bytes("BYTES", (2, 1), [["a"], ["b"]], "x") == rest.json_to_bytes("BYTES", (2,), ["a", "b"], "x")
     assert rest.json_to_bytes("UINT8", (0,), [], "x") == b"" and rest.json_to_bytes("FP32", (2, 0), [], "x") == b""
 
 

@@ -376,7 +376,7 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
     out of range)."""
     n = math.prod(shape)
     if datatype == "BYTES":
-        flat = _flatten_strings(data, what)
+        flat = _flatten_strings(data, what, max(len(shape), 1))
         if len(flat) != n:
             raise _bad(f"{what}: {len(flat)} elements of data, shape {list(shape)} needs {n}")
         return serialize_bytes(flat)
@@ -390,6 +390,8 @@ def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> byt
         raise _bad(f"{what}: 'data' must be a regular list of {'booleans' if datatype == 'BOOL' else 'numbers'}")
     if arr.size != n:
         raise _bad(f"{what}: {arr.size} elements of data, shape {list(shape)} needs {n}")
+    if arr.ndim > max(len(shape), 1):
+        raise _bad(f"{what}: 'data' is nested {arr.ndim} deep, deeper than shape {list(shape)}")
     kinds = _KINDS.get(datatype, "iu")
     if kinds == "iu" and arr.dtype.kind == "f":  # integers past int64's range make numpy choose float64
         arr = _exact_integers(data, arr.shape, what)
@@ -428,17 +430,18 @@ def _exact_integers(data, shape: tuple, what: str) -> np.ndarray:
     return np.array(flat.tolist(), dtype=np.uint64).reshape(shape)
 
 
-def _flatten_strings(data, what: str, depth: int = 0) -> list[bytes]:
+def _flatten_strings(data, what: str, rank: int, depth: int = 0) -> list[bytes]:
+    """The strings of BYTES data, encoded, in order: lists nested at most ``rank`` deep."""
     if isinstance(data, str):
         return [data.encode()]
-    if not isinstance(data, list) or depth > protocol.MAX_DIMS:
-        raise _bad(f"{what}: BYTES data must be a list of strings")
+    if not isinstance(data, list) or depth >= rank:
+        raise _bad(f"{what}: BYTES data must be a list of strings nested no deeper than its shape")
     out = []
     for x in data:
         if isinstance(x, str):
             out.append(x.encode())
         else:
-            out.extend(_flatten_strings(x, what, depth + 1))
+            out.extend(_flatten_strings(x, what, rank, depth + 1))
     return out
 
 
