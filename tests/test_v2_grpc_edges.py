@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -129,6 +130,22 @@ def test_typed_contents_out_of_their_datatypes_range_are_refused(stub, dtype, va
     raw = [sample(d, len(values)).tobytes() for d in TYPED[model] if d not in FIELD]
     details = grpc_refused(lambda: stub.ModelInfer(infer(model, *tensors, raw=raw)), "INVALID_ARGUMENT", "bad_input")
     assert f"input '{dtype}'" in details and "outside the range" in details, details
+
+
+def test_bytes_as_typed_or_raw_contents_and_bf16_as_raw_contents(stub):
+    words = [b"abc", b"", b"\x00\xff", "é".encode()]
+    serialized = b"".join(len(w).to_bytes(4, "little") + w for w in words)
+    want = b"".join(len(w).to_bytes(4, "little") + w[::-1] for w in words)
+    assert stub.ModelInfer(infer("reverse", ("x", "BYTES", [4], {"bytes_contents": words}))).raw_output_contents \
+        == [want]
+    assert stub.ModelInfer(infer("reverse", ("x", "BYTES", [4]), raw=[serialized])).raw_output_contents == [want]
+    for bad in (serialized[:-1], serialized + b"\0", b"\xff\xff\xff\xff"):
+        grpc_refused(lambda: stub.ModelInfer(infer("reverse", ("x", "BYTES", [4]), raw=[bad])), "INVALID_ARGUMENT",
+                     "bad_input")
+    x = np.array([1.0, -2.5, 3.140625], ml_dtypes.bfloat16)
+    assert stub.ModelInfer(infer("bf16", ("x", "BF16", [3]), raw=[x.tobytes()])).raw_output_contents == [x.tobytes()]
+    typed = infer("bf16", ("x", "BF16", [3], {"fp32_contents": [1.0, 2.0, 3.0]}))  # BF16 has no typed field
+    assert "has no data" in grpc_refused(lambda: stub.ModelInfer(typed), "INVALID_ARGUMENT", "bad_input")
 
 
 def test_typed_contents_in_the_wrong_field_or_beside_raw_contents_are_refused(stub):

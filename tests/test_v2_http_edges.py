@@ -4,7 +4,8 @@ written by the test (``helpers.raw_http``).
 What Triton's qa suites check (L0_http, L0_input_validation), and more: headers that lie about the
 body (Inference-Header-Content-Length, Content-Length, binary_data_size), bodies cut short, bodies
 that stall, headers that never end or never stop, JSON that is not JSON, too deep or too large,
-requests that do not fit their model, every optional field and parameter refused or taken,
+requests that do not fit their model (BYTES elements that lie about their lengths, BF16 out of
+range), every optional field and parameter refused or taken,
 transfer and content encodings (chunked, gzip, a gzip bomb), pipelining (and garbage behind it),
 a request split at every byte boundary, streamed requests refused before their body is in, a
 client that never reads, clients that vanish mid-request and mid-answer, HTTP/1.0,
@@ -27,6 +28,7 @@ import socket
 import time
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -390,16 +392,48 @@ def test_byte_sizes_that_do_not_fit_the_shape_are_refused(srv):
     answered_identity(one(srv.http, binary_infer("identity", empty, b"")), b"")
 
 
-def test_malformed_bytes_tensors_are_refused(srv):
-    """BYTES data whose element lengths run past the end or leave bytes over.  This branch serves
-    no BYTES model (bytes is not a dispatcher dtype here), so the server refuses them as the wrong
-    datatype for the model before it reads the elements; JSON ones are refused by the codec."""
-    for data in (b"\xff\xff\xff\x7fabc", b"\x02\x00\x00\x00abc", b"\x01\x00"):
-        header = {"inputs": [tensor(datatype="BYTES", shape=(1,), binary_data_size=len(data))]}
-        r = one(srv.http, binary_infer("identity", header, data))
-        assert r.status == 400 and r.code in ("bad_input", "bad_dtype"), r
-    refused(one(srv.http, json_infer("identity", json_body() | {"inputs": [
-        tensor(datatype="BYTES", shape=(1,)) | {"data": [{"b64": "AAAA"}]}]})), 400, "bad_input")
+def bytes_request(elements_data: bytes, count: int, **output) -> bytes:
+    header = {"inputs": [tensor(datatype="BYTES", shape=(count,), binary_data_size=len(elements_data))]}
+    if output:
+        header["outputs"] = [{"name": "y", "parameters": output}]
+    return binary_infer("reverse", header, elements_data)
+
+
+@pytest.mark.parametrize("data, count", [
+    (b"\xff\xff\xff\x7fabc", 1), (b"\x05\x00\x00\x00abc", 1), (b"\x01\x00", 1), (b"", 1),
+    (b"\x01\x00\x00\x00ab", 1), (b"\x01\x00\x00\x00a", 2), (b"\x00\x00\x00\x00\x00\x00\x00\x00", 1),
+])
+def test_malformed_bytes_tensors_are_refused(srv, data, count):
+    """BYTES data whose element lengths run past the end, stop inside a length, or leave bytes
+    over (a BYTES model's input: the worker reads the elements)."""
+    refused(one(srv.http, bytes_request(data, count)), 400, "bad_input")
+
+
+def test_bytes_tensors_json_and_binary(srv):
+    elements = [b"abc", b"", "é".encode(), b"\x00\xff"]
+    raw = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+    r = one(srv.http, bytes_request(raw, 4, binary_data=True))
+    assert r.status == 200 and r.binary == b"".join(len(e).to_bytes(4, "little") + e[::-1] for e in elements), r
+    text = {"inputs": [tensor(datatype="BYTES", shape=(3,)) | {"data": ["ab", "", "x\u00e7"]}]}  # reversed byte-wise
+    r = one(srv.http, json_infer("reverse", text))
+    assert r.status == 400 and "not UTF-8" in r.error, r  # "xç" reversed is not text
+    text["inputs"][0]["data"] = ["ab", "", "xyz"]
+    r = one(srv.http, json_infer("reverse", text))
+    assert r.status == 200 and r.json()["outputs"][0]["data"] == ["ba", "", "zyx"], r
+    # elements that are not UTF-8 cannot be answered in JSON: refused, the result let go
+    refused(one(srv.http, bytes_request(raw, 4, binary_data=False)), 400, "bad_input", "binary_data = true")
+    for data in ([{"b64": "AAAA"}], ["a", 5], [None], ["a", ["b"]]):
+        refused(one(srv.http, json_infer("reverse", {"inputs": [tensor(datatype="BYTES", shape=(len(data),))
+                                                                 | {"data": data}]})), 400, "bad_input")
+
+
+def test_bf16_json_data_is_rounded_once_and_refused_past_its_range(srv):
+    values = [1.0, -2.5, 3.140625, 1e38, 0.0]
+    r = one(srv.http, json_infer("bf16", {"inputs": [tensor(datatype="BF16", shape=(5,)) | {"data": values}],
+                                          "parameters": {"binary_data_output": True}}))
+    assert r.status == 200 and r.binary == np.array(values, np.float64).astype(ml_dtypes.bfloat16).tobytes(), r
+    too_big = {"inputs": [tensor(datatype="BF16", shape=(2,)) | {"data": [1.0, 1e39]}]}
+    refused(one(srv.http, json_infer("bf16", too_big)), 400, "bad_input", "outside the range of BF16")
 
 
 # -- JSON too deep or too large -------------------------------------------------------------------

@@ -77,6 +77,11 @@ def bases(key: str) -> list[bytes]:
         request("GET", "/v2/systemsharedmemory/status"),
         request("POST", "/v2/models/identity/infer", text, {"Expect": "100-continue"}),
         request("GET", "/v2/health/live", version="1.0"),
+        json_infer("reverse", {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["ab", "c"]}]}),
+        binary_infer("reverse", {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2],
+                                             "parameters": {"binary_data_size": 13}}]},
+                     b"\x05\x00\x00\x00hello\x00\x00\x00\x00"),
+        json_infer("bf16", {"inputs": [{"name": "x", "datatype": "BF16", "shape": [2], "data": [1.5, -3e38]}]}),
     ]
 
 

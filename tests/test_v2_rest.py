@@ -507,7 +507,8 @@ def test_json_data_may_be_nested_flat_or_a_lone_scalar():
     flat = rest.json_to_bytes("INT16", (2, 2), [1, 2, 3, 4], "x")
     assert flat == rest.json_to_bytes("INT16", (2, 2), [[1, 2], [3, 4]], "x") == np.arange(1, 5, dtype="<i2").tobytes()
     assert rest.json_to_bytes("FP32", (), 2.5, "x") == rest.json_to_bytes("FP32", (1,), [2.5], "x")
-    assert rest.json_to_bytes("BYTES", (2, 1), [["a"], ["b"]], "x") == rest.json_to_bytes("BYTES", (2,), ["a", "b"], "x")
+    nested = rest.json_to_bytes("BYTES", (2, 1), [["a"], ["b"]], "x")
+    assert nested == rest.json_to_bytes("BYTES", (2,), ["a", "b"], "x")
     assert rest.json_to_bytes("UINT8", (0,), [], "x") == b"" and rest.json_to_bytes("FP32", (2, 0), [], "x") == b""
 
 

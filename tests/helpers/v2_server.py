@@ -42,6 +42,8 @@ MODELS = "".join([
     python_model("f32", "shmserve.models:identity_f32"),
     *(python_model(name, f"serving_models:{name}") for name in ("slow", "two_inputs", "two_outputs")),
     python_model("big", "serving_models:grow", max_output_bytes=BIG_OUT + 4096),
+    python_model("reverse", "shmserve.models:bytes_reverse"),
+    python_model("bf16", "shmserve.models:typed_identity", options={"factory": True, "dtype": "bfloat16"}),
     *(python_model(name, "serving_models:typed_echo", options={"factory": True, "dtypes": dtypes})
       for name, dtypes in TYPED.items())])
 
