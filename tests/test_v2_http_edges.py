@@ -231,7 +231,10 @@ def test_headers_that_never_finish_are_answered_at_the_frame_deadline_and_closed
         start = time.monotonic()
         for _ in range(3):  # a byte now and then does not move the deadline
             time.sleep(DEADLINE_S / 4)
-            s.sendall(b"a")
+            try:
+                s.sendall(b"a")
+            except OSError:  # a slow machine: the deadline came first
+                break
         refused(reader.one(), 400, "bad_frame", "the request line and headers did not all arrive",
                 "server.frame_timeout_s")
         then_closed(reader)
