@@ -11,8 +11,11 @@ can make it hold (``HttpLimits`` and the native door's ``DoorLimits``).
 A connection's life is a table (``RULES``: state, event, next state); the
 request line and headers must arrive within ``frame_timeout_s``, a body
 within ``upload_timeout_s``; answers left unread for ``stall_timeout_s``
-close the connection.  Only one request is served at a time: the socket is
-not read while it is (the rest stays in the kernel's buffer).
+close the connection.  Only one request is served at a time: once a parsed
+request waits behind the one being served, the socket is not read until its
+turn (the rest stays in the kernel's buffer).  An infer request is served
+without a task: ``V2Service.start`` calls back when it is answered, in the
+turn of the loop that collected its completion.
 
 Data path: a binary infer request (``Inference-Header-Content-Length``, a
 ``Content-Length``, no transfer or content encoding) whose body is still
@@ -243,7 +246,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.msg: _Message | None = None  # being parsed
         self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting their turn
         self.current: _Message | None = None  # being served (its task runs, or its answer is being sent)
-        self.task: asyncio.Task | None = None
+        self.work = None  # the current request's InferCall, or the Task of another operation (both cancel())
         self.held: list = []  # results whose arena views the transport may still hold
         self.after: V2Error | None = None  # the answer to send once the current one is sent, then close
         self.head_bytes = 0
@@ -319,9 +322,9 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.stall_timer.cancel()
             self.stall_timer = None
         self._release_held()
-        if self.task is not None:
-            self.task.cancel()
-            self.task = None
+        if self.work is not None:
+            self.work.cancel()
+            self.work = None
         if self.caller is not None:
             self.door.leave(self)
             self.service.disconnect(self.caller)
@@ -341,7 +344,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.stall_timer.cancel()
             self.stall_timer = None
         self._release_held()
-        if self.current is not None and self.task is None:
+        if self.current is not None and self.work is None:
             self._sent()
 
     def _stalled(self) -> None:
@@ -387,13 +390,14 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.closing = True
         self.queue.clear()
         self.msg = None
+        receiving = self.input in (Input.STREAM, Input.DISCARD)  # the current request's own body
         discarding = self.input is Input.DISCARD
         self.advance(Ev.CLOSE)
         self._cancel_timer()
-        if self.task is not None and self.current is not None and self.current.request is not None:
-            self.task.cancel()  # a streamed request whose body will never be in
-            self.task, self.current = None, None
-        elif discarding and self.task is None:  # a refused one: its answer waited for the rest of its body
+        if receiving and self.work is not None:
+            self.work.cancel()  # a streamed request whose body will never be in
+            self.work, self.current = None, None
+        elif discarding and self.work is None:  # a refused one: its answer waited for the rest of its body
             self.current, self.refusal = None, None
         if self.current is None:
             self.current = _Message()
@@ -487,8 +491,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             want = bool(self.sinks)
         elif self.input is Input.DISCARD:
             want = True
-        else:
-            want = self.current is None and not self.queue and not self.closing
+        else:  # read on while one is served (no epoll change per request); stop once one waits behind it
+            want = not self.queue and not self.closing
         if want != self.reading:
             self.reading = want
             if want:
@@ -523,17 +527,22 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _serve_next(self) -> None:
         msg = self.queue.popleft()
         self.current = msg
-        self.task = asyncio.get_running_loop().create_task(self._serve(msg))
-        self.task.add_done_callback(self._served)
-
-    async def _serve(self, msg: _Message):
-        """(status, content type, body parts, extra headers, result to release) for ``msg``."""
         try:
             op, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+            if op == "infer":  # the hot path: no task, the answer comes back through _infer_done
+                self._start_infer(msg, self._infer_request(msg, params))
+                return
         except UnicodeDecodeError:
-            raise V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8") from None
-        if op == "infer":
-            return await self._infer(msg, params)
+            self._respond_error(V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8"))
+            return
+        except V2Error as exc:
+            self._respond_error(exc)
+            return
+        self.work = asyncio.get_running_loop().create_task(self._serve(msg, op, params))
+        self.work.add_done_callback(self._served)
+
+    async def _serve(self, msg: _Message, op: str, params: dict):
+        """(status, content type, body parts, extra headers, None) for an operation other than infer."""
         body = rest.loads(self._decoded(msg), self.door.json_limits) if msg.size else {}
         value = await self._operation(op, params, body)
         if isinstance(value, bool):  # health and readiness: the status says it
@@ -608,11 +617,10 @@ class HttpConnection(asyncio.BufferedProtocol):
             service.cuda_shm_register(caller, r, body.get("raw_handle"), body.get("device_id"), body.get("byte_size"))
         return None  # cuda_shm_unregister: nothing is ever registered
 
-    async def _infer(self, msg: _Message, params: dict):
+    def _infer_request(self, msg: _Message, params: dict):
+        """The infer request of a buffered ``msg``.  V2Error as ``rest.parse_infer`` says."""
         model, version = params["m"], params["v"]
-        if msg.request is not None:  # streamed: parsed from its header, its tensors received into the arena
-            request = msg.request
-        elif msg.header_length is None:
+        if msg.header_length is None:
             request = rest.parse_infer(model, version, rest.loads(self._decoded(msg), self.door.json_limits))
         else:
             data = memoryview(self._decoded(msg))
@@ -626,35 +634,57 @@ class HttpConnection(asyncio.BufferedProtocol):
             else:
                 header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
                 request = rest.parse_infer(model, version, header, binary=data[h:])
-        result = await self.service.infer(self.caller, request)
-        try:
-            header, parts, header_length = rest.encode_result(result, request.binary_outputs)
-        except BaseException:
-            result.release()
-            raise
-        if header_length is None:
-            result.release()
-            return 200, "application/json", [header], (), None
-        return 200, "application/octet-stream", [header, *parts], \
-            ((b"inference-header-content-length", b"%d" % header_length),), result
+        msg.request = request
+        return request
+
+    def _start_infer(self, msg: _Message, request) -> None:
+        """Submit ``request`` (``msg``'s); V2Error if it is refused at once."""
+        call = self.service.start(self.caller, request, self._infer_done)
+        if not call.ended:  # (an answer given at once has already been sent)
+            self.work = call
+
+    def _infer_done(self, result, error: V2Error | None) -> None:
+        """``V2Service.start``'s ``done``: the current infer request's answer."""
+        self.work = None
+        if self.input is Input.CLOSED and self.current is None:
+            if result is not None:
+                result.release()
+            return
+        answer = None
+        if error is None:
+            try:
+                header, parts, header_length = rest.encode_result(result, self.current.request.binary_outputs)
+            except V2Error as exc:
+                error = exc
+            if error is not None or header_length is None:
+                result.release()
+                result = None
+            if error is None:
+                answer = (200, "application/json", [header], (), None) if header_length is None else \
+                    (200, "application/octet-stream", [header, *parts],
+                     ((b"inference-header-content-length", b"%d" % header_length),), result)
+        if self.input in (Input.STREAM, Input.DISCARD):  # answered before its body was all in
+            if answer is not None and answer[4] is not None:
+                answer[4].release()
+                answer = None
+            self._refuse_stream(error, answer)
+            return
+        if error is not None:
+            self._respond_error(error)
+        else:
+            self._respond(*answer)
 
     def _served(self, task: asyncio.Task) -> None:
-        if task is not self.task:
+        if task is not self.work:
             return  # cancelled (the connection ended, or gave up on it)
-        self.task = None
+        self.work = None
         exc = task.exception()
         if exc is None:
-            if self.input in (Input.STREAM, Input.DISCARD):  # answered early: once the body is dropped
-                self._refuse_stream(None, task.result())
-                return
             self._respond(*task.result())
             return
         if not isinstance(exc, V2Error):
             log.error("HTTP: internal error serving a request", exc_info=exc)
             exc = V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")
-        if self.input in (Input.STREAM, Input.DISCARD):  # its body is still coming: answer once it is dropped
-            self._refuse_stream(exc)
-            return
         self._respond_error(exc)
 
     def _respond_error(self, error: V2Error) -> None:
@@ -728,8 +758,13 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._refuse_stream(exc)
             return
         msg.request, request.body = request, self
-        self.task = asyncio.get_running_loop().create_task(self._serve(msg))
-        self.task.add_done_callback(self._served)
+        try:
+            call = self.service.start(self.caller, request, self._infer_done)
+        except V2Error as exc:
+            self._refuse_stream(exc)
+            return
+        if not call.ended:
+            self.work = call
 
     def fill(self, sinks: list[memoryview], done) -> None:
         """``BodyReceiver.fill``: the streamed request has space; what came with its header goes in

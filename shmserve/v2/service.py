@@ -76,9 +76,9 @@ def version_number(model: str, version: str | None) -> int | None:
 
 
 class V2Door:
-    """The dispatcher's door for one v2 caller: input bytes in, answers out, through futures.
+    """The dispatcher's door for one v2 caller: its requests' inputs in, their answers out.
 
-    A request's inputs come from three sources (``pending[req]``'s list, one per input with
+    A request's inputs come from three sources (its ``InferCall.sources``, one per input with
     bytes, in input order): bytes of the message (copied into the arena), a registered region
     (``(region, ref, what)``: read into it, on a thread when it is ``OFFLOAD_BYTES`` or more so
     the loop serves others meanwhile), or ``Incoming`` (received into it by the request's
@@ -90,8 +90,7 @@ class V2Door:
     def __init__(self, service: "V2Service", caller: Caller):
         self.service, self.caller = service, caller
         self.dispatcher = service.dispatcher
-        # request -> (future of its answer, its inputs' sources, its body receiver or None)
-        self.pending: dict[Request, tuple[asyncio.Future, list, object]] = {}
+        self.pending: dict[Request, InferCall] = {}
         self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
         self.copying: dict[Request, asyncio.Future] = {}  # a thread reads regions into their space
         self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
@@ -104,19 +103,18 @@ class V2Door:
         pass
 
     def admitted(self, req: Request, sinks: list | None) -> None:
-        entry = self.pending.get(req)
-        if entry is None or sinks is None:
+        call = self.pending.get(req)
+        if call is None or sinks is None:
             return
-        sources = entry[1]
         incoming, reads = [], []
-        for sink, source in zip(sinks, sources):
+        for sink, source in zip(sinks, call.sources):
             if isinstance(source, Incoming):
                 incoming.append(sink)
             elif isinstance(source, tuple):
                 reads.append((sink, source))
             else:
                 sink[:] = source
-        sources.clear()
+        call.sources = ()
         if sum(len(sink) for sink, _ in reads) >= OFFLOAD_BYTES:
             copy = asyncio.get_running_loop().run_in_executor(None, _read_regions, reads)
             self.copying[req] = copy
@@ -149,7 +147,7 @@ class V2Door:
             self.dispatcher.received(req)
             return
         self.receiving.add(req)
-        self.pending[req][2].fill(incoming, lambda: self._received(req))
+        self.pending[req].request.body.fill(incoming, lambda: self._received(req))
 
     def _received(self, req: Request) -> None:
         if req in self.receiving:
@@ -166,37 +164,119 @@ class V2Door:
 
     def _fail(self, req: Request, exc: V2Error) -> None:
         """Fail a request this door holds (its inputs could not be read) and free its space."""
-        fut = self.pending[req][0]
+        call = self.pending[req]
         self.drop(req)
         del self.pending[req]
-        if not fut.done():
-            fut.set_exception(exc)
+        call.failed(exc)
 
     def _stop_receiving(self, req: Request) -> None:
         if req in self.receiving:
             self.receiving.discard(req)
-            entry = self.pending.get(req)
-            body = entry[2] if entry is not None else None
-            if body is not None:
-                body.abort()
+            call = self.pending.get(req)
+            if call is not None and call.request.body is not None:
+                call.request.body.abort()
 
     def answer(self, req: Request, answer: Answer) -> None:
         if req in self.receiving:  # answered before its body was all in: no byte more lands in its space
             self._stop_receiving(req)
-        entry = self.pending.pop(req, None)
-        if entry is None or entry[0].done():  # its caller gave up (cancelled) meanwhile
+        call = self.pending.pop(req, None)
+        if call is None:  # its caller gave up (cancelled) meanwhile
             if isinstance(answer, Outputs) and answer.in_arena:
                 self.dispatcher.release(req)
             return
-        entry[0].set_result(answer)
+        call.answered(answer)
+
+    def cancel(self, req: Request) -> None:
+        """``req``'s caller gives up on it (its connection is gone, its RPC cancelled)."""
+        if self.pending.pop(req, None) is not None:
+            self.drop(req)
 
     def close(self) -> None:
-        for req, (fut, _, _) in list(self.pending.items()):
-            self.drop(req)
-            del self.pending[req]
-            if not fut.done():
-                fut.cancel()
+        for req, call in list(self.pending.items()):
+            call.cancel()
         self.receiving.clear()
+
+
+class InferCall:
+    """One v2 infer request on its way (``V2Service.start``): what it holds until it ends (the
+    regions its inputs and outputs name, its place in the uid's count) and whom to tell.  It ends
+    exactly once: ``done(result, None)``, ``done(None, error)``, or ``cancel()`` (nobody is told).
+    A region a thread still reads or writes for it stays held until the thread is done."""
+
+    __slots__ = ("service", "caller", "request", "wanted", "req", "sources", "held", "outputs", "done", "ended",
+                 "writing")
+
+    def __init__(self, service: "V2Service", caller: Caller, request: InferRequest, done):
+        self.service, self.caller, self.request, self.done = service, caller, request, done
+        self.wanted = self.req = self.writing = None
+        self.sources: list | tuple = []
+        self.held: list = []  # every region taken for it (given back once, when it ends)
+        self.outputs: dict = {}  # output name -> the region it is written into
+        self.ended = False
+
+    def answered(self, answer: Answer) -> None:
+        """The dispatcher's one answer (through the door)."""
+        if isinstance(answer, Failure):
+            self._end(None, V2Error(answer.code, answer.message))
+            return
+        service, req = self.service, self.req
+        release = (lambda: service.dispatcher.release(req)) if answer.in_arena else None
+        try:
+            result, writes = service._result(self, answer)
+        except V2Error as exc:
+            if release is not None:
+                release()
+            self._end(None, exc)
+            return
+        result.releaser = release
+        if not writes:
+            self._end(result, None)
+            return
+        self.writing = asyncio.get_running_loop().run_in_executor(None, _write_regions, writes)  # large: a thread
+        self.writing.add_done_callback(lambda job: self._written(result, job))
+
+    def _written(self, result: InferResult, job: asyncio.Future) -> None:
+        self.writing = None
+        exc = job.exception()
+        if exc is None and not self.ended:
+            self._end(result, None)
+            return
+        result.release()
+        if not self.ended:
+            self._end(None, exc if isinstance(exc, V2Error) else V2Error(ErrorCode.INTERNAL, f"writing a region "
+                                                                                               f"failed: {exc!r}"))
+
+    def failed(self, error: V2Error) -> None:
+        """Its inputs could not be read (the door has freed its space)."""
+        self._end(None, error)
+
+    def _end(self, result: InferResult | None, error: V2Error | None) -> None:
+        if self.ended:
+            if result is not None:
+                result.release()
+            return
+        self.let_go()
+        self.done(result, error)
+
+    def cancel(self) -> None:
+        """Nobody waits for the answer any more: let go of everything."""
+        if self.ended:
+            return
+        busy = self.writing
+        if self.req is not None:
+            door = self.caller.door
+            door.cancel(self.req)
+            busy = door.copying.get(self.req) or busy
+        if busy is not None:  # a thread uses its regions: they stay registered until it ends
+            held, self.held = self.held, []
+            busy.add_done_callback(lambda job: self.service._give_back(held))
+        self.let_go()
+
+    def let_go(self) -> None:
+        self.ended = True
+        self.service._give_back(self.held)
+        self.held = []
+        self.service._uncount(self.caller.uid)
 
 
 OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
@@ -207,15 +287,9 @@ def _read_regions(reads: list) -> None:
         SystemShm.read_into(region, ref, sink, what)
 
 
-async def _offload(fn, *args) -> None:
-    """``fn(*args)`` on a thread; if the awaiting task is cancelled meanwhile, the cancellation
-    waits for ``fn`` to end (what it uses is freed only after)."""
-    job = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        await asyncio.shield(job)
-    except asyncio.CancelledError:
-        await asyncio.wait([job])
-        raise
+def _write_regions(writes: list) -> None:
+    for region, ref, view, what in writes:
+        SystemShm.write_from(region, ref, view, what)
 
 
 class V2Service:
@@ -359,91 +433,98 @@ class V2Service:
 
     # -- inference -----------------------------------------------------------------------
 
-    async def infer(self, caller: Caller, request: InferRequest) -> InferResult:
-        """Serve one request through the dispatcher.  Inputs with ``shm`` are read from the
-        caller's registered region, inputs whose data is ``Incoming`` are received by
-        ``request.body``; outputs asked for with ``shm`` are written into one (their
-        ``OutputTensor.data`` is then None).  Other outputs' data are views of the arena: the
-        door calls ``result.release()`` once it has sent or copied them.
+    def start(self, caller: Caller, request: InferRequest, done) -> InferCall:
+        """Serve one request through the dispatcher; ``done(result, None)`` or ``done(None,
+        error)`` is called once it is answered (maybe before this returns), unless the returned
+        call is cancelled first.  Inputs with ``shm`` are read from the caller's registered
+        region, inputs whose data is ``Incoming`` are received by ``request.body``; outputs asked
+        for with ``shm`` are written into one (their ``OutputTensor.data`` is then None).  Other
+        outputs' data are views of the arena: the door calls ``result.release()`` once it has
+        sent or copied them.
 
-        V2Error: every code the dispatcher refuses or fails a request with, plus BAD_INPUT (an
+        Raises V2Error (the request is refused and holds nothing): every code the dispatcher
+        refuses a request with, plus OVERLOADED (``max_inflight_per_uid``), BAD_INPUT (an
         unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
         datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
-        offset or size outside it, an output larger than its region), TOO_LARGE."""
-        uid, limit = caller.uid, self.max_inflight_per_uid()
-        if self.inflight[uid] >= limit:
+        offset or size outside it), TOO_LARGE.  ``done``'s error: every code a request can fail
+        with, plus BAD_REGION (an output larger than its region, a region shrunk under it)."""
+        uid = caller.uid
+        if self.inflight[uid] >= self.max_inflight_per_uid():
             raise V2Error(ErrorCode.OVERLOADED, f"uid {uid} has {self.inflight[uid]} v2 requests in flight "
                                                 f"(server.max_inflight_per_uid)")
         self.inflight[uid] += 1
-        outs = {}  # output name -> its region: held (unregister waits) until the output is written
+        call = InferCall(self, caller, request, done)
         try:
-            return await self._infer(caller, request, outs)
-        finally:
-            for region in outs.values():
-                self.shm.give_back(region)
-            self.inflight[uid] -= 1
-            if not self.inflight[uid]:
-                del self.inflight[uid]
+            self._submit(call)
+        except BaseException:
+            call.let_go()
+            raise
+        return call
 
-    async def _infer(self, caller: Caller, request: InferRequest, outs: dict) -> InferResult:
+    async def infer(self, caller: Caller, request: InferRequest) -> InferResult:
+        """``start``, awaited: the result, or the V2Error raised.  Cancelling the awaiting task
+        cancels the request."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(result, error):
+            if fut.done():
+                if result is not None:
+                    result.release()
+            elif error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        call = self.start(caller, request, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+    def _submit(self, call: InferCall) -> None:
+        caller, request = call.caller, call.request
         door = caller.door
         metas = _input_metas(request)
-        sources, held = [], []  # held: input regions, until the answer
+        for t, meta in zip(request.inputs, metas):
+            what = f"input {t.name!r}"
+            nbytes = meta.nbytes
+            if t.shm is not None:
+                region = self.shm.take(caller.uid, t.shm, nbytes, what)
+                call.held.append(region)
+                if nbytes:
+                    call.sources.append((region, t.shm, what))
+            else:
+                if t.data is None or len(t.data) != nbytes:
+                    got = 0 if t.data is None else len(t.data)
+                    raise V2Error(ErrorCode.BAD_INPUT, f"{what} has {got} bytes of data; shape "
+                                                       f"{list(t.shape)} of {t.datatype} needs {nbytes}")
+                if isinstance(t.data, Incoming) and request.body is None:
+                    raise V2Error(ErrorCode.INTERNAL, f"{what}: its bytes have no receiver")
+                if nbytes:
+                    call.sources.append(t.data)
+        call.wanted = self._wanted(request)
+        for o in call.wanted or ():
+            if o.shm is not None:
+                call.outputs[o.name] = region = self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
+                call.held.append(region)
+        parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
+                                       version=version_number(request.model, request.version), key=request.key)
         try:
-            for t, meta in zip(request.inputs, metas):
-                what = f"input {t.name!r}"
-                nbytes = meta.nbytes
-                if t.shm is not None:
-                    region = self.shm.take(caller.uid, t.shm, nbytes, what)
-                    held.append(region)
-                    if nbytes:
-                        sources.append((region, t.shm, what))
-                else:
-                    if t.data is None or len(t.data) != nbytes:
-                        got = 0 if t.data is None else len(t.data)
-                        raise V2Error(ErrorCode.BAD_INPUT, f"{what} has {got} bytes of data; shape "
-                                                           f"{list(t.shape)} of {t.datatype} needs {nbytes}")
-                    if isinstance(t.data, Incoming) and request.body is None:
-                        raise V2Error(ErrorCode.INTERNAL, f"{what}: its bytes have no receiver")
-                    if nbytes:
-                        sources.append(t.data)
-            wanted = self._wanted(request)
-            for o in wanted or ():
-                if o.shm is not None:
-                    outs[o.name] = self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
-            parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
-                                           version=version_number(request.model, request.version),
-                                           key=request.key)
-            fut = asyncio.get_running_loop().create_future()
-            try:
-                req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
-            except ShmserveError as exc:
-                raise _error(exc) from None
-            door.pending[req] = (fut, sources, request.body)
-            self.dispatcher.admit(req)
-            try:
-                answer = await fut
-            except asyncio.CancelledError:
-                if door.pending.pop(req, None) is not None:
-                    door.drop(req)
-                copy = door.copying.get(req)
-                if copy is not None:  # a thread still reads its regions: they stay registered until it ends
-                    await asyncio.wait([copy])
-                raise
-        finally:
-            for region in held:
-                self.shm.give_back(region)
-        if isinstance(answer, Failure):
-            raise V2Error(answer.code, answer.message)
-        release = (lambda: self.dispatcher.release(req)) if answer.in_arena else None
-        try:
-            result = await self._result(request, req, answer, wanted, outs)
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        result.releaser = release
-        return result
+            call.req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
+        except ShmserveError as exc:
+            raise _error(exc) from None
+        door.pending[call.req] = call
+        self.dispatcher.admit(call.req)
+
+    def _give_back(self, regions: list) -> None:
+        for region in regions:
+            self.shm.give_back(region)
+
+    def _uncount(self, uid: int) -> None:
+        self.inflight[uid] -= 1
+        if not self.inflight[uid]:
+            del self.inflight[uid]
 
     def _wanted(self, request: InferRequest):
         if request.outputs is None:
@@ -463,10 +544,14 @@ class V2Service:
                                                        f"(outputs: {', '.join(sorted(known))})")
         return request.outputs
 
-    async def _result(self, request: InferRequest, req: Request, answer: Outputs, wanted, outs: dict) -> InferResult:
+    def _result(self, call: InferCall, answer: Outputs) -> tuple[InferResult, list]:
+        """The result of ``answer`` in the order asked for, and the region writes of its
+        shared-memory outputs still to make (done here when small; large ones are left for a
+        thread: ``(region, ref, view, what)``)."""
+        request, wanted = call.request, call.wanted
         by_name = {o.name: o for o in answer.outputs}
         order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
-        out = []
+        out, writes = [], []
         for name, asked in order:
             o = by_name.get(name)
             if o is None:
@@ -476,16 +561,17 @@ class V2Service:
             if asked is not None and asked.shm is not None:
                 what = f"output {name!r}"
                 SystemShm.fits(asked.shm, o.nbytes, what)
+                region = call.outputs[name]  # held by the call since it was submitted
                 if o.nbytes >= OFFLOAD_BYTES:
-                    await _offload(SystemShm.write_from, outs[name], asked.shm, o.view, what)
+                    writes.append((region, asked.shm, o.view, what))
                 elif o.nbytes:
-                    SystemShm.write_from(outs[name], asked.shm, o.view, what)
+                    SystemShm.write_from(region, asked.shm, o.view, what)
                 out.append(OutputTensor(name, datatype, tuple(o.shape), None,
                                         ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
             else:
                 out.append(OutputTensor(name, datatype, tuple(o.shape), o.view if o.nbytes else b"",
                                         None, asked.binary if asked is not None else None))
-        return InferResult(request.model, str(req.model.version), request.id, out)
+        return InferResult(request.model, str(call.req.model.version), request.id, out), writes
 
     # -- system shared memory ------------------------------------------------------------
 
