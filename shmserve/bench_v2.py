@@ -12,8 +12,8 @@ same client, and a gRPC server (grpc.aio) whose ``ModelInfer`` answers
 The clients are deliberately lean (a raw kept-alive HTTP/1.1 connection,
 grpcio's generated stub): a benchmark of the server, not of a client library.
 
-Must not: leave a /dev/shm object behind (regions are unlinked in ``finally``),
-or listen anywhere but loopback.
+Must not: leave a /dev/shm object behind (a region's name is unlinked once the server has
+registered it), or listen anywhere but loopback.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ MODES = {"unix": ("inline", "zero-copy"), "http": ("inline", "shm"), "grpc": ("i
 
 
 class _Region:
-    """A /dev/shm object of this process (posix_ipc), mapped, unlinked by ``close``."""
+    """A /dev/shm object of this process (posix_ipc), mapped.  Its name is unlinked as soon as the
+    server has registered it (the server holds its own descriptor), so not even a killed client
+    leaves it behind; ``close`` unmaps it (and unlinks it if that has not happened)."""
 
     def __init__(self, size: int):
         import posix_ipc
@@ -50,12 +52,29 @@ class _Region:
         finally:
             shm.close_fd()
         self.size = size
+        self.linked = True
 
-    def close(self) -> None:
+    def unlink(self) -> None:
         import posix_ipc
 
+        if self.linked:
+            self.linked = False
+            posix_ipc.unlink_shared_memory(self.key)
+
+    def close(self) -> None:
         self.buf.close()
-        posix_ipc.unlink_shared_memory(self.key)
+        self.unlink()
+
+
+def _registered(regions: list, register) -> None:
+    """``register(tag, region)`` for the input ("in") and output ("out") region, then unlink their
+    names; on any failure the regions are closed."""
+    try:
+        for tag, r in zip(("in", "out"), regions):
+            register(tag, r)
+    finally:
+        for r in regions:
+            r.unlink()
 
 
 class HttpConnection:
@@ -118,9 +137,9 @@ class HttpCall:
             src, dst = _Region(x.nbytes), _Region(x.nbytes)
             self.regions = [src, dst]
             np.frombuffer(src.buf, np.uint8, x.nbytes)[:] = x.reshape(-1).view(np.uint8)
-            for tag, r in (("in", src), ("out", dst)):
-                self._post(f"/v2/systemsharedmemory/region/{tag}{os.getpid()}/register",
-                           json.dumps({"key": r.key, "offset": 0, "byte_size": r.size}).encode())
+            _registered(self.regions, lambda tag, r: self._post(
+                f"/v2/systemsharedmemory/region/{tag}{os.getpid()}/register",
+                json.dumps({"key": r.key, "offset": 0, "byte_size": r.size}).encode()))
             tensor["parameters"] = {"shared_memory_region": f"in{os.getpid()}", "shared_memory_byte_size": x.nbytes}
             out = {"name": output, "parameters": {"shared_memory_region": f"out{os.getpid()}",
                                                   "shared_memory_byte_size": x.nbytes}}
@@ -174,9 +193,9 @@ class GrpcCall:
             src, dst = _Region(x.nbytes), _Region(x.nbytes)
             self.regions = [src, dst]
             np.frombuffer(src.buf, np.uint8, x.nbytes)[:] = x.reshape(-1).view(np.uint8)
-            for tag, r in (("in", src), ("out", dst)):
-                self.stub.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
-                    name=f"{tag}{os.getpid()}", key=r.key, offset=0, byte_size=r.size))
+            _registered(self.regions, lambda tag, r: self.stub.SystemSharedMemoryRegister(
+                service_pb2.SystemSharedMemoryRegisterRequest(name=f"{tag}{os.getpid()}", key=r.key, offset=0,
+                                                              byte_size=r.size)))
             for t, tag in ((tensor, "in"), (out, "out")):
                 t.parameters["shared_memory_region"].string_param = f"{tag}{os.getpid()}"
                 t.parameters["shared_memory_byte_size"].int64_param = x.nbytes
