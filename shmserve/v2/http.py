@@ -109,9 +109,10 @@ class Ev(enum.Enum):
 # any       CLOSE     CLOSED    the connection ends (an error, a deadline, shutdown)
 # ========  ========  ========  ==========================================================
 #
-# Apart from that: one request at a time is *served* (``HttpConnection.current``), and the socket
-# is read only while none is (or to receive the streamed body of the one that is), so a client can
-# make a connection hold one parsed read of requests (``MAX_PIPELINED``) and one answer.
+# Apart from that: one request at a time is *served* (``HttpConnection.current``); the socket is
+# read while no parsed request waits behind it (a pipelined one stops the reading until its turn),
+# so a client can make a connection hold one parsed read of requests (``MAX_PIPELINED``), the one
+# being parsed (within the body limits), and one answer.
 I = Input
 RULES: dict[tuple[Input, Ev], Input] = {
     (I.IDLE, Ev.BEGIN): I.HEAD,
@@ -137,6 +138,16 @@ class HeadTooLarge(V2Error):
     @property
     def http_status(self) -> int:
         return 431
+
+
+def _route(msg: "_Message") -> tuple[str, dict]:
+    """``rest.route`` of a parsed request: (operation, path parameters).  V2Error: NoRoute, or
+    BAD_FRAME for a path that is not percent-encoded UTF-8."""
+    try:
+        op, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+    except UnicodeDecodeError:
+        raise V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8") from None
+    return op, params
 
 
 class IllegalTransition(RuntimeError):
@@ -528,13 +539,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         msg = self.queue.popleft()
         self.current = msg
         try:
-            op, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+            op, params = _route(msg)
             if op == "infer":  # the hot path: no task, the answer comes back through _infer_done
                 self._start_infer(msg, self._infer_request(msg, params))
                 return
-        except UnicodeDecodeError:
-            self._respond_error(V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8"))
-            return
         except V2Error as exc:
             self._respond_error(exc)
             return
@@ -743,7 +751,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.remaining, self.tail = msg.length - msg.size, data[h:]
         self.current = msg
         try:
-            _, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
+            _, params = _route(msg)
             model, version = params["m"], params["v"]
             if h == 0:
                 request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
@@ -751,9 +759,6 @@ class HttpConnection(asyncio.BufferedProtocol):
             else:
                 header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
                 request = rest.parse_infer(model, version, header, streamed=msg.length - h)
-        except UnicodeDecodeError:
-            self._refuse_stream(V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8"))
-            return
         except V2Error as exc:
             self._refuse_stream(exc)
             return

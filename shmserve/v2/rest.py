@@ -278,17 +278,22 @@ def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
                         timeout_us / 1e6 if timeout_us else None, key)
 
 
-def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
-    what = f"inputs[{i}]"
+def _tensor_object(item, where: str, keys: frozenset[str], kind: str) -> tuple[str, str]:
+    """(name, how messages name it) of an input or output object ``item`` (``where``: its place,
+    like ``inputs[0]``).  V2Error BAD_INPUT if it is not an object of ``keys`` with a name."""
     if not isinstance(item, dict):
-        raise _bad(f"{what} must be an object")
-    unknown = [k for k in item if k not in INPUT_KEYS]
+        raise _bad(f"{where} must be an object")
+    unknown = [k for k in item if k not in keys]
     if unknown:
-        raise _bad(f"{what} has unknown field {_show(unknown[0])}")
+        raise _bad(f"{where} has unknown field {_show(unknown[0])}")
     name = item.get("name")
     if not (isinstance(name, str) and 0 < len(name) <= protocol.MAX_NAME):
-        raise _bad(f"{what}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
-    what = f"input {name!r}"
+        raise _bad(f"{where}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
+    return name, f"{kind} {name!r}"
+
+
+def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
+    name, what = _tensor_object(item, f"inputs[{i}]", INPUT_KEYS, "input")
     datatype = item.get("datatype")
     if not isinstance(datatype, str) or datatype not in DATATYPES:  # a list or object is not hashable
         raise _bad(f"{what}: unknown datatype {_show(datatype)} (one of {', '.join(DATATYPES)})", ErrorCode.BAD_DTYPE)
@@ -311,16 +316,7 @@ def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
 
 
 def _parse_output(i: int, item) -> RequestedOutput:
-    what = f"outputs[{i}]"
-    if not isinstance(item, dict):
-        raise _bad(f"{what} must be an object")
-    unknown = [k for k in item if k not in OUTPUT_KEYS]
-    if unknown:
-        raise _bad(f"{what} has unknown field {_show(unknown[0])}")
-    name = item.get("name")
-    if not (isinstance(name, str) and 0 < len(name) <= protocol.MAX_NAME):
-        raise _bad(f"{what}: 'name' must be a string of 1 to {protocol.MAX_NAME} characters")
-    what = f"output {name!r}"
+    name, what = _tensor_object(item, f"outputs[{i}]", OUTPUT_KEYS, "output")
     params = parameters_of(item, what, OUTPUT_PARAMETERS)
     if params.get("classification") not in (None, 0):
         raise _bad(f"{what}: the classification extension is not served; ask for the output and rank it yourself")
