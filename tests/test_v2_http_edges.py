@@ -938,3 +938,48 @@ def test_shutdown_answers_the_request_being_served_with_connection_close_and_clo
         assert small.proc.wait(30) == 0
         for s in (busy, idle, half):
             s.close()
+
+
+def test_an_allowed_uid_that_is_no_admin_may_infer_but_not_touch_the_repository(tmp_path):
+    """``allow_uids`` lets nobody in; only admins (the server's uid, root, ``admin_uids``) may
+    index, load or unload models, over HTTP and gRPC alike: 403 / PERMISSION_DENIED naming the
+    keys, and the model keeps serving."""
+    import grpc  # imported here: the child that drops to nobody cannot read the interpreter's files
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    from helpers.other_user import NOBODY, as_nobody, nobody_group
+
+    nobody_group()  # skips unless root on a machine with nobody
+    with v2_serving(tmp_path, models=SMALL, extra=f"allow_uids = [{NOBODY}]\n") as small:
+        def as_nobody_client() -> str:
+            answers = []
+            with connect(small.http) as s:
+                reader = Reader(s)
+                for path in ("/v2/repository/index", "/v2/repository/models/identity/load",
+                             "/v2/repository/models/identity/unload"):
+                    s.sendall(request("POST", path, b"{}"))
+                    r = reader.one()
+                    answers.append([r.status, r.code, r.error])
+                s.sendall(request("GET", "/v2/models/identity/ready"))
+                answers.append([reader.one().status, None, None])
+            with grpc.insecure_channel(small.grpc) as channel:
+                stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                for call in (lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()),
+                             lambda: stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="identity"))):
+                    try:
+                        call()
+                        answers.append(["ok", None, None])
+                    except grpc.RpcError as e:
+                        answers.append([e.code().name, None, e.details()])
+            return json.dumps(answers)
+
+        raw = as_nobody(as_nobody_client)
+        assert raw.startswith("["), raw
+        answers = json.loads(raw)
+        for status, code, error in answers[:3]:
+            assert (status, code) == (403, "permission_denied") and "admin_uids" in error, (status, code, error)
+        assert answers[3][0] == 200  # still loaded, and nobody may ask
+        for status, _, details in answers[4:]:
+            assert status == "PERMISSION_DENIED" and "permission_denied" in details, (status, details)
+        still_serving(small)
