@@ -556,6 +556,23 @@ def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, st
     return wanted or (MODEL if MODEL in names else names[0]), None
 
 
+def missing_doors(path: str, protocols: list[str]) -> tuple[int, str] | None:
+    """(exit code, why) if the server at ``path`` does not serve one of the v2 ``protocols``."""
+    from shmserve.cli import EXIT_FAILURE
+    from shmserve.client import Client
+
+    wanted = [p for p in protocols if p != "unix"]
+    if not wanted:
+        return None
+    with Client(path, timeout=30) as client:
+        served = client.info().get("v2") or {}
+    missing = [p for p in wanted if p not in served]
+    if missing:
+        return EXIT_FAILURE, (f"the server does not serve {' or '.join(missing)} (start it with "
+                              f"{' '.join(f'--{p} 127.0.0.1:PORT' for p in missing)}, or give --spawn-server)")
+    return None
+
+
 def swap_versions(path: str, model: str) -> tuple[tuple[int, int] | None, tuple[int, str] | None]:
     """((other, default), None): the versions ``--during-swap`` alternates for ``model`` at
     ``path`` — its default and its newest other version; or (None, (exit code, why))."""
@@ -713,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
 
         path = resolve_socket(args.socket, None, args.instance)
         model, problem = pick_model(path, args.model)
+        if problem is None:
+            problem = missing_doors(path, args.protocol)
         if problem:
             print(f"shmserve bench: {problem[1]}", file=sys.stderr)
             return problem[0]

@@ -81,6 +81,11 @@ path = "shmserve.models:identity"
                               "--payload", "64", "--requests", "10"], capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and "no one-input model 'nope'" in bad.stderr and "echo" in bad.stderr
         assert "Traceback" not in bad.stderr
+        no_door = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--socket", srv.socket, "--protocol",
+                                  "unix,http", "--payload", "64", "--requests", "10"], capture_output=True, text=True,
+                                 timeout=300)
+        assert no_door.returncode == 1 and "does not serve http" in no_door.stderr and "--http" in no_door.stderr
+        assert "Traceback" not in no_door.stderr
 
 
 def test_bench_json_on_stdout():
