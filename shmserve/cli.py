@@ -189,7 +189,7 @@ def _listen_address_problem(address: str) -> str | None:
     from shmserve.metrics import check_loopback
 
     host, colon, port = address.rpartition(":")
-    if not port.isdigit() or int(port) > 65535:
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:  # str.isdigit takes "²"
         return f"expected a loopback host:port (like 127.0.0.1:8000) or a socket path, got {address!r}"
     try:
         check_loopback(host.strip("[]") or "127.0.0.1")

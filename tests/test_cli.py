@@ -96,6 +96,11 @@ def test_user_errors_are_one_line_with_exit_codes(tmp_path):
         assert r.returncode == 2 and r.stderr.strip(), bad
     r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--metrics", str(tmp_path / "nodir" / "m.sock"))
     assert r.returncode == 2 and "--metrics: no directory" in r.stderr
+    for flag, address, words in (("--http", "0.0.0.0:8000", "not a loopback"), ("--grpc", "127.0.0.1:99999", "host:port"),
+                                 ("--http", "127.0.0.1:²", "host:port"), ("--grpc", str(tmp_path / "nodir" / "g.sock"),
+                                                                          "no directory")):
+        r = cli("serve", "--socket", str(tmp_path / "s.sock"), flag, address)
+        assert r.returncode == 2 and f"{flag}: " in r.stderr and words in r.stderr and "Traceback" not in r.stderr, r
     r = cli("bench", "--socket", nowhere, "--payload", "64")
     assert r.returncode == 3 and "no shmserve server" in r.stderr and "--spawn-server" in r.stderr
 

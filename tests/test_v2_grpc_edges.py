@@ -177,7 +177,7 @@ def test_a_message_over_the_limit_is_resource_exhausted_and_the_server_goes_on(s
 
 def test_unknown_models_and_versions(stub):
     x = [b"\x01"]
-    for name, version in (("no_such_model", ""), ("identity", "9"), ("identity", "x"), ("identity", "-1")):
+    for name, version in (("no_such_model", ""), ("identity", "9"), ("identity", "x"), ("identity", "-1"), ("identity", "²")):  # "²".isdigit() is true
         msg = infer(name, ("x", "UINT8", [1]), raw=x)
         msg.model_version = version
         grpc_refused(lambda: stub.ModelInfer(msg), "NOT_FOUND", "unknown_model")

@@ -69,7 +69,8 @@ def version_number(model: str, version: str | None) -> int | None:
     UNKNOWN_MODEL for one that is not a positive integer."""
     if version is None or version == "":
         return None
-    if not (isinstance(version, str) and version.isdigit() and len(version) <= 18 and int(version) > 0):
+    if not (isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 18
+            and int(version) > 0):
         raise V2Error(ErrorCode.UNKNOWN_MODEL, f"model {model!r} has no version {str(version)[:40]!r}: "
                                                "versions are positive integers")
     return int(version)
@@ -192,7 +193,7 @@ class V2Door:
             self.drop(req)
 
     def close(self) -> None:
-        for req, call in list(self.pending.items()):
+        for call in list(self.pending.values()):
             call.cancel()
         self.receiving.clear()
 
@@ -683,11 +684,11 @@ class V2Service:
             failed = sum(n for (model, ver, code), n in outcomes.items()
                          if model == v.name and ver == v.version and code != "ok")
 
-            def stage(key, count=None):
+            def stage(key, m=m):
                 if m is None:
                     return {"count": 0, "ns": 0}
                 buckets, total_us = m.histograms[key]
-                return {"count": sum(buckets) if count is None else count, "ns": int(total_us * 1000)}
+                return {"count": sum(buckets), "ns": int(total_us * 1000)}
 
             batch_buckets, _ = m.histograms["batch_size"] if m is not None else ((), 0)
             stats.append({
