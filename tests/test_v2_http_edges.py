@@ -841,6 +841,22 @@ def test_connection_close_is_answered_then_closed_and_what_follows_is_not_read(s
             assert r.status == 200 and "connection" not in r.headers
 
 
+def test_what_follows_a_closing_request_is_not_read_even_when_it_comes_later(srv):
+    """The door reads on while it serves; a request sent after one that closes (an HTTP/1.0 call of
+    the slow model here), arriving while that one is being served, is never read nor answered: the
+    one answer carries Connection: close and then the connection closes (found by the fuzz run)."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0.5]}]}).encode()
+    with connect(srv.http) as s:
+        s.sendall(request("POST", "/v2/models/slow/infer", body, version="1.0"))
+        time.sleep(0.2)  # the slow request (0.5 s) is being served
+        s.sendall(json_infer("identity", json_body()))
+        reader = Reader(s)
+        r = reader.one()
+        assert r.status == 200 and r.headers.get("connection") == "close", r
+        then_closed(reader)
+        assert not reader.done, "answered a request sent after a closing one"
+
+
 def test_expect_100_continue(srv):
     body = json.dumps(json_body()).encode()
     head = request("POST", "/v2/models/identity/infer", b"",

@@ -267,6 +267,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.reading = True
         self.write_blocked = False
         self.closing = False  # answer with Connection: close, then close
+        self.last_closes = False  # the last request parsed closes the connection (HTTP/1.0, Connection: close)
         # The streamed body: the views it lands in, where in the first one, the bytes still to read,
         # those that came with its header before there was space, and whom to tell it is in.
         self.sinks: list[memoryview] = []
@@ -386,7 +387,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._fail_input(error)
             return
         except httptools.HttpParserError as exc:
-            if self.queue and not self.queue[-1].keep_alive:
+            if self.last_closes:
                 return  # llhttp refuses bytes after a request that closes: they are never read (RFC 9112 9.6)
             self._fail_input(V2Error(ErrorCode.BAD_FRAME, f"malformed HTTP request: {exc}"))
             return
@@ -479,6 +480,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def on_message_complete(self) -> None:
         msg, self.msg = self.msg, None
         self.queue.append(msg)
+        self.last_closes = not msg.keep_alive  # nothing after it is read, whenever it comes
         self.advance(Ev.COMPLETE)
 
     def _streamable(self, msg: _Message) -> bool:
@@ -503,7 +505,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         elif self.input is Input.DISCARD:
             want = True
         else:  # read on while one is served (no epoll change per request); stop once one waits behind it
-            want = not self.queue and not self.closing
+            want = not self.queue and not self.closing and not self.last_closes
         if want != self.reading:
             self.reading = want
             if want:
