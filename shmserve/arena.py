@@ -399,6 +399,10 @@ class Arena:
     def stat(self, name: str) -> int:
         return atomics.load64(self.buf, layout.STAT_OFFSETS[name])
 
+    def worker_counter(self, index: int, name: str) -> int:
+        """Load worker ``index``'s counter ``name`` (``requests``, ``errors``) from the worker table."""
+        return atomics.load64(self.buf, self.geometry.worker_off(index) + layout.WORKER.offset(name))
+
     # -- slots ------------------------------------------------------------------------------
 
     def slot_status(self, index: int) -> tuple[int, int]:

@@ -120,7 +120,7 @@ def prepare(c, mode: str, size: int, model: str, protocol: str = "unix"):
         if not address:
             raise SystemExit(f"the server does not serve {protocol} (serve --{protocol} ADDR)")
         call = run = v2_call(protocol, address, model, spec, name, x, mode)
-    elif mode == "inline":
+    elif mode in ("inline", "socket"):  # the client was made with lanes=False for socket
         run = lambda: c.infer(model, {name: x})  # noqa: E731
         call = None
     else:
@@ -143,7 +143,7 @@ def client_main(path: str, mode: str, size: int, requests: int, duration: float,
     from shmserve import Client
 
     samples = []
-    with Client(path, timeout=120) as c:
+    with Client(path, timeout=120, lanes=mode != "socket") as c:
         run, call, x = prepare(c, mode, size, model, protocol)
         sys.stdin.readline()
         start = time.monotonic()
@@ -171,11 +171,43 @@ def run_case(path: str, mode: str, size: int, clients: int, requests: int, durat
              model: str, rate: float = 0.0, protocol: str = "unix") -> dict:
     """Run ``clients`` client processes over one common window; requests/s counts that window only.
     ``rate``: requests/s of all of them together (0: each sends back to back)."""
+    reports = run_clients(path, [mode] * clients, size, requests, duration, model, rate / clients if rate else 0.0,
+                          protocol)
+    samples = [s for r in reports for s in r["samples"]]
+    wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    result = summarize(samples, wall, reports[0]["nbytes"])
+    result["tensor_bytes"] = reports[0]["nbytes"]
+    return result
+
+
+def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, model: str) -> dict:
+    """Clients of several modes at once (``mix``: (mode, count)), back to back for ``duration`` s:
+    per mode its latencies and each of its clients' requests/s; ``fairness``, the most requests/s
+    any client got over the fewest (1.0: every client the same share)."""
+    modes = [mode for mode, n in mix for _ in range(n)]
+    reports = run_clients(path, modes, size, 1 << 62, duration, model, 0.0, "unix")
+    rows, shares = [], []
+    for mode, _ in mix:
+        mine = [r for m, r in zip(modes, reports) if m == mode]
+        rates = [len(r["samples"]) / (r["end"] - r["start"]) for r in mine]
+        shares += rates
+        arr = np.asarray([s for r in mine for s in r["samples"]])
+        rows.append({"mode": mode, "clients": len(mine), "p50_us": round(float(np.percentile(arr, 50)), 1),
+                     "p99_us": round(float(np.percentile(arr, 99)), 1),
+                     "client_rps_min": round(min(rates), 1), "client_rps_max": round(max(rates), 1),
+                     "rps": round(sum(rates), 1)})
+    return {"payload": size, "duration_s": duration, "modes": rows,
+            "fairness": round(max(shares) / max(min(shares), 1e-9), 2)}
+
+
+def run_clients(path: str, modes: list[str], size: int, requests: int, duration: float, model: str,
+                rate_each: float, protocol: str) -> list[dict]:
+    """One client process per entry of ``modes``, released together; their reports (client_main)."""
     procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
-                               str(rate / clients if rate else 0.0), protocol],
+                               str(rate_each), protocol],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(clients)]
+             for mode in modes]
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":
@@ -194,11 +226,7 @@ def run_case(path: str, mode: str, size: int, clients: int, requests: int, durat
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    samples = [s for r in reports for s in r["samples"]]
-    wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
-    result = summarize(samples, wall, reports[0]["nbytes"])
-    result["tensor_bytes"] = reports[0]["nbytes"]
-    return result
+    return reports
 
 
 def summarize(samples: list[float], wall: float, size: int) -> dict:
@@ -533,6 +561,19 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
+def parse_mix(text: str) -> list[tuple[str, int]]:
+    """``inline:4,zero-copy:4`` as [(mode, count)]: unix modes, counts of 1 or more, each mode once."""
+    mix = []
+    for part in text.split(","):
+        mode, _, count = part.partition(":")
+        if mode not in MODES["unix"] or not count.isascii() or not count.isdigit() or int(count) < 1 \
+                or mode in dict(mix):
+            raise argparse.ArgumentTypeError(f"bad mix {text!r} (use e.g. inline:4,zero-copy:4,socket:2; modes: "
+                                             f"{', '.join(MODES['unix'])})")
+        mix.append((mode, int(count)))
+    return mix
+
+
 def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, str] | None]:
     """(model, None): ``wanted``, or a model the server at ``path`` lists that bench can drive
     (``identity`` if it has one, else its first one-input model); or (None, (exit code, why))."""
@@ -662,10 +703,11 @@ def main(argv: list[str] | None = None) -> int:
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
     p.add_argument("--payload", help="comma-separated sizes (default: 64,4KiB,1MiB,16MiB; --during-swap: 4KiB)")
-    p.add_argument("--mode", choices=("inline", "zero-copy", "shm", "both"),
-                   help="how requests travel: unix inline or zero-copy (a lane), http/grpc inline (binary "
-                        "tensors) or shm (system shared memory); both: each of the protocol's two "
-                        "(default: both; --during-swap: inline)")
+    p.add_argument("--mode", choices=("inline", "socket", "zero-copy", "shm", "both"),
+                   help="how requests travel: unix inline (Client.infer: through a lane), socket "
+                        "(Client.infer with lanes=False: through the front-end) or zero-copy (Client.zero_copy), "
+                        "http/grpc inline (binary tensors) or shm (system shared memory); both: each of the "
+                        "protocol's (default: both; --during-swap: inline)")
     p.add_argument("--protocol", type=parse_protocols, default=["unix"], metavar="P[,P...]",
                    help="unix (the native socket), http, grpc (the KServe v2 doors of the same server; "
                         "--spawn-server serves both), or a list")
@@ -680,6 +722,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="steady state, then the same while the model's default version is swapped N times "
                         "(default 20) back and forth; one payload, mode and client count; --spawn-server serves "
                         f"model {SWAP_MODEL!r} with versions 1 and 2, else --model names one with two versions")
+    p.add_argument("--mix", type=parse_mix, metavar="MODE:N[,MODE:N...]",
+                   help="one run with clients of several unix modes at once (e.g. inline:4,zero-copy:4,socket:2), "
+                        "each back to back for --duration s (default 10): every client's share of requests/s "
+                        "and the fairness, the most any client got over the fewest")
     p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
@@ -714,12 +760,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--during-swap measures the native socket only (no --protocol)")
     cases = []  # (protocol, mode)
     for protocol in args.protocol:
-        no_socket = {"zero-copy": "shm", "shm": "zero-copy"}  # each protocol's variant without tensor bytes on it
+        # each protocol's variant without tensor bytes on it; the v2 doors' inline is their socket path
+        no_socket = {"zero-copy": "shm", "shm": "zero-copy", "socket": "inline"}
         modes = MODES[protocol] if args.mode == "both" else \
             [args.mode if args.mode in MODES[protocol] else no_socket[args.mode]]
         cases += [(protocol, mode) for mode in modes]
     if swapping:
         return main_swap(args, sizes[0])
+    if args.mix:
+        if len(sizes) > 1 or args.protocol != ["unix"] or args.rate:
+            p.error("--mix takes one --payload size, the unix protocol and no --rate")
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
@@ -735,6 +785,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"shmserve bench: {problem[1]}", file=sys.stderr)
             return problem[0]
+    if args.mix:
+        try:
+            return main_mix(args, sizes[0], path, model)
+        finally:
+            _stop(proc, tmp)
     results = []
     progress = Progress(len(sizes) * (len(cases) * len(args.clients) + len(args.protocol)))
     try:
@@ -758,10 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(r)
     finally:
         progress.close()
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-        tmp.cleanup()
+        _stop(proc, tmp)
     pacing = f"at {args.rate:g} req/s in all (latency from each request's due time)" if args.rate else "back to back"
     report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
               "rate": args.rate, "results": results}
@@ -785,6 +837,38 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ratio_to_floor']} |")
     print("\nfloor = an echo of the same payload over the same stack: unix, a uvloop Unix-socket echo; http, an "
           "httptools/uvloop HTTP echo; grpc, a grpc.aio echo (+ one memcpy into shared memory from 1 MiB up)")
+    return 0
+
+
+def _stop(proc, tmp) -> None:
+    """Stop the server bench spawned (if it did) and remove its directory."""
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    tmp.cleanup()
+
+
+def main_mix(args: argparse.Namespace, size: int, path: str, model: str) -> int:
+    """``shmserve bench --mix``: one run of clients of several modes at once on the server at
+    ``path``; exit 0."""
+    from shmserve.inspection import plural
+
+    result = run_mix(path, args.mix, size, args.duration or 10.0, model)
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
+              "mix": result}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"\nshmserve bench --mix, model {model}, {human(size)}, {result['duration_s']:g} s, "
+          f"{plural(os.cpu_count(), 'CPU')}, {time.strftime('%Y-%m-%d')}\n")
+    print("| mode | clients | p50 µs | p99 µs | req/s | per client req/s (min – max) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for r in result["modes"]:
+        print(f"| {r['mode']} | {r['clients']} | {r['p50_us']} | {r['p99_us']} | {r['rps']} | "
+              f"{r['client_rps_min']} – {r['client_rps_max']} |")
+    print(f"\nfairness: the busiest client got {result['fairness']}× the requests/s of the least served")
     return 0
 
 

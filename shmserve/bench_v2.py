@@ -34,7 +34,9 @@ import numpy as np
 from shmserve.v2.messages import V2_NAMES
 
 PROTOCOLS = ("unix", "http", "grpc")
-MODES = {"unix": ("inline", "zero-copy"), "http": ("inline", "shm"), "grpc": ("inline", "shm")}
+# unix: inline is Client.infer (through a lane by default), socket the same with lanes=False (tensor
+# bytes through the socket and the front-end), zero-copy Client.zero_copy (a lane, no copies).
+MODES = {"unix": ("inline", "socket", "zero-copy"), "http": ("inline", "shm"), "grpc": ("inline", "shm")}
 
 
 class _Region:

@@ -43,7 +43,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -52,8 +52,8 @@ from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us, t
 from shmserve.errors import BadArgument, ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import Kind, TensorMeta
-from shmserve.session import (NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted, RequestFailed,
-                              check_server, check_tensor, check_timeout)
+from shmserve.session import (FIXED_DTYPES, NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted,
+                              RequestFailed, check_server, check_tensor, check_timeout)
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
 
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
@@ -61,6 +61,7 @@ DEFAULT_REGION_BYTES = 64 * 1024 * 1024
 DEFAULT_OUTPUT_CAPACITY = 16 * 1024 * 1024
 SOCKET_BUFFER = 4 * 1024 * 1024  # fewer, larger transfers for big inline tensors (capped by net.core.*mem_max)
 MAX_IOV = 512  # buffers per sendmsg (the kernel takes up to IOV_MAX, 1024)
+LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
 _FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -164,6 +165,22 @@ class Region:
             os.close(fd)
         self.lane = ClientLane(self.buf, region_id, lane["model"]) if lane else None
         self.allocator = RegionAllocator(size, layout.LANE_BYTES if lane else 0)
+        self.abandoned: list[tuple[int, int, "ZeroCopyCall"]] = []  # timed-out lane calls: space held until done
+
+    def defer_release(self, call: "ZeroCopyCall", index: int, generation: int) -> None:
+        """Keep ``call``'s space until the worker has finished lane slot ``index`` (it timed out:
+        the worker may still write its outputs there)."""
+        self.abandoned.append((index, generation, call))
+
+    def reclaim(self) -> None:
+        """Release the space of timed-out calls whose slots have finished since (or were recycled)."""
+        lane, still = self.lane, []
+        for index, generation, call in self.abandoned:
+            if lane is None or lane.finished(index, generation) or lane.abandoned.get(index) != generation:
+                call.release()
+            else:
+                still.append((index, generation, call))
+        self.abandoned = still
 
     def close(self) -> None:
         self.lane = None
@@ -361,15 +378,18 @@ def _needed_bytes(sizes: dict, output_capacity: int) -> int:
     return sum(layout.tensor_span(s) for s in sizes.values()) + layout.tensor_span(output_capacity)
 
 
-def _estimate(spec: ModelSpec | None, specs: dict) -> int:
+def _estimate(spec: ModelSpec | None, specs: dict, fallback: int = DEFAULT_OUTPUT_CAPACITY) -> tuple[int, bool]:
+    """(bytes to reserve for the outputs, whether that is exact: every output's shape follows
+    from the inputs); ``fallback`` for each output whose size it cannot tell."""
     if spec is None:
-        return DEFAULT_OUTPUT_CAPACITY
+        return fallback, False
     metas = [protocol.TensorMeta(n, dt.name, shape) for n, (shape, dt) in specs.items()]
     try:
         symbols = bind_inputs(spec, metas)
     except ShmserveError:
-        return DEFAULT_OUTPUT_CAPACITY  # the server will say what is wrong
-    return estimate_output_bytes(spec, symbols, DEFAULT_OUTPUT_CAPACITY)
+        return fallback, False  # the server will say what is wrong
+    capacity = estimate_output_bytes(spec, symbols, fallback)
+    return capacity, capacity == estimate_output_bytes(spec, symbols, 0)
 
 
 def _check_fixed_outputs(spec: ModelSpec) -> None:
@@ -418,7 +438,7 @@ class _ZeroCopyPlan:
         self.specs, self.sizes = _normalize(inputs)
         if spec is not None:
             _check_fixed_outputs(spec)
-        self.output_capacity = _estimate(spec, self.specs) if output_capacity is None else output_capacity
+        self.output_capacity = _estimate(spec, self.specs)[0] if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
         self.needed = _needed_bytes(self.sizes, self.output_capacity)
@@ -471,6 +491,45 @@ class _ZeroCopyPlan:
                             self.wanted)
 
 
+# -- Client.infer through a lane (both clients) ---------------------------------------------
+
+class _LaneForm(NamedTuple):
+    """What a lane call of one input signature needs, worked out once per model and signature."""
+
+    name_indices: tuple[int, ...]  # each input's index among the model's inputs, in the caller's order
+    sizes: tuple[int, ...]  # each input's bytes
+    output_capacity: int
+    exact: bool  # reserved as the server would (else a guess: OUTPUT_TOO_LARGE sends the call to the socket)
+    needed: int  # the least lane space one call takes
+
+
+_NEED_SPEC = object()  # _lane_form: ask the server for the model's spec first
+LANE_FORMS_MAX = 256  # signatures remembered per client (then forgotten at once)
+
+
+def _lane_form(spec: ModelSpec, arrays: dict[str, np.ndarray]) -> _LaneForm | None:
+    """How ``arrays`` go through a lane of the model ``spec`` describes; None if they cannot (an
+    input the model does not have, a bytes output): then the socket carries the call, and the
+    server's answer says what is wrong, as for any other client."""
+    names = [t.name for t in spec.inputs]
+    if any(t.dtype == protocol.BYTES for t in spec.outputs) or any(n not in names for n in arrays):
+        return None
+    specs = {n: (a.shape, a.dtype) for n, a in arrays.items()}
+    sizes = {n: a.nbytes for n, a in arrays.items()}
+    reserved = spec.extra.get("max_output_bytes")  # what the server reserves per output it cannot size
+    if type(reserved) is int and reserved >= 0:
+        capacity, exact = _estimate(spec, specs, reserved)[0], True  # OUTPUT_TOO_LARGE is the socket's answer too
+    else:
+        capacity, exact = _estimate(spec, specs)
+    return _LaneForm(tuple(names.index(n) for n in arrays), tuple(sizes.values()), capacity, exact,
+                     _needed_bytes(sizes, capacity))
+
+
+def _owned(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """New arrays the caller owns, copied out of the lane (as the socket path's are new)."""
+    return {name: np.array(view) for name, view in views.items()}
+
+
 # -- the clients ----------------------------------------------------------------------------
 
 class _ClientBase:
@@ -489,6 +548,9 @@ class _ClientBase:
         self._regions: list[Region] = []
         self._specs: dict[str, ModelSpec | None] = {}
         self._region_limit: int | None = None  # the server's largest region, learned when one is refused
+        self._infer_lanes: dict[str, Region] = {}  # model -> the lane Client.infer uses
+        self._lane_forms: dict[tuple, _LaneForm | None] = {}  # (model, signature) -> how it goes through a lane
+        self._no_lane_until: dict[str, float] = {}  # model -> monotonic time: until then infer uses the socket
 
     def _timeout(self, timeout: float | None) -> float:
         """A call's timeout: ``timeout``, else the client's.  BadArgument if out of range."""
@@ -508,7 +570,115 @@ class _ClientBase:
         for region in self._regions:
             region.close()
         self._regions.clear()
+        self._infer_lanes.clear()
         self._session.close()
+
+    # -- Client.infer through a lane: the steps both clients take, around their own I/O -------
+
+    def _lane_wanted(self, model: str, inputs: Mapping[str, np.ndarray], version, key):
+        """(arrays, form) for an ``infer`` call that may go through a lane, ``_NEED_SPEC`` if the
+        model's spec must be fetched first, or None: the socket carries it (lanes off, a version
+        or routing key given, the lane refused lately, a bytes or unsupported tensor, an input
+        the model does not have).  The lane serves the model's default version, as the socket
+        does; while a canary or shadow runs the front-end asks for the socket (``routable``)."""
+        if not self.lanes or version is not None or key is not None:
+            return None
+        until = self._no_lane_until.get(model)
+        if until is not None:
+            if time.monotonic() < until:
+                return None
+            del self._no_lane_until[model]
+            self._specs.pop(model, None)  # ask again: a model loaded meanwhile has a spec now
+        if model not in self._specs:
+            return _NEED_SPEC
+        spec = self._specs[model]
+        if spec is None:
+            self._no_lane_until[model] = time.monotonic() + LANE_RETRY_S
+            return None
+        arrays = {}
+        for name, value in inputs.items():
+            a = np.ascontiguousarray(value)
+            if a.dtype not in FIXED_DTYPES:
+                return None  # bytes or unsupported: the socket path serializes or refuses it
+            arrays[name] = a
+        signature = (model, tuple((n, a.dtype, a.shape) for n, a in arrays.items()))
+        form = self._lane_forms.get(signature, _NEED_SPEC)
+        if form is _NEED_SPEC:
+            if len(self._lane_forms) >= LANE_FORMS_MAX:
+                self._lane_forms.clear()
+            form = self._lane_forms[signature] = _lane_form(spec, arrays)
+        return None if form is None else (arrays, form)
+
+    def _lane_size(self, form: _LaneForm) -> int | None:
+        """The size to open a model's infer lane with: room for many calls, within the server's
+        largest region; None if even this call is larger than that (the socket says TOO_LARGE)."""
+        limit = self._region_limit
+        if limit is not None and form.needed > limit:
+            return None
+        return max(form.needed, DEFAULT_REGION_BYTES if limit is None else min(DEFAULT_REGION_BYTES, limit))
+
+    def _lane_refused(self, model: str, exc: ShmserveError) -> None:
+        """The server would not open a lane of ``model`` (its limits, no version serving now): infer
+        goes over the socket for LANE_RETRY_S.  A lost connection is raised."""
+        if isinstance(exc, ConnectionClosed):
+            raise exc
+        self._no_lane_until[model] = time.monotonic() + LANE_RETRY_S
+
+    def _lane_start(self, model: str, region: Region, arrays: dict[str, np.ndarray], form: _LaneForm):
+        """Copy ``arrays`` into the lane and submit the call: (call, slot, generation), or None if
+        the lane cannot take it now (no worker serves it, the front-end diverts its model, all
+        its slots or its space are taken): then the socket carries it."""
+        if region.abandoned:
+            region.reclaim()
+        lane = region.lane
+        if lane is None or not lane.routable() or not lane.has_free_slot():
+            return None
+        allocator, taken = region.allocator, []
+        for nbytes in form.sizes + (form.output_capacity,):
+            offset = allocator.allocate(nbytes)
+            if offset is None:
+                for off, n in taken:
+                    allocator.release(off, n)
+                return None
+            taken.append((offset, nbytes))
+        placed, described = {}, []
+        for (name, a), name_index, (offset, _) in zip(arrays.items(), form.name_indices, taken):
+            view = np.ndarray(a.shape, a.dtype, buffer=region.buf, offset=offset)
+            view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
+            placed[name] = (offset, view)
+            described.append((name_index, offset, view))
+        out_offset = taken[-1][0]
+        call = ZeroCopyCall(self, model, region, placed, out_offset, form.output_capacity)
+        try:
+            index, generation = lane.submit(self._session.reserve_id(), 0, described, out_offset,
+                                            form.output_capacity)
+        except BaseException:
+            call.release()
+            raise
+        return call, index, generation
+
+    def _lane_answer(self, model: str, started: tuple, form: _LaneForm, failure: BaseException | None = None):
+        """The outputs of a lane call that finished (new arrays), or None if the socket should
+        carry it after all: the lane lost its version (MODEL_UNAVAILABLE: the socket path loads
+        it again or says why) or the outputs outgrew a guessed capacity.  ``failure``: waiting
+        for it failed (a timeout keeps its space until the worker is done with it); raised."""
+        call, index, generation = started
+        if failure is not None:
+            if isinstance(failure, ShmserveError) and failure.code is ErrorCode.TIMEOUT:
+                call.region.defer_release(call, index, generation)
+            else:
+                call.release()
+            raise failure
+        try:
+            return _owned(call._lane_collect(index, generation))
+        except ShmserveError as exc:
+            if exc.code is ErrorCode.MODEL_UNAVAILABLE or (exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact):
+                if exc.code is ErrorCode.MODEL_UNAVAILABLE:
+                    self._no_lane_until[model] = time.monotonic() + LANE_RETRY_S
+                return None
+            raise
+        finally:
+            call.release()
 
 
 class Client(_ClientBase):
@@ -548,9 +718,56 @@ class Client(_ClientBase):
               version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
         """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays).
         ``version``: that version of the model (default: the model's default version); ``key``: a
-        routing key — while a canary runs, requests with the same key reach the same version."""
-        return self._exchange(self._session.infer(model, inputs, self._timeout(timeout), version, key),
-                              timeout).outputs
+        routing key — while a canary runs, requests with the same key reach the same version.
+
+        With ``lanes`` (the default) the call goes through a lane of ``model`` the client opens
+        on first use (a region with its own queue to a worker: the inputs are copied into it,
+        the outputs copied out, and nothing crosses the socket); over the socket instead when
+        the lane cannot take it (given a ``version`` or ``key``, a bytes tensor, a request larger
+        than the lane, all its slots busy, a canary running, the lane refused by the server).
+        Either way the same errors, with the same codes."""
+        seconds = self._timeout(timeout)
+        wanted = self._lane_wanted(model, inputs, version, key)
+        if wanted is _NEED_SPEC:
+            self._specs[model] = _spec_of(self.models(), model)
+            wanted = self._lane_wanted(model, inputs, version, key)
+        if wanted is not None:
+            outputs = self._lane_infer(model, *wanted, seconds)
+            if outputs is not None:
+                return outputs
+        return self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout).outputs
+
+    def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, seconds: float) -> dict | None:
+        region = self._infer_lanes.get(model)
+        if region is None:
+            region = self._open_infer_lane(model, form)
+            if region is None:
+                return None
+        started = self._lane_start(model, region, arrays, form)
+        if started is None:
+            return None
+        _, index, generation = started
+        try:
+            region.lane.wait(index, generation, time.monotonic() + seconds, self._lane_spin_s, self._check_alive)
+        except BaseException as exc:
+            return self._lane_answer(model, started, form, exc)
+        return self._lane_answer(model, started, form)
+
+    def _open_infer_lane(self, model: str, form: _LaneForm) -> Region | None:
+        size = self._lane_size(form)
+        try:
+            while size is not None:
+                try:
+                    region = self._infer_lanes[model] = self.open_region(size, lane=model)
+                    return region
+                except ShmserveError as exc:
+                    if exc.code is not ErrorCode.TOO_LARGE or self._region_limit is not None:
+                        raise
+                    self._region_limit = region_limit(self.info())
+                    size = self._lane_size(form)
+        except ShmserveError as exc:
+            self._lane_refused(model, exc)
+        return None
 
     def models(self) -> list[dict]:
         """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
@@ -729,6 +946,7 @@ class AsyncClient(_ClientBase):
         self._send_lock = asyncio.Lock()  # frames of concurrent calls must not interleave
         self._reader_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
+        self._opening: set[str] = set()  # models whose infer lane is being opened
 
     async def connect(self) -> "AsyncClient":
         """Connect and start reading answers; ConnectionClosed if no server listens."""
@@ -771,8 +989,56 @@ class AsyncClient(_ClientBase):
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None,
                     version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
-        return (await self._exchange(self._session.infer(model, inputs, self._timeout(timeout), version, key),
-                                     timeout)).outputs
+        """As ``Client.infer``: through a lane of ``model`` when it can take the call (several
+        calls may be in it at once), else over the socket."""
+        seconds = self._timeout(timeout)
+        wanted = self._lane_wanted(model, inputs, version, key)
+        if wanted is _NEED_SPEC:
+            self._specs[model] = _spec_of(await self.models(), model)
+            wanted = self._lane_wanted(model, inputs, version, key)
+        if wanted is not None:
+            outputs = await self._lane_infer(model, *wanted, seconds)
+            if outputs is not None:
+                return outputs
+        return (await self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout)).outputs
+
+    async def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, seconds: float) -> dict | None:
+        region = self._infer_lanes.get(model)
+        if region is None:
+            if model in self._opening:
+                return None  # another call is opening it: this one goes over the socket
+            self._opening.add(model)
+            try:
+                region = await self._open_infer_lane(model, form)
+            finally:
+                self._opening.discard(model)
+            if region is None:
+                return None
+        started = self._lane_start(model, region, arrays, form)
+        if started is None:
+            return None
+        _, index, generation = started
+        try:
+            await self._lane_watcher(region).wait(index, generation, seconds)
+        except BaseException as exc:
+            return self._lane_answer(model, started, form, exc)
+        return self._lane_answer(model, started, form)
+
+    async def _open_infer_lane(self, model: str, form: _LaneForm) -> Region | None:
+        size = self._lane_size(form)
+        try:
+            while size is not None:
+                try:
+                    region = self._infer_lanes[model] = await self.open_region(size, lane=model)
+                    return region
+                except ShmserveError as exc:
+                    if exc.code is not ErrorCode.TOO_LARGE or self._region_limit is not None:
+                        raise
+                    self._region_limit = region_limit(await self.info())
+                    size = self._lane_size(form)
+        except ShmserveError as exc:
+            self._lane_refused(model, exc)
+        return None
 
     async def models(self) -> list[dict]:
         return (await self._exchange(self._session.models())).value

@@ -7,11 +7,14 @@ Owns: the lane protocol, for all three parties that touch a lane.
   and free the slot; recycle the slots of calls that timed out once they
   finish.  The client plays the ``client`` actor of ``shmserve.slotstate``.
 * The front-end (``init_header``, ``assign_worker``, ``set_spin_hint``,
-  ``fail_lane``): write the header, tell the lane which worker serves it,
-  hint whether to spin, and fail whatever a dead worker left queued or
-  running (it is then the completion ring's only producer).
-* The worker (``worker_rings``, ``DATA_FLOOR``): the lane's rings and the
-  doorbell that wakes its client; a lane's tensors may only lie in its own
+  ``set_divert``, ``has_pending``, ``fail_lane``): write the header, tell the lane which
+  worker serves it, hint whether to spin, say whether requests it routes
+  itself (a canary's, a shadow's) should come over the socket instead, and
+  fail whatever a dead worker left queued or running (it is then the
+  completion ring's only producer).
+* The worker (``worker_rings``, ``queued_entries``, ``DATA_FLOOR``): the
+  lane's rings and the doorbell that wakes its client, and the calls queued
+  before it took the lane over; a lane's tensors may only lie in its own
   region at ``DATA_FLOOR`` or above.
 
 A call (docs/protocol.md, "Lanes")::
@@ -68,8 +71,8 @@ def init_header(buf, model_id: int) -> None:
 
 
 def assign_worker(buf, worker: int) -> None:
-    """Record which worker serves the lane (``layout.NO_WORKER``: none)."""
-    layout.LANE_HEADER.write(buf, 0, worker=worker)
+    """Record which worker serves the lane (``layout.NO_WORKER``: none); its client reads it."""
+    atomics.store32(buf, layout.LANE_WORKER_OFFSET, worker)
 
 
 def set_spin_hint(buf, spin_us: int) -> None:
@@ -77,26 +80,48 @@ def set_spin_hint(buf, spin_us: int) -> None:
     atomics.store32(buf, layout.LANE_SPIN_OFFSET, spin_us)
 
 
-def fail_lane(buf, code: ErrorCode, message: str) -> int:
+def set_divert(buf, divert: bool) -> None:
+    """Whether ``Client.infer`` should send its requests over the socket rather than through the
+    lane: while the lane's model has a canary or shadow rollout the front-end must route them."""
+    atomics.store32(buf, layout.LANE_DIVERT_OFFSET, 1 if divert else 0)
+
+
+def has_pending(buf) -> bool:
+    """Whether a call is queued or running in the lane (a slot READY or RUNNING)."""
+    for index in range(LANE.slot_count):
+        if layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))[1] in (_READY, _RUNNING):
+            return True
+    return False
+
+
+def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False,
+              worker_alive: bool = False) -> int:
     """Fail every call queued or running in a lane whose worker is dead: ERROR with ``code``,
     pushed on its completion ring, and wake the client (also for a call the worker finished but
-    did not get to push).  Returns how many calls were failed.
+    did not get to push).  ``running_only``: fail only the calls the worker had claimed (the
+    lane moves on to another worker, which serves those still READY: ``queued_entries``).
+    Returns how many calls were failed.
 
     Only the front-end calls this, once the lane's worker is known dead or has said it cannot
-    attach the lane: it is then the completion ring's only producer.
+    attach the lane: it is then the completion ring's only producer.  ``worker_alive`` (a
+    shutdown's drain ran out): a worker may still produce on the ring, so nothing is pushed;
+    the status word says ERROR (a worker finishing later loses its CAS and publishes nothing)
+    and the client finds it when it next looks (``ClientLane.wait`` does every WAIT_SLICE_S).
     """
     _, completions = _rings(buf)
     failed = 0
+    doomed = (_RUNNING,) if running_only else (_READY, _RUNNING)
     for index in range(LANE.slot_count):
         generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
-        if state not in (_READY, _RUNNING):
+        if state not in doomed:
             continue
         layout.encode_error(buf, LANE, index, code, message)
         try:
             transition_slot(buf, LANE, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
         except SlotConflict:
-            continue  # the client rewrote it meanwhile
-        completions.push(layout.slot_entry(index, generation))
+            continue  # the client rewrote it meanwhile, or the worker finished it
+        if not worker_alive:
+            completions.push(layout.slot_entry(index, generation))
         failed += 1
     FutexDoorbell(completions).notify()
     return failed
@@ -107,6 +132,18 @@ def fail_lane(buf, code: ErrorCode, message: str) -> int:
 def usable(size: int) -> bool:
     """Whether a region of ``size`` bytes can hold a lane."""
     return size >= layout.LANE_BYTES
+
+
+def queued_entries(buf) -> list[int]:
+    """Ring entries for the lane's READY slots, for a worker taking the lane over: the worker
+    before it may have taken their entries off the submission ring and died before claiming
+    them.  An entry also still on the ring is claimed once (the second claim finds it RUNNING)."""
+    entries = []
+    for index in range(LANE.slot_count):
+        generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
+        if state == _READY:
+            entries.append(layout.slot_entry(index, generation))
+    return entries
 
 
 def worker_rings(buf) -> tuple[Ring, Ring, FutexDoorbell]:
@@ -165,6 +202,15 @@ class ClientLane:
         self.bell.notify()
         return index, generation
 
+    def routable(self) -> bool:
+        """Whether a request the front-end would route as the lane routes it may use the lane: a
+        worker serves it and the front-end does not divert its model's requests (a canary or a
+        shadow runs).  The lane's own header says so; a lane without a worker queues its calls,
+        where the socket would start an evicted model again or fail fast."""
+        buf = self.buf
+        return atomics.load32(buf, layout.LANE_WORKER_OFFSET) != layout.NO_WORKER and \
+            not atomics.load32(buf, layout.LANE_DIVERT_OFFSET)
+
     def spin_hint(self) -> float:
         """Seconds the front-end suggests spinning for a completion before sleeping."""
         return atomics.load32(self.buf, layout.LANE_SPIN_OFFSET) / 1e6
@@ -185,6 +231,8 @@ class ClientLane:
                 self.abandon(index, generation)
                 raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
             if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
+                if self.finished(index, generation):
+                    return  # failed without a wake-up entry (fail_lane with worker_alive)
                 alive()
             spin_s = 0.0
 

@@ -709,7 +709,7 @@ def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
 # ---------------------------------------------------------------------------
 # Lanes: a client region whose first LANE_BYTES are a private queue to one worker.
 #
-#   0      lane header (LANE_HEADER): magic "SHMLANE1", version, model id, worker, spin hint
+#   0      lane header (LANE_HEADER): magic "SHMLANE1", version, model id, worker, spin hint, divert
 #   256    submission ring (client -> worker), LANE_SLOTS entries, same format as the arena's
 #   +      completion ring (worker -> client)
 #   1024   LANE_SLOTS slots, each the arena's SLOT + TENSOR records (SLOT_SIZE bytes)
@@ -731,6 +731,7 @@ LANE_HEADER = Record("LaneHeader", 64, [
     ("worker", "I"),
     ("data_off", "Q"),
     ("spin_us", "I"),  # how long the client should spin for a completion before it sleeps (front-end's hint)
+    ("divert", "I"),  # nonzero while requests routed by the front-end (a canary, a shadow) should not use the lane
 ])
 
 
@@ -753,12 +754,14 @@ assert 2 * LANE.completion_off - LANE.submission_off <= LANE.slot_table_off  # b
 assert LANE.slot_table_off + LANE_SLOTS * SLOT_SIZE <= LANE_BYTES
 
 
-def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int) -> None:
+def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int, divert: int = 0) -> None:
     LANE_HEADER.write(buf, 0, magic=LANE_MAGIC, version=LANE_VERSION, slot_count=LANE_SLOTS,
-                      model_id=model_id, worker=worker, data_off=LANE_BYTES, spin_us=spin_us)
+                      model_id=model_id, worker=worker, data_off=LANE_BYTES, spin_us=spin_us, divert=divert)
 
 
 LANE_SPIN_OFFSET = LANE_HEADER.offset("spin_us")
+LANE_WORKER_OFFSET = LANE_HEADER.offset("worker")
+LANE_DIVERT_OFFSET = LANE_HEADER.offset("divert")
 NO_WORKER = 0xFFFFFFFF  # a lane header's ``worker`` while no worker serves the lane
 
 # ---------------------------------------------------------------------------

@@ -31,12 +31,14 @@ import time
 from shmserve import layout, stale, systemd, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
+from shmserve.errors import ErrorCode
 from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.status import Status
 from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
+from shmserve.lanes import WAIT_SLICE_S
 from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.supervisor import Supervisor, WorkerHandle
 
@@ -195,7 +197,7 @@ class Frontend:
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
-                                   startup_timeout=STARTUP_TIMEOUT_S)
+                                   startup_timeout=STARTUP_TIMEOUT_S, finished=self._finished_by)
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
                              socket_path=self.socket_path, lifecycle=self.lifecycle)
@@ -258,7 +260,13 @@ class Frontend:
     async def _heartbeat(self) -> None:
         while True:
             self.arena.beat()
+            if self.lifecycle is not None:
+                self.lifecycle.note_lane_use()
             await asyncio.sleep(HEARTBEAT_S)
+
+    def _finished_by(self, w: WorkerHandle) -> int:
+        """Requests worker ``w`` has finished (its entry in the arena's worker table)."""
+        return self.arena.worker_counter(w.index, "requests")
 
     async def _watchdog(self, interval: float) -> None:
         """Feed systemd's watchdog only while the loop runs on time and no worker is wedged (the
@@ -360,10 +368,13 @@ class Frontend:
             await door.stop_listening()
         if self.dispatcher is not None:
             self.dispatcher.stop_admitting()
+            self.regions.divert_all()  # Client.infer over the socket now: answered SHUTTING_DOWN
             deadline = time.monotonic() + self.config.drain_timeout_s
-            while self.dispatcher.in_flight and time.monotonic() < deadline:
+            while (self.dispatcher.in_flight or self.regions.lanes_pending()) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
             self.dispatcher.fail_in_flight()
+            if self.regions.fail_pending_lanes(ErrorCode.SHUTTING_DOWN, "the server is shutting down"):
+                await asyncio.sleep(2 * WAIT_SLICE_S)  # their clients look at the status word that often
         if self.door is not None:
             deadline = time.monotonic() + FLUSH_AT_EXIT_S
             while time.monotonic() < deadline and self.door.unflushed():

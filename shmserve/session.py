@@ -77,6 +77,7 @@ READ_BUFFER = 256 * 1024  # scratch for frame headers and metadata; a result's p
 _DTYPES = dict(layout.NUMPY_DTYPES)
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # dtype.name is slow
 _BYTES_DTYPE = layout.BYTES_DTYPE
+FIXED_DTYPES = frozenset(d for d in _DTYPE_NAMES if d is not _BYTES_DTYPE)  # what a view of shared memory holds
 BYTES_HINT = "a bytes tensor is a numpy object array of bytes or str"
 NOT_SENT = "server answered a request this client did not send"
 

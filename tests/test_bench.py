@@ -26,7 +26,7 @@ def test_bench_spawns_its_server_measures_floors_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     cases = {(c["payload"], c["mode"]) for c in report["results"]}
-    assert cases == {(64, "inline"), (64, "zero-copy"), (1 << 20, "inline"), (1 << 20, "zero-copy")}
+    assert cases == {(size, mode) for size in (64, 1 << 20) for mode in ("inline", "socket", "zero-copy")}
     for c in report["results"]:
         assert c["n"] == 2 * 20 and 0 < c["p50_us"] <= c["p90_us"] <= c["p99_us"] <= c["max_us"]
         assert c["echo_floor_p50_us"] > 0 and c["rps"] > 0
@@ -179,3 +179,18 @@ path = "shmserve.models:identity"
         bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--during-swap", "3", *extra],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--during-swap takes" in bad.stderr, extra
+
+
+def test_bench_mix_runs_several_kinds_of_client_at_once_and_reports_each_ones_share(tmp_path):
+    out = tmp_path / "mix.json"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "4KiB",
+                        "--mix", "inline:2,socket:1,zero-copy:1", "--duration", "1", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    mix = json.loads(out.read_text())["mix"]
+    assert [(m["mode"], m["clients"]) for m in mix["modes"]] == [("inline", 2), ("socket", 1), ("zero-copy", 1)]
+    assert all(0 < m["client_rps_min"] <= m["client_rps_max"] for m in mix["modes"])
+    assert mix["fairness"] >= 1.0 and "fairness: the busiest client got" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--mix", "inline:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "bad mix" in bad.stderr and "Traceback" not in bad.stderr

@@ -4,7 +4,8 @@ out of order, malformed, cut off, with descriptors nobody asked for).
 
 What the session decides is tested in test_session.py with byte strings; here: that each pump
 delivers it — the right answer to the right caller, a clear ConnectionClosed instead of a
-crash or a hang, and no descriptor left open.
+crash or a hang, and no descriptor left open.  The clients are made with ``lanes=False``: these
+are the socket's pumps (``infer`` through a lane is tested against real servers in test_lanes.py).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def wait_closed(read_end: int) -> bool:
 
 def test_the_blocking_client_reads_a_result_that_arrives_in_odd_pieces(peer):
     _, path = peer(lambda p, kind, meta: echo_result(p, meta, pieces=37))
-    with Client(path, timeout=WAIT_S) as c:
+    with Client(path, timeout=WAIT_S, lanes=False) as c:
         for n in (0, 1, 4096, 3 << 20):
             out = c.infer("m", {"x": np.zeros(n, np.uint8)})["y"]
             assert out.shape == (n,) and out.sum() == n
@@ -127,7 +128,7 @@ def test_the_async_client_gives_each_caller_its_own_answer_in_any_order(peer):
     _, path = peer(answer)
 
     async def main():
-        async with AsyncClient(path, timeout=WAIT_S) as c:
+        async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
             # up to 2.8 MB each: sends that do not fit the socket wait for it (and must not interleave)
             sizes = [i * 400_000 + i for i in range(8)]
             outs = await asyncio.gather(*(c.infer("m", {"x": np.zeros(n, np.uint8)}) for n in sizes))
@@ -144,7 +145,7 @@ def short_payload(p: Peer, kind, meta) -> None:
 
 def test_a_malformed_answer_closes_the_blocking_client_with_the_reason(peer):
     _, path = peer(short_payload)
-    with Client(path, timeout=WAIT_S) as c:
+    with Client(path, timeout=WAIT_S, lanes=False) as c:
         t0 = time.monotonic()
         with pytest.raises(ConnectionClosed, match="payload does not match its outputs"):
             c.infer("m", {"x": np.ones(4, np.uint8)})
@@ -162,7 +163,7 @@ def test_a_malformed_answer_fails_every_async_call_in_flight(peer):
     _, path = peer(answer)
 
     async def main():
-        async with AsyncClient(path, timeout=WAIT_S) as c:
+        async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
             outcomes = await asyncio.gather(*(c.infer("m", {"x": np.ones(4, np.uint8)}) for _ in range(3)),
                                             return_exceptions=True)
             assert all(type(o) is ConnectionClosed and "does not match" in o.message for o in outcomes), outcomes
@@ -180,7 +181,7 @@ def test_the_servers_own_reason_is_reported_to_both_clients(peer):
     for make in range(2):
         _, path = peer(answer)
         if make == 0:
-            with Client(path, timeout=WAIT_S) as c:
+            with Client(path, timeout=WAIT_S, lanes=False) as c:
                 with pytest.raises(ShmserveError) as info:
                     c.models()
                 assert info.value.code is ErrorCode.SHUTTING_DOWN and info.value.message == "going away"
@@ -188,7 +189,7 @@ def test_the_servers_own_reason_is_reported_to_both_clients(peer):
                     c.models()
         else:
             async def main():
-                async with AsyncClient(path, timeout=WAIT_S) as c:
+                async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
                     with pytest.raises(ShmserveError) as info:
                         await c.models()
                     assert info.value.code is ErrorCode.SHUTTING_DOWN
@@ -205,14 +206,14 @@ def test_a_server_gone_mid_payload_is_connection_closed_not_a_hang(peer):
         p.close()
 
     _, path = peer(answer)
-    with Client(path, timeout=WAIT_S) as c:
+    with Client(path, timeout=WAIT_S, lanes=False) as c:
         with pytest.raises(ConnectionClosed, match="closed the connection"):
             c.infer("m", {"x": np.ones(4, np.uint8)})
 
     _, path = peer(answer)
 
     async def main():
-        async with AsyncClient(path, timeout=WAIT_S) as c:
+        async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
             with pytest.raises(ConnectionClosed, match="closed the connection"):
                 await c.infer("m", {"x": np.ones(4, np.uint8)})
 
@@ -240,7 +241,7 @@ def test_a_granted_region_is_mapped_and_a_stray_descriptor_is_closed(peer):
         os.close(real)
 
     _, path = peer(answer)
-    with Client(path, timeout=WAIT_S) as c:
+    with Client(path, timeout=WAIT_S, lanes=False) as c:
         region = c.open_region(8192)
         region.buf[:4] = b"abcd"  # mapped, writable
         assert region.id == 7 and region.size == 8192
@@ -269,7 +270,7 @@ def test_a_region_granted_after_its_async_caller_gave_up_is_closed(peer):
     _, path = peer(answer)
 
     async def main():
-        async with AsyncClient(path, timeout=WAIT_S) as c:
+        async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
             task = asyncio.ensure_future(c.open_region(4096))
             await asyncio.get_running_loop().run_in_executor(None, asked.wait, WAIT_S)
             task.cancel()

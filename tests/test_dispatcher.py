@@ -1201,9 +1201,9 @@ def test_a_lane_waits_for_a_ready_worker_and_attaches_when_one_is_ready(fe):
 
 
 def test_a_dead_workers_lane_calls_fail_and_the_lane_moves_to_another_worker(make):
-    """Worker death: the lane's queued (READY) and running (RUNNING) calls are failed
-    WORKER_CRASHED, which the client reads back; the lane is attached to the other worker, which
-    skips the failed entries and serves new calls."""
+    """Worker death: the lane's running (RUNNING) call is failed WORKER_CRASHED, which the client
+    reads back; the lane is attached to the other worker, which serves the call still queued
+    (READY: the dead worker had taken its entry off the ring) and new calls."""
     fe = make(models=(ADD2,))
     w0, w1 = fe.workers
     lane = LaneClient(fe.regions, object(), "add", size=16384)
@@ -1212,17 +1212,21 @@ def test_a_dead_workers_lane_calls_fail_and_the_lane_moves_to_another_worker(mak
         running = lane.submit(floats(4), request_id=1)
         assert len(w0.claim()) == 1
         queued = lane.submit(floats(4), request_id=2)
+        w0.read_commands()  # the dead worker took the queued call's entry off the ring, unclaimed
         fe.kill(w0)
-        for call in (running, queued):
-            with pytest.raises(ShmserveError) as info:
-                lane.read(*call)
-            assert info.value.code is ErrorCode.WORKER_CRASHED
-            assert info.value.message == "worker 0 for model 'add' killed by SIGKILL while running this request"
+        with pytest.raises(ShmserveError) as info:
+            lane.read(*running)
+        assert info.value.code is ErrorCode.WORKER_CRASHED
+        assert info.value.message == "worker 0 for model 'add' killed by SIGKILL while running this request"
+        assert not lane.lane.finished(*queued)  # still queued, for the next worker
         assert lane.header().worker == 1
         assert w1.read_commands() == [(layout.CMD_ATTACH_LANE, lane.region.id)]
-        fresh = lane.submit(floats(4, start=5), request_id=3)
         [job] = w1.step()
-        assert w1.skipped == [queued] and (job.index, job.generation) == fresh
+        assert (job.index, job.generation) == queued and not w1.skipped
+        np.testing.assert_array_equal(lane.read(*queued)[0], floats(4) + 1)
+        fresh = lane.submit(floats(4, start=5), request_id=3)  # (the fake client reuses the input's place)
+        [job] = w1.step()
+        assert (job.index, job.generation) == fresh
         np.testing.assert_array_equal(lane.read(*fresh)[0], floats(4, start=5) + 1)
     finally:
         lane.close()
@@ -1267,6 +1271,7 @@ def test_a_lane_whose_client_scribbled_its_completion_ring_still_fails_cleanly(f
     lane = LaneClient(fe.regions, object(), "add")
     try:
         index, generation = lane.submit(np.ones(16, np.float32))
+        assert len(fe.workers[0].claim()) == 1  # in flight when its worker dies
         for field in (layout.RING_TAIL, layout.RING_HEAD):
             atomics.store64(lane.buf, layout.LANE.completion_off + field, 2**64 - 1)
         fe.kill(fe.workers[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -309,7 +310,10 @@ def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
             t = threading.Thread(target=slow)
             t.start()
             try:
-                wait_for(lambda: srv.info()["stats"]["slots_in_use"] > 0, "the slow request in flight")
+                # Through a lane (Client.infer's default): in flight once c's worker has the lane.
+                wait_for(lambda: [w["lanes"] for w in srv.info()["workers"] if w["model"] == "c"] == [1],
+                         "the slow request in flight")
+                time.sleep(0.3)
                 assert served_version(x, c.infer("b", {"x": x})["y"]) == 1
             finally:
                 t.join(60)

@@ -445,9 +445,12 @@ def test_sixteen_concurrent_clients_threads_and_processes(server):
 
 # -- faults with their own server ----------------------------------------------------------
 
-def test_worker_killed_mid_request(tmp_path):
+@pytest.mark.parametrize("lanes", [False, True], ids=["socket", "lanes"])
+def test_worker_killed_mid_request(tmp_path, lanes):
     """Four requests on one worker, one running: killed, the running one fails WORKER_CRASHED; the
-    three it had not claimed yet run on its restart, and so does a request sent meanwhile."""
+    three it had not claimed yet run on its restart, and so does a request sent meanwhile.  The
+    same through lanes (Client.infer's default): the restarted worker takes the lanes over and
+    runs the calls still queued in them, even those the dead one had taken off their rings."""
     before = shm_names()
     srv = ServerProcess(tmp_path, SLOW_MODEL + """
         [[models]]
@@ -460,7 +463,7 @@ def test_worker_killed_mid_request(tmp_path):
         results: list = []
 
         def call():
-            with srv.client(timeout=60) as c:
+            with srv.client(timeout=60, lanes=lanes) as c:
                 t0 = time.monotonic()
                 try:
                     y = c.infer("slow", {"x": np.array([2.0], np.float32)})["y"]
@@ -472,11 +475,14 @@ def test_worker_killed_mid_request(tmp_path):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 20
-        while [w["inflight"] for w in srv.info()["workers"] if w["model"] == "slow"] != [4]:
+        reached = "lanes" if lanes else "inflight"  # a lane call is in no front-end count: its lane is
+        while [w[reached] for w in srv.info()["workers"] if w["model"] == "slow"] != [4]:
             assert time.monotonic() < deadline, "requests never reached the worker"
             time.sleep(0.02)
+        if lanes:
+            time.sleep(0.5)  # each call is submitted as soon as its lane is open; the worker claims within ms
         os.kill(victim, 9)
-        with srv.client(timeout=60) as c:  # sent while it restarts: waits for it
+        with srv.client(timeout=60, lanes=lanes) as c:  # sent while it restarts: waits for it
             assert c.infer("slow", {"x": np.array([0.0], np.float32)})["y"].tolist() == [0.0]
         for t in threads:
             t.join(60)
@@ -496,19 +502,20 @@ def test_worker_killed_mid_request(tmp_path):
 
 
 def test_overloaded_when_arena_and_queue_are_full(tmp_path):
+    """The arena's slots and the wait queue are the socket path's (a lane queues in its own slots)."""
     srv = ServerProcess(tmp_path, "[arena]\nslots = 2\n" + SLOW_MODEL, server_section="max_waiting = 0").start()
     try:
         done = []
 
         def call():
-            with srv.client() as c:
+            with srv.client(lanes=False) as c:
                 done.append(c.infer("slow", {"x": np.array([1.0], np.float32)}))
 
         threads = [threading.Thread(target=call) for _ in range(2)]
         for t in threads:
             t.start()
         time.sleep(0.3)
-        with srv.client() as c:
+        with srv.client(lanes=False) as c:
             with pytest.raises(ShmserveError) as info:
                 c.infer("slow", {"x": np.array([0.0], np.float32)})
             assert info.value.code is ErrorCode.OVERLOADED
@@ -547,14 +554,16 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     assert "stopped" in srv.log()
 
 
-def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_them(tmp_path):
+@pytest.mark.parametrize("lanes", [False, True], ids=["socket", "lanes"])
+def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_them(tmp_path, lanes):
     """STOP entry, then SIGTERM after the supervisor's stop timeout: a worker busy in a long model call
-    leaves at once on TERM (releasing what it holds), so SIGKILL is never needed."""
+    leaves at once on TERM (releasing what it holds), so SIGKILL is never needed.  The call still
+    running when the drain ran out is answered SHUTTING_DOWN, through a lane too."""
     srv = ServerProcess(tmp_path, SLOW_MODEL, server_section="drain_timeout_s = 0.2").start()
     results = []
 
     def call():
-        with srv.client() as c:
+        with srv.client(lanes=lanes) as c:
             try:
                 c.infer("slow", {"x": np.array([120.0], np.float32)}, timeout=200)
             except ShmserveError as exc:
@@ -563,9 +572,11 @@ def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_th
     t = threading.Thread(target=call)
     t.start()
     deadline = time.monotonic() + 20
-    while [w["inflight"] for w in srv.info()["workers"]] != [1]:
+    while [w["lanes" if lanes else "inflight"] for w in srv.info()["workers"]] != [1]:
         assert time.monotonic() < deadline, "the request never reached the worker"
         time.sleep(0.02)
+    if lanes:
+        time.sleep(0.5)  # submitted as soon as its lane is open; claimed within ms
     assert srv.stop() == 0, srv.log()
     t.join(10)
     assert results == [ErrorCode.SHUTTING_DOWN]

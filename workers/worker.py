@@ -199,7 +199,7 @@ class Worker:
                 stop = True
                 break
             if op == layout.CMD_ATTACH_LANE:
-                self._attach_lane(argument)
+                work.extend(self._attach_lane(argument))
             elif op == layout.CMD_DROP_REGION:
                 self._drop_region(argument)
         for lane in self.lanes.values():
@@ -218,23 +218,26 @@ class Worker:
     def pending(self) -> bool:
         return any(not ring.empty() for ring in self._rings)
 
-    def _attach_lane(self, region: int) -> None:
-        """Serve the queue at the start of client region ``region`` (front-end command)."""
+    def _attach_lane(self, region: int) -> list[tuple[Space, int]]:
+        """Serve the queue at the start of client region ``region`` (front-end command); the calls
+        already queued in it (a worker before this one may have taken them off the ring and died
+        or retired before claiming them: ``lanes.queued_entries``)."""
         if region in self.lanes:
-            return
+            return []
         try:
             self.regions.ensure(region)
         except RequestFailed as exc:  # not mapped (no memory, no descriptor left) or not page-locked
             self.tell_lane_failed(region, exc.message)
-            return
+            return []
         buf = self.regions.maps[region]
         if not lanes.usable(self.regions.sizes[region]):
             self.tell_lane_failed(region, "too small for a lane")
-            return
+            return []
         submissions, completions, doorbell = lanes.worker_rings(buf)
-        self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,
-                                   data_floor=lanes.DATA_FLOOR)
+        space = self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,
+                                           data_floor=lanes.DATA_FLOOR)
         self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
+        return [(space, entry) for entry in lanes.queued_entries(buf)]
 
     def _drop_region(self, region: int) -> None:
         """The front-end closed ``region``: stop serving it if it is a lane.  Its mapping stays

@@ -86,12 +86,15 @@ class Lifecycle:
     """The model lifecycle of one front-end (module docstring).
 
     ``config()`` returns the configuration in force; ``supervisor``, ``dispatcher`` and
-    ``regions`` are the parts it moves; ``startup_timeout`` bounds one load.
+    ``regions`` are the parts it moves; ``startup_timeout`` bounds one load; ``finished(w)``
+    how many requests worker ``w`` has finished (socket and lane calls: ``note_lane_use``).
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
-                 startup_timeout: float):
+                 startup_timeout: float, finished: Callable[[object], int] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
+        # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
+        self.finished = finished
         self.config = config
         self.startup_timeout = startup_timeout
         self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -326,6 +329,7 @@ class Lifecycle:
                     raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"canary version {cfg.version} of {name!r} "
                                                                      f"did not load: {candidate.reason}")
             model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, time.monotonic())
+            self.regions.divert(name, True)  # the front-end routes every Client.infer request now
             self._event(candidate, "canary", f"started against version {stable.version} ({checked.mode}, steps "
                                              f"{list(checked.steps)}%)" + (f" by {by}" if by else ""))
             self._tick_soon()
@@ -337,9 +341,26 @@ class Lifecycle:
         version = req.model
         now = time.monotonic()
         version.meter.hit(now)
+        version.observed += 1
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
             model.rollout.record(version.version, ok, max(0.0, self.dispatcher.clock.monotonic() - req.started), now)
+
+    def note_lane_use(self) -> None:
+        """Count the lane calls each version's workers finished since the last look as its use
+        (residency's last use and rate; the v2 statistics' last inference): lane calls never
+        pass the dispatcher, so only the workers' counters see them (less what ``observe`` saw).
+        The server calls this with its heartbeat; nothing without ``finished``."""
+        if self.finished is None:
+            return
+        now = time.monotonic()
+        for version in self.models.versions():
+            total = sum(self.finished(w) for w in version.workers)
+            lane_calls = total - version.finished_seen - version.observed
+            version.finished_seen, version.observed = total, 0
+            if lane_calls > 0:  # (a restarted worker's counter starts again: this look is skipped)
+                version.meter.hit(now, lane_calls)
+                version.last_used = max(version.last_used, now)
 
     def shadow_to(self, req) -> ModelState | None:
         """The candidate a finished request of a stable version is copied to (a canary in shadow
@@ -402,6 +423,7 @@ class Lifecycle:
         if rollout.state not in canary.TERMINAL:
             return
         model.rollout = None
+        self.regions.divert(model.name, False)
         model.rollouts.append(rollout.snapshot(time.monotonic()))
         del model.rollouts[:-ROLLOUTS_KEPT]
         async with self.locks[model.name]:
@@ -510,9 +532,11 @@ class Lifecycle:
         budget = self.budget(device)
         if budget is None:
             return
+        self.note_lane_use()  # lane calls since the last heartbeat count too
         now = time.monotonic()
         resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
-                                       self.dispatcher.busy(v), v.config.pinned, v.config.load == "on_demand")
+                                       self.dispatcher.busy(v) or self.regions.lane_busy(v), v.config.pinned,
+                                       v.config.load == "on_demand")
                     for v in self.models.versions() if v.phase == SERVING and v is not version
                     and v.config.device == device]
         need = version.memory.get("measured_bytes", 0)

@@ -16,7 +16,7 @@ its owner and uid.  Also the bounds check of a
 zero-copy request against its region, and the lanes among them: which
 worker serves each lane (``shmserve.lanes`` header and the worker's
 attach/detach commands), moving a lane when its worker dies (failing what
-it had queued or running), and the spin hint in every lane header.
+it had queued or running), and the spin and divert hints in every lane header.
 
 Must not: hold requests (``shmserve.frontend.dispatcher``), talk to a
 client's socket (a front door passes on ``Region.fd``), or read a client's
@@ -149,6 +149,8 @@ class RegionTable:
         self.free_records = list(range(arena.geometry.max_regions - 1, -1, -1))
         self.next_id = 1
         self.stopping = False
+        self.diverted: set[str] = set()  # models whose Client.infer requests come over the socket (divert)
+        self.divert_every = False  # shutting down: every lane's (``divert_all``)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class RegionTable:
                             created_unix_ns=time.time_ns())
         if lane_model is not None:
             lanes.init_header(lane_buf, lane_model.index)
+            lanes.set_divert(lane_buf, self.divert_every or lane_model.name in self.diverted)
             if not self._attach(region):
                 self._close(region)
                 raise ShmserveError(ErrorCode.OVERLOADED, f"no worker of model {lane_model.name!r} can take a "
@@ -335,6 +338,43 @@ class RegionTable:
                 region.lane_model = version
                 self._attach(region)
 
+    def lane_busy(self, version: ModelState) -> bool:
+        """Whether a lane of ``version`` holds a call queued or running (its slots' status words:
+        the client's to write, so this may say busy when a client lies; only its model stays)."""
+        return any(region.is_lane and region.lane_model is version and not region.closed and
+                   lanes.has_pending(region.lane_buf) for region in self.regions.values())
+
+    def divert(self, model: str, on: bool) -> None:
+        """Tell the lanes of ``model`` whether ``Client.infer`` should send its requests over the
+        socket (``on``: while a canary or shadow rollout of it runs, the front-end routes each
+        request) or through the lane (zero-copy calls always use the lane)."""
+        if on:
+            self.diverted.add(model)
+        else:
+            self.diverted.discard(model)
+        for region in self.regions.values():
+            if region.is_lane and region.lane_model is not None and region.lane_model.name == model:
+                lanes.set_divert(region.lane_buf, on or self.divert_every)
+
+    def divert_all(self) -> None:
+        """Shutting down: ``Client.infer`` requests come over the socket (answered SHUTTING_DOWN)
+        on every lane from now on; zero-copy calls still queued or running drain (``lanes_pending``)."""
+        self.divert_every = True
+        for region in self.regions.values():
+            if region.is_lane:
+                lanes.set_divert(region.lane_buf, True)
+
+    def fail_pending_lanes(self, code: ErrorCode, message: str) -> int:
+        """The drain ran out while lane calls are still queued or running (their workers still
+        alive): fail them with ``code``; how many."""
+        return sum(lanes.fail_lane(region.lane_buf, code, message, worker_alive=True)
+                   for region in self.regions.values() if region.is_lane and not region.closed)
+
+    def lanes_pending(self) -> bool:
+        """Whether any lane holds a call queued or running."""
+        return any(region.is_lane and not region.closed and lanes.has_pending(region.lane_buf)
+                   for region in self.regions.values())
+
     def fail_lanes(self, version: ModelState, why: str) -> None:
         """``version`` is gone and its model has no other: fail what its lanes hold; they stay
         open without a worker (a version loaded later takes them)."""
@@ -422,14 +462,16 @@ class RegionTable:
             if region.moving_from is w:  # it died while handing the lane over
                 region.moving_from = None
                 lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
-                                f"worker {w.index} for model {w.model.name!r} {how} while running this request")
+                                f"worker {w.index} for model {w.model.name!r} {how} while running this request",
+                                running_only=True)
                 self._attach(region)
                 continue
             if region.lane_worker is not w:
                 continue
             region.lane_worker = None
             lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
-                            f"worker {w.index} for model {w.model.name!r} {how} while running this request")
+                            f"worker {w.index} for model {w.model.name!r} {how} while running this request",
+                            running_only=True)  # the calls it had not claimed run on the next worker
             self._attach(region)
 
     def _attach(self, region: Region) -> bool:

@@ -157,7 +157,7 @@ class Status:
             model = self.models.by_name[m.name]
             entry = {"name": m.name, "version": m.version, "backend": cfg.backend, "path": cfg.path,
                      "device": cfg.device, "instances": cfg.instances, "state": self.state_of(m),
-                     "max_batch_size": cfg.max_batch_size, "load": cfg.load,
+                     "max_batch_size": cfg.max_batch_size, "max_output_bytes": cfg.max_output_bytes, "load": cfg.load,
                      "versions": sorted(v.version for v in model.versions.values() if v.phase == SERVING),
                      "inputs": [t.to_dict() for t in spec.inputs] if spec else [],
                      "outputs": [t.to_dict() for t in spec.outputs] if spec else []}

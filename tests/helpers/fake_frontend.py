@@ -464,7 +464,7 @@ class FakeWorker:
             op, argument = layout.split_entry(entry)
             self.commands.append((op, argument))
             if op == layout.CMD_ATTACH_LANE:
-                self._attach_lane(argument)
+                work.extend(self._attach_lane(argument))
             elif op == layout.CMD_DROP_REGION:
                 self.lanes.pop(argument, None)
                 self._unmap(argument)
@@ -479,12 +479,14 @@ class FakeWorker:
         self._backlog = self.gather()
         return self.commands
 
-    def _attach_lane(self, region: int) -> None:
+    def _attach_lane(self, region: int) -> list[tuple[_Space, int]]:
+        """Serve the lane, and the calls already queued in it (as ``workers.worker`` does)."""
         buf = self._map(region)
         if buf is None or not lanes.usable(len(buf)):
-            return
+            return []
         submissions, completions, bell = lanes.worker_rings(buf)
-        self.lanes[region] = _Space(buf, layout.LANE, submissions, completions, bell, region)
+        space = self.lanes[region] = _Space(buf, layout.LANE, submissions, completions, bell, region)
+        return [(space, entry) for entry in lanes.queued_entries(buf)]
 
     def _map(self, region: int):
         if region == 0:

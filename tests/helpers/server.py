@@ -123,8 +123,8 @@ class ServerProcess:
         self.kill()
         raise RuntimeError(f"server not ready in {timeout} s:\n{self.log()}")
 
-    def client(self, timeout: float = 30.0) -> Client:
-        return Client(self.socket, timeout=timeout)
+    def client(self, timeout: float = 30.0, lanes: bool = True) -> Client:
+        return Client(self.socket, timeout=timeout, lanes=lanes)
 
     def info(self) -> dict:
         with self.client() as c:
