@@ -430,9 +430,6 @@ def swap_repository(workdir: Path) -> Path:
 def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
     """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
     ``swap`` only the model repository of ``swap_repository``."""
-    from shmserve import Client
-    from shmserve.errors import ConnectionClosed
-
     instance = f"bench-{RUN_ID}"
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
@@ -461,6 +458,16 @@ name = "demo"
 backend = "onnxruntime"
 path = "{_demo_path()}"
 """)
+    return serve_config(cfg, sock), sock
+
+
+def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
+    """Start ``shmserve serve --config cfg --socket sock`` (its log beside the config, server.log) and
+    return it once it answers; SystemExit if it exits or does not answer in 120 s."""
+    from shmserve import Client
+    from shmserve.errors import ConnectionClosed
+
+    workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -471,7 +478,7 @@ path = "{_demo_path()}"
         try:
             with Client(sock) as c:
                 c.health()
-            return proc, sock
+            return proc
         except ConnectionClosed:
             time.sleep(0.05)
     proc.kill()
