@@ -461,6 +461,28 @@ path = "{_demo_path()}"
     return serve_config(cfg, sock), sock
 
 
+def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each of ``cases`` (name -> callable): each warmed ``warm`` times, then
+    ``rounds`` rounds, each running every case ``per_round`` times in a shuffled order, so the
+    machine's noise falls on all alike (``tools/bench_backend_io.py``, ``tools/bench_cuda_graphs.py``)."""
+    import random
+
+    for f in cases.values():
+        for _ in range(warm):
+            f()
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    order, rng = list(cases), random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for key in order:
+            f, out = cases[key], samples[key]
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                f()
+                out.append(time.perf_counter() - t0)
+    return samples
+
+
 def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
     """Start ``shmserve serve --config cfg --socket sock`` (its log beside the config, server.log) and
     return it once it answers; SystemExit if it exits or does not answer in 120 s."""

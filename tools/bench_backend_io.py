@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
-import random
 import statistics
 import subprocess
 import sys
@@ -104,6 +103,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
+    from shmserve.bench import interleaved
     from shmserve.config import ModelConfig
     from workers.adapter import BackendAdapter
 
@@ -159,20 +159,7 @@ def main() -> int:
                     "infer, ocr_copy (copied)": lambda: c.infer("ocr_copy", {"x": x}),
                     "torch copy_ of the output into shared memory": lambda: torch_out.copy_(torch_value),
                 }
-                samples: dict[str, list[float]] = {k: [] for k in cases}
-                order = list(cases)
-                rng = random.Random(SEED)
-                for f in cases.values():  # warm each path
-                    for _ in range(3):
-                        f()
-                for _ in range(args.rounds):
-                    rng.shuffle(order)
-                    for key in order:
-                        f = cases[key]
-                        for _ in range(args.per_round):
-                            t0 = time.perf_counter()
-                            f()
-                            samples[key].append(time.perf_counter() - t0)
+                samples = interleaved(cases, args.rounds, args.per_round, SEED, warm=3)
                 for call in calls.values():
                     call.release()
         finally:

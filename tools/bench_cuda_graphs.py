@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
-    from shmserve.bench import serve_config
+    from shmserve.bench import interleaved, serve_config
     from shmserve.config import ModelConfig
     from shmserve.spec import TensorSpec
     from workers.adapter import BackendAdapter
@@ -158,19 +157,7 @@ cuda_graphs = {flag}
                     "lane, copy mode, eager": calls["eager"].run,
                     "lane, copy mode, graphs": calls["graphs"].run,
                 }
-                for f in cases.values():
-                    for _ in range(50):
-                        f()
-                samples = {k: [] for k in cases}
-                order, rng = list(cases), random.Random(SEED)
-                for _ in range(args.rounds):
-                    rng.shuffle(order)
-                    for key in order:
-                        f = cases[key]
-                        for _ in range(args.per_round):
-                            t0 = time.perf_counter()
-                            f()
-                            samples[key].append(time.perf_counter() - t0)
+                samples = interleaved(cases, args.rounds, args.per_round, SEED, warm=50)
                 for call in calls.values():
                     call.release()
         finally:
