@@ -458,9 +458,6 @@ def swap_repository(workdir: Path) -> Path:
 def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
     """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
     ``swap`` only the model repository of ``swap_repository``."""
-    from shmserve import Client
-    from shmserve.errors import ConnectionClosed
-
     instance = f"bench-{RUN_ID}"
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
@@ -489,6 +486,38 @@ name = "demo"
 backend = "onnxruntime"
 path = "{_demo_path()}"
 """)
+    return serve_config(cfg, sock), sock
+
+
+def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each of ``cases`` (name -> callable): each warmed ``warm`` times, then
+    ``rounds`` rounds, each running every case ``per_round`` times in a shuffled order, so the
+    machine's noise falls on all alike (``tools/bench_backend_io.py``, ``tools/bench_cuda_graphs.py``)."""
+    import random
+
+    for f in cases.values():
+        for _ in range(warm):
+            f()
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    order, rng = list(cases), random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for key in order:
+            f, out = cases[key], samples[key]
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                f()
+                out.append(time.perf_counter() - t0)
+    return samples
+
+
+def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
+    """Start ``shmserve serve --config cfg --socket sock`` (its log beside the config, server.log) and
+    return it once it answers; SystemExit if it exits or does not answer in 120 s."""
+    from shmserve import Client
+    from shmserve.errors import ConnectionClosed
+
+    workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -499,7 +528,7 @@ path = "{_demo_path()}"
         try:
             with Client(sock) as c:
                 c.health()
-            return proc, sock
+            return proc
         except ConnectionClosed:
             time.sleep(0.05)
     proc.kill()

@@ -167,14 +167,23 @@ def bind_inputs(spec: ModelSpec, inputs: Sequence[TensorMeta]) -> dict[str, int]
     return symbols
 
 
-def estimate_output_bytes(spec: ModelSpec, symbols: dict[str, int], fallback: int) -> int:
-    """Bytes to reserve for outputs: exact where every dimension is fixed or bound by the
-    inputs, ``fallback`` for each output that has an unknown dimension and for each bytes
-    output (its size is known only once the model has made it)."""
-    total = 0
-    for t in spec.outputs:
+def output_shapes(outputs: Sequence[TensorSpec], symbols: dict[str, int]) -> list[tuple[int, ...] | None]:
+    """Each output's shape where every dimension is fixed or bound by the inputs (``symbols``, as
+    ``bind_inputs`` returns them), else None; None for a bytes output (its size is known only
+    once the model has made it)."""
+    shapes: list[tuple[int, ...] | None] = []
+    for t in outputs:
         dims = [d if isinstance(d, int) else symbols.get(d) if isinstance(d, str) else None for d in t.shape]
-        total += fallback if t.dtype == BYTES or any(d is None for d in dims) else tensor_nbytes(t.dtype, dims)
+        shapes.append(None if t.dtype == BYTES or any(d is None for d in dims) else tuple(dims))
+    return shapes
+
+
+def estimate_output_bytes(spec: ModelSpec, symbols: dict[str, int], fallback: int) -> int:
+    """Bytes to reserve for outputs: exact where ``output_shapes`` knows the shape, ``fallback``
+    for each other output."""
+    total = 0
+    for t, shape in zip(spec.outputs, output_shapes(spec.outputs, symbols)):
+        total += fallback if shape is None else tensor_nbytes(t.dtype, shape)
         total += 64  # each output starts on a cache line
     return total
 

@@ -15,25 +15,63 @@ the two element types numpy and ONNX Runtime do not share:
   an output's ``str`` elements go back as their UTF-8 (the worker does that for
   any bytes output).
 
-A model without either runs ``InferenceSession.run`` on the views as they are.
+A model with neither, on the CPU provider, runs in place (``run_into``,
+issue 14 part 5): each input is bound by its address (``IOBinding.bind_input``
+over the read-only shared-memory view: ORT takes the pointer and only reads
+it), and each output, where its shape follows from the inputs' shapes, is
+bound to the view ``allocate`` returns, so ONNX Runtime writes it straight
+into the request's output area.  Rules:
+
+* A signature (the inputs' names, dtypes and shapes) is bound only once a
+  run has shown that ONNX Runtime's output shapes are the ones the spec
+  predicts (``spec_shapes``): the first run of a signature (the warm-up's,
+  for batch sizes 1, the preferred ones and the largest) is a plain run whose
+  outputs are copied, and checks.  Exporters name dimensions that are not
+  equal alike (a pre-allocated output of another shape is an ORT error, not
+  a resize), so a prediction is never trusted unchecked.  An output with a
+  dimension the inputs do not fix (a data-dependent one) is never bound;
+  such a model copies, as before.  ``SIGNATURES_MAX`` signatures are kept.
+* After a bound run every output's data pointer is compared with the
+  address bound: where ONNX Runtime answered with a buffer of its own (a
+  graph input that is also an output does that) the output is copied from
+  it, binding is switched off for the model and that is logged once.
+* A batch (``accepts_row_splits``): one request's rows are its whole output
+  area, bound as above; several requests' rows are an output ONNX Runtime
+  allocates, each request's rows copied into its own area (the copy the
+  worker made before).
+* ``io_binding = false`` in the options keeps the plain run and its copy
+  (what ``tools/bench_backend_io.py`` compares against).
+* ``io`` counts the runs each way (``bound``, ``copied``) and ``binding_off``
+  says why binding is off, for tests and benchmarks in the same process.
+
+Overlapping tensors: a lane client may place an input over its own output
+area; ONNX Runtime then reads what it writes, and that client gets wrong
+numbers in its own region (nothing outside the checked views is touched).
 
 Options (``[models.options]``): ``intra_op_threads`` (default 1: one worker
 per model instance should not fight the others for cores),
 ``inter_op_threads`` (default 1), ``graph_optimization`` ("all" | "basic" |
-"extended" | "disabled", default "all").
+"extended" | "disabled", default "all"), ``io_binding`` (default true).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import numpy as np
 
 from shmserve import layout
 from shmserve.config import ModelConfig
-from shmserve.errors import ErrorCode
-from shmserve.spec import TensorSpec
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.protocol import TensorMeta
+from shmserve.spec import ModelSpec, TensorSpec, bind_inputs, output_shapes
+from workers.backends import RowSplit
 from workers.step import RequestFailed
+
+SIGNATURES_MAX = 1024  # input signatures whose output shapes were checked (then all forgotten at once),
+                       # as workers.step.LANE_SIGNATURES_MAX
+log = logging.getLogger("shmserve.worker.onnxruntime")
 
 _ORT_TYPES = {
     "tensor(bool)": "bool", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(int16)": "int16",
@@ -76,6 +114,27 @@ def _bf16_array(value) -> np.ndarray:
     return out
 
 
+_UNCHECKED = object()  # a signature not run yet
+
+
+def _flag(value) -> bool:
+    """An option that is a switch: a bool (TOML's), or "true"/"false"."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"option io_binding must be true or false, got {value!r}")
+    return value
+
+
+def _write(value: np.ndarray, dst) -> None:
+    """Copy an output into its view, or a batch's rows into each request's own (a RowSplit)."""
+    if type(dst) is RowSplit:
+        for start, stop, view in dst.parts:
+            np.copyto(view, value[start:stop], casting="no")
+    else:
+        np.copyto(dst, value, casting="no")
+
+
 class OnnxRuntimeBackend:
     def __init__(self, config: ModelConfig):
         import onnxruntime as ort
@@ -103,11 +162,28 @@ class OnnxRuntimeBackend:
         self._text_inputs = tuple(t.name for t in self.inputs if t.dtype == layout.BYTES)
         self._bf16_inputs = frozenset(t.name for t in self.inputs if t.dtype == "bfloat16")
         self._bf16_outputs = frozenset(t.name for t in self.outputs if t.dtype == "bfloat16")
-        # Chosen once: a model with neither bfloat16 nor string tensors keeps the plain run.
+        self._declared = (self.inputs, self.outputs)  # the final specs, once the worker declares them
+        self.io = {"bound": 0, "copied": 0}  # runs written in place / copied (the header's rules)
+        self.binding_off: str | None = None  # why nothing is bound (None: binding is on)
+        self._checked: dict[tuple, tuple | None] = {}  # signature -> output shapes to bind (None: copy)
+        # Chosen once: a model with bfloat16 or string tensors, or on CUDA, keeps a run of its own; any
+        # other runs in place unless the options say not to.
+        strings = any(t.dtype == layout.BYTES for t in self.outputs)
         if self._bf16_inputs or self._bf16_outputs:
             self.run = self._run_bound
         elif self._text_inputs:
             self.run = self._run_text
+        elif strings or providers != ["CPUExecutionProvider"] or not _flag(o.get("io_binding", True)):
+            pass
+        else:
+            self._binding = self.session.io_binding()
+            self.run_into = self._run_into
+            self.accepts_row_splits = True
+
+    def declare(self, inputs, outputs) -> None:
+        """The worker tells the final (config-merged) specs: what output shapes are predicted from."""
+        self._declared = (tuple(inputs), tuple(outputs))
+        self._checked.clear()
 
     def run(self, inputs):
         results = self.session.run(self._output_names, dict(inputs))
@@ -139,6 +215,87 @@ class OnnxRuntimeBackend:
         del held
         return {name: _bf16_array(value) if name in self._bf16_outputs else value.numpy()
                 for name, value in zip(self._output_names, binding.get_outputs())}
+
+    def _run_into(self, inputs, allocate) -> None:
+        """Run in place: bound where this signature's output shapes were checked, else a plain
+        run whose outputs are copied into ``allocate``'s views (and which checks them)."""
+        signature = tuple((n, v.dtype, v.shape) for n, v in inputs.items())
+        shapes = self._checked.get(signature, _UNCHECKED)
+        if shapes is None or shapes is _UNCHECKED or self.binding_off is not None:
+            self._run_copied(inputs, allocate, signature if shapes is _UNCHECKED else None)
+            return
+        binding, held, targets = self._binding, [], []
+        for name, view in inputs.items():
+            if not view.flags.c_contiguous:  # a warm-up sample file in Fortran order; never a slot's view
+                view = np.ascontiguousarray(view)
+                held.append(view)
+            binding.bind_input(name, "cpu", 0, view.dtype.type, view.shape, view.ctypes.data)
+        for name, shape in zip(self._output_names, shapes):
+            dst = allocate(name, shape, self._output_dtype(name))
+            view = dst.parts[0].view if type(dst) is RowSplit and len(dst.parts) == 1 else dst
+            if type(view) is RowSplit:  # several requests' rows: ORT allocates, the rows are copied
+                binding.bind_output(name, "cpu")
+                targets.append((view, 0))
+                continue
+            address = view.ctypes.data
+            binding.bind_output(name, "cpu", 0, view.dtype.type, view.shape, address)
+            targets.append((view, address))
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception:
+            self._checked[signature] = None  # whatever it was, this signature copies from now on
+            raise
+        for (dst, address), value in zip(targets, binding.get_outputs()):
+            if address == 0:
+                _write(value.numpy(), dst)
+            elif dst.nbytes and value.data_ptr() != address:
+                np.copyto(dst, value.numpy(), casting="no")
+                self._switch_off("ONNX Runtime answered an output with a buffer of its own instead of writing into "
+                                 "the bound one (a graph input that is also an output does that)")
+        del held
+        self.io["bound"] += 1
+
+    def _run_copied(self, inputs, allocate, signature: tuple | None) -> None:
+        """The plain run, each output copied into ``allocate``'s view; with ``signature`` (not seen
+        before) it also checks whether the spec predicts this run's output shapes."""
+        results = self.session.run(self._output_names, dict(inputs))
+        for name, value in zip(self._output_names, results):
+            _write(value, allocate(name, value.shape, value.dtype))
+        self.io["copied"] += 1
+        if signature is None:
+            return
+        predicted = self._predict(inputs)
+        actual = tuple(tuple(v.shape) for v in results)
+        if len(self._checked) >= SIGNATURES_MAX:
+            self._checked.clear()
+        self._checked[signature] = predicted if predicted == actual else None
+        if predicted is not None and predicted != actual:
+            log.info("onnxruntime: inputs %s give outputs of shapes %s where the spec predicts %s: "
+                     "copied, not bound", [v.shape for v in inputs.values()], list(actual), list(predicted))
+
+    def _predict(self, inputs) -> tuple | None:
+        """The output shapes the final specs predict for ``inputs`` (in session order), or None
+        where one does not follow from the inputs' shapes."""
+        specs_in, specs_out = self._declared
+        try:
+            symbols = bind_inputs(ModelSpec("", "onnxruntime", specs_in, specs_out),
+                                  [TensorMeta(n, layout.dtype_name(v.dtype), v.shape) for n, v in inputs.items()])
+        except ShmserveError:
+            return None
+        shapes = dict(zip((t.name for t in specs_out), output_shapes(specs_out, symbols)))
+        predicted = tuple(shapes.get(name) for name in self._output_names)
+        return None if any(shape is None for shape in predicted) else predicted
+
+    def _output_dtype(self, name: str) -> np.dtype:
+        for t in self._declared[1]:
+            if t.name == name:
+                return layout.numpy_dtype(t.dtype)
+        raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
+
+    def _switch_off(self, why: str) -> None:
+        if self.binding_off is None:
+            self.binding_off = why
+            log.warning("onnxruntime: binding outputs switched off for this model: %s; its outputs are copied", why)
 
     def close(self) -> None:
         self.session = None

@@ -20,6 +20,25 @@ same way as a single request's output (CPU: a copy into shared memory;
 mapped: the GPU writes through the mapping; copy: one asynchronous DMA per
 request into page-locked memory).
 
+CUDA graphs (issue 14 part 3; ``[models.options] cuda_graphs``, default
+true): a CUDA model in ``copy`` mode whose tensors are static but for the
+leading (batch) dimension has its forward pass captured once per batch-size
+bucket (``graph_buckets``: the sizes the warm-up runs, ``ModelConfig.batch_sizes_to_warm``:
+1, the preferred sizes, ``max_batch_size``; a model of fixed shapes, its one
+shape), each into static device buffers, the first time a request (the
+warm-up's, in practice) has that bucket's exact shapes.  A request then copies
+its inputs H2D into the bucket's static inputs (the same DMA from the
+page-locked arena as eager), replays the graph and copies the static outputs
+D2H into its output area, all on the worker's stream.  The copies stay
+outside the graph: a graph's copies have fixed addresses, and the arena's
+change per request, so capturing them would need a staging area and one more
+copy.  Shapes outside the buckets run eagerly; so does every request of a
+``mapped`` model (its tensors are views at per-request device addresses) and
+of a model whose capture failed (``graphs_off`` says why; logged once).  The
+graphs' memory pools are the caching allocator's, so ``device_bytes``
+(``memory_reserved``) counts them in the model's footprint; ``graph_pool_bytes``
+is what the captures added.  ``runs`` counts ``graph`` and ``eager`` runs.
+
 All of it runs on the worker's own CUDA stream; ``synchronize`` waits for it
 before the worker publishes DONE.  Inputs are positional in the order of the
 model's declared inputs; outputs (a tensor, or a tuple/list of tensors) map to
@@ -34,7 +53,9 @@ tensors are refused at load: a torch model takes tensors of numbers.
 
 from __future__ import annotations
 
+import logging
 import warnings
+from typing import Sequence
 
 import numpy as np
 
@@ -46,6 +67,35 @@ from workers.backends import RowSplit, refuse_bytes
 
 _TORCH_DTYPES: dict = {}
 _BF16 = layout.numpy_dtype("bfloat16")
+GRAPH_WARMUP_RUNS = 2  # eager runs on the capture's side stream before capturing (what torch.cuda.graphs asks)
+log = logging.getLogger("shmserve.worker.torch")
+
+
+def graph_buckets(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                  batch_sizes: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...] | str:
+    """The input shapes (in declared order) to capture a CUDA graph for, one tuple per bucket; or
+    why none can be (a str).  Every dimension but the leading one must be fixed, in inputs and
+    outputs; a leading dimension that is not fixed (the batch) takes each of ``batch_sizes``
+    (all inputs alike), a model of fixed shapes has its one bucket."""
+    if not inputs or not outputs:
+        return "the model's tensors are not declared"
+    for t in (*inputs, *outputs):
+        if not t.shape or any(not isinstance(d, int) for d in t.shape[1:]):
+            return f"tensor {t.name!r} has a dynamic dimension other than the leading one (shape {list(t.shape)})"
+    batched = [not isinstance(t.shape[0], int) for t in inputs]
+    if not any(batched):
+        return (tuple(tuple(t.shape) for t in inputs),)
+    if not all(batched):
+        return "some inputs have a fixed leading dimension and others a batch dimension"
+    sizes = sorted({int(n) for n in batch_sizes if int(n) > 0})
+    return tuple(tuple((n, *t.shape[1:]) for t in inputs) for n in sizes)
+
+
+def bucket_of(shapes: tuple, buckets: dict):
+    """The captured graph (or pending capture) for a request's input ``shapes`` (in declared
+    order), or None: a shape outside the buckets runs eagerly.  Exact match only: padding a
+    batch up to a bucket would run the model on rows nobody sent."""
+    return buckets.get(shapes)
 
 
 def _init_dtypes(torch) -> None:
@@ -94,6 +144,18 @@ class TorchBackend:
         self._bases: dict = {}  # Registration -> flat CUDA tensor over it (mapped mode)
         self._input_names: list[str] | None = None
         self._output_names: list[str] | None = None
+        self._batch_sizes = config.batch_sizes_to_warm()
+        self._graphs: dict = {}  # input shapes -> _Graph, or _PENDING (a bucket not captured yet)
+        self.runs = {"graph": 0, "eager": 0}
+        self.graph_pool_bytes = 0
+        wanted = _switch(config.options.get("cuda_graphs", True), "cuda_graphs")
+        self.graphs_off: str | None = None  # why nothing is captured (None: buckets are captured)
+        if not wanted:
+            self.graphs_off = "cuda_graphs = false"
+        elif self.device.type != "cuda":
+            self.graphs_off = "not a CUDA model"
+        elif self.io_mode != "copy":
+            self.graphs_off = "io_mode is mapped (tensors at per-request device addresses)"
 
     def _export_specs(self, program) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         sig = program.graph_signature
@@ -126,6 +188,12 @@ class TorchBackend:
         refuse_bytes("torch", inputs, outputs)
         self._input_names = [t.name for t in inputs]
         self._output_names = [t.name for t in outputs]
+        if self.graphs_off is None:
+            buckets = graph_buckets(inputs, outputs, self._batch_sizes)
+            if isinstance(buckets, str):
+                self.graphs_off = buckets
+            else:
+                self._graphs = {shapes: _PENDING for shapes in buckets}
 
     # -- running --------------------------------------------------------------------------
 
@@ -191,11 +259,38 @@ class TorchBackend:
     def run_into(self, inputs, allocate) -> None:
         torch = self.torch
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream else _nothing():
-            results = self._forward(inputs)
+            graph = bucket_of(tuple(inputs[n].shape for n in self._input_names), self._graphs) \
+                if self._graphs and self.graphs_off is None else None
+            if graph is _PENDING:
+                graph = self._capture(inputs)
+            if graph is not None:
+                results = graph.run(inputs, self._host)
+                self.runs["graph"] += 1
+            else:
+                results = self._forward(inputs)
+                self.runs["eager"] += 1
             for name, value in results.items():
                 value = value.contiguous()
                 dtype = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
                 self._write(value, allocate(name, tuple(value.shape), dtype))
+
+    def _capture(self, inputs):
+        """Capture the forward pass for ``inputs``' bucket (its static buffers filled from them);
+        the _Graph, or None if capture fails (then nothing is captured any more: logged once)."""
+        torch = self.torch
+        key = tuple(inputs[n].shape for n in self._input_names)
+        before = int(torch.cuda.memory_reserved(self.device))
+        try:
+            graph = _Graph(torch, self, inputs)
+        except Exception as exc:  # a model that syncs with the host or branches on data cannot be captured
+            self._graphs = {}
+            self.graphs_off = f"capture failed: {type(exc).__name__}: {exc}"
+            log.warning("torch: CUDA graphs switched off for this model: %s; it runs eagerly", self.graphs_off)
+            torch.cuda.synchronize(self.device)
+            return None
+        self.graph_pool_bytes += max(0, int(torch.cuda.memory_reserved(self.device)) - before)
+        self._graphs[key] = graph
+        return graph
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -208,6 +303,50 @@ class TorchBackend:
     def close(self) -> None:
         self.synchronize()
         self.module = None
+
+
+_PENDING = object()  # a bucket whose graph is captured by its first request
+
+
+def _switch(value, key: str) -> bool:
+    """An option that is a switch: a bool (TOML's), or "true"/"false"; ValueError otherwise."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"option {key} must be true or false, got {value!r}")
+    return value
+
+
+class _Graph:
+    """One bucket's captured forward pass: static device inputs (declared order), the graph, its
+    static outputs by name.  ``run`` copies a request's inputs in (H2D from the page-locked
+    arena, on the current stream), replays, and returns the static outputs (read them before
+    the next replay: the caller copies them out on the same stream)."""
+
+    def __init__(self, torch, backend: "TorchBackend", inputs):
+        names = backend._input_names
+        self.names = names
+        self.static = [backend._host(np.ascontiguousarray(inputs[n])).to(backend.device) for n in names]
+        side = torch.cuda.Stream(backend.device)
+        side.wait_stream(torch.cuda.current_stream(backend.device))
+        with torch.cuda.stream(side):
+            for _ in range(GRAPH_WARMUP_RUNS):
+                backend.module(*self.static)
+        torch.cuda.current_stream(backend.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out = backend.module(*self.static)
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        out_names = backend._output_names or [f"output{i}" for i in range(len(out))]
+        if len(out) != len(out_names):
+            raise ValueError(f"model returned {len(out)} outputs, {len(out_names)} declared")
+        self.outputs = dict(zip(out_names, out))
+
+    def run(self, inputs, host) -> dict:
+        for name, static in zip(self.names, self.static):
+            static.copy_(host(inputs[name]), non_blocking=True)  # DMA from page-locked memory
+        self.graph.replay()
+        return self.outputs
 
 
 class _nothing:
