@@ -165,9 +165,30 @@ class Region:
             os.close(fd)
         self.lane = ClientLane(self.buf, region_id, lane["model"]) if lane else None
         self.allocator = RegionAllocator(size, layout.LANE_BYTES if lane else 0)
-        self.abandoned: list[tuple[int, int, "ZeroCopyCall"]] = []  # timed-out lane calls: space held until done
+        self.abandoned: list[tuple[int, int, "ZeroCopyCall | _Seat"]] = []  # timed out: space held until done
+        self.seats: dict[tuple, _Seat] = {}  # Client.infer's space per input signature, kept between calls
 
-    def defer_release(self, call: "ZeroCopyCall", index: int, generation: int) -> None:
+    def seat(self, signature: tuple, arrays: dict[str, np.ndarray], form: "_LaneForm") -> "_Seat | None":
+        """Space for an infer call of ``signature``: the one kept for it if it is free, else new
+        (kept for the next call while at most SEATS_MAX are, else released after this one; kept
+        seats not in use are given back when the lane has no room left).  None if it does not fit."""
+        seat = self.seats.get(signature)
+        if seat is not None and not seat.busy:
+            return seat
+        seat = _Seat.make(self, arrays, form)
+        if seat is None and self.seats:
+            for key, idle in list(self.seats.items()):
+                if not idle.busy:
+                    del self.seats[key]
+                    idle.kept = False
+                    idle.release()
+            seat = _Seat.make(self, arrays, form)
+        if seat is not None and signature not in self.seats and len(self.seats) < SEATS_MAX:
+            seat.kept = True
+            self.seats[signature] = seat
+        return seat
+
+    def defer_release(self, call: "ZeroCopyCall | _Seat", index: int, generation: int) -> None:
         """Keep ``call``'s space until the worker has finished lane slot ``index`` (it timed out:
         the worker may still write its outputs there)."""
         self.abandoned.append((index, generation, call))
@@ -493,6 +514,49 @@ class _ZeroCopyPlan:
 
 # -- Client.infer through a lane (both clients) ---------------------------------------------
 
+SEATS_MAX = 8  # input signatures per lane whose space stays reserved between infer calls
+
+
+class _Seat:
+    """Space in a lane for infer calls of one input signature: each input's view and the output
+    area.  ``busy`` while a call uses it; a ``kept`` seat stays reserved for the next call of its
+    signature (no allocation per call), any other is released when its call ends."""
+
+    __slots__ = ("region", "views", "described", "out_offset", "out_capacity", "busy", "kept", "_spans")
+
+    def __init__(self, region: "Region", views: list, described: list, out_offset: int, out_capacity: int,
+                 spans: list):
+        self.region, self.views, self.described = region, views, described
+        self.out_offset, self.out_capacity = out_offset, out_capacity
+        self.busy = self.kept = False
+        self._spans = spans
+
+    @classmethod
+    def make(cls, region: "Region", arrays: dict[str, np.ndarray], form: "_LaneForm") -> "_Seat | None":
+        allocator, spans = region.allocator, []
+        for nbytes in form.sizes + (form.output_capacity,):
+            offset = allocator.allocate(nbytes)
+            if offset is None:
+                for off, n in spans:
+                    allocator.release(off, n)
+                return None
+            spans.append((offset, nbytes))
+        views, described = [], []
+        for a, name_index, (offset, _) in zip(arrays.values(), form.name_indices, spans):
+            view = np.ndarray(a.shape, a.dtype, buffer=region.buf, offset=offset)
+            views.append(view)
+            described.append((name_index, offset, view))
+        return cls(region, views, described, spans[-1][0], form.output_capacity, spans)
+
+    def release(self) -> None:
+        """The call is over (or the worker is done with the call that timed out): free for the next
+        call of its signature if kept, else its space goes back to the region."""
+        self.busy = False
+        if not self.kept and self._spans:
+            for off, n in self._spans:
+                self.region.allocator.release(off, n)
+            self._spans = []
+
 class _LaneForm(NamedTuple):
     """What a lane call of one input signature needs, worked out once per model and signature."""
 
@@ -523,11 +587,6 @@ def _lane_form(spec: ModelSpec, arrays: dict[str, np.ndarray]) -> _LaneForm | No
         capacity, exact = _estimate(spec, specs)
     return _LaneForm(tuple(names.index(n) for n in arrays), tuple(sizes.values()), capacity, exact,
                      _needed_bytes(sizes, capacity))
-
-
-def _owned(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """New arrays the caller owns, copied out of the lane (as the socket path's are new)."""
-    return {name: np.array(view) for name, view in views.items()}
 
 
 # -- the clients ----------------------------------------------------------------------------
@@ -607,7 +666,7 @@ class _ClientBase:
             if len(self._lane_forms) >= LANE_FORMS_MAX:
                 self._lane_forms.clear()
             form = self._lane_forms[signature] = _lane_form(spec, arrays)
-        return None if form is None else (arrays, form)
+        return None if form is None else (arrays, form, signature)
 
     def _lane_size(self, form: _LaneForm) -> int | None:
         """The size to open a model's infer lane with: room for many calls, within the server's
@@ -624,8 +683,8 @@ class _ClientBase:
             raise exc
         self._no_lane_until[model] = time.monotonic() + LANE_RETRY_S
 
-    def _lane_start(self, model: str, region: Region, arrays: dict[str, np.ndarray], form: _LaneForm):
-        """Copy ``arrays`` into the lane and submit the call: (call, slot, generation), or None if
+    def _lane_start(self, region: Region, arrays: dict[str, np.ndarray], form: _LaneForm, signature: tuple):
+        """Copy ``arrays`` into the lane and submit the call: (seat, slot, generation), or None if
         the lane cannot take it now (no worker serves it, the front-end diverts its model, all
         its slots or its space are taken): then the socket carries it."""
         if region.abandoned:
@@ -633,44 +692,38 @@ class _ClientBase:
         lane = region.lane
         if lane is None or not lane.routable() or not lane.has_free_slot():
             return None
-        allocator, taken = region.allocator, []
-        for nbytes in form.sizes + (form.output_capacity,):
-            offset = allocator.allocate(nbytes)
-            if offset is None:
-                for off, n in taken:
-                    allocator.release(off, n)
-                return None
-            taken.append((offset, nbytes))
-        placed, described = {}, []
-        for (name, a), name_index, (offset, _) in zip(arrays.items(), form.name_indices, taken):
-            view = np.ndarray(a.shape, a.dtype, buffer=region.buf, offset=offset)
-            view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
-            placed[name] = (offset, view)
-            described.append((name_index, offset, view))
-        out_offset = taken[-1][0]
-        call = ZeroCopyCall(self, model, region, placed, out_offset, form.output_capacity)
+        seat = region.seat(signature, arrays, form)
+        if seat is None:
+            return None
+        seat.busy = True
         try:
-            index, generation = lane.submit(self._session.reserve_id(), 0, described, out_offset,
-                                            form.output_capacity)
+            for view, a in zip(seat.views, arrays.values()):
+                view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
+            index, generation = lane.submit(self._session.reserve_id(), 0, seat.described, seat.out_offset,
+                                            seat.out_capacity)
         except BaseException:
-            call.release()
+            seat.release()
             raise
-        return call, index, generation
+        return seat, index, generation
 
     def _lane_answer(self, model: str, started: tuple, form: _LaneForm, failure: BaseException | None = None):
         """The outputs of a lane call that finished (new arrays), or None if the socket should
         carry it after all: the lane lost its version (MODEL_UNAVAILABLE: the socket path loads
         it again or says why) or the outputs outgrew a guessed capacity.  ``failure``: waiting
         for it failed (a timeout keeps its space until the worker is done with it); raised."""
-        call, index, generation = started
+        seat, index, generation = started
         if failure is not None:
             if isinstance(failure, ShmserveError) and failure.code is ErrorCode.TIMEOUT:
-                call.region.defer_release(call, index, generation)
+                seat.region.defer_release(seat, index, generation)
             else:
-                call.release()
+                seat.release()
             raise failure
         try:
-            return _owned(call._lane_collect(index, generation))
+            placed = seat.region.lane.read(index, generation, seat.out_offset, seat.out_capacity)
+            outputs, buf = self._specs[model].outputs, seat.region.buf
+            # New arrays the caller owns, copied out of the lane (as the socket path's are new).
+            return {outputs[name_index].name: np.ndarray(shape, dtype, buffer=buf, offset=offset).copy()
+                    for name_index, (dtype, shape, offset) in sorted(placed.items())}
         except ShmserveError as exc:
             if exc.code is ErrorCode.MODEL_UNAVAILABLE or (exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact):
                 if exc.code is ErrorCode.MODEL_UNAVAILABLE:
@@ -678,7 +731,7 @@ class _ClientBase:
                 return None
             raise
         finally:
-            call.release()
+            seat.release()
 
 
 class Client(_ClientBase):
@@ -737,13 +790,14 @@ class Client(_ClientBase):
                 return outputs
         return self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout).outputs
 
-    def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, seconds: float) -> dict | None:
+    def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
+                    seconds: float) -> dict | None:
         region = self._infer_lanes.get(model)
         if region is None:
             region = self._open_infer_lane(model, form)
             if region is None:
                 return None
-        started = self._lane_start(model, region, arrays, form)
+        started = self._lane_start(region, arrays, form, signature)
         if started is None:
             return None
         _, index, generation = started
@@ -1002,7 +1056,8 @@ class AsyncClient(_ClientBase):
                 return outputs
         return (await self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout)).outputs
 
-    async def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, seconds: float) -> dict | None:
+    async def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
+                          seconds: float) -> dict | None:
         region = self._infer_lanes.get(model)
         if region is None:
             if model in self._opening:
@@ -1014,7 +1069,7 @@ class AsyncClient(_ClientBase):
                 self._opening.discard(model)
             if region is None:
                 return None
-        started = self._lane_start(model, region, arrays, form)
+        started = self._lane_start(region, arrays, form, signature)
         if started is None:
             return None
         _, index, generation = started

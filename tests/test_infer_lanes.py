@@ -4,7 +4,8 @@ Through real server and worker processes: the call leaves the front-end out of t
 (it is stopped while calls run), returns arrays the caller owns, gives the same answers and
 the same error codes as the socket path, falls back to the socket whenever a lane cannot take
 the call (lanes off, a version or routing key, bytes tensors, all slots busy, a canary), keeps
-the space of a timed-out call until its worker is done, and leaves nothing behind.
+the space of a timed-out call until its worker is done, reuses each signature's space, and
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -129,12 +130,15 @@ def test_a_timed_out_call_keeps_its_space_until_the_worker_is_done(server):
         assert info.value.code is ErrorCode.TIMEOUT
         (region,) = c._infer_lanes.values()
         assert len(region.abandoned) == 1  # the worker may still write its outputs there
-        taken = list(region.allocator.free)
-        # The next call waits behind the slow one (one worker), and its answer is its own.
+        (held,) = region.seats.values()
+        assert held.busy
+        # The next call (another signature: a space of its own) waits behind the slow one (one
+        # worker), and its answer is its own; then the timed-out call's space is free again.
         assert c.infer("slow", {"x": np.array([0.0, 2.0], np.float32)})["y"].tolist() == [0.0, 4.0]
         assert c.infer("slow", {"x": np.array([0.0], np.float32)})["y"].tolist() == [0.0]
-        assert not region.abandoned and region.allocator.free != taken  # released once it finished
-        assert region.allocator.free == [(region.allocator.free[0][0], region.size - region.allocator.free[0][0])]
+        assert not region.abandoned and not held.busy  # reclaimed by the call after the slow one ended
+        assert region.seats[next(k for k, v in region.seats.items() if v is held)] is held  # reused
+        assert not any(seat.busy for seat in region.seats.values())
 
 
 def test_a_canary_sends_infer_over_the_socket_so_it_can_route(tmp_path):
@@ -212,3 +216,15 @@ def test_infer_lanes_leave_nothing_behind(tmp_path):
     finally:
         assert srv.stop() == 0, srv.log()
     assert shm_names() == before
+
+
+def test_many_signatures_share_the_lane_without_running_out_of_space(server):
+    """More input signatures than seats are kept (and larger ones than fit beside them): every call
+    is answered, through the lane, whose kept space never outgrows it."""
+    with server.client() as c:
+        for n in list(range(1, 40)) + [8 << 20, 3, 20 << 20, 5]:
+            x = np.full(n, n % 251, np.uint8)
+            np.testing.assert_array_equal(c.infer("identity", {"x": x})["y"], x)
+        (region,) = c._infer_lanes.values()
+        assert 0 < len(region.seats) <= 8 and not any(seat.busy for seat in region.seats.values())
+        assert lanes_of(server, "identity") == 1
