@@ -640,7 +640,7 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
 
 # -- placement: devices and CPUs (issue 14, part 4) ------------------------------------------
 
-_DEVICE_HELP = "expected 'cpu', 'cuda:N', or a list of distinct 'cuda:N' like [\"cuda:0\", \"cuda:1\"]"
+_DEVICE_HELP = "expected 'cpu' or 'cuda:N', or a list of distinct 'cuda:N' like [\"cuda:0\", \"cuda:1\"]"
 _CPUS_HELP = 'a Linux cpulist like "0-3" or "0,2,4-7", "auto" (the default) or "inherit" (never pinned)'
 
 

@@ -215,8 +215,12 @@ class Supervisor:
         return w
 
     def place(self, model: ModelConfig) -> placement.Placement:
-        """Where a new worker of ``model`` goes, given where its live siblings (same settings) are."""
-        siblings = [h.placement for h in self.workers if h.model == model and not h.retiring and h.placement]
+        """Where a new worker of ``model`` goes, given where its live siblings are: the workers of
+        the same version with the same placement settings (a scale changes ``instances`` in the
+        version's config, not in its running workers')."""
+        mine = (model.key, model.placement_devices, model.cpus, model.cpus_per_worker)
+        siblings = [h.placement for h in self.workers if not h.retiring and h.placement is not None
+                    and (h.model.key, h.model.placement_devices, h.model.cpus, h.model.cpus_per_worker) == mine]
         return placement.place(model.placement_devices, model.cpus, model.cpus_per_worker, siblings,
                                self._local_cpus, placement.allowed_cpus())
 

@@ -249,7 +249,7 @@ def test_cpus_and_devices_in_the_config():
     ({"cpus": "0", "cpus_per_worker": 2}, r"cpus_per_worker: 2 is more than the 1 CPU"),
     ({"device": ["cuda:0", "cuda:0"]}, r"models\[0\]\.device: a device is listed twice"),
     ({"device": ["cpu", "cuda:0"]}, r"models\[0\]\.device: a list names GPUs only"),
-    ({"device": []}, r"models\[0\]\.device: expected 'cpu', 'cuda:N', or a list"),
+    ({"device": []}, r"models\[0\]\.device: expected 'cpu' or 'cuda:N', or a list"),
     ({"device": ["cuda:0", "gpu1"]}, r"models\[0\]\.device\[1\]: expected"),
 ])
 def test_a_bad_placement_names_the_key_and_the_fix(extra, words):
@@ -269,3 +269,41 @@ def test_the_worker_finds_its_cpus_before_argparse():
     assert placement.cpus_argument(["-m", "x", "--model", '{"cpus": "--cpus"}', "--cpus", "0-3"]) == "0-3"
     assert placement.cpus_argument(["--cpus=1"]) == "1"
     assert placement.cpus_argument(["--index", "0"]) is None
+
+
+# -- the supervisor's use of it ----------------------------------------------------------------
+
+def test_the_supervisor_places_new_workers_beside_their_live_siblings(instance_name):
+    import asyncio
+    from dataclasses import replace
+
+    from shmserve.arena import Arena
+    from shmserve.config import ModelConfig, ServerConfig
+    from shmserve.rings import new_eventfd
+    from shmserve.supervisor import Supervisor
+
+    model = ModelConfig("m", "fake", "fake", device="cuda:0", devices=("cuda:0", "cuda:1"), instances=3)
+    other = ModelConfig("n", "fake", "fake", device="cuda:0", devices=("cuda:0", "cuda:1"))
+    allowed = placement.allowed_cpus()
+    local = {"cuda:0": frozenset({min(allowed)}), "cuda:1": frozenset({max(allowed)})}
+
+    async def main(arena, efd):
+        sup = Supervisor(arena, ServerConfig(models=(model, other)), efd, lambda w: None, lambda w, how: None)
+        sup.local_cpus = lambda device: (local[device], f"local to {device}")
+        first = [sup.new_handle(model) for _ in range(3)]
+        assert [w.device for w in first] == ["cuda:0", "cuda:1", "cuda:0"]
+        assert [w.placement.cpus for w in first] == [local["cuda:0"], local["cuda:1"], local["cuda:0"]]
+        assert sup.new_handle(other).device == "cuda:0"  # another model's workers are not its siblings
+        first[1].retiring = True  # scaled down: cuda:1 is empty again
+        scaled = replace(model, instances=4)  # what a scale leaves in the version's config
+        assert sup.new_handle(scaled).device == "cuda:1"
+        assert sup.new_handle(replace(model, cpus="inherit")).device == "cuda:0"  # new settings: a fresh start
+
+    arena = Arena.create(instance_name("place"), slot_count=4, max_workers=8, size_classes=[(4096, 2)], prefault=False)
+    efd = new_eventfd()
+    try:
+        asyncio.run(main(arena, efd))
+    finally:
+        os.close(efd)
+        arena.unlink()
+        arena.close()
