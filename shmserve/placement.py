@@ -15,7 +15,8 @@ How ``cuda:N`` is found without CUDA (docs/config.md, "CPU placement"):
    container the driver's /proc shows only the GPUs given to it;
 2. ordered as CUDA orders them: by PCI bus id when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
    or when every GPU is the same model (CUDA's default, ``FASTEST_FIRST``, ranks
-   by speed and, among equals, by bus id).  GPUs of different models without
+   by speed and, among equals, by bus id: observed, not documented by NVIDIA;
+   tests/test_gpu_placement.py checks it against CUDA's own bus ids).  GPUs of different models without
    ``PCI_BUS_ID``: unknown (CUDA's speed ranking is not written down);
 3. narrowed by ``CUDA_VISIBLE_DEVICES`` (indices into that order, or ``GPU-`` UUIDs
    or unique prefixes; the list ends at the first entry that is neither, as CUDA's
