@@ -430,10 +430,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
                        ("request_timeout_s", answer.get("request_timeout_s")),
                        ("lanes", answer.get("lanes"))):
         _row(facts, key, "-" if value is None else value)
-    workers = _table("#", "model", "version", "device", "pid", "state", "requests", "errors", "restarts", "in flight",
-                     title="workers")
+    workers = _table("#", "model", "version", "device", "cpus", "pid", "state", "requests", "errors", "restarts",
+                     "in flight", title="workers")
     for w in answer.get("workers", []):
-        _row(workers, w["index"], w["model"], w.get("version", "-"), w["device"], "-" if w["pid"] is None else w["pid"], w["state"],
+        _row(workers, w["index"], w["model"], w.get("version", "-"), w["device"], w.get("cpus") or "any",
+             "-" if w["pid"] is None else w["pid"], w["state"],
              w["requests"], w["errors"], w["restarts"], w["inflight"])
     stats = _table("statistic", "value", title="arena statistics")
     for key, value in answer.get("stats", {}).items():

@@ -56,7 +56,10 @@ File format::
     backend = "onnxruntime"         # or "python", or any registered backend (checked here: the error lists them)
     path = "demo.onnx"              # relative to this file; python: "module:callable", the module looked up
                                     # in this file's directory, then the current one, then the Python path
-    device = "cpu"                  # or "cuda:0"
+    device = "cpu"                  # or "cuda:0", or ["cuda:0", "cuda:1"]: instances spread round-robin
+    cpus = "0-3"                    # pin its workers (a cpulist; "inherit": never); default: a GPU model's
+                                    # local CPUs (sysfs), a CPU model unpinned; docs/config.md "CPU placement"
+    cpus_per_worker = 0             # N: each worker its own N CPUs of that set (0: every worker the whole set)
     io_mode = "copy"                # GPU only: "copy" (DMA) or "mapped" (zero-copy reads); docs/gpu.md
     instances = 1
     max_batch_size = 0              # 0: no batching
@@ -81,6 +84,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from shmserve import placement
 from shmserve.layout import validate_instance
 from shmserve.spec import PLACEHOLDER_DIMS, TensorSpec
 from workers.backends import names as backend_names
@@ -121,6 +125,10 @@ class ModelConfig:
     warmup_requests: int = 1  # warm-up runs per batch size before a version takes traffic
     warmup_inputs: tuple[tuple[str, str], ...] = ()  # (input name, .npy file) samples; else generated from the spec
     warmup_batch_sizes: tuple[int, ...] = ()  # () : 1, the preferred sizes and max_batch_size
+    # -- placement (issue 14, part 4; docs/config.md "CPU placement") --
+    devices: tuple[str, ...] = ()  # device = [...]: its workers spread over these (device is the first); ()
+    cpus: str = placement.AUTO  # a cpulist (canonical), placement.INHERIT, or AUTO: a GPU's local CPUs
+    cpus_per_worker: int = 0  # split the CPU set: each worker its own N CPUs; 0: every worker the whole set
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
@@ -132,7 +140,8 @@ class ModelConfig:
                 "instances": self.instances, "max_batch_size": self.max_batch_size,
                 "max_queue_delay_us": self.max_queue_delay_us, "max_output_bytes": self.max_output_bytes,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
-                "io_mode": self.io_mode,
+                "io_mode": self.io_mode, "devices": list(self.devices), "cpus": self.cpus,
+                "cpus_per_worker": self.cpus_per_worker,
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "options": self.options}
 
@@ -147,7 +156,13 @@ class ModelConfig:
             d["version_policy"] = (d["version_policy"][0], tuple(d["version_policy"][1]))
         d["warmup_inputs"] = tuple(tuple(p) for p in d.get("warmup_inputs", ()))
         d["warmup_batch_sizes"] = tuple(d.get("warmup_batch_sizes", ()))
+        d["devices"] = tuple(d.get("devices", ()))
         return cls(**d)
+
+    @property
+    def placement_devices(self) -> tuple[str, ...]:
+        """The devices its workers are spread over (round-robin): ``devices``, else ``device``."""
+        return self.devices or (self.device,)
 
     @property
     def key(self) -> str:
@@ -564,7 +579,8 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
         raise ConfigError(f"{where}: expected a table")
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
                            "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
-                           "preferred_batch_sizes", "check_dims", *MODEL_LIFECYCLE_KEYS})
+                           "preferred_batch_sizes", "check_dims", "cpus", "cpus_per_worker",
+                           *MODEL_LIFECYCLE_KEYS})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -579,11 +595,12 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
         if not resolved.is_file():
             raise ConfigError(f"{where}.path: no such file {str(resolved)!r}")
         path = str(resolved)
-    device = _str(m.get("device", "cpu"), f"{where}.device")
-    if not _DEVICE_RE.match(device):
-        raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {device!r}")
-    kw = dict(name=name, backend=backend, path=path, device=device,
+    devices = _devices(m.get("device", "cpu"), f"{where}.device")
+    kw = dict(name=name, backend=backend, path=path, device=devices[0],
               base_dir=str(base_dir.resolve()) if base_dir is not None else "")
+    if len(devices) > 1:
+        kw["devices"] = devices
+    kw.update(_cpus(m, where))
     if "io_mode" in m:
         kw["io_mode"] = _str(m["io_mode"], f"{where}.io_mode")
         if kw["io_mode"] not in ("copy", "mapped"):
@@ -619,6 +636,71 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
         kw["options"] = dict(m["options"])
     kw.update(_lifecycle_model(m, where, base_dir))
     return ModelConfig(**kw)
+
+
+# -- placement: devices and CPUs (issue 14, part 4) ------------------------------------------
+
+_DEVICE_HELP = "expected 'cpu' or 'cuda:N', or a list of distinct 'cuda:N' like [\"cuda:0\", \"cuda:1\"]"
+_CPUS_HELP = 'a Linux cpulist like "0-3" or "0,2,4-7", "auto" (the default) or "inherit" (never pinned)'
+
+
+def _devices(value, where: str) -> tuple[str, ...]:
+    """``device``: one device, or a list of distinct GPUs the model's workers are spread over."""
+    values = value if isinstance(value, list) else [value]
+    if not values or len(values) > 64:
+        raise ConfigError(f"{where}: {_DEVICE_HELP}, got {value!r}")
+    for i, d in enumerate(values):
+        if not isinstance(d, str) or not _DEVICE_RE.match(d):
+            raise ConfigError(f"{where}{f'[{i}]' if isinstance(value, list) else ''}: {_DEVICE_HELP}, got {d!r}")
+    if isinstance(value, list) and len(values) > 1:
+        if "cpu" in values:
+            raise ConfigError(f"{where}: a list names GPUs only ('cpu' is one device already), got {value!r}")
+        if len(set(values)) != len(values):
+            raise ConfigError(f"{where}: a device is listed twice in {value!r}")
+    return tuple(values)
+
+
+def _cpus(m: dict, where: str) -> dict:
+    """``cpus`` and ``cpus_per_worker``: the cpulist checked against this machine's online CPUs and
+    the CPUs this process may use (the workers inherit that limit), stored canonical."""
+    kw: dict = {}
+    if "cpus" in m:
+        value = m["cpus"]
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.cpus: expected {_CPUS_HELP}, got {value!r}")
+        if value.strip() == "auto":
+            pass
+        elif value.strip() == "inherit":
+            kw["cpus"] = placement.INHERIT
+        else:
+            try:
+                cpus = placement.parse_cpulist(value)
+            except ValueError as exc:
+                raise ConfigError(f"{where}.cpus: {exc}; expected {_CPUS_HELP}") from None
+            if not cpus:
+                raise ConfigError(f"{where}.cpus: names no CPU; expected {_CPUS_HELP}")
+            online = placement.online_cpus()
+            if cpus - online:
+                raise ConfigError(f"{where}.cpus: CPU {placement.format_cpulist(cpus - online)} not on this machine "
+                                  f"(online: {placement.format_cpulist(online)}, /sys/devices/system/cpu/online); "
+                                  f"name CPUs it has")
+            allowed = placement.allowed_cpus()
+            if cpus - allowed:
+                raise ConfigError(f"{where}.cpus: CPU {placement.format_cpulist(cpus - allowed)} not among the CPUs "
+                                  f"this server may use ({placement.format_cpulist(allowed)}: its affinity, narrowed "
+                                  f"by taskset, a cgroup cpuset or systemd's CPUAffinity=); name CPUs within it, "
+                                  f"or widen the server's")
+            kw["cpus"] = placement.format_cpulist(cpus)
+    if "cpus_per_worker" in m:
+        kw["cpus_per_worker"] = _int(m["cpus_per_worker"], f"{where}.cpus_per_worker", 0, placement.MAX_CPU)
+        if kw["cpus_per_worker"] and kw.get("cpus") == placement.INHERIT:
+            raise ConfigError(f"{where}.cpus_per_worker: needs a CPU set to split, and cpus = \"inherit\" pins "
+                              f"nothing; drop one of them")
+        if kw.get("cpus", placement.AUTO) not in (placement.AUTO, placement.INHERIT) \
+                and kw["cpus_per_worker"] > len(placement.parse_cpulist(kw["cpus"])):
+            raise ConfigError(f"{where}.cpus_per_worker: {kw['cpus_per_worker']} is more than the "
+                              f"{len(placement.parse_cpulist(kw['cpus']))} CPU(s) of cpus = \"{kw['cpus']}\"")
+    return kw
 
 
 # -- backends and python models, checked when the file is read (issue 15) ------------------

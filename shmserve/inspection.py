@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from shmserve import layout, stale, workerlink
+from shmserve import layout, placement, stale, workerlink
 from shmserve.arena import Arena
 from shmserve.slotstate import SlotState, state_name
 
@@ -82,6 +82,7 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
             continue
         name = w.name.rstrip(b"\0").decode("utf-8", "replace")
         names[i] = name
+        cpus, unseen = layout.decode_cpu_mask(w.cpu_count, w.cpu_mask)
         workers.append({
             "index": i, "model": name, "version": w.version, "device": w.device.rstrip(b"\0").decode("utf-8", "replace"), "pid": w.pid,
             "state": layout.WORKER_STATE_NAMES.get(w.state, str(w.state)), "alive": _pid_alive(w.pid),
@@ -89,6 +90,8 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
             "requests": w.requests, "errors": w.errors, "restarts": w.restarts, "crash_streak": w.crash_streak,
             "restart_in_s": (round(max(0.0, (w.restart_at_ns - now_mono) / 1e9), 3)
                              if w.restart_at_ns and w.state == layout.WORKER_DEAD else None),
+            # the CPUs it was pinned to (None: not pinned); CPUs from 1024 on are only counted
+            "cpus": None if cpus is None else placement.format_cpulist(cpus) + (f" +{unseen} more" if unseen else ""),
         })
     out["workers"] = workers
     counts: dict[str, int] = {s.name: 0 for s in SlotState}
@@ -250,7 +253,7 @@ def render(snap: dict):
         f"state {snap['state']}  owner pid {snap['owner_pid']} {alive} uid {snap['owner_uid']}  "
         f"up {snap['uptime_s']:.0f} s  socket {escape(snap['socket'] or '?')}")
     workers = Table(title="workers", title_justify="left")
-    for col in ("#", "model", "device", "pid", "state", "heartbeat", "requests", "errors", "restarts"):
+    for col in ("#", "model", "device", "cpus", "pid", "state", "heartbeat", "requests", "errors", "restarts"):
         workers.add_column(col, justify="right" if col in ("#", "pid", "requests", "errors", "restarts") else "left")
     for w in snap["workers"]:
         age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']:.1f} s ago"
@@ -258,7 +261,8 @@ def render(snap: dict):
         if w["restart_in_s"] is not None:
             state += f", restart in {w['restart_in_s']:.1f} s"
         model = f"{w['model']}:{w['version']}" if w.get("version") else w["model"]
-        workers.add_row(str(w["index"]), Text(model), Text(w["device"]), str(w["pid"]), state, age, str(w["requests"]),
+        workers.add_row(str(w["index"]), Text(model), Text(w["device"]), w.get("cpus") or "any", str(w["pid"]), state,
+                        age, str(w["requests"]),
                         str(w["errors"]), str(w["restarts"]))
     slots = Table(title="slots", title_justify="left")
     slots.add_column("state")

@@ -10,7 +10,7 @@ decodes.  Arena contents are untrusted input: every decoder checks offsets,
 sizes and enumerations against the arena it was given and raises
 ``LayoutError`` (never IndexError, struct.error or a crash).
 
-One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 2::
+One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 3::
 
     0                 +-------------------------------------------------------+
                       | header page (4 KiB)                                   |
@@ -21,9 +21,10 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 2::
                       |   geometry of every region, size-class table,         |
                       |   statistics counters (from STATS_OFFSET)             |
     worker_table_off  +-------------------------------------------------------+
-                      | worker table: max_workers x WORKER (128 B)            |
+                      | worker table: max_workers x WORKER (256 B)            |
                       |   pid, state, restarts, heartbeat, counters, device,  |
-                      |   name, crash streak, time of the next restart        |
+                      |   name, crash streak, time of the next restart,       |
+                      |   its CPUs (a count and a mask of CPUs 0-1023)        |
     hist_table_off    +-------------------------------------------------------+
                       | histograms: max_workers x HIST_STAGES x               |
                       |   (HIST_BUCKETS counters + 1 sum), u64: stage times   |
@@ -79,7 +80,7 @@ import numpy as np
 from shmserve import _atomics as atomics
 
 MAGIC = b"SHMSERVE"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: the worker table's entries grew to 256 B for the CPU mask
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024  # larger size classes align to this (THP / DMA friendly)
@@ -87,7 +88,8 @@ CACHE_LINE = 64
 
 HEADER_SIZE = PAGE
 SLOT_SIZE = 2048
-WORKER_SIZE = 128
+WORKER_SIZE = 256
+CPU_MASK_BYTES = 128  # a worker's CPUs 0-1023 as a bit mask (CPU c: bit c % 8 of byte c // 8)
 RING_ENTRIES_OFFSET = 3 * CACHE_LINE  # tail, head and doorbell each own a cache line
 TENSOR_SIZE = 96
 TENSORS_OFFSET = 512  # within a slot
@@ -336,7 +338,29 @@ WORKER = Record("Worker", WORKER_SIZE, [
     ("crash_streak", "I"),  # deaths in a row before a healthy run (shmserve.supervisor)
     ("restart_at_ns", "Q"),  # CLOCK_MONOTONIC ns of its scheduled restart; 0 when none is scheduled
     ("version", "I"),  # the version of the model it serves (0 in an arena older than versions)
+    ("cpu_count", "I"),  # the CPUs it is pinned to, how many (0: not pinned); the mask holds those below 1024
+    ("cpu_mask", f"{CPU_MASK_BYTES}s"),
 ])
+
+
+def encode_cpu_mask(cpus) -> tuple[int, bytes]:
+    """A worker's CPU set as the worker table holds it: (cpu_count, cpu_mask); None: (0, zeros)."""
+    mask = bytearray(CPU_MASK_BYTES)
+    if cpus is None:
+        return 0, bytes(mask)
+    for cpu in cpus:
+        if 0 <= cpu < 8 * CPU_MASK_BYTES:
+            mask[cpu // 8] |= 1 << (cpu % 8)
+    return len(cpus), bytes(mask)
+
+
+def decode_cpu_mask(count: int, mask: bytes) -> tuple[frozenset[int] | None, int]:
+    """(the CPUs of the mask, how many more the count says it could not hold); (None, 0) when not
+    pinned."""
+    if not count:
+        return None, 0
+    cpus = frozenset(8 * i + b for i, byte in enumerate(mask[:CPU_MASK_BYTES]) for b in range(8) if byte >> b & 1)
+    return cpus, max(0, count - len(cpus))
 # Worker states (worker table field `state`).
 WORKER_EMPTY, WORKER_STARTING, WORKER_READY, WORKER_STOPPING, WORKER_DEAD = 0, 1, 2, 3, 4
 WORKER_STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "stopping", 4: "dead"}

@@ -21,6 +21,12 @@ and the time of the next start).
 Workers are spawned as fresh interpreters (``python -m workers.main``), never
 forked: a fork of a process that touched CUDA is unusable.
 
+Placement (``shmserve.placement``): a worker's device (a model's workers go
+round-robin over its devices) and the CPUs it pins itself to are decided once,
+when its handle is made, and kept across its restarts; the worker table
+records both, the worker reports them back when ready.  The front-end itself
+is never pinned.
+
 Workers come and go while serving (``add_worker``, ``retire``): each takes a
 free entry of the arena's worker table (``max_workers``) and gives it back
 once it has exited and the front-end has been told.  A retired worker gets a
@@ -60,11 +66,11 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from shmserve import _atomics as atomics
-from shmserve import layout, workerlink
+from shmserve import layout, placement, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
@@ -132,6 +138,13 @@ class WorkerHandle:
     stopped_future: asyncio.Future | None = None  # done once it has exited and its entry is free again
     terminating: bool = False  # TERM sent (wedged or stopping); KILL follows unless it exits
     ready_future: asyncio.Future | None = None
+    placement: placement.Placement | None = None  # its device and CPUs, decided when the handle was made
+    reported: dict | None = None  # where its process said it runs when ready: {"device": …, "cpus": "0-3"}
+
+    @property
+    def device(self) -> str:
+        """The one device this worker runs its model on."""
+        return self.placement.device if self.placement is not None else self.model.device
 
     @property
     def pid(self) -> int | None:
@@ -168,6 +181,8 @@ class Supervisor:
         self.workers: list[WorkerHandle] = []  # every worker with an entry in the table, in entry order
         self.free_entries = list(range(arena.geometry.max_workers - 1, -1, -1))
         self.stopping = False
+        self.local_cpus: Callable[[str], tuple] = placement.gpu_local_cpus  # a GPU's local CPUs (sysfs)
+        self._local: dict[str, tuple] = {}  # device -> local_cpus(device), looked up once
 
     # -- coming and going -----------------------------------------------------------------
 
@@ -192,11 +207,30 @@ class Supervisor:
         layout.WORKER.write(self.arena.buf, self.arena.geometry.worker_off(i), requests=0, errors=0, restarts=0,
                             crash_streak=0)
         w = WorkerHandle(i, model, sub, comp, FutexDoorbell(sub), EventfdDoorbell(comp, self.completion_fd))
+        w.placement = self.place(model)
         w.stopped_future = self.loop.create_future()
         self.workers.append(w)
         self.workers.sort(key=lambda h: h.index)
         w.completion_bell.arm()  # its first completion must wake the loop
         return w
+
+    def place(self, model: ModelConfig) -> placement.Placement:
+        """Where a new worker of ``model`` goes, given where its live siblings are: the workers of
+        the same version with the same placement settings (a scale changes ``instances`` in the
+        version's config, not in its running workers')."""
+        mine = (model.key, model.placement_devices, model.cpus, model.cpus_per_worker)
+        siblings = [h.placement for h in self.workers if not h.retiring and h.placement is not None
+                    and (h.model.key, h.model.placement_devices, h.model.cpus, h.model.cpus_per_worker) == mine]
+        return placement.place(model.placement_devices, model.cpus, model.cpus_per_worker, siblings,
+                               self._local_cpus, placement.allowed_cpus())
+
+    def _local_cpus(self, device: str) -> tuple:
+        if device not in self._local:
+            self._local[device] = found = self.local_cpus(device)
+            if found[0] is None:
+                log.warning("%s: its workers are not pinned (no cpus set, and its local CPUs are unknown: %s)",
+                            device, found[1])
+        return self._local[device]
 
     async def wait_ready(self, workers: list[WorkerHandle], timeout: float) -> bool:
         """Wait until each of ``workers`` is ready or has failed (a worker not ready after
@@ -260,19 +294,22 @@ class Supervisor:
 
     def _spawn(self, w: WorkerHandle) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        where = w.placement
         argv = workerlink.worker_argv(instance=self.arena.instance, index=w.index,
-                                      model_json=workerlink.encode(w.model.to_dict()),
+                                      model_json=workerlink.encode(replace(w.model, device=where.device,
+                                                                           devices=()).to_dict()),
                                       control_fd=child.fileno(), completion_fd=self.completion_fd,
-                                      spin_us=self.config.effective_spin_us())
+                                      spin_us=self.config.effective_spin_us(), cpus=where.cpulist)
+        cpu_count, cpu_mask = layout.encode_cpu_mask(where.cpus)
         base = self.arena.geometry.worker_off(w.index)
         # A worker that died inside FutexDoorbell.wait left its waiter count raised: reset it so
         # the new one does not cost every push a futex_wake.  Nobody else touches it now.
         atomics.store32(self.arena.buf, w.submissions.waiters_offset, 0)
         w.restart_at = None
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
-                            heartbeat_ns=time.monotonic_ns(), device=w.model.device.encode()[:16],
+                            heartbeat_ns=time.monotonic_ns(), device=where.device.encode()[:16],
                             name=w.model.name.encode()[:48], crash_streak=w.crash_streak, restart_at_ns=0,
-                            version=w.model.version)
+                            version=w.model.version, cpu_count=cpu_count, cpu_mask=cpu_mask)
         try:
             w.proc = subprocess.Popen(argv, pass_fds=(child.fileno(), self.completion_fd),
                                       stdin=subprocess.DEVNULL)
@@ -288,7 +325,8 @@ class Supervisor:
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.loop.add_reader(w.pidfd, self._on_process_exit, w)
         self.loop.add_reader(parent.fileno(), self._on_control, w)
-        log.info("worker %d (%s on %s) started, pid %d", w.index, w.model.name, w.model.device, w.proc.pid)
+        log.info("worker %d (%s on %s, CPUs %s: %s) started, pid %d", w.index, w.model.name, where.device,
+                 where.cpulist or "any", where.source, w.proc.pid)
 
     def _on_control(self, w: WorkerHandle) -> None:
         try:
@@ -308,6 +346,7 @@ class Supervisor:
             w.gpu = message.get("gpu")
             w.memory = message.get("memory") if isinstance(message.get("memory"), dict) else None
             w.warmup = message.get("warmup") if isinstance(message.get("warmup"), dict) else None
+            w.reported = message.get("placement") if isinstance(message.get("placement"), dict) else None
             w.set_state(READY)
             w.error = None
             log.info("worker %d (%s) ready in %.2f s", w.index, w.model.name, time.monotonic() - w.started_at)

@@ -11,7 +11,8 @@ Worker -> front-end:
     {"event": "ready", "spec": {...ModelSpec.to_dict()...},   loaded and warmed up;
      "gpu": {...} or null,                                     what the GPU registered;
      "memory": {"host_bytes": n, "device_bytes": n},           what it uses (workers.memory);
-     "warmup": {"runs": n, "seconds": t}}                      what its warm-up ran
+     "warmup": {"runs": n, "seconds": t},                      what its warm-up ran
+     "placement": {"device": "cuda:1", "cpus": "0-3"}}         where it runs (its affinity, read back)
     {"event": "failed", "error": "..."}                        could not load
     {"event": "dropped", "region": id}                         a region it was told to drop is
                                                                unmapped and its descriptor closed
@@ -50,13 +51,14 @@ EXIT_LOAD_FAILED = 3  # the model cannot be loaded: restarting would fail the sa
 EXIT_ARENA_FAILED = 4  # cannot map or register the arena: a host problem, not retried
 EXIT_ORPHANED = 5  # the front-end went away
 EXIT_TERMINATED = 6  # SIGTERM from the supervisor: left at once, after releasing what it held
-NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED})
+EXIT_PLACEMENT_FAILED = 7  # the kernel refused its CPUs (sched_setaffinity): the same next time, not retried
+NO_RESTART = frozenset({EXIT_LOAD_FAILED, EXIT_ARENA_FAILED, EXIT_PLACEMENT_FAILED})
 # Any other death is restarted after a back-off; this many in a row, each before the worker had served
 # restart_healthy_s, is a crash loop: reported (health, info, inspect), and still restarted.
 CRASH_LOOP_DEATHS = 3
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone",
-              EXIT_TERMINATED: "terminated"}
+              EXIT_TERMINATED: "terminated", EXIT_PLACEMENT_FAILED: "could not pin to its CPUs"}
 
 # Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
 # CMD_ATTACH_LANE and CMD_DROP_REGION with a region id, and ``layout.STOP_ENTRY``.
@@ -79,10 +81,13 @@ def raise_descriptor_limit() -> None:
 
 
 def worker_argv(*, instance: str, index: int, model_json: bytes, control_fd: int, completion_fd: int,
-                spin_us: int) -> list[str]:
+                spin_us: int, cpus: str | None = None) -> list[str]:
+    """``cpus``: the cpulist the worker pins itself to before anything else (None: not pinned);
+    ``model_json`` names the one device it runs on."""
     return [sys.executable, "-m", "workers.main", "--instance", instance, "--index", str(index),
             "--model", model_json.decode(), "--control-fd", str(control_fd),
-            "--completion-fd", str(completion_fd), "--spin-us", str(spin_us)]
+            "--completion-fd", str(completion_fd), "--spin-us", str(spin_us),
+            *(("--cpus", cpus) if cpus is not None else ())]
 
 
 def encode(message: dict) -> bytes:

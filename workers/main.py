@@ -2,11 +2,14 @@
 
 Owns: what happens between the front-end spawning a worker and the serve
 loop: arguments, signals (the front-end owns SIGINT; SIGTERM from the
-supervisor means "leave now"; we die with the front-end, PR_SET_PDEATHSIG), mapping the arena and selecting the device, the one
+supervisor means "leave now"; we die with the front-end, PR_SET_PDEATHSIG), pinning
+itself to the CPUs the supervisor chose (``--cpus``: before any import that
+starts a thread), mapping the arena and selecting the device, the one
 ``ExitStack`` that everything the worker holds is entered on
 (``workers.worker.open_worker``), the control-socket messages ("ready" with
 the spec, the memory it measured and what its warm-up ran, or "failed" with
-why), and the exit codes (``workerlink``).
+why; "ready" also says where it runs: its device and its CPUs as read back),
+and the exit codes (``workerlink``).
 
 A worker is one model on one device, spawned, never forked from a process
 that touched CUDA.  It trusts nothing it reads from the arena.
@@ -17,6 +20,22 @@ connections, allocate arena space, or free slots.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # Order matters here: pin this process to its CPUs before any import below starts a thread.
+    # numpy's BLAS starts its pool at import, and a thread keeps the affinity it was created
+    # with; torch and OpenMP size their pools from the affinity they find at import.
+    from shmserve import placement as _placement
+
+    _early = _placement.cpus_argument(sys.argv)
+    try:
+        _EARLY_PIN = (_early, _placement.pin(None if _early is None else _placement.parse_cpulist(_early)))
+    except ValueError as _exc:
+        _EARLY_PIN = (_early, f"--cpus {_early!r}: {_exc}")
+else:
+    _EARLY_PIN = None
+
 import argparse
 import contextlib
 import ctypes
@@ -24,12 +43,11 @@ import functools
 import os
 import signal
 import socket
-import sys
 
 import orjson
 
 from shmserve import _atomics as atomics
-from shmserve import layout, workerlink
+from shmserve import layout, placement, workerlink
 from shmserve.arena import Arena, ArenaError
 from shmserve.config import ModelConfig
 from workers.regions import GpuMemory
@@ -78,6 +96,17 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
                        functools.partial(workerlink.tell_lane_failed, control))
 
 
+def _pin(cpus: str | None) -> str | None:
+    """Pin to ``cpus`` (done already at import when run as a program with the same --cpus); None
+    when pinned or nothing asked, else why not."""
+    if _EARLY_PIN is not None and _EARLY_PIN[0] == cpus:
+        return _EARLY_PIN[1]
+    try:
+        return placement.pin(None if cpus is None else placement.parse_cpulist(cpus))
+    except ValueError as exc:
+        return f"--cpus {cpus!r}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workers.main")
     parser.add_argument("--instance", required=True)
@@ -86,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--completion-fd", type=int, required=True)
     parser.add_argument("--spin-us", type=int, default=0)
+    parser.add_argument("--cpus", default=None, help="pin to this cpulist (default: not pinned)")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal, or a `kill`/`pkill` of the whole process group, reaches us too: the
     # front-end owns those, drains, and stops us in order with a STOP entry.  Until the arena is
@@ -98,14 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != ppid:
         return workerlink.EXIT_ORPHANED
     with socket.socket(fileno=args.control_fd) as control, contextlib.ExitStack() as stack:
+        refused = _pin(args.cpus)
+        if refused is not None:
+            control.send(workerlink.encode({"event": "failed", "error": refused}))
+            return workerlink.EXIT_PLACEMENT_FAILED
         config = ModelConfig.from_dict(orjson.loads(args.model))
         try:
             worker = _start(stack, args, config, control)
         except StartFailed as exc:
             control.send(workerlink.encode({"event": "failed", "error": exc.message}))
             return exc.exit_code
+        where = {"device": config.device, "cpus": placement.format_cpulist(os.sched_getaffinity(0))}
         control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info,
-                                        "memory": worker.memory, "warmup": worker.warmup}))
+                                        "memory": worker.memory, "warmup": worker.warmup, "placement": where}))
         return worker.serve()
 
 

@@ -52,6 +52,8 @@ class WorkerStatus:
     lanes: int
     io_mode: str | None
     gpu: dict | None
+    cpus: str | None = None  # the CPUs it may run on: as it reported when ready, else as it was pinned (None: any)
+    cpus_from: str | None = None  # why those: "cpus = 0-3", "local to cuda:0 (PCI …)", "inherited[: why]"
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,13 @@ class Status:
     def worker(self, w: WorkerHandle) -> WorkerStatus:
         entry = layout.WORKER.read(self.arena.buf, self.arena.geometry.worker_off(w.index))
         restart_in = w.restart_in(time.monotonic())
-        return WorkerStatus(w.index, w.model.name, w.model.version, w.model.device, w.pid, str(w.state), w.restarts, w.crash_streak,
+        where = w.placement
+        cpus = (w.reported or {}).get("cpus") or (where.cpulist if where is not None else None)
+        return WorkerStatus(w.index, w.model.name, w.model.version, w.device, w.pid, str(w.state), w.restarts, w.crash_streak,
                             w.last_exit, None if restart_in is None else round(restart_in, 3), len(w.inflight),
                             entry.requests, entry.errors, self.regions.lanes_of(w),
-                            w.model.io_mode if w.model.device != "cpu" else None, w.gpu)
+                            w.model.io_mode if w.device != "cpu" else None, w.gpu,
+                            str(cpus) if cpus is not None else None, where.source if where is not None else None)
 
     def snapshot(self) -> Snapshot:
         depths = self.dispatcher.queue_depths()
@@ -156,8 +161,9 @@ class Status:
             spec, cfg = m.spec, m.config
             model = self.models.by_name[m.name]
             entry = {"name": m.name, "version": m.version, "backend": cfg.backend, "path": cfg.path,
-                     "device": cfg.device, "instances": cfg.instances, "state": self.state_of(m),
-                     "max_batch_size": cfg.max_batch_size, "max_output_bytes": cfg.max_output_bytes, "load": cfg.load,
+                     "device": cfg.device, "devices": list(cfg.placement_devices), "instances": cfg.instances,
+                     "state": self.state_of(m), "max_batch_size": cfg.max_batch_size,
+                     "max_output_bytes": cfg.max_output_bytes, "load": cfg.load,
                      "versions": sorted(v.version for v in model.versions.values() if v.phase == SERVING),
                      "inputs": [t.to_dict() for t in spec.inputs] if spec else [],
                      "outputs": [t.to_dict() for t in spec.outputs] if spec else []}
@@ -229,7 +235,7 @@ class Status:
                             "model": s.model, "version": s.version, "device": s.device, "pid": s.pid if private else None, "state": s.state,
                             "restarts": s.restarts, "crash_streak": s.crash_streak, "last_exit": s.last_exit,
                             "restart_in_s": s.restart_in_s, "inflight": s.inflight, "io_mode": s.io_mode,
-                            "gpu": gpu})
+                            "gpu": gpu, "cpus": s.cpus, "cpus_from": s.cpus_from})
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "instance": config.instance,
                 "pid": os.getpid() if private else None, "socket": self.socket_path if private else None,
                 "uptime_s": round(time.monotonic() - self.started, 3),

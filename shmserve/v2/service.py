@@ -425,7 +425,7 @@ class V2Service:
                   "input": tensors(spec.inputs), "output": tensors(spec.outputs),
                   "instance_group": [{"name": f"{name}_{v.version}", "count": cfg.instances,
                                       "kind": "KIND_CPU" if cfg.device == "cpu" else "KIND_GPU",
-                                      **({"gpus": [int(cfg.device.partition(":")[2] or 0)]}
+                                      **({"gpus": [int(d.partition(":")[2] or 0) for d in cfg.placement_devices]}
                                          if cfg.device != "cpu" else {})}]}
         if batch:
             config["dynamic_batching"] = {"preferred_batch_size": list(cfg.preferred_batch_sizes),
