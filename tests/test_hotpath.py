@@ -382,7 +382,7 @@ def test_the_implementation_is_chosen_once_by_the_environment():
         if value is not None:
             env["SHMSERVE_HOTPATH"] = value
         return subprocess.run([sys.executable, "-c", "from shmserve import hotpath, lanes; "
-                               "print(hotpath.IMPL, hotpath.active.name, hotpath.active.name)"],
+                               "print(hotpath.IMPL, hotpath.active.name, lanes._HOT.name)"],
                               env=env, capture_output=True, text=True)
 
     assert run(None).stdout.split() == ["c", "c", "c"]
