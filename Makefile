@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-hotpath-python clean
+.PHONY: serve test test-hotpath-python test-hotpath-asan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ HOTPATH_TESTS := tests/test_hotpath.py tests/test_lanes.py tests/test_dispatcher
 	tests/test_batching.py tests/test_serving.py
 test-hotpath-python: $(BIN)/python
 	SHMSERVE_HOTPATH=python $(BIN)/python -m pytest -p no:cacheprovider $(HOTPATH_TESTS) $(PYTEST_ARGS)
+
+# the equivalence tests against an ASan + UBSan build of shmserve/_hotpath.c (gcc)
+test-hotpath-asan: $(BIN)/python
+	$(BIN)/python tools/hotpath_asan.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info shmserve/*.so .pytest_cache .hypothesis

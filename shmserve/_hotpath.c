@@ -194,6 +194,7 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     INSIDE(K.lane_submission_off, K.ring_entries + 8 * K.lane_ring_capacity, K.lane_bytes, "the submission ring");
     INSIDE(K.lane_completion_off, K.ring_entries + 8 * K.lane_ring_capacity, K.lane_bytes, "the completion ring");
     INSIDE(K.lane_slot_table_off, K.lane_slots * K.slot_size, K.lane_bytes, "the lane's slots");
+    ALIGNED(K.hist_sum_off, 8, "histogram sum"); ALIGNED(K.hist_worker_size, 8, "histogram table");
     if (K.hist_buckets < 1 || K.hist_buckets > 64) {
         PyErr_SetString(PyExc_ValueError, "hotpath constants: histogram buckets out of range");
         return NULL;
@@ -236,6 +237,16 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
             return NULL;
         }
         K.itemsize[i] = (uint64_t)size;
+    }
+    PyObject *dtype_key, *code_value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(codes, &pos, &dtype_key, &code_value)) { /* every code indexes the tables above */
+        Py_ssize_t c = PyLong_AsSsize_t(code_value);
+        if (c == -1 && PyErr_Occurred()) return NULL;
+        if (c < 0 || c >= K.n_dtypes || PyTuple_GET_ITEM(dtypes, c) == Py_None) {
+            PyErr_Format(PyExc_ValueError, "hotpath constants: dtype code %zd is not in the dtype table", c);
+            return NULL;
+        }
     }
     PyObject *states = kwarg(kwargs, "states");
     uint32_t st[6];
@@ -539,7 +550,12 @@ code_of(PyObject *dtype, Py_ssize_t *code)
         }
         return rc;
     }
-    return ssize_arg(c, code);
+    if (ssize_arg(c, code) < 0) return -1;
+    if (*code >= K.n_dtypes) { /* configure checked the table: never */
+        PyErr_SetString(PyExc_ValueError, "dtype code outside the table");
+        return -1;
+    }
+    return 0;
 }
 
 /* prod(dims[:ndim]) * itemsize as a Python int (the exact number, for messages). */

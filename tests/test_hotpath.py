@@ -13,7 +13,9 @@ inconsistent ones, refuses buffers and arguments it cannot use safely, and
 
 The real-process lane tests (``test_lanes.py`` and the lane tests of
 ``test_dispatcher.py``, ``test_worker_batching.py``) run on the default (C);
-``make test-hotpath-python`` runs them on the reference.
+``make test-hotpath-python`` runs them on the reference.  ``make test-hotpath-asan``
+runs this module against an AddressSanitizer + UBSan build of the C module
+(``tools/hotpath_asan.py``).
 """
 
 from __future__ import annotations
@@ -48,15 +50,17 @@ class Twin:
     """The same lane twice: ``bufs[PY]`` served by the reference, ``bufs[C]`` by the C module."""
 
     def __init__(self):
-        self.bufs = {impl.name: mmap.mmap(-1, LANE_SIZE) for impl in (PY, C)}
-        self.arenas = {impl.name: mmap.mmap(-1, ARENA_SIZE) for impl in (PY, C)}
+        # heap buffers (malloc'd: 16-byte aligned), so that a sanitizer build of the C module would see
+        # a read or write past their ends; the real lanes are mappings
+        self.bufs = {impl.name: bytearray(LANE_SIZE) for impl in (PY, C)}
+        self.arenas = {impl.name: bytearray(ARENA_SIZE) for impl in (PY, C)}
         self.free = {impl.name: [] for impl in (PY, C)}
         for buf in self.bufs.values():
             lanes.init_header(buf, 0)
 
     def close(self):
-        for m in (*self.bufs.values(), *self.arenas.values()):
-            m.close()
+        self.bufs.clear()
+        self.arenas.clear()
 
     def call(self, name: str, *args):
         """``name`` through both implementations; ``buf``, ``arena``, ``ring`` and ``free`` in
@@ -299,7 +303,8 @@ def test_the_compiled_module_holds_exactly_layouts_constants():
 
 @pytest.mark.parametrize("key, value", [("tensor_size", 4096), ("lane_slots", 10**6), ("status_off", 3),
                                         ("ring_entries", 4), ("t_shape_off", 90), ("lane_ring_capacity", 12),
-                                        ("stage_done", 6), ("hist_pairs", ((0, 0, 9),))])
+                                        ("stage_done", 6), ("hist_pairs", ((0, 0, 9),)), ("hist_sum_off", 12),
+                                        ("code_of_dtype", {np.dtype("f4"): 99})])
 def test_inconsistent_constants_are_refused(key, value):
     """A layout the C code cannot rely on is refused before anything runs on it (and the module is
     configured again from layout, as shmserve.hotpath did)."""
