@@ -3,7 +3,9 @@
 Owns: the binary layout of the arena and its version number, the geometry
 computation (where each region starts), and the validating decoders that turn
 arena bytes into Python values.  The front-end, workers, client and inspection
-tool all compute offsets through this module and nothing else does.
+tool all compute offsets through this module and nothing else does; the
+compiled hot path (``shmserve/_hotpath.c``) is handed them, once, by
+``hotpath_constants``.
 
 Must not: touch a file descriptor, create or map memory, or trust the bytes it
 decodes.  Arena contents are untrusted input: every decoder checks offsets,
