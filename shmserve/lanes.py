@@ -154,9 +154,9 @@ class ClientLane:
         try:
             return index, _HOT.submit(self.buf, index, self.region_id, request_id, model_id, inputs, out_offset,
                                       out_capacity)
-        except ShmserveError:  # INTERNAL: the slot was not free (its lane was overwritten): not ours now
-            raise
-        except Exception:  # the slot is FREE again
+        except (ShmserveError, SlotConflict):  # the slot was not free, or moved under us: the lane was
+            raise                             # overwritten, and the slot is not ours now
+        except Exception:  # refused before READY: the slot is FREE again
             self.free.append(index)
             raise
 

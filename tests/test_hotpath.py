@@ -295,6 +295,25 @@ def test_an_error_is_read_back_with_its_code_and_the_slot_freed(twin):
     assert twin.free["c"] == [0]
 
 
+@pytest.mark.parametrize("impl", [PY, C], ids=["python", "c"])
+def test_a_refused_submit_leaves_its_slot_free_and_in_the_free_list(impl, monkeypatch):
+    """Before, an input no descriptor can hold left its slot WRITING and out of the free list for good."""
+    monkeypatch.setattr(lanes, "_HOT", impl)
+    lane = lanes.ClientLane(bytearray(LANE_SIZE), REGION, "m")
+    lanes.init_header(lane.buf, 0)
+    free = list(lane.free)
+    with pytest.raises(layout.LayoutError, match="rank 9 exceeds"):
+        lane.submit(1, 0, [(0, FLOOR, View(np.dtype("f4"), (1,) * 9))], FLOOR, 64)
+    assert lane.free == free
+    index, generation = lane.submit(2, 0, [(0, FLOOR, np.zeros(2, np.float32))], FLOOR, 64)
+    assert index == free[-1] and generation == 2  # the refused call took generation 1
+    with pytest.raises(ShmserveError, match="not free") as refused:  # its slot taken meanwhile: not ours now
+        taken = layout.LANE.slot_off(free[-2])
+        lane.buf[taken:taken + 8] = layout.pack_status(0, SlotState.READY).to_bytes(8, "little")
+        lane.submit(3, 0, [], FLOOR, 64)
+    assert refused.value.code is ErrorCode.INTERNAL and free[-2] not in lane.free
+
+
 # -- the C module's own guards ----------------------------------------------------------------
 
 def test_the_compiled_module_holds_exactly_layouts_constants():
