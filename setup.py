@@ -11,10 +11,12 @@ setup(
     package_data={"shmserve.models": ["demo.onnx"]},
     ext_modules=[
         Extension(
-            "shmserve._atomics",
-            sources=["shmserve/_atomics.c"],
+            name,
+            sources=[f"shmserve/{name.rpartition('.')[2]}.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
         )
+        # _atomics: the word-level operations; _hotpath: the lane round trip (shmserve/hotpath.py)
+        for name in ("shmserve._atomics", "shmserve._hotpath")
     ],
     install_requires=[
         "posix_ipc>=1.1,<2",

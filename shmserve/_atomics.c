@@ -3,9 +3,10 @@
  *
  * Owns: the only publication mechanism of shmserve.  Python has no atomics, so
  * every status word, ring index and doorbell in the arena is read and written
- * through these functions.  They operate on a 32- or 64-bit word at a byte
- * offset inside any object that exports a contiguous buffer (mmap, memoryview,
- * bytearray, numpy array):
+ * through these functions (or, on the lane round trip's hot path, by
+ * shmserve/_hotpath.c with the same builtins and the same orders).  They
+ * operate on a 32- or 64-bit word at a byte offset inside any object that
+ * exports a contiguous buffer (mmap, memoryview, bytearray, numpy array):
  *
  *   load32/load64(buf, off)                -> int    load-acquire
  *   store32/store64(buf, off, value)       -> None   store-release

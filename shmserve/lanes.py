@@ -33,6 +33,11 @@ itself wake-ups.  The client writes every byte of its lane, so the worker and
 front-end trust none of it (every index, generation and descriptor is
 checked where it is used).
 
+Each call's own work on the lane's bytes (submit, wait, read; the worker's
+claim, decode and publish) is ``shmserve.hotpath``'s: compiled by default, the
+Python reference with ``SHMSERVE_HOTPATH=python``.  ``ClientLane`` keeps the
+client's state around it (free slots, abandoned calls, the deadline).
+
 Must not: decide which worker serves a lane (the front-end's regions module
 does), run models, or touch a socket.  Offsets come from ``layout.LANE``.
 """
@@ -45,17 +50,18 @@ from typing import Callable
 import numpy as np
 
 from shmserve import _atomics as atomics
-from shmserve import layout
+from shmserve import hotpath, layout
 from shmserve.arena import SlotConflict, transition_slot
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.rings import FutexDoorbell, Ring
-from shmserve.slotstate import FINISHED, Actor, SlotState, state_name
+from shmserve.slotstate import FINISHED, Actor, SlotState
 
 LANE = layout.LANE
 DATA_FLOOR = layout.LANE.data_off  # a lane's tensors lie at this offset of its region or above
 WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
 
 _READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)
+_HOT = hotpath.active  # the client's per-call work: compiled, or the reference (SHMSERVE_HOTPATH)
 
 
 def _rings(buf) -> tuple[Ring, Ring]:
@@ -176,31 +182,20 @@ class ClientLane:
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
                out_offset: int, out_capacity: int) -> tuple[int, int]:
         """Publish one call (``inputs``: (input index, offset in the region, view)); returns
-        (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first)."""
-        buf = self.buf
-        if not self.has_free_slot():
+        (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first);
+        LayoutError for an input no descriptor can hold (the slot stays free)."""
+        if not self.free and not self.has_free_slot():
             raise ShmserveError(ErrorCode.OVERLOADED, f"all {LANE.slot_count} slots of this lane are busy "
                                                       f"(calls that timed out still run)")
         index = self.free.pop()
-        generation, _ = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
         try:
-            generation = transition_slot(buf, LANE, index, generation, SlotState.FREE, SlotState.WRITING,
-                                         Actor.CLIENT)
-        except SlotConflict:  # only this client writes a free slot: its lane was overwritten
-            raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} is not free") from None
-        for t, (name_index, offset, view) in enumerate(inputs):
-            layout.encode_tensor(buf, LANE, index, t, role=layout.ROLE_INPUT, name_index=name_index,
-                                 dtype=view.dtype, shape=view.shape, offset=offset, region=self.region_id)
-        layout.encode_slot_request(buf, LANE, index, request_id=request_id, model_id=model_id, worker=0,
-                                   n_inputs=len(inputs), out_region=self.region_id, out_off=out_offset,
-                                   out_capacity=out_capacity)
-        now = time.monotonic_ns()
-        layout.reset_stages(buf, LANE, index, now, now)
-        # Order matters here: descriptors (and the caller's input bytes) are complete before READY.
-        transition_slot(buf, LANE, index, generation, SlotState.WRITING, SlotState.READY, Actor.CLIENT)
-        self.submissions.push(layout.slot_entry(index, generation))  # never full: one entry per slot
-        self.bell.notify()
-        return index, generation
+            return index, _HOT.submit(self.buf, index, self.region_id, request_id, model_id, inputs, out_offset,
+                                      out_capacity)
+        except (ShmserveError, SlotConflict):  # the slot was not free, or moved under us: the lane was
+            raise                             # overwritten, and the slot is not ours now
+        except Exception:  # refused before READY: the slot is FREE again
+            self.free.append(index)
+            raise
 
     def routable(self) -> bool:
         """Whether a request the front-end would route as the lane routes it may use the lane: a
@@ -222,18 +217,15 @@ class ClientLane:
         raises if not).  TIMEOUT at ``deadline`` (monotonic), after which the slot is abandoned."""
         if spin_s is None:
             spin_s = self.spin_hint()
+        buf, wait_slice = self.buf, _HOT.wait_slice
         while True:
-            self.completions.discard()  # wake-up hints: the status word decides
-            if self.finished(index, generation):
-                return
             remaining = deadline - time.monotonic()
+            if wait_slice(buf, index, generation, min(remaining, WAIT_SLICE_S), spin_s):
+                return
             if remaining <= 0:
                 self.abandon(index, generation)
                 raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
-            if not self.inbox.wait(timeout=min(remaining, WAIT_SLICE_S), spin=spin_s):
-                if self.finished(index, generation):
-                    return  # failed without a wake-up entry (fail_lane with worker_alive)
-                alive()
+            alive()
             spin_s = 0.0
 
     def wait_for_wakeup(self, timeout: float) -> bool:
@@ -247,31 +239,7 @@ class ClientLane:
              out_capacity: int) -> dict[int, tuple[np.dtype, tuple, int]]:
         """The finished slot's outputs as output index -> (dtype, shape, offset in the region);
         raises its error as ShmserveError (BAD_DTYPE for a bytes output).  Frees the slot either way."""
-        buf = self.buf
-        got_generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
-        try:
-            if got_generation != generation or state not in FINISHED:
-                raise ShmserveError(ErrorCode.INTERNAL, f"lane slot {index} finished in state {state_name(state)}")
-            if state == SlotState.ERROR:
-                code, message = layout.decode_error(buf, LANE, index)
-                raise ShmserveError(ErrorCode.from_number(code), message)
-            slot = layout.decode_slot_request(buf, LANE, index)
-            outputs = {}
-            try:
-                for t in range(slot.n_inputs, slot.n_inputs + slot.n_outputs):
-                    d = layout.decode_tensor(buf, LANE, index, t, {self.region_id: self.size})
-                    if d.region != self.region_id or not (out_offset <= d.offset and
-                                                          d.offset + d.nbytes <= out_offset + out_capacity):
-                        raise layout.LayoutError("an output lies outside the output area")
-                    if d.dtype is layout.BYTES_DTYPE:  # no view of the region can hold one
-                        raise ShmserveError(ErrorCode.BAD_DTYPE, f"output {d.name_index} is bytes: "
-                                                                 f"{layout.NO_ZERO_COPY_BYTES}")
-                    outputs[d.name_index] = (d.dtype, d.shape, d.offset)
-            except layout.LayoutError as exc:
-                raise ShmserveError(ErrorCode.INTERNAL, f"the worker wrote a bad output descriptor: {exc}") from None
-            return outputs
-        finally:
-            self._free(index, got_generation, state)
+        return _HOT.read(self.buf, self.free, index, generation, self.region_id, out_offset, out_capacity)
 
     def abandon(self, index: int, generation: int) -> None:
         """Give up on a call (timed out): its slot is recycled once the worker has finished it."""
@@ -284,8 +252,7 @@ class ClientLane:
 
     def finished(self, index: int, generation: int) -> bool:
         """Whether slot ``index`` of ``generation`` is DONE or ERROR (load-acquire)."""
-        got_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
-        return got_generation == generation and state in FINISHED
+        return _HOT.finished(self.buf, index, generation)
 
     def _reclaim(self) -> None:
         """Free the slots of timed-out calls that have finished since."""

@@ -3,7 +3,9 @@
 Owns: the binary layout of the arena and its version number, the geometry
 computation (where each region starts), and the validating decoders that turn
 arena bytes into Python values.  The front-end, workers, client and inspection
-tool all compute offsets through this module and nothing else does.
+tool all compute offsets through this module and nothing else does; the
+compiled hot path (``shmserve/_hotpath.c``) is handed them, once, by
+``hotpath_constants``.
 
 Must not: touch a file descriptor, create or map memory, or trust the bytes it
 decodes.  Arena contents are untrusted input: every decoder checks offsets,
@@ -1075,8 +1077,12 @@ def record_stages(arena_buf, geometry: Geometry, worker: int, slot_buf, slot_off
     """Add the stage durations of the finished slot at ``slot_off`` in ``slot_buf`` (the arena or a
     lane) to ``worker``'s histograms in the arena.  Times come from the slot: a lane's are written
     by its client, so nonsense (end before start) is skipped and huge values land in the top bucket."""
+    record_stages_at(arena_buf, geometry.hist_off(worker, HIST_STAGES[0]), slot_buf, slot_off)
+
+
+def record_stages_at(arena_buf, base: int, slot_buf, slot_off: int) -> None:
+    """``record_stages`` into the histograms at ``base`` (``Geometry.hist_off(worker, HIST_STAGES[0])``)."""
     times = read_stages(slot_buf, slot_off)
-    base = geometry.hist_off(worker, HIST_STAGES[0])
     add, top = atomics.fetch_add64, HIST_BUCKETS - 1
     for stage_off, start, end in _HIST_PAIRS:
         t0, t1 = times[start], times[end]
@@ -1085,3 +1091,46 @@ def record_stages(arena_buf, geometry: Geometry, worker: int, slot_buf, slot_off
             off = base + stage_off
             add(arena_buf, off + 8 * min(max(micros, 1).bit_length() - 1, top), 1)  # hist_bucket, inlined
             add(arena_buf, off + _HIST_SUM, micros)
+
+
+# ---------------------------------------------------------------------------
+# The compiled hot path (shmserve/_hotpath.c, chosen by shmserve.hotpath) has no offsets of its own:
+# it is handed every offset, size and encoding it uses from the records above, once, at import.
+
+def hotpath_constants() -> dict:
+    """What ``shmserve._hotpath.configure`` takes: slot, tensor, ring, lane and histogram offsets,
+    the status word's packing, the dtype table.  ``tests/test_hotpath.py`` checks the module holds
+    exactly these."""
+    dtypes = max(DTYPE_CODES.values()) + 1
+    return dict(
+        slot_size=SLOT_SIZE, tensors_off=TENSORS_OFFSET, tensor_size=TENSOR_SIZE, max_tensors=MAX_TENSORS,
+        max_dims=MAX_DIMS, tensor_align=TENSOR_ALIGN,
+        status_off=SLOT.offset("status"), request_id_off=SLOT.offset("request_id"),
+        model_id_off=SLOT.offset("model_id"), worker_off=SLOT.offset("worker"),
+        n_inputs_off=SLOT.offset("n_inputs"), n_outputs_off=SLOT.offset("n_outputs"),
+        flags_off=SLOT.offset("flags"), out_region_off=SLOT.offset("out_region"),
+        out_off_off=SLOT.offset("out_off"), out_capacity_off=SLOT.offset("out_capacity"),
+        error_code_off=SLOT.offset("error_code"), error_len_off=SLOT.offset("error_len"),
+        error_msg_off=SLOT.offset("error_msg"), error_msg_max=ERROR_MESSAGE_MAX,
+        request_span=_SLOT_REQUEST.size,  # request_id .. error_len, padding included: encode_slot_request
+        stages_off=SLOT.offset(STAGE_FIELDS[0]), n_stages=len(STAGE_FIELDS),
+        **{f"stage_{name[2:]}": STAGE_FIELDS.index(name) for name in ("t_acquired", "t_ready", "t_claimed", "t_done")},
+        t_dtype_off=TENSOR.offset("dtype"), t_ndim_off=TENSOR.offset("ndim"), t_role_off=TENSOR.offset("role"),
+        t_name_off=TENSOR.offset("name_index"), t_region_off=TENSOR.offset("region"),
+        t_offset_off=TENSOR.offset("offset"), t_nbytes_off=TENSOR.offset("nbytes"),
+        t_shape_off=TENSOR.offset("shape"), role_input=ROLE_INPUT, role_output=ROLE_OUTPUT,
+        generation_shift=32, generation_mask=GENERATION_MASK,
+        ring_tail=RING_TAIL, ring_head=RING_HEAD, ring_seq=RING_SEQ, ring_waiters=RING_WAITERS,
+        ring_entries=RING_ENTRIES_OFFSET,
+        lane_bytes=LANE_BYTES, lane_slots=LANE.slot_count, lane_slot_table_off=LANE.slot_table_off,
+        lane_submission_off=LANE.submission_off, lane_completion_off=LANE.completion_off,
+        lane_ring_capacity=LANE.ring_capacity,
+        hist_buckets=HIST_BUCKETS, hist_sum_off=_HIST_SUM, hist_worker_size=HIST_WORKER_SIZE,
+        hist_pairs=_HIST_PAIRS,
+        bytes_code=BYTES_CODE,
+        itemsizes=tuple(_ITEMSIZE.get(code, 0) for code in range(dtypes)),
+        dtypes=tuple(_DTYPES.get(code) for code in range(dtypes)),
+        dtype_names=tuple(DTYPE_NAMES.get(code) for code in range(dtypes)),
+        code_of_dtype=dict(_CODE_OF_DTYPE),
+        no_zero_copy_bytes=NO_ZERO_COPY_BYTES,
+    )

@@ -63,7 +63,7 @@ class Ring:
     def __init__(self, buf, offset: int, capacity: int):
         if capacity < 1 or capacity & (capacity - 1):
             raise ValueError("ring capacity must be a power of two")
-        self.buf = buf
+        self.buf, self.offset = buf, offset
         self.capacity = capacity
         self._mask = capacity - 1
         self._tail = offset + layout.RING_TAIL

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from shmserve import AsyncClient, BadArgument, ErrorCode, ShmserveError, inspection, lanes, layout, protocol
+from shmserve import AsyncClient, BadArgument, ErrorCode, ShmserveError, hotpath, inspection, lanes, layout, protocol
 from shmserve.protocol import Kind
 
 from helpers.raw_frames import connect, read_frames
@@ -282,7 +282,8 @@ def test_a_lane_client_writing_bytes_tensors_is_checked_like_any_other(server, m
             layout.TENSOR.pack(buf, geometry.tensor_off(slot, tensor), layout.BYTES_CODE, len(shape), role,
                                name_index, region, offset, size, *shape, *[0] * (layout.MAX_DIMS - len(shape)))
 
-        with monkeypatch.context() as patched:
+        with monkeypatch.context() as patched:  # the reference submit writes through layout.encode_tensor
+            patched.setattr(lanes, "_HOT", hotpath.PYTHON)
             patched.setattr(layout, "encode_tensor", as_bytes)
             index, generation = region.lane.submit(1, 0, [(0, lanes.DATA_FLOOR, view)], lanes.DATA_FLOOR + 4096,
                                                    4096)

@@ -8,6 +8,11 @@ area (``OutputPlacer``; a bytes output serialized), run the backend, publish DON
 it, push the completion and ring whoever waits, and add its stage times to
 the worker's latency histograms.
 
+Each request's own work on the slot's bytes (claim, a lane slot's decode, the
+output descriptors, publish) is ``shmserve.hotpath``'s: compiled by default,
+the Python reference with ``SHMSERVE_HOTPATH=python``; this module does what
+lies around it (numpy views, the backend, the spec check, the output area).
+
 Nothing read from a slot is trusted: every descriptor is decoded through
 ``shmserve.layout`` against the bounds of the space it names, and a lane's
 (its client wrote every byte of it) must also lie in the lane's own region
@@ -26,20 +31,16 @@ import time
 
 import numpy as np
 
-from shmserve import layout
-from shmserve import _atomics as atomics
-from shmserve.arena import SlotConflict, transition_slot
+from shmserve import hotpath, layout
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
-from shmserve.slotstate import Actor, SlotState
 from shmserve.spec import ModelSpec, bind_inputs
 
 LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as valid (then forgotten at once)
 
-_READY, _RUNNING, _DONE, _ERROR = SlotState.READY, SlotState.RUNNING, SlotState.DONE, SlotState.ERROR
-_WORKER = Actor.WORKER
 _BYTES = layout.BYTES_DTYPE
+_HOT = hotpath.active  # claim, decode_lane, encode_outputs, publish: compiled, or the reference
 
 
 class RequestFailed(Exception):
@@ -86,8 +87,7 @@ class Space:
 
     def outside(self, what: str) -> RequestFailed:
         """The error for a lane tensor (``what``) outside the lane's own data space."""
-        return RequestFailed(ErrorCode.BAD_REGION, f"{what} must lie in this lane's region {self.region} "
-                                                   f"at offset {self.data_floor} or above")
+        return RequestFailed(ErrorCode.BAD_REGION, hotpath.outside_message(self.region, self.data_floor, what))
 
 
 class OutputPlacer:
@@ -172,11 +172,8 @@ class OutputPlacer:
         if len(placed) != len(outputs):
             missing = [t.name for t in outputs if t.name not in placed]
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
-        buf, g, index, first, region = self.space.buf, self.space.geometry, self.index, self.first, self.region
-        for i, t in enumerate(outputs):
-            offset, shape, dtype, nbytes = placed[t.name]
-            layout.encode_tensor(buf, g, index, first + i, role=layout.ROLE_OUTPUT, name_index=i, dtype=dtype,
-                                 shape=shape, offset=offset, region=region, nbytes=nbytes)
+        _HOT.encode_outputs(self.space.buf, self.space.geometry, self.index, self.first, self.region,
+                            [placed[t.name] for t in outputs])
         return len(outputs)
 
 
@@ -208,6 +205,7 @@ class Step:
         entry_off = arena.geometry.worker_off(index)
         self._requests_off = entry_off + layout.WORKER.offset("requests")
         self._errors_off = entry_off + layout.WORKER.offset("errors")
+        self._hist_off = arena.geometry.hist_off(index, layout.HIST_STAGES[0])
         # Hot path: what the adapter states, bound once.
         self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
         self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
@@ -266,16 +264,10 @@ class Step:
     # -- its parts ----------------------------------------------------------------------------
 
     def claim(self, space: Space, entry: int) -> int | None:
-        """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run."""
-        index, generation = layout.split_entry(entry)
-        if not 0 <= index < space.geometry.slot_count:
-            return None  # hostile or corrupt entry: nothing to answer
-        try:
-            transition_slot(space.buf, space.geometry, index, generation, _READY, _RUNNING, _WORKER)
-        except SlotConflict:
-            return None  # failed or reused meanwhile (timeout, shutdown, a lane client's second thoughts)
-        layout.stamp(space.buf, space.geometry, index, "t_claimed", time.monotonic_ns())
-        return index
+        """READY -> RUNNING for a ring entry; the slot index, or None if it is not ours to run
+        (a hostile or corrupt entry; failed or reused meanwhile: timeout, shutdown, a lane
+        client's second thoughts)."""
+        return _HOT.claim(space.buf, space.geometry, entry)
 
     def regions_of(self, space: Space, entry: int) -> set[int]:
         """The client regions the request of ring ``entry`` (not yet run) names: a lane's own, or
@@ -305,27 +297,24 @@ class Step:
         input whose elements do not take exactly its size; whatever
         ``bind_inputs`` says of a lane's inputs that do not fit the model.
         """
+        if space.is_lane:
+            return self._decode_lane(space, index)
         g, buf, names = space.geometry, space.buf, self.input_names
         slot = layout.decode_slot_request(buf, g, index)
-        n_inputs, lane = slot.n_inputs, space.is_lane
+        n_inputs = slot.n_inputs
         if not 0 < n_inputs <= len(names) or n_inputs >= layout.MAX_TENSORS:
-            raise RequestFailed(ErrorCode.BAD_INPUT if lane else ErrorCode.INTERNAL, f"slot has {n_inputs} inputs")
+            raise RequestFailed(ErrorCode.INTERNAL, f"slot has {n_inputs} inputs")
         regions = self.regions
         maps, sizes = regions.maps, regions.sizes
         inputs = {}
         try:
             for t in range(n_inputs):
                 region = layout.region_of_tensor(buf, g, index, t)
-                if lane and region != space.region:
-                    raise space.outside(f"input {t}")
                 if region:
                     regions.ensure(region)
                 desc = layout.decode_tensor(buf, g, index, t, sizes)
-                if lane and desc.offset < space.data_floor:
-                    raise space.outside(f"input {t}")
                 if desc.role != layout.ROLE_INPUT or desc.name_index >= len(names):
-                    raise RequestFailed(ErrorCode.BAD_INPUT if lane else ErrorCode.INTERNAL,
-                                        f"tensor {t} is not an input of this model")
+                    raise RequestFailed(ErrorCode.INTERNAL, f"tensor {t} is not an input of this model")
                 source = maps[region] if region else self.arena_buf
                 if desc.dtype is _BYTES:
                     view = _bytes_input(source, desc, names[desc.name_index])
@@ -335,17 +324,35 @@ class Step:
                 inputs[names[desc.name_index]] = view
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
-        if lane:  # the front-end checked the arena's requests; nobody checked a lane's
-            signature = tuple((n, v.dtype, v.shape) for n, v in inputs.items())
-            if signature not in self._checked_lane_inputs:
-                try:
-                    bind_inputs(self.spec, [TensorMeta(n, layout.dtype_name(v.dtype), v.shape)
-                                            for n, v in inputs.items()])
-                except ShmserveError as exc:
-                    raise RequestFailed(exc.code, exc.message) from None
-                if len(self._checked_lane_inputs) >= LANE_SIGNATURES_MAX:
-                    self._checked_lane_inputs.clear()
-                self._checked_lane_inputs.add(signature)
+        return slot, inputs
+
+    def _decode_lane(self, space: Space, index: int):
+        """``decode`` for a lane slot: its descriptors checked by ``hotpath.decode_lane``, then the
+        views made in order (a bytes input decoded) and the inputs checked against the spec once per
+        signature (the front-end checked the arena's requests; nobody checked a lane's)."""
+        names, source = self.input_names, space.buf
+        slot, descs, signature, failure = _HOT.decode_lane(space.buf, index, space.region, space.data_floor,
+                                                           len(names))
+        inputs = {}
+        for name_index, dtype, shape, offset, nbytes in descs:
+            name = names[name_index]
+            if dtype is _BYTES:
+                view = _bytes_input(source, layout.TensorDesc(layout.ROLE_INPUT, name_index, dtype, shape, offset,
+                                                              nbytes, space.region), name)
+            else:
+                view = np.ndarray(shape, dtype, buffer=source, offset=offset)
+            view.flags.writeable = False
+            inputs[name] = view
+        if failure is not None:
+            raise RequestFailed(*failure)
+        if signature not in self._checked_lane_inputs:
+            try:
+                bind_inputs(self.spec, [TensorMeta(n, layout.dtype_name(v.dtype), v.shape) for n, v in inputs.items()])
+            except ShmserveError as exc:
+                raise RequestFailed(exc.code, exc.message) from None
+            if len(self._checked_lane_inputs) >= LANE_SIGNATURES_MAX:
+                self._checked_lane_inputs.clear()
+            self._checked_lane_inputs.add(signature)
         return slot, inputs
 
     def place(self, space: Space, index: int, slot) -> OutputPlacer:
@@ -374,27 +381,9 @@ class Step:
         """Publish DONE (``n_outputs`` described) or ERROR (``failure``: code and message), count it,
         add its stage times to the histograms, and hand the slot back through the completion ring.
         A lane slot its client rewrote meanwhile is left alone; an arena slot raises SlotConflict."""
-        _, generation = layout.split_entry(entry)
-        buf, g = space.buf, space.geometry
-        if failure is not None:
-            layout.encode_error(buf, g, index, *failure)
-            n_outputs = 0
-        layout.set_n_outputs(buf, g, index, n_outputs)
-        layout.stamp(buf, g, index, "t_done", time.monotonic_ns())
-        try:
-            # Order matters here: outputs and descriptors are written before DONE is published.
-            transition_slot(buf, g, index, generation, _RUNNING, _ERROR if failure is not None else _DONE, _WORKER)
-        except SlotConflict:
-            if not space.is_lane:
-                raise
-            return  # the lane's client rewrote a running slot: nothing to publish
-        arena_buf = self.arena_buf
-        atomics.fetch_add64(arena_buf, self._requests_off, 1)
-        if failure is not None:
-            atomics.fetch_add64(arena_buf, self._errors_off, 1)
-        layout.record_stages(arena_buf, self.geometry, self.index, buf, g.slot_off(index))
-        space.completions.push(entry)  # a lane's ring may be full if its client does not drain it: the
-        space.outbox.notify()           # entry is only a wake-up there, the status word is the answer
+        if _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions, space.is_lane,
+                        self.arena_buf, self._requests_off, self._errors_off, self._hist_off) and not space.is_lane:
+            space.outbox.notify()  # a lane's client was woken by publish (its futex doorbell)
 
     def record_batch(self, size: int) -> None:
         """Count one backend run of ``size`` requests in the batch-size histogram."""
