@@ -247,7 +247,8 @@ STAGES = (("client -> slot acquired", None, "t_acquired"), ("input received, pub
 
 
 def stage_breakdown(server: Server, model: str, n: int) -> dict:
-    """Where a 4 KiB inline request's time goes, from the slot's own monotonic timestamps."""
+    """Where a 4 KiB request over the socket goes (``lanes=False``: through the front-end and an
+    arena slot), from the slot's own monotonic timestamps."""
     from shmserve import layout
     from shmserve.arena import Arena
 
@@ -256,7 +257,7 @@ def stage_breakdown(server: Server, model: str, n: int) -> dict:
     x = np.random.default_rng(0).standard_normal(1024, dtype=np.float32)
     rows = []
     try:
-        with Client(server.socket, timeout=60) as c:
+        with Client(server.socket, timeout=60, lanes=False) as c:
             for i in range(n + 100):
                 t0 = time.monotonic_ns()
                 c.infer(model, {"x": x})
