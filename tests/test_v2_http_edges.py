@@ -857,6 +857,41 @@ def test_what_follows_a_closing_request_is_not_read_even_when_it_comes_later(srv
         assert not reader.done, "answered a request sent after a closing one"
 
 
+def test_a_streamed_binary_request_that_closes_ends_the_connection_too(srv):
+    """A binary infer request whose tensors stream straight into the arena (its header first, the
+    rest later) with Connection: close, and another request right behind its body: one answer,
+    with Connection: close, then the connection closes; the second is never read (found by the fuzz
+    run: the streamed path started a fresh parser and forgot that the request closes)."""
+    x = bytes(range(40))
+    whole = binary_infer("identity", binary_header(len(x)), x, {"Connection": "close"})
+    with connect(srv.http) as s:
+        s.sendall(whole[:-len(x)])
+        time.sleep(0.2)  # the header is in: the door streams the body
+        s.sendall(whole[-len(x):] + request("GET", "/v2/health/live"))
+        reader = Reader(s)
+        r = reader.one()
+        answered_identity(r, x)
+        assert r.headers.get("connection") == "close", r
+        then_closed(reader)
+        assert not reader.done, "answered a request sent after a closing one"
+
+
+def test_garbage_behind_a_request_being_served_is_answered_after_it_and_only_that_answer_closes(srv):
+    """Bytes that are not HTTP arrive while the request before them is served: its answer comes
+    first, without Connection: close, then the 400 that closes (found by the fuzz run: the first
+    answer said close and another followed it)."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0.5]}]}).encode()
+    with connect(srv.http) as s:
+        s.sendall(request("POST", "/v2/models/slow/infer", body))
+        time.sleep(0.2)  # the slow request (0.5 s) is being served
+        s.sendall(b"\x11\x12 not http\r\n\r\n")
+        reader = Reader(s)
+        first, second = reader.read(2)
+        assert first.status == 200 and "connection" not in first.headers, first
+        assert second.status == 400 and second.headers.get("connection") == "close", second
+        then_closed(reader)
+
+
 def test_expect_100_continue(srv):
     body = json.dumps(json_body()).encode()
     head = request("POST", "/v2/models/identity/infer", b"",

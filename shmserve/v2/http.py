@@ -718,7 +718,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
             status, REASONS.get(status, "Error").encode(), ctype.encode(), sum(len(p) for p in parts))]
         head.extend(b"%s: %s\r\n" % (name, value) for name, value in extra)
-        if self.closing:
+        if self.closing and self.after is None:  # only the last answer says so (an error may follow this one)
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
         self.transport.writelines([b"".join(head), *(parts if body else ())])
@@ -749,6 +749,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         data, h = msg.data(), msg.header_length
         self.msg = None
         self.parser = httptools.HttpRequestParser(self)  # the old one is mid-body: the next request starts afresh
+        self.last_closes = not msg.keep_alive  # the fresh parser cannot know: nothing after it is read
         self.advance(Ev.STREAM)
         self.remaining, self.tail = msg.length - msg.size, data[h:]
         self.current = msg
