@@ -188,6 +188,15 @@ class Region:
             self.seats[signature] = seat
         return seat
 
+    def drop_seats(self) -> None:
+        """Give back the space kept for infer calls (planned from a spec that is out of date); a
+        seat in use goes when its call ends."""
+        seats, self.seats = self.seats, {}
+        for seat in seats.values():
+            seat.kept = False
+            if not seat.busy:
+                seat.release()
+
     def defer_release(self, call: "ZeroCopyCall | _Seat", index: int, generation: int) -> None:
         """Keep ``call``'s space until the worker has finished lane slot ``index`` (it timed out:
         the worker may still write its outputs there)."""
@@ -234,6 +243,10 @@ class LaneWatcher:
         except asyncio.TimeoutError:
             self.lane.abandon(index, generation)
             raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time") from None
+        except BaseException:  # cancelled: the worker may still write the call's outputs
+            if not self.lane.finished(index, generation):
+                self.lane.abandon(index, generation)
+            raise
         finally:
             self.waiting.pop(index, None)
 
@@ -301,8 +314,8 @@ class ZeroCopyCall:
         except ValueError:
             raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
                                                      f"got {list(self._inputs)}") from None
-        return self.region.lane.submit(self.client._session.reserve_id(), 0, inputs, self.out_offset,
-                                       self.out_capacity)
+        return self.region.lane.submit(self.client._session.reserve_id(), _version_of(self.client._specs[self.model]),
+                                       inputs, self.out_offset, self.out_capacity)
 
     def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
         outputs = self.client._specs[self.model].outputs
@@ -427,6 +440,21 @@ def region_limit(info: dict) -> int:
     if type(limit) is not int or limit <= 0:
         raise ShmserveError(ErrorCode.INTERNAL, f"the server's info has no usable max_request_bytes: {limit!r}")
     return limit + protocol.REGION_SLACK
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic); TIMEOUT if none are left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ShmserveError(ErrorCode.TIMEOUT, "no answer in time")
+    return left
+
+
+def _version_of(spec: ModelSpec | None) -> int:
+    """The version the server listed ``spec`` for (0: not said): a lane call names it, and a worker
+    of another version refuses the call (MODEL_UNAVAILABLE) instead of reading it by the wrong spec."""
+    version = spec.extra.get("version") if spec is not None else None
+    return version if type(version) is int and 0 < version < 2**32 else 0
 
 
 def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
@@ -565,6 +593,8 @@ class _LaneForm(NamedTuple):
     output_capacity: int
     exact: bool  # reserved as the server would (else a guess: OUTPUT_TOO_LARGE sends the call to the socket)
     needed: int  # the least lane space one call takes
+    version: int  # the version whose spec planned it (the worker refuses the call if it serves another)
+    outputs: tuple[str, ...]  # the output names by index, as that spec lists them
 
 
 _NEED_SPEC = object()  # _lane_form: ask the server for the model's spec first
@@ -576,8 +606,10 @@ def _lane_form(spec: ModelSpec, arrays: dict[str, np.ndarray]) -> _LaneForm | No
     input the model does not have, a bytes output): then the socket carries the call, and the
     server's answer says what is wrong, as for any other client."""
     names = [t.name for t in spec.inputs]
-    if any(t.dtype == protocol.BYTES for t in spec.outputs) or any(n not in names for n in arrays):
-        return None
+    if any(t.dtype == protocol.BYTES for t in spec.outputs) or any(n not in names for n in arrays) \
+            or len(arrays) + len(spec.outputs) > layout.MAX_TENSORS or any(a.ndim > protocol.MAX_DIMS
+                                                                           for a in arrays.values()):
+        return None  # (the last two: more than a slot's descriptors hold; the socket says what is wrong)
     specs = {n: (a.shape, a.dtype) for n, a in arrays.items()}
     sizes = {n: a.nbytes for n, a in arrays.items()}
     reserved = spec.extra.get("max_output_bytes")  # what the server reserves per output it cannot size
@@ -586,7 +618,7 @@ def _lane_form(spec: ModelSpec, arrays: dict[str, np.ndarray]) -> _LaneForm | No
     else:
         capacity, exact = _estimate(spec, specs)
     return _LaneForm(tuple(names.index(n) for n in arrays), tuple(sizes.values()), capacity, exact,
-                     _needed_bytes(sizes, capacity))
+                     _needed_bytes(sizes, capacity), _version_of(spec), tuple(t.name for t in spec.outputs))
 
 
 # -- the clients ----------------------------------------------------------------------------
@@ -647,7 +679,7 @@ class _ClientBase:
             if time.monotonic() < until:
                 return None
             del self._no_lane_until[model]
-            self._specs.pop(model, None)  # ask again: a model loaded meanwhile has a spec now
+            self._forget_spec(model)  # ask again: a model loaded meanwhile has a spec now, a new version another
         if model not in self._specs:
             return _NEED_SPEC
         spec = self._specs[model]
@@ -667,6 +699,16 @@ class _ClientBase:
                 self._lane_forms.clear()
             form = self._lane_forms[signature] = _lane_form(spec, arrays)
         return None if form is None else (arrays, form, signature)
+
+    def _forget_spec(self, model: str) -> None:
+        """Drop what was planned from ``model``'s spec (its spec, its lane forms, the space kept in
+        its infer lane for them): the next call asks the server for the spec again."""
+        self._specs.pop(model, None)
+        for signature in [sig for sig in self._lane_forms if sig[0] == model]:
+            del self._lane_forms[signature]
+        region = self._infer_lanes.get(model)
+        if region is not None:
+            region.drop_seats()
 
     def _lane_size(self, form: _LaneForm) -> int | None:
         """The size to open a model's infer lane with: room for many calls, within the server's
@@ -699,8 +741,8 @@ class _ClientBase:
         try:
             for view, a in zip(seat.views, arrays.values()):
                 view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
-            index, generation = lane.submit(self._session.reserve_id(), 0, seat.described, seat.out_offset,
-                                            seat.out_capacity)
+            index, generation = lane.submit(self._session.reserve_id(), form.version, seat.described,
+                                            seat.out_offset, seat.out_capacity)
         except BaseException:
             seat.release()
             raise
@@ -712,26 +754,43 @@ class _ClientBase:
         it again or says why) or the outputs outgrew a guessed capacity.  ``failure``: waiting
         for it failed (a timeout keeps its space until the worker is done with it); raised."""
         seat, index, generation = started
+        lane = seat.region.lane
         if failure is not None:
-            if isinstance(failure, ShmserveError) and failure.code is ErrorCode.TIMEOUT:
+            if lane is not None and not lane.finished(index, generation):
+                # Timed out, interrupted or cancelled: the worker may still write its outputs there.
+                lane.abandon(index, generation)
                 seat.region.defer_release(seat, index, generation)
-            else:
+                raise failure
+            if lane is None:
                 seat.release()
-            raise failure
+                raise failure
+            # (it finished as the wait was interrupted: read it, so that its slot is freed)
+        held = False
         try:
-            placed = seat.region.lane.read(index, generation, seat.out_offset, seat.out_capacity)
-            outputs, buf = self._specs[model].outputs, seat.region.buf
+            placed = lane.read(index, generation, seat.out_offset, seat.out_capacity)
+            if failure is not None:
+                raise failure
+            buf, names = seat.region.buf, form.outputs
             # New arrays the caller owns, copied out of the lane (as the socket path's are new).
-            return {outputs[name_index].name: np.ndarray(shape, dtype, buffer=buf, offset=offset).copy()
+            return {names[name_index]: np.ndarray(shape, dtype, buffer=buf, offset=offset).copy()
                     for name_index, (dtype, shape, offset) in sorted(placed.items())}
         except ShmserveError as exc:
-            if exc.code is ErrorCode.MODEL_UNAVAILABLE or (exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact):
-                if exc.code is ErrorCode.MODEL_UNAVAILABLE:
-                    self._no_lane_until[model] = time.monotonic() + LANE_RETRY_S
+            if exc is failure:
+                raise
+            if exc.code is ErrorCode.MODEL_UNAVAILABLE:
+                # The lane's version went away or changed under the spec this call was planned from:
+                # the socket answers this one, the next asks for the spec again.
+                self._forget_spec(model)
                 return None
+            if exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact:
+                return None
+            if exc.code is ErrorCode.SHUTTING_DOWN:  # failed while its worker may still run it: never reused
+                held = True
+                seat.region.seats = {k: v for k, v in seat.region.seats.items() if v is not seat}
             raise
         finally:
-            seat.release()
+            if not held:
+                seat.release()
 
 
 class Client(_ClientBase):
@@ -785,10 +844,12 @@ class Client(_ClientBase):
             self._specs[model] = _spec_of(self.models(), model)
             wanted = self._lane_wanted(model, inputs, version, key)
         if wanted is not None:
+            deadline = time.monotonic() + seconds
             outputs = self._lane_infer(model, *wanted, seconds)
             if outputs is not None:
                 return outputs
-        return self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout).outputs
+            seconds = _left(deadline)  # the socket gets what the lane left of the timeout
+        return self._exchange(self._session.infer(model, inputs, seconds, version, key), seconds).outputs
 
     def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
                     seconds: float) -> dict | None:
@@ -1048,13 +1109,16 @@ class AsyncClient(_ClientBase):
         seconds = self._timeout(timeout)
         wanted = self._lane_wanted(model, inputs, version, key)
         if wanted is _NEED_SPEC:
-            self._specs[model] = _spec_of(await self.models(), model)
+            spec = _spec_of(await self.models(), model)
+            self._specs.setdefault(model, spec)  # (another call may have fetched it meanwhile)
             wanted = self._lane_wanted(model, inputs, version, key)
-        if wanted is not None:
+        if wanted is not None and wanted is not _NEED_SPEC:
+            deadline = time.monotonic() + seconds
             outputs = await self._lane_infer(model, *wanted, seconds)
             if outputs is not None:
                 return outputs
-        return (await self._exchange(self._session.infer(model, inputs, seconds, version, key), timeout)).outputs
+            seconds = _left(deadline)  # the socket gets what the lane left of the timeout
+        return (await self._exchange(self._session.infer(model, inputs, seconds, version, key), seconds)).outputs
 
     async def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
                           seconds: float) -> dict | None:

@@ -7,7 +7,7 @@ Owns: the lane protocol, for all three parties that touch a lane.
   and free the slot; recycle the slots of calls that timed out once they
   finish.  The client plays the ``client`` actor of ``shmserve.slotstate``.
 * The front-end (``init_header``, ``assign_worker``, ``set_spin_hint``,
-  ``set_divert``, ``has_pending``, ``fail_lane``): write the header, tell the lane which
+  ``set_divert``, ``pending``, ``has_pending``, ``fail_lane``): write the header, tell the lane which
   worker serves it, hint whether to spin, say whether requests it routes
   itself (a canary's, a shadow's) should come over the socket instead, and
   fail whatever a dead worker left queued or running (it is then the
@@ -92,12 +92,19 @@ def set_divert(buf, divert: bool) -> None:
     atomics.store32(buf, layout.LANE_DIVERT_OFFSET, 1 if divert else 0)
 
 
+def pending(buf) -> list[int]:
+    """The slot entries (index and generation) of the calls queued or running in the lane."""
+    found = []
+    for index in range(LANE.slot_count):
+        generation, state = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
+        if state in (_READY, _RUNNING):
+            found.append(layout.slot_entry(index, generation))
+    return found
+
+
 def has_pending(buf) -> bool:
     """Whether a call is queued or running in the lane (a slot READY or RUNNING)."""
-    for index in range(LANE.slot_count):
-        if layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))[1] in (_READY, _RUNNING):
-            return True
-    return False
+    return bool(pending(buf))
 
 
 def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False,

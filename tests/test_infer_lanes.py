@@ -96,7 +96,9 @@ def test_non_contiguous_and_zero_size_inputs_come_back_equal(server):
     ("identity", {}),  # missing input
     ("fails", {"x": np.full(4, -1, np.float32)}),  # the model raises
     ("grow", {"x": np.ones(64, np.float32)}),  # more output than the server reserves
-], ids=["unknown-model", "dtype", "rank", "unknown-input", "missing-input", "model-error", "output-too-large"])
+    ("identity", {"x": np.zeros((1,) * 9, np.uint8)}),  # more dimensions than a descriptor holds
+], ids=["unknown-model", "dtype", "rank", "unknown-input", "missing-input", "model-error", "output-too-large",
+        "nine-dims"])
 def test_errors_through_a_lane_have_the_socket_paths_codes(server, model, inputs):
     codes = []
     for lanes in (False, True):
@@ -228,3 +230,54 @@ def test_many_signatures_share_the_lane_without_running_out_of_space(server):
         (region,) = c._infer_lanes.values()
         assert 0 < len(region.seats) <= 8 and not any(seat.busy for seat in region.seats.values())
         assert lanes_of(server, "identity") == 1
+
+
+SUM_DIFF = """\
+def model(inputs):
+    return {{"d": inputs["a"] - inputs["b"], "s": inputs["a"] + inputs["b"]}}
+model.inputs = [{inputs}]
+model.outputs = [{outputs}]
+"""
+A, B = '{{"name": "a", "dtype": "float32", "shape": ["n"]}}', '{{"name": "b", "dtype": "float32", "shape": ["n"]}}'
+D, S = '{{"name": "d", "dtype": "float32", "shape": ["n"]}}', '{{"name": "s", "dtype": "float32", "shape": ["n"]}}'
+
+
+def test_a_new_version_with_its_tensors_in_another_order_is_not_read_by_the_old_spec(tmp_path):
+    """The lane follows the model's default version; a client that planned its calls from the old
+    version's spec (input and output indices) is refused by the new version's worker, answered over
+    the socket, and plans from the new spec after that: the answers are right throughout."""
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1, SUM_DIFF.replace("{inputs}", f"{A}, {B}").replace("{outputs}", f"{D}, {S}"))
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        a, b = np.array([10, 20], np.float32), np.array([1, 2], np.float32)
+        with srv.client() as c:
+            def right():
+                y = c.infer("m", {"a": a, "b": b})
+                return y["d"].tolist() == [9, 18] and y["s"].tolist() == [11, 22]
+            assert right()
+            add_version(repo, "m", 2, SUM_DIFF.replace("{inputs}", f"{B}, {A}").replace("{outputs}", f"{S}, {D}"))
+            assert c.load("m", version=2)["version"] == 2
+            assert all(right() for _ in range(5))
+            wait_for(lambda: right() and c._specs.get("m") is not None and c._specs["m"].extra["version"] == 2,
+                     "the client to plan from version 2's spec", timeout=10)
+            assert right() and lanes_of(srv, "m") == 1
+
+
+def test_cancelled_async_calls_give_their_slot_and_space_back_only_once_the_worker_is_done(server):
+    """asyncio.wait_for cancelling lane calls (more than a lane's 16 slots) while the worker runs
+    them: the lane stays usable, and no later call's data is overwritten by a cancelled one's."""
+    async def main():
+        async with AsyncClient(server.socket, timeout=30) as c:
+            for i in range(20):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.infer("slow", {"x": np.full(4096, 0.05, np.float32)}), 0.01)
+            for n in (20000, 4096, 50000):
+                x = np.arange(n, dtype=np.float32)
+                y = (await c.infer("slow", {"x": np.concatenate([[0], x[1:]]).astype(np.float32)}))["y"]
+                np.testing.assert_array_equal(y, 2 * np.concatenate([[0], x[1:]]))
+            (region,) = c._infer_lanes.values()
+            lane = region.lane
+            wait_for(lambda: (lane._reclaim(), region.reclaim(), len(lane.free) == 16 and not region.abandoned)[2],
+                     "the cancelled calls' slots and space to come back", timeout=20)
+
+    asyncio.run(main())

@@ -196,8 +196,9 @@ class Step:
     (``workers.adapter.BackendAdapter``); ``spec`` its final specs.
     """
 
-    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec):
+    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec, version: int = 0):
         self.arena_buf, self.geometry, self.index = arena.buf, arena.geometry, index
+        self.version = version  # the model version served: a lane call naming another is refused
         self.regions, self.adapter, self.spec = regions, adapter, spec
         self.input_names = tuple(t.name for t in spec.inputs)
         self.output_dtypes = {t.name: layout.numpy_dtype(t.dtype) for t in spec.outputs}
@@ -345,6 +346,9 @@ class Step:
             inputs[name] = view
         if failure is not None:
             raise RequestFailed(*failure)
+        if slot.model_id and slot.model_id != self.version:  # its client planned it from another version's spec
+            raise RequestFailed(ErrorCode.MODEL_UNAVAILABLE, f"this lane serves version {self.version} of the model "
+                                                             f"now, not version {slot.model_id}: ask for its spec again")
         if signature not in self._checked_lane_inputs:
             try:
                 bind_inputs(self.spec, [TensorMeta(n, layout.dtype_name(v.dtype), v.shape) for n, v in inputs.items()])

@@ -113,8 +113,9 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     used = memory.measured(own_device_bytes, device_before, _device_bytes(gpu, config))
     regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
-    return Worker(arena, index, config, completion_fd, spin_s, Step(arena, index, regions, adapter, spec), gpu_info,
-                  tell_dropped, tell_lane_failed, memory=used, warmup=warmed.to_dict())
+    step = Step(arena, index, regions, adapter, spec, config.version)
+    return Worker(arena, index, config, completion_fd, spin_s, step, gpu_info, tell_dropped, tell_lane_failed,
+                  memory=used, warmup=warmed.to_dict())
 
 
 def _device_bytes(gpu: GpuMemory | None, config: ModelConfig) -> int | None:

@@ -95,6 +95,7 @@ class Lifecycle:
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
         # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
         self.finished = finished
+        self.finished_seen: dict = {}  # worker -> its count at the last note_lane_use
         self.config = config
         self.startup_timeout = startup_timeout
         self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -355,12 +356,17 @@ class Lifecycle:
             return
         now = time.monotonic()
         for version in self.models.versions():
-            total = sum(self.finished(w) for w in version.workers)
-            lane_calls = total - version.finished_seen - version.observed
-            version.finished_seen, version.observed = total, 0
-            if lane_calls > 0:  # (a restarted worker's counter starts again: this look is skipped)
+            finished = 0
+            for w in version.workers:  # per worker: one that leaves or is new costs no other's count
+                count = self.finished(w)
+                finished += max(0, count - self.finished_seen.get(w, count))
+                self.finished_seen[w] = count
+            lane_calls, version.observed = finished - version.observed, 0
+            if lane_calls > 0:
                 version.meter.hit(now, lane_calls)
                 version.last_used = max(version.last_used, now)
+        live = {w for v in self.models.versions() for w in v.workers}
+        self.finished_seen = {w: n for w, n in self.finished_seen.items() if w in live}
 
     def shadow_to(self, req) -> ModelState | None:
         """The candidate a finished request of a stable version is copied to (a canary in shadow
@@ -534,9 +540,10 @@ class Lifecycle:
             return
         self.note_lane_use()  # lane calls since the last heartbeat count too
         now = time.monotonic()
+        stale_s = self.config().request_timeout_s  # a lane call pending longer is a client's lie
         resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
-                                       self.dispatcher.busy(v) or self.regions.lane_busy(v), v.config.pinned,
-                                       v.config.load == "on_demand")
+                                       self.dispatcher.busy(v) or self.regions.lane_busy(v, now, stale_s),
+                                       v.config.pinned, v.config.load == "on_demand")
                     for v in self.models.versions() if v.phase == SERVING and v is not version
                     and v.config.device == device]
         need = version.memory.get("measured_bytes", 0)

@@ -50,7 +50,6 @@ class ModelState:
     drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
     observed: int = 0  # requests the dispatcher saw run since the last Lifecycle.note_lane_use
-    finished_seen: int = 0  # its workers' finished requests at the last Lifecycle.note_lane_use
 
     @property
     def version(self) -> int:

@@ -151,6 +151,7 @@ class RegionTable:
         self.stopping = False
         self.diverted: set[str] = set()  # models whose Client.infer requests come over the socket (divert)
         self.divert_every = False  # shutting down: every lane's (``divert_all``)
+        self.pending_since: dict[tuple, float] = {}  # (region, slot entry) -> when lane_busy first saw it
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -338,11 +339,23 @@ class RegionTable:
                 region.lane_model = version
                 self._attach(region)
 
-    def lane_busy(self, version: ModelState) -> bool:
-        """Whether a lane of ``version`` holds a call queued or running (its slots' status words:
-        the client's to write, so this may say busy when a client lies; only its model stays)."""
-        return any(region.is_lane and region.lane_model is version and not region.closed and
-                   lanes.has_pending(region.lane_buf) for region in self.regions.values())
+    def lane_busy(self, version: ModelState, now: float, stale_s: float) -> bool:
+        """Whether a lane of ``version`` holds a call queued or running (residency never evicts a
+        busy version).  The status words are the client's to write: a call seen pending for more
+        than ``stale_s`` (the request timeout) counts no more, so a client that leaves READY in a
+        slot nobody claims cannot pin its model for ever."""
+        seen, looked, busy = {}, set(), False
+        for region in self.regions.values():
+            if not region.is_lane or region.closed or region.lane_model is not version:
+                continue
+            looked.add(region.id)
+            for key in lanes.pending(region.lane_buf):
+                first = seen[(region.id, key)] = self.pending_since.get((region.id, key), now)
+                busy = busy or now - first <= stale_s
+        # What was pending in the lanes looked at is replaced by what is now; closed lanes are forgotten.
+        self.pending_since = {k: t for k, t in self.pending_since.items()
+                              if k[0] not in looked and k[0] in self.regions} | seen
+        return busy
 
     def divert(self, model: str, on: bool) -> None:
         """Tell the lanes of ``model`` whether ``Client.infer`` should send its requests over the
