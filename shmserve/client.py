@@ -653,8 +653,9 @@ class _ClientBase:
         return region
 
     def _plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> _ZeroCopyPlan:
+        infer_lanes = set(map(id, self._infer_lanes.values()))  # infer's own: a zero-copy call's misuse stays out
         return _ZeroCopyPlan(self._specs[model], model if self.lanes else None, inputs, output_capacity,
-                             self._regions, self._region_limit)
+                             [r for r in self._regions if id(r) not in infer_lanes], self._region_limit)
 
     def _release(self) -> None:
         """Unmap the regions; the session closes the descriptors it still holds."""

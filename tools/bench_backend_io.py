@@ -149,12 +149,17 @@ def main() -> int:
                     assert np.array_equal(call.run()["y"], reference), name  # bit for bit, both ways
                     assert np.array_equal(c.infer(name, {"x": x})["y"], reference), name
                     calls[name] = call
+                def copied_lane(call):  # what infer does around a lane call: x copied in, y out into a new array
+                    call.inputs["x"][...] = x
+                    return {name: view.copy() for name, view in call.run().items()}
+
                 cases = {
                     "in-process": lambda: session.run(["y"], {"x": x}),
                     "adapter run_into, bound (this process)": lambda: run_into(adapters["bound"]),
                     "adapter run_into, copied (this process)": lambda: run_into(adapters["copied"]),
                     "lane, ocr (bound)": calls["ocr"].run,
                     "lane, ocr_copy (copied)": calls["ocr_copy"].run,
+                    "lane + the copies infer makes, ocr (bound)": lambda: copied_lane(calls["ocr"]),
                     "infer, ocr (bound)": lambda: c.infer("ocr", {"x": x}),
                     "infer, ocr_copy (copied)": lambda: c.infer("ocr_copy", {"x": x}),
                     "torch copy_ of the output into shared memory": lambda: torch_out.copy_(torch_value),
