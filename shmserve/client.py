@@ -766,7 +766,6 @@ class _ClientBase:
                 seat.release()
                 raise failure
             # (it finished as the wait was interrupted: read it, so that its slot is freed)
-        held = False
         try:
             placed = lane.read(index, generation, seat.out_offset, seat.out_capacity)
             if failure is not None:
@@ -785,13 +784,9 @@ class _ClientBase:
                 return None
             if exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact:
                 return None
-            if exc.code is ErrorCode.SHUTTING_DOWN:  # failed while its worker may still run it: never reused
-                held = True
-                seat.region.seats = {k: v for k, v in seat.region.seats.items() if v is not seat}
             raise
         finally:
-            if not held:
-                seat.release()
+            seat.release()
 
 
 class Client(_ClientBase):

@@ -107,8 +107,7 @@ def has_pending(buf) -> bool:
     return bool(pending(buf))
 
 
-def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False,
-              worker_alive: bool = False) -> int:
+def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False) -> int:
     """Fail every call queued or running in a lane whose worker is dead: ERROR with ``code``,
     pushed on its completion ring, and wake the client (also for a call the worker finished but
     did not get to push).  ``running_only``: fail only the calls the worker had claimed (the
@@ -116,10 +115,7 @@ def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False,
     Returns how many calls were failed.
 
     Only the front-end calls this, once the lane's worker is known dead or has said it cannot
-    attach the lane: it is then the completion ring's only producer.  ``worker_alive`` (a
-    shutdown's drain ran out): a worker may still produce on the ring, so nothing is pushed;
-    the status word says ERROR (a worker finishing later loses its CAS and publishes nothing)
-    and the client finds it when it next looks (``ClientLane.wait`` does every WAIT_SLICE_S).
+    attach the lane, or has stopped (a shutdown): it is then the completion ring's only producer.
     """
     _, completions = _rings(buf)
     failed = 0
@@ -132,9 +128,8 @@ def fail_lane(buf, code: ErrorCode, message: str, *, running_only: bool = False,
         try:
             transition_slot(buf, LANE, index, generation, SlotState(state), SlotState.ERROR, Actor.FRONTEND)
         except SlotConflict:
-            continue  # the client rewrote it meanwhile, or the worker finished it
-        if not worker_alive:
-            completions.push(layout.slot_entry(index, generation))
+            continue  # the client rewrote it meanwhile
+        completions.push(layout.slot_entry(index, generation))
         failed += 1
     FutexDoorbell(completions).notify()
     return failed

@@ -373,20 +373,25 @@ class Frontend:
             while (self.dispatcher.in_flight or self.regions.lanes_pending()) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
             self.dispatcher.fail_in_flight()
-            if self.regions.fail_pending_lanes(ErrorCode.SHUTTING_DOWN, "the server is shutting down"):
-                await asyncio.sleep(2 * WAIT_SLICE_S)  # their clients look at the status word that often
         if self.door is not None:
             deadline = time.monotonic() + FLUSH_AT_EXIT_S
             while time.monotonic() < deadline and self.door.unflushed():
                 await asyncio.sleep(DRAIN_POLL_S)
-            self.door.close_all()
-            await asyncio.sleep(0)
         for door in self.v2_doors:
             await door.close()
         if self.v2 is not None:
             self.v2.shm.close_all()
         if self.supervisor is not None:
             await self.supervisor.stop_all()
+        # The workers are gone: lane calls still queued or running are failed (the front-end is the
+        # completion rings' only producer now) while their clients' connections are still open, so
+        # that they read SHUTTING_DOWN rather than a closed connection.
+        if self.regions is not None and self.regions.fail_pending_lanes(ErrorCode.SHUTTING_DOWN,
+                                                                        "the server is shutting down"):
+            await asyncio.sleep(2 * WAIT_SLICE_S)  # (their clients look at the status word that often)
+        if self.door is not None:
+            self.door.close_all()
+            await asyncio.sleep(0)
         if self.efd is not None:
             asyncio.get_running_loop().remove_reader(self.efd)
             os.close(self.efd)

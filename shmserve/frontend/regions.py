@@ -378,9 +378,9 @@ class RegionTable:
                 lanes.set_divert(region.lane_buf, True)
 
     def fail_pending_lanes(self, code: ErrorCode, message: str) -> int:
-        """The drain ran out while lane calls are still queued or running (their workers still
-        alive): fail them with ``code``; how many."""
-        return sum(lanes.fail_lane(region.lane_buf, code, message, worker_alive=True)
+        """Every worker has stopped (a shutdown) with lane calls still queued or running: fail them
+        with ``code``; how many."""
+        return sum(lanes.fail_lane(region.lane_buf, code, message)
                    for region in self.regions.values() if region.is_lane and not region.closed)
 
     def lanes_pending(self) -> bool:
@@ -467,24 +467,24 @@ class RegionTable:
 
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
         """Worker ``w`` died: it holds no region any more (closed ones it had may be released);
-        fail what its lanes had queued or running, and move them on."""
+        fail the call its lanes had running (WORKER_CRASHED; SHUTTING_DOWN when the server stopped
+        it), and move them on (the calls it had not claimed run on the next worker)."""
+        code, why = ((ErrorCode.SHUTTING_DOWN, "the server is shutting down") if self.divert_every else
+                     (ErrorCode.WORKER_CRASHED,
+                      f"worker {w.index} for model {w.model.name!r} {how} while running this request"))
         for region in list(self.closing.values()):
             self.worker_dropped(w, region.id)
         for region in list(self.regions.values()):
             region.sent_to.discard(w)
             if region.moving_from is w:  # it died while handing the lane over
                 region.moving_from = None
-                lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
-                                f"worker {w.index} for model {w.model.name!r} {how} while running this request",
-                                running_only=True)
+                lanes.fail_lane(region.lane_buf, code, why, running_only=True)
                 self._attach(region)
                 continue
             if region.lane_worker is not w:
                 continue
             region.lane_worker = None
-            lanes.fail_lane(region.lane_buf, ErrorCode.WORKER_CRASHED,
-                            f"worker {w.index} for model {w.model.name!r} {how} while running this request",
-                            running_only=True)  # the calls it had not claimed run on the next worker
+            lanes.fail_lane(region.lane_buf, code, why, running_only=True)
             self._attach(region)
 
     def _attach(self, region: Region) -> bool:
