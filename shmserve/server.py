@@ -5,8 +5,9 @@ socket path a live server holds, naming its pid; sweep a dead predecessor's aren
 create the arena, start and warm the workers, then listen and report
 READY), the event loop's hooks (the completion eventfd, the signals, the
 owner heartbeat, systemd's watchdog), reload on SIGHUP, and the order of
-shutdown (stop listening, answer what waits, drain what runs, stop the
-workers, remove regions, arena and socket).
+shutdown (stop listening, answer what waits, drain what runs on the socket
+and in lanes, stop the workers, fail the lane calls left, close the
+connections, remove regions, arena and socket).
 
 The parts (``shmserve.frontend``): the dispatcher owns requests; the region
 table owns client regions and lanes; the supervisor owns worker processes
