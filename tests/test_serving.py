@@ -571,12 +571,16 @@ def test_a_stop_that_outlasts_its_time_terminates_busy_workers_before_killing_th
 
     t = threading.Thread(target=call)
     t.start()
-    deadline = time.monotonic() + 20
-    while [w["lanes" if lanes else "inflight"] for w in srv.info()["workers"]] != [1]:
-        assert time.monotonic() < deadline, "the request never reached the worker"
-        time.sleep(0.02)
-    if lanes:
-        time.sleep(0.5)  # submitted as soon as its lane is open; claimed within ms
+    try:
+        deadline = time.monotonic() + 20
+        while [w["lanes" if lanes else "inflight"] for w in srv.info()["workers"]] != [1]:
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            time.sleep(0.02)
+        if lanes:
+            time.sleep(0.5)  # submitted as soon as its lane is open; claimed within ms
+    except BaseException:
+        srv.stop()  # a failed test leaves no server (nor its 120 s request) behind
+        raise
     assert srv.stop() == 0, srv.log()
     t.join(10)
     assert results == [ErrorCode.SHUTTING_DOWN]
