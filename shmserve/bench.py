@@ -731,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
-    p.add_argument("--payload", help="comma-separated sizes (default: 64,4KiB,1MiB,16MiB; --during-swap: 4KiB)")
+    p.add_argument("--payload", help="comma-separated sizes (default: 64,4KiB,1MiB,16MiB; --during-swap, --mix: 4KiB)")
     p.add_argument("--mode", choices=("inline", "socket", "zero-copy", "shm", "both"),
                    help="how requests travel: unix inline (Client.infer: through a lane), socket "
                         "(Client.infer with lanes=False: through the front-end) or zero-copy (Client.zero_copy), "
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--during-swap takes no {option} (one payload, mode and client count, back to back)")
         if args.duration < 0:
             p.error("--duration must be 0 or more")
-    args.payload = args.payload or ("4KiB" if swapping else "64,4KiB,1MiB,16MiB")
+    args.payload = args.payload or ("4KiB" if swapping or args.mix else "64,4KiB,1MiB,16MiB")
     args.mode = args.mode or ("inline" if swapping else "both")
     try:
         sizes = [parse_size(s) for s in args.payload.split(",")]
@@ -877,18 +877,25 @@ def _stop(proc, tmp) -> None:
     tmp.cleanup()
 
 
+def _report(args: argparse.Namespace, model: str, **results) -> bool:
+    """The run's JSON report (date, CPUs, model, run id and ``results``) to --json-out if given,
+    and to stdout with --json; whether it went to stdout (then no table is printed)."""
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
+              **results}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    return args.json
+
+
 def main_mix(args: argparse.Namespace, size: int, path: str, model: str) -> int:
     """``shmserve bench --mix``: one run of clients of several modes at once on the server at
     ``path``; exit 0."""
     from shmserve.inspection import plural
 
     result = run_mix(path, args.mix, size, args.duration or 10.0, model)
-    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
-              "mix": result}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report))
+    if _report(args, model, mix=result):
         return 0
     print(f"\nshmserve bench --mix, model {model}, {human(size)}, {result['duration_s']:g} s, "
           f"{plural(os.cpu_count(), 'CPU')}, {time.strftime('%Y-%m-%d')}\n")
@@ -929,18 +936,9 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
         finally:
             progress.close()
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-        tmp.cleanup()
+        _stop(proc, tmp)
     r.update(payload=size, mode=args.mode, clients=args.clients[0])
-    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "model": model, "run_id": RUN_ID,
-              "during_swap": r}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not _report(args, model, during_swap=r):
         print_swap(r, model, args.mode)
     failed = r["failed"] or r["wrong"] or r["swap_error"]
     if r["failed"]:
