@@ -34,6 +34,8 @@ setup(
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "onnx>=1.15,<2", "matplotlib>=3.7,<4",
                  # the v2 front door is tested with Triton's own clients (and serves gRPC in the tests)
                  "tritonclient[http,grpc]>=2.73,<2.74", "grpcio>=1.60,<2",
+                 # a hostile HTTP/2 peer for the gRPC door's bounds (frames a gRPC client never sends)
+                 "h2>=4.1,<5",
                  # deploy/kserve/ checked offline (tests/test_scale_out.py): Kubernetes' published schemas
                  "kubernetes-validate>=1.33,<2", "jsonschema>=4.23,<5", "referencing>=0.35,<1", "PyYAML>=6,<7",
                  # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU

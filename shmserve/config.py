@@ -46,6 +46,9 @@ File format::
     http = "127.0.0.1:8000"         # loopback host:port, or a Unix socket path
     grpc = "127.0.0.1:8001"
     v2_system_shared_memory = false # true: clients may register their own /dev/shm objects
+    v2_tokens = "/etc/shmserve/v2-tokens.toml"   # bearer tokens of TCP callers (0600; shmserve token new)
+    v2_anonymous = ["metadata", "infer"]         # what a TCP caller without a token may do
+    max_buffered_bytes_per_uid = 268435456       # v2 request bodies held in memory per caller
 
     [arena]
     slots = 256
@@ -254,6 +257,19 @@ class ServerConfig:
     # Clients may register /dev/shm objects of their own uid (Triton's system shared-memory
     # extension).  Off: registering is refused PERMISSION_DENIED.
     v2_system_shared_memory: bool = False
+    # Bearer tokens of the v2 doors' TCP callers (docs/security.md, "The v2 doors"): a TOML file of
+    # [[token]] entries (name, sha256, role, uid), mode 0600, of the server's uid or root.  None: no
+    # TCP caller can prove who it is, so every one is anonymous.
+    v2_tokens: str | None = None
+    # What a TCP caller without a token may do, besides health: any of V2_ANONYMOUS_SCOPES.  Never
+    # shared memory (the server would open objects with its own rights for someone it cannot name)
+    # nor the repository.  [] : only health.
+    v2_anonymous: tuple[str, ...] = ("metadata", "infer")
+    # The request bytes one v2 caller (a uid, a token, or all anonymous callers together) may make
+    # the doors hold in memory outside the arena: HTTP bodies being parsed, gRPC messages being
+    # read.  Four default-sized requests; a body or message that would pass it is refused
+    # 'overloaded' before it is read (one at a time is always let through, whatever its size).
+    max_buffered_bytes_per_uid: int = 256 * MiB
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
@@ -391,7 +407,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             raise ConfigError(f"server.strict: expected true or false, got {server['strict']!r}")
         kw["strict"] = server["strict"]
     kw.update(_lifecycle(server, base_dir))
-    kw.update(_v2(server))
+    kw.update(_v2(server, base_dir))
     kw["admin_gids"] = kw.get("admin_gids", ()) + kw.pop("admin_group_gids", ())
     if "slots" in arena:
         kw["arena_slots"] = _int(arena["slots"], "arena.slots", 1, 1 << 20)
@@ -418,10 +434,12 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
 
 # -- the KServe v2 front door (issue 13) --------------------------------------------------------
 
-V2_KEYS = {"http", "grpc", "v2_system_shared_memory"}
+V2_KEYS = {"http", "grpc", "v2_system_shared_memory", "v2_tokens", "v2_anonymous", "max_buffered_bytes_per_uid"}
+# What server.v2_anonymous may grant (shmserve.v2.auth.ANONYMOUS_GRANTABLE: a test holds them equal).
+V2_ANONYMOUS_SCOPES = ("metadata", "infer", "statistics")
 
 
-def _v2(server: dict) -> dict:
+def _v2(server: dict, base_dir: Path) -> dict:
     """The [server] keys of the v2 front door (ServerConfig says what each does)."""
     kw: dict = {}
     for key in ("http", "grpc"):
@@ -431,6 +449,22 @@ def _v2(server: dict) -> dict:
         if type(server["v2_system_shared_memory"]) is not bool:
             raise ConfigError("server.v2_system_shared_memory: expected true or false")
         kw["v2_system_shared_memory"] = server["v2_system_shared_memory"]
+    if "v2_tokens" in server:
+        path = _str(server["v2_tokens"], "server.v2_tokens")
+        kw["v2_tokens"] = str(base_dir / path) if path else None
+    if "v2_anonymous" in server:
+        scopes = server["v2_anonymous"]
+        if not isinstance(scopes, list):
+            raise ConfigError(f"server.v2_anonymous: expected a list of {', '.join(V2_ANONYMOUS_SCOPES)}")
+        for i, scope in enumerate(scopes):
+            if scope in ("shared_memory", "repository"):
+                raise ConfigError(f"server.v2_anonymous[{i}]: {scope!r} is never granted to anonymous callers (the "
+                                  "server cannot tell who they are); give those callers a token (server.v2_tokens)")
+            if scope not in V2_ANONYMOUS_SCOPES:
+                raise ConfigError(f"server.v2_anonymous[{i}]: expected one of {', '.join(V2_ANONYMOUS_SCOPES)}, "
+                                  f"got {str(scope)[:40]!r}")
+        kw["v2_anonymous"] = tuple(dict.fromkeys(scopes))
+    kw.update(_bounded(server, "server.", _int, (("max_buffered_bytes_per_uid", 1, 1 << 40),)))
     return kw
 
 

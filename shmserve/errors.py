@@ -27,6 +27,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REGION = 9  # zero-copy region, offset or size outside the client's space
     PERMISSION_DENIED = 10
     BAD_ARGUMENT = 11  # a client library call's own argument (a timeout of 0): refused before sending
+    UNAUTHENTICATED = 12  # a credential that proves nothing (a v2 bearer token this server does not know)
     # Ours, or the situation's: retry later or tell an operator.
     TIMEOUT = 20
     OVERLOADED = 21

@@ -93,6 +93,59 @@ def check_v2(config: ServerConfig) -> None:
     for address in (config.http, config.grpc):
         if address and "/" in address:
             check_socket_path(address)
+    if config.v2_tokens and (config.http or config.grpc):
+        load_v2_tokens(config)
+    check_descriptors(config)
+
+
+def load_v2_tokens(config: ServerConfig) -> tuple:
+    """The token table ``server.v2_tokens`` names (empty without one).  SystemExit naming the fix
+    if it cannot be used."""
+    if not config.v2_tokens:
+        return ()
+    from shmserve.v2.auth import TokenFileError, load_tokens
+
+    try:
+        return load_tokens(config.v2_tokens)
+    except TokenFileError as exc:
+        raise SystemExit(f"shmserve serve: {exc}") from None
+
+
+DESCRIPTORS_RESERVED = 64  # the arena, eventfds, signals, logs, metrics, listeners, libraries' own
+DESCRIPTORS_PER_WORKER = 4  # its control socket, pidfd, and the descriptors passed while spawning it
+
+
+def descriptor_budget(config: ServerConfig) -> dict[str, int]:
+    """How many descriptors the front-end may hold at once when every limit is reached, by what
+    holds them (each door's connections, client regions, registered shared memory, workers)."""
+    budget = {"server.max_connections (Unix socket)": config.max_connections}
+    if config.http:
+        budget["server.max_connections (HTTP)"] = config.max_connections
+    if config.grpc:
+        budget["server.max_connections (gRPC)"] = config.max_connections
+    budget["server.max_regions (client regions and lanes, two each)"] = 2 * config.max_regions
+    if config.v2_system_shared_memory and (config.http or config.grpc):
+        budget["server.max_regions (registered shared memory)"] = config.max_regions
+    budget["server.max_workers"] = DESCRIPTORS_PER_WORKER * max(config.max_workers,
+                                                                sum(m.instances for m in config.models))
+    budget["reserved"] = DESCRIPTORS_RESERVED
+    return budget
+
+
+def check_descriptors(config: ServerConfig) -> None:
+    """SystemExit naming the limits and the fix if the front-end's descriptor limit (lifted to its
+    hard limit first) is smaller than what the configured limits let clients make it hold: one
+    client could otherwise use up the descriptors every door needs to accept anyone."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    budget = descriptor_budget(config)
+    need = sum(budget.values())
+    if soft != resource.RLIM_INFINITY and need > soft:
+        parts = ", ".join(f"{n} {what}" for what, n in budget.items())
+        raise SystemExit(f"shmserve serve: the limits let clients hold up to {need} descriptors ({parts}), but "
+                         f"RLIMIT_NOFILE is {soft}: raise it (LimitNOFILE={max(need * 2, 65536)} in the unit, or "
+                         f"ulimit -n) or lower those limits")
 
 
 def strict_refusal(unready: list[ModelState], n_models: int) -> str:
@@ -213,15 +266,17 @@ class Frontend:
         config = self.config
         if not (config.http or config.grpc):
             return
-        from shmserve.v2.service import V2Service
+        from shmserve.v2.auth import Authenticator, Scope
+        from shmserve.v2.service import Ledger, V2Service
         from shmserve.v2.sysshm import SystemShm
 
         shm = SystemShm(enabled=config.v2_system_shared_memory, own={self.arena.file_id},
-                        max_per_uid=config.max_regions_per_uid)
+                        max_per_uid=config.max_regions_per_uid, max_total=config.max_regions)
+        auth = Authenticator(allowed=self.door.allowed, is_admin=self.door.is_admin, tokens=load_v2_tokens(config),
+                             anonymous=[Scope(s) for s in config.v2_anonymous])
+        ledger = Ledger(lambda: self.config.max_inflight_per_uid, lambda: self.config.max_buffered_bytes_per_uid)
         self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
-                            lifecycle=self.lifecycle, shm=shm, allowed=self.door.allowed,
-                            is_admin=self.door.is_admin,
-                            max_inflight_per_uid=lambda: self.config.max_inflight_per_uid)
+                            lifecycle=self.lifecycle, shm=shm, auth=auth, ledger=ledger)
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 
@@ -234,7 +289,9 @@ class Frontend:
         if config.grpc:
             from shmserve.v2.grpc import GrpcDoor, GrpcLimits
 
-            door = GrpcDoor(self.v2, GrpcLimits(max_message_bytes=2 * config.max_request_bytes + (1 << 20)))
+            door = GrpcDoor(self.v2, GrpcLimits(max_message_bytes=2 * config.max_request_bytes + (1 << 20),
+                                                max_streams=config.max_inflight_per_connection,
+                                                max_connections=config.max_connections), door_limits_of(config))
             await door.start(config.grpc)
             self.v2_doors.append(door)
             self.status.front_doors["grpc"] = door.address
@@ -296,7 +353,9 @@ class Frontend:
 
         Applied: request and queue limits, what one client can make the server hold
         (``config.CLIENT_LIMIT_KEYS`` and the region limits: for connections already open too, but
-        one over a new connection limit is not closed), the allow-lists and admin lists,
+        one over a new connection limit is not closed), the allow-lists and admin lists, the v2
+        doors' tokens and what anonymous callers may do (``v2_tokens``, ``v2_anonymous``: for the
+        next request), ``max_buffered_bytes_per_uid``,
         restart_healthy_s, the lifecycle keys, and every difference in the models (the config
         file's and the repository's): added ones are loaded, removed ones drained and unloaded,
         changed ones get new workers (started and warmed first), a changed instance count is
@@ -319,6 +378,14 @@ class Frontend:
             log.error("reload: %s; keeping the running configuration", exc)
             systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")
             return
+        tokens = None
+        if self.v2 is not None:
+            try:
+                tokens = load_v2_tokens(new)
+            except SystemExit as exc:
+                log.error("reload: %s; keeping the running configuration", str(exc).removeprefix("shmserve serve: "))
+                systemd.notify("READY=1", "STATUS=reload failed: v2 token file error; still serving")
+                return
         old = self.config
         fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us", "max_workers",
                              "socket_mode", "socket_group", "max_regions", "http", "grpc",
@@ -335,7 +402,9 @@ class Frontend:
             max_region_bytes_per_uid=new.max_region_bytes_per_uid,
             restart_healthy_s=new.restart_healthy_s, models=new.models, model_repository=new.model_repository,
             admin_uids=new.admin_uids, admin_gids=new.admin_gids,
-            version_drain_timeout_s=new.version_drain_timeout_s, memory_budget=new.memory_budget)
+            version_drain_timeout_s=new.version_drain_timeout_s, memory_budget=new.memory_budget,
+            v2_tokens=new.v2_tokens, v2_anonymous=new.v2_anonymous,
+            max_buffered_bytes_per_uid=new.max_buffered_bytes_per_uid)
         self.config = dataclasses.replace(self.config, **{key: getattr(new, key) for key in cfgmod.CLIENT_LIMIT_KEYS})
         self.supervisor.config = self.config
         self.dispatcher.limits = limits_of(self.config)
@@ -345,6 +414,10 @@ class Frontend:
             door.door_limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         self.door.admin = (self.config.admin_uids, self.config.admin_gids)
+        if self.v2 is not None:
+            from shmserve.v2.auth import Scope
+
+            self.v2.auth.configure(tokens, [Scope(s) for s in self.config.v2_anonymous])
         if fixed:
             log.warning("reload: not applied (needs a restart): %s", ", ".join(sorted(set(fixed))))
         done = await self.lifecycle.apply()

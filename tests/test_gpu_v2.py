@@ -24,6 +24,7 @@ tritongrpc = pytest.importorskip("tritonclient.grpc")
 import tritonclient.utils.shared_memory as triton_shm  # noqa: E402
 
 from helpers.server import serving  # noqa: E402
+from helpers.v2_server import authed, write_tokens  # noqa: E402
 from shmserve.models.torchnets import convnet, save_models  # noqa: E402
 
 TOLERANCE = dict(rtol=2e-3, atol=2e-4)  # GPU convolutions may use TF32; the CPU reference does not
@@ -44,8 +45,9 @@ device = "cuda:0"
 io_mode = "{mode}"
 {SPEC}
 """ for mode in ("mapped", "copy"))
+    write_tokens(workdir)  # shared memory needs a caller the server can name: the test token
     with serving(workdir, models, server_section='http = "127.0.0.1:0"\ngrpc = "127.0.0.1:0"\n'
-                                                 'v2_system_shared_memory = true\n') as srv:
+                                                 'v2_system_shared_memory = true\nv2_tokens = "tokens.toml"\n') as srv:
         v2 = srv.info()["v2"]
         srv.http, srv.grpc = v2["http"], v2["grpc"]
         yield srv
@@ -82,7 +84,7 @@ def test_system_shared_memory_in_and_out_of_a_cuda_model(server):
     keys = [f"/gpuv2-{os.getpid()}-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     handles = [triton_shm.create_shared_memory_region("in", keys[0], x.nbytes),
                triton_shm.create_shared_memory_region("out", keys[1], out_bytes)]
-    client = tritonhttp.InferenceServerClient(server.http)
+    client = authed(tritonhttp.InferenceServerClient(server.http), "client")
     try:
         triton_shm.set_shared_memory_region(handles[0], [x])
         client.register_system_shared_memory("in", keys[0], x.nbytes)

@@ -22,6 +22,7 @@ import tritonclient.utils.shared_memory as triton_shm  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from helpers.server import serving, wait_for  # noqa: E402
+from helpers.v2_server import authed, write_tokens  # noqa: E402
 
 # v2 datatype -> numpy dtype of the values a test sends
 DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
@@ -71,12 +72,16 @@ MODELS = typed_models() + textwrap.dedent("""
     backend = "python"
     path = "serving_models:two_inputs"
     """)
-V2_SERVER = 'http = "127.0.0.1:0"\ngrpc = "127.0.0.1:0"\nv2_system_shared_memory = true\n'
+# TCP callers are anonymous unless they present a token: these clients present the test tokens
+# (helpers.v2_server), as a Triton user's would (a plugin, or headers=).
+V2_SERVER = 'http = "127.0.0.1:0"\ngrpc = "127.0.0.1:0"\nv2_system_shared_memory = true\nv2_tokens = "tokens.toml"\n'
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("v2"), MODELS, server_section=V2_SERVER) as srv:
+    workdir = tmp_path_factory.mktemp("v2")
+    write_tokens(workdir)
+    with serving(workdir, MODELS, server_section=V2_SERVER) as srv:
         v2 = srv.info()["v2"]
         srv.http, srv.grpc = v2["http"], v2["grpc"]
         yield srv
@@ -84,14 +89,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hc(server):
-    client = tritonhttp.InferenceServerClient(server.http)
+    client = authed(tritonhttp.InferenceServerClient(server.http), "client")
     yield client
     client.close()
 
 
 @pytest.fixture(scope="module")
 def gc(server):
-    client = tritongrpc.InferenceServerClient(server.grpc)
+    client = authed(tritongrpc.InferenceServerClient(server.grpc), "client")
     yield client
     client.close()
 
@@ -435,9 +440,11 @@ def test_repository_index_load_and_unload(tmp_path):
             (repo / name / str(version)).mkdir()
             (repo / name / str(version) / f"m{name}.py").write_text(REPO_MODEL.format(version=version))
     section = V2_SERVER + f"model_repository = {json.dumps(str(repo))}\n"
+    write_tokens(tmp_path)
     with serving(tmp_path, "", server_section=section) as srv:
         v2 = srv.info()["v2"]
-        hc, gc = tritonhttp.InferenceServerClient(v2["http"]), tritongrpc.InferenceServerClient(v2["grpc"])
+        hc = authed(tritonhttp.InferenceServerClient(v2["http"]))
+        gc = authed(tritongrpc.InferenceServerClient(v2["grpc"]))
         try:
             index = {(m["name"], m.get("version")): m["state"] for m in hc.get_model_repository_index()}
             assert index[("plus", "2")] == "READY"

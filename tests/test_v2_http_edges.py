@@ -20,13 +20,18 @@ After every test the server is alive, answers a good request, holds no slot or a
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import random
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import zlib
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -35,7 +40,7 @@ import pytest
 from helpers import raw_http
 from helpers.raw_http import Reader, Sender, binary_infer, connect, json_infer, one, request
 from helpers.server import wait_for
-from helpers.v2_server import (BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, python_model, server_fixture, still_serving,
+from helpers.v2_server import (BIG_OUT, DEADLINE_S, MAX_REQUEST_BYTES, auth, python_model, server_fixture, still_serving,
                                v2_serving)
 from helpers.v2_server import baseline  # noqa: F401  (a fixture)
 
@@ -341,7 +346,7 @@ def test_a_request_that_times_out_while_its_body_streams_in_is_answered_once_the
      "bad_region"),
 ])
 def test_the_other_routes_check_their_bodies_and_names(srv, method, path, body, status, code):
-    refused(one(srv.http, request(method, path, body)), status, code)
+    refused(one(srv.http, request(method, path, body, auth("admin"))), status, code)
 
 
 def test_binary_data_sizes_of_several_inputs_must_each_fit(srv):
@@ -922,8 +927,25 @@ def test_expect_100_continue(srv):
 SMALL = python_model("identity", "shmserve.models:identity") + python_model("slow", "serving_models:slow")
 
 
+@contextlib.contextmanager
+def unix_http(tmp_path, **options):
+    """A v2 server whose HTTP door is a Unix socket in a fresh 0755 directory (mode 0660, group
+    ``group`` if given, so another user's processes can reach it): callers are who SO_PEERCRED says."""
+    group = options.pop("group", None)
+    sockdir = Path(tempfile.mkdtemp(prefix="shmserve-v2http-"))
+    os.chmod(sockdir, 0o755)
+    extra = options.pop("extra", "") + (f'socket_mode = 0o660\nsocket_group = "{group}"\n' if group else "")
+    try:
+        with v2_serving(tmp_path, http=str(sockdir / "http.sock"), extra=extra, **options) as srv:
+            yield srv
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
 def test_connections_over_the_per_uid_limit_are_refused_503_and_closed(tmp_path):
-    with v2_serving(tmp_path, models=SMALL, extra="max_connections_per_uid = 3\n") as small:
+    """On a Unix socket a connection has an owner (SO_PEERCRED): past max_connections_per_uid its
+    next one is refused 503 and closed before it sends anything; a place freed lets one in."""
+    with unix_http(tmp_path, models=SMALL, extra="max_connections_per_uid = 3\n") as small:
         held = [connect(small.http) for _ in range(3)]
         try:
             readers = [Reader(s) for s in held]
@@ -933,7 +955,7 @@ def test_connections_over_the_per_uid_limit_are_refused_503_and_closed(tmp_path)
             for _ in range(2):
                 with connect(small.http) as s:  # sends nothing: the refusal is written at once
                     reader = Reader(s)
-                    refused(reader.one(), 503, "overloaded", "uid 0 has 3 HTTP connections",
+                    refused(reader.one(), 503, "overloaded", f"uid {os.getuid()} has 3 HTTP connections",
                             "max_connections_per_uid")
                     then_closed(reader)
             held.pop().close()
@@ -954,18 +976,37 @@ def test_connections_over_the_per_uid_limit_are_refused_503_and_closed(tmp_path)
         still_serving(small)
 
 
+def test_tcp_connections_over_the_doors_limit_are_refused_503_and_closed(tmp_path):
+    """On TCP a connection has no owner the kernel vouches for: max_connections bounds the door."""
+    with v2_serving(tmp_path, models=SMALL, extra="max_connections = 3\n") as small:
+        held = [connect(small.http) for _ in range(3)]
+        try:
+            for s in held:
+                s.sendall(request("GET", "/v2/health/live"))
+                assert Reader(s).one().status == 200
+            with connect(small.http) as s:
+                reader = Reader(s)
+                refused(reader.one(), 503, "overloaded", "the HTTP door has 3 connections open", "max_connections")
+                then_closed(reader)
+        finally:
+            for s in held:
+                s.close()
+        still_serving(small)
+
+
 def test_a_uid_not_on_the_allow_list_is_refused_403_before_it_sends_anything(tmp_path):
     from helpers.other_user import as_nobody, nobody_group
 
-    nobody_group()  # skips unless root on a machine with nobody
-    with v2_serving(tmp_path, models=SMALL) as small:
+    group = nobody_group()  # skips unless root on a machine with nobody
+    with unix_http(tmp_path, models=SMALL, group=group) as small:
         def as_nobody_client() -> str:
             with connect(small.http) as s:
                 reader = Reader(s)
                 r = reader.one()
                 return json.dumps([r.status, r.code, r.error, reader.closes()])
 
-        status, code, error, closed = json.loads(as_nobody(as_nobody_client))
+        answer = as_nobody(as_nobody_client)
+        status, code, error, closed = json.loads(answer) if answer.startswith("[") else pytest.fail(answer)
         assert (status, code, closed) == (403, "permission_denied", True) and "uid 65534 is not allowed" in error
         still_serving(small)
 
@@ -992,17 +1033,17 @@ def test_shutdown_answers_the_request_being_served_with_connection_close_and_clo
 
 
 def test_an_allowed_uid_that_is_no_admin_may_infer_but_not_touch_the_repository(tmp_path):
-    """``allow_uids`` lets nobody in; only admins (the server's uid, root, ``admin_uids``) may
-    index, load or unload models, over HTTP and gRPC alike: 403 / PERMISSION_DENIED naming the
-    keys, and the model keeps serving."""
+    """``allow_uids`` lets nobody in over the Unix socket; only admins (the server's uid, root,
+    ``admin_uids``) may index, load or unload models: 403 naming the keys, and the model keeps
+    serving.  Over gRPC's TCP door nobody is anonymous: PERMISSION_DENIED too."""
     import grpc  # imported here: the child that drops to nobody cannot read the interpreter's files
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc
 
     from helpers.other_user import NOBODY, as_nobody, nobody_group
 
-    nobody_group()  # skips unless root on a machine with nobody
-    with v2_serving(tmp_path, models=SMALL, extra=f"allow_uids = [{NOBODY}]\n") as small:
+    group = nobody_group()  # skips unless root on a machine with nobody
+    with unix_http(tmp_path, models=SMALL, group=group, extra=f"allow_uids = [{NOBODY}]\n") as small:
         def as_nobody_client() -> str:
             answers = []
             with connect(small.http) as s:
@@ -1012,8 +1053,11 @@ def test_an_allowed_uid_that_is_no_admin_may_infer_but_not_touch_the_repository(
                     s.sendall(request("POST", path, b"{}"))
                     r = reader.one()
                     answers.append([r.status, r.code, r.error])
+                    if r.headers.get("connection") == "close":
+                        break
+            with connect(small.http) as s:
                 s.sendall(request("GET", "/v2/models/identity/ready"))
-                answers.append([reader.one().status, None, None])
+                answers.append([Reader(s).one().status, None, None])
             with grpc.insecure_channel(small.grpc) as channel:
                 stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
                 for call in (lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()),
@@ -1028,9 +1072,10 @@ def test_an_allowed_uid_that_is_no_admin_may_infer_but_not_touch_the_repository(
         raw = as_nobody(as_nobody_client)
         assert raw.startswith("["), raw
         answers = json.loads(raw)
-        for status, code, error in answers[:3]:
+        http_answers, ready, grpc_answers = answers[:-3], answers[-3], answers[-2:]
+        for status, code, error in http_answers:
             assert (status, code) == (403, "permission_denied") and "admin_uids" in error, (status, code, error)
-        assert answers[3][0] == 200  # still loaded, and nobody may ask
-        for status, _, details in answers[4:]:
+        assert ready[0] == 200  # still loaded, and nobody may ask
+        for status, _, details in grpc_answers:
             assert status == "PERMISSION_DENIED" and "permission_denied" in details, (status, details)
         still_serving(small)

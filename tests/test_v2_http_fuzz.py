@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 
 from helpers import raw_http
 from helpers.raw_http import Reader, binary_infer, connect, json_infer, request
-from helpers.v2_server import json_values, open_fds, shm_objects, still_serving, v2_serving
+from helpers.v2_server import TOKENS, auth, json_values, open_fds, shm_objects, still_serving, v2_serving
 
 SEED = int(os.environ.get("SHMSERVE_SEED") or random.SystemRandom().randrange(2**32))
 EXAMPLES = int(os.environ.get("SHMSERVE_FUZZ_EXAMPLES", "600"))  # ~10 s on 2 cores
-ANSWERS = {100, 200, 400, 403, 404, 405, 413, 431, 503, 504}
+ANSWERS = {100, 200, 400, 401, 403, 404, 405, 413, 431, 503, 504}
 QUIET_S = 0.1  # an example that goes quiet is closed after this long without an answer
 
 
@@ -66,15 +66,16 @@ def bases(key: str) -> list[bytes]:
                 {"Transfer-Encoding": "chunked"}),
         request("GET", "/v2/health/ready") + request("GET", "/v2/models/identity/versions/1"),
         request("GET", "/v2/models/identity/config"),
-        request("GET", "/v2/models/two_inputs/stats"),
-        request("POST", "/v2/repository/index", b'{"ready": true}'),
+        request("GET", "/v2/models/two_inputs/stats", b"", auth("client")),
+        request("POST", "/v2/repository/index", b'{"ready": true}', auth("admin")),
         request("POST", "/v2/systemsharedmemory/region/fz/register",
-                json.dumps({"key": key, "offset": 16, "byte_size": 1024}).encode()),
+                json.dumps({"key": key, "offset": 16, "byte_size": 1024}).encode(), auth("client")),
         json_infer("identity", {"inputs": [{"name": "x", "datatype": "UINT8", "shape": [3], "data": [1, 2, 3]}],
                                 "outputs": [{"name": "y", "parameters": {"shared_memory_region": "fz",
-                                                                         "shared_memory_byte_size": 3}}]}),
-        request("POST", "/v2/systemsharedmemory/region/fz/unregister"),
-        request("GET", "/v2/systemsharedmemory/status"),
+                                                                         "shared_memory_byte_size": 3}}]},
+                   auth("client")),
+        request("POST", "/v2/systemsharedmemory/region/fz/unregister", b"", auth("client")),
+        request("GET", "/v2/systemsharedmemory/status", b"", auth("client")),
         request("POST", "/v2/models/identity/infer", text, {"Expect": "100-continue"}),
         request("GET", "/v2/health/live", version="1.0"),
         json_infer("reverse", {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["ab", "c"]}]}),
@@ -86,11 +87,13 @@ def bases(key: str) -> list[bytes]:
 
 
 HEADER_NAMES = ["Content-Length", "Transfer-Encoding", "Inference-Header-Content-Length", "Content-Encoding",
-                "Expect", "Connection", "Host", "Content-Type", "X-" + "a" * 300]
+                "Expect", "Connection", "Host", "Content-Type", "Authorization", "X-" + "a" * 300]
 HEADER_VALUES = st.one_of(
     st.integers(-5, 2**70).map(str),
     st.sampled_from(["", " ", "-1", "0", "chunked", "gzip", "deflate", "gzip, chunked", "identity", "close",
-                     "keep-alive", "100-continue", "\xb2", "1e3", "0x10", "18446744073709551616", "1 2", "\t7"]),
+                     "keep-alive", "100-continue", "\xb2", "1e3", "0x10", "18446744073709551616", "1 2", "\t7",
+                     "Bearer", "Bearer ", "bearer " + TOKENS["admin"], "Basic dTpw", "Bearer " + "A" * 600,
+                     "Bearer " + TOKENS["client"][:-1], "Bearer a b"]),
     st.text(st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"), max_size=24))
 JSON = json_values(st.sampled_from(["inputs", "outputs", "name", "datatype", "shape", "data", "parameters",
                                      "binary_data_size", "id", "key", "offset", "byte_size", "timeout"])
@@ -211,7 +214,7 @@ def test_the_fuzz_starts_from_valid_requests(srv):
             count = 2 if data.count(b" HTTP/1.") == 2 else 1
             for r in reader.read(count):
                 assert r.status == 200, (i, r)
-    raw_http.one(srv.http, request("POST", "/v2/systemsharedmemory/unregister"))
+    raw_http.one(srv.http, request("POST", "/v2/systemsharedmemory/unregister", b"", auth("client")))
 
 
 def test_fuzzed_requests_against_the_live_server(srv):
@@ -239,5 +242,5 @@ def test_fuzzed_requests_against_the_live_server(srv):
     fuzz()
     print(f"v2 http fuzz: answers by status {dict(sorted(seen.items()))} in {time.monotonic() - start:.1f} s")
     assert seen.get(200) and len(seen) > 3, f"seed {SEED}: the fuzz hardly reached the server: {seen}"
-    raw_http.one(srv.http, request("POST", "/v2/systemsharedmemory/unregister"))
+    raw_http.one(srv.http, request("POST", "/v2/systemsharedmemory/unregister", b"", auth("client")))
     still_serving(srv, fds)

@@ -6,7 +6,7 @@ and gRPC as a client would send it: registration off unless enabled, offsets and
 range at registration and at use, keys naming the server's own arena (by name with any number of
 slashes, by a hard link, by a symlink), FIFOs and directories planted in /dev/shm, an object
 truncated under registered requests, unregistering while a request reads and writes a region,
-and names kept per uid.  Keys never appear in an error; the server keeps serving, holds nothing
+and names kept per caller.  Keys never appear in an error; the server keeps serving, holds nothing
 after, and each registration's descriptor is closed when it is unregistered.
 """
 
@@ -22,13 +22,23 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from helpers import raw_http
-from helpers.raw_http import one, request
+from helpers.raw_http import one
 from helpers.server import wait_for
-from helpers.v2_server import (grpc_refused, grpc_stub, open_fds, server_fixture, shm_objects, shm_path,
-                               still_serving, v2_serving)
+from helpers.v2_server import (auth, grpc_refused, grpc_stub, open_fds, server_fixture, shm_objects,
+                               shm_path, still_serving, v2_serving)
 from helpers.v2_server import baseline, stub  # noqa: F401  (fixtures)
 
-NOBODY = 65534
+# Every request here presents the "admin" token, as the module's gRPC stub does (regions are their
+# caller's own; a TCP caller without a token is anonymous and registers nothing), unless it passes
+# role=None (anonymous) or another role.
+
+
+def request(method: str, path: str, body: bytes = b"", headers: dict | None = None, role: str | None = "admin"):
+    return raw_http.request(method, path, body, {**(auth(role) if role else {}), **(headers or {})})
+
+
+def json_infer(model: str, body: dict, role: str | None = "admin") -> bytes:
+    return raw_http.json_infer(model, body, auth(role) if role else None)
 
 
 def client_fds(srv) -> int:
@@ -38,7 +48,7 @@ def client_fds(srv) -> int:
     return open_fds(srv, f"/dev/shm/{SESSION_TAG}")
 
 
-srv = server_fixture("v2shm", extra=f"allow_uids = [{NOBODY}]\n")
+srv = server_fixture("v2shm")
 
 
 @pytest.fixture
@@ -52,21 +62,23 @@ def make(srv, stub, baseline):
         still_serving(srv, baseline)
 
 
-def register(srv, name: str, key, offset=0, byte_size=None, *, address: str | None = None) -> raw_http.Response:
+def register(srv, name: str, key, offset=0, byte_size=None, *, address: str | None = None,
+             role: str | None = "admin") -> raw_http.Response:
     body = {"key": key, "offset": offset}
     if byte_size is not None:
         body["byte_size"] = byte_size
     return one(address or srv.http, request("POST", f"/v2/systemsharedmemory/region/{name}/register",
-                                            json.dumps(body).encode()))
+                                            json.dumps(body).encode(), role=role))
 
 
-def unregister(srv, name: str | None = None, address: str | None = None) -> raw_http.Response:
+def unregister(srv, name: str | None = None, address: str | None = None, role: str | None = "admin"
+               ) -> raw_http.Response:
     path = f"/v2/systemsharedmemory/region/{name}/unregister" if name else "/v2/systemsharedmemory/unregister"
-    return one(address or srv.http, request("POST", path))
+    return one(address or srv.http, request("POST", path, role=role))
 
 
-def status(srv, address: str | None = None) -> list:
-    r = one(address or srv.http, request("GET", "/v2/systemsharedmemory/status"))
+def status(srv, address: str | None = None, role: str | None = "admin") -> list:
+    r = one(address or srv.http, request("GET", "/v2/systemsharedmemory/status", role=role))
     assert r.status == 200, r
     return r.json()
 
@@ -136,7 +148,7 @@ def test_registration_is_off_by_default_on_both_doors(tmp_path):
         no_key_in(details, key, off)
         assert status(off) == [] and unregister(off).status == 200 and unregister(off, "r").status == 200
         x = np.ones(4, np.float32)
-        r = one(off.http, raw_http.json_infer("slow", shm_infer(x, "r")))
+        r = one(off.http, json_infer("slow", shm_infer(x, "r")))
         assert refused_http(r, 400, "bad_region", key).endswith("no region 'r' is registered")
         grpc_refused(lambda: stub.ModelInfer(grpc_shm_infer(x, "r", 16)), "INVALID_ARGUMENT", "bad_region")
         still_serving(off)
@@ -169,7 +181,7 @@ def test_ranges_at_use_are_checked_against_the_registration_on_both_doors(srv, s
     out_key = make(64)
     assert register(srv, "in", key, 64, 128).status == 200  # bytes 64..191 of the object
     assert register(srv, "out", out_key, 0, 32).status == 200
-    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in", out=("out", 32, 0))))
+    r = one(srv.http, json_infer("slow", shm_infer(x, "in", out=("out", 32, 0))))
     assert r.status == 200 and r.json()["outputs"][0]["parameters"]["shared_memory_byte_size"] == 32, r
     assert np.array_equal(floats(out_key, 8), x * 2)
     cases = [(shm_infer(x, "in", 32, offset=100), ["offset 100 + byte_size 32 is past the end", "(128 bytes)"]),
@@ -180,7 +192,7 @@ def test_ranges_at_use_are_checked_against_the_registration_on_both_doors(srv, s
              (shm_infer(x, "nope"), ["no region 'nope' is registered"]),
              (shm_infer(x, "in", out=("nope", 32, 0)), ["output 'y'", "no region 'nope'"])]
     for body, words in cases:
-        message = refused_http(one(srv.http, raw_http.json_infer("slow", body)), 400, "bad_region", key, srv)
+        message = refused_http(one(srv.http, json_infer("slow", body)), 400, "bad_region", key, srv)
         assert all(w in message for w in words), (words, message)
     for msg, words in ((grpc_shm_infer(x, "in", 32, offset=97), ["past the end"]),
                        (grpc_shm_infer(x, "in", 16), ["needs 32 bytes"]),
@@ -268,15 +280,15 @@ def test_an_object_truncated_after_registration_fails_its_requests_not_the_serve
     assert register(srv, "out", out_key, 0, 4096).status == 200
     pid = srv.proc.pid
     os.truncate(shm_path(key), 10)  # shorter than the input
-    message = refused_http(one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
+    message = refused_http(one(srv.http, json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
     assert "shorter than registered" in message
     grpc_refused(lambda: stub.ModelInfer(grpc_shm_infer(x, "in", 64)), "INVALID_ARGUMENT", "bad_region")
     os.truncate(shm_path(key), 0)
-    refused_http(one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
+    refused_http(one(srv.http, json_infer("slow", shm_infer(x, "in"))), 400, "bad_region", key)
     os.truncate(shm_path(out_key), 16)  # the output no longer fits
     json_x = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": x.tolist()}],
               "outputs": [{"name": "y", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}]}
-    message = refused_http(one(srv.http, raw_http.json_infer("slow", json_x)), 400, "bad_region", out_key)
+    message = refused_http(one(srv.http, json_infer("slow", json_x)), 400, "bad_region", out_key)
     assert "output 'y'" in message and "shorter than registered" in message
     assert os.stat(shm_path(out_key)).st_size == 16, "the server grew a client's object"
     assert srv.proc.poll() is None and srv.proc.pid == pid
@@ -284,7 +296,7 @@ def test_an_object_truncated_after_registration_fails_its_requests_not_the_serve
         f.truncate(4096)
         f.write((x + 1).tobytes())
     os.truncate(shm_path(out_key), 4096)
-    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "in", out=("out", 64, 0))))
+    r = one(srv.http, json_infer("slow", shm_infer(x, "in", out=("out", 64, 0))))
     assert r.status == 200 and np.array_equal(floats(out_key, 16), (x + 1) * 2), r
 
 
@@ -300,7 +312,7 @@ def test_unregister_waits_for_the_request_reading_and_writing_the_region(srv, st
     assert register(srv, "in", in_key, 0, 64).status == 200
     assert register(srv, "out", out_key, 0, 64).status == 200
     answers = {}
-    runner = threading.Thread(target=lambda: answers.update(r=one(srv.http, raw_http.json_infer(
+    runner = threading.Thread(target=lambda: answers.update(r=one(srv.http, json_infer(
         "slow", shm_infer(x, "in", out=("out", 16, 0))))))
     runner.start()
     wait_for(lambda: srv.info()["stats"]["slots_in_use"] == 1, "the request to run")
@@ -313,7 +325,7 @@ def test_unregister_waits_for_the_request_reading_and_writing_the_region(srv, st
     waiter.start()
     time.sleep(0.15)
     meanwhile = (runner.is_alive(), [r["name"] for r in status(srv)],
-                 one(srv.http, raw_http.json_infer("slow", shm_infer(x[1:], "in", out=("out", 16, 0)))))
+                 one(srv.http, json_infer("slow", shm_infer(x[1:], "in", out=("out", 16, 0)))))
     waiter.join(30)
     runner.join(30)
     assert answers["r"].status == 200, answers["r"]
@@ -341,39 +353,32 @@ def test_each_registration_holds_one_descriptor_until_it_is_unregistered(srv, st
     assert client_fds(srv) == fds
 
 
-# -- names are per uid ----------------------------------------------------------------------------------
+# -- names are per caller --------------------------------------------------------------------------------
 
-def test_region_names_are_per_uid(srv, make):
-    """nobody (uid 65534) and root each register "r": each sees, uses and unregisters only its
-    own; nobody cannot register root's object; root may register nobody's."""
-    from helpers.other_user import as_nobody, nobody_group
+def test_region_names_are_per_caller(srv, make):
+    """Two token holders ("admin", "other": another uid) each register "r": each sees, uses and
+    unregisters only its own; "other" cannot register the admin's uid's object; an anonymous
+    caller registers nothing and reaches no one's region."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to make an object of the other token's uid")
+    from helpers.v2_server import OTHER_UID
 
-    nobody_group()  # skips unless root on a machine with nobody
     x = np.arange(4, dtype=np.float32)  # slow sleeps x[0] seconds
     y = np.array([0.01, 7, 8, 9], np.float32)
     mine = make(64, data=y.tobytes())
-    theirs = make(64, data=x.tobytes(), uid=NOBODY)
+    theirs = make(64, data=x.tobytes(), uid=OTHER_UID)
     assert register(srv, "r", mine, 0, 64).status == 200
-    assert register(srv, "root_only", mine, 0, 64).status == 200
-
-    def as_nobody_client() -> str:
-        out = {"own": register(srv, "r", theirs, 0, 64).status,
-               "root_object": register(srv, "s", mine, 0, 64).error,
-               "status": [r["name"] for r in status(srv)]}
-        r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "r")))
-        out["infer"] = r.json()["outputs"][0]["data"] if r.status == 200 else r.error
-        out["root_only"] = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "root_only"))).error
-        out["unregister_all"] = unregister(srv).status
-        return json.dumps(out)
-
-    answer = as_nobody(as_nobody_client)
-    got = json.loads(answer) if answer.startswith("{") else pytest.fail(answer)
-    assert got["own"] == 200 and got["status"] == ["r"]
-    assert "another uid" in got["root_object"] and mine.lstrip("/") not in got["root_object"]
-    assert got["infer"] == (x * 2).tolist()  # its own "r", not root's
-    assert "no region 'root_only'" in got["root_only"]
-    assert got["unregister_all"] == 200
-    assert [r["name"] for r in status(srv)] == ["r", "root_only"]  # nobody's unregister left root's alone
-    r = one(srv.http, raw_http.json_infer("slow", shm_infer(x, "r")))
+    assert register(srv, "admin_only", mine, 0, 64).status == 200
+    assert register(srv, "r", theirs, 0, 64, role="other").status == 200
+    assert "another uid" in refused_http(register(srv, "s", mine, 0, 64, role="other"), 400, "bad_region", mine)
+    assert [r["name"] for r in status(srv, role="other")] == ["r"]
+    r = one(srv.http, json_infer("slow", shm_infer(x, "r"), role="other"))
+    assert r.status == 200 and r.json()["outputs"][0]["data"] == (x * 2).tolist(), r  # its own "r"
+    assert "no region 'admin_only'" in one(srv.http, json_infer("slow", shm_infer(x, "admin_only"),
+                                                                 role="other")).error
+    refused_http(register(srv, "a", theirs, 0, 64, role=None), 403, "permission_denied", theirs)
+    refused_http(one(srv.http, json_infer("slow", shm_infer(x, "r"), role=None)), 400, "bad_region")
+    assert unregister(srv, role="other").status == 200
+    assert [r["name"] for r in status(srv)] == ["admin_only", "r"]  # the other's unregister left the admin's
+    r = one(srv.http, json_infer("slow", shm_infer(x, "r")))
     assert r.status == 200 and np.array_equal(np.array(r.json()["outputs"][0]["data"], np.float32), y * 2), r
-    assert register(srv, "nobodys", theirs, 0, 64).status == 200  # root may register another uid's object

@@ -20,6 +20,7 @@ from shmserve.v2.messages import ShmRef, V2Error
 from shmserve.v2.sysshm import SHM_DIR, SystemShm
 
 UID = os.getuid()
+OWNER = f"uid:{UID}"  # the caller the registry keeps regions under (an identity's key)
 
 
 @pytest.fixture
@@ -41,14 +42,14 @@ def refused(code: ErrorCode, call, *args, secret: str | None = None) -> str:
 def test_registration_is_off_unless_enabled(shm_object):
     key = shm_object()
     message = refused(ErrorCode.PERMISSION_DENIED, SystemShm(enabled=False, own=set()).register,
-                      UID, "r", key, 0, 4096, secret=key)
+                      OWNER, UID, "r", key, 0, 4096, secret=key)
     assert "v2_system_shared_memory" in message
 
 
 @pytest.mark.parametrize("key", ["", "/", "a/b", "/a/../b", "..", "/..", "x\0y", "k" * 300,
                                  "/shmserve.default", "///shmserve.prod", "shmserve.prod.r1"])
 def test_keys_that_are_not_one_plain_name_or_name_our_segments_are_refused(key):
-    message = refused(ErrorCode.BAD_REGION, SystemShm(enabled=True, own=set()).register, UID, "r", key, 0, 1)
+    message = refused(ErrorCode.BAD_REGION, SystemShm(enabled=True, own=set()).register, OWNER, UID, "r", key, 0, 1)
     if "shmserve." in key:
         assert "shmserve's own segments" in message
         assert "prod" not in message and "default" not in message
@@ -59,7 +60,7 @@ def test_a_key_that_is_the_same_file_as_the_arena_is_refused(shm_object):
     st = os.stat(os.path.join(SHM_DIR, key.lstrip("/")))
     registry = SystemShm(enabled=True, own={(st.st_dev, st.st_ino)})
     for spelled in (key, "//" + key.lstrip("/"), key.lstrip("/")):
-        message = refused(ErrorCode.BAD_REGION, registry.register, UID, "r", spelled, 0, 16, secret=key)
+        message = refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "r", spelled, 0, 16, secret=key)
         assert "server's own segments" in message
     assert registry.regions == {}
 
@@ -72,11 +73,11 @@ def test_links_fifos_missing_and_world_writable_objects_are_refused_without_hang
     os.symlink(os.path.join(SHM_DIR, target.lstrip("/")), os.path.join(SHM_DIR, link.lstrip("/")))
     os.mkfifo(os.path.join(SHM_DIR, fifo.lstrip("/")), 0o600)
     try:
-        refused(ErrorCode.BAD_REGION, registry.register, UID, "a", link, 0, 16, secret=link)
-        refused(ErrorCode.BAD_REGION, registry.register, UID, "b", fifo, 0, 16, secret=fifo)  # O_NONBLOCK: no hang
-        refused(ErrorCode.BAD_REGION, registry.register, UID, "c", "/" + new_instance("absent"), 0, 16)
+        refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "a", link, 0, 16, secret=link)
+        refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "b", fifo, 0, 16, secret=fifo)  # O_NONBLOCK: no hang
+        refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "c", "/" + new_instance("absent"), 0, 16)
         loose = shm_object(mode=0o666)
-        assert "o+w" in refused(ErrorCode.BAD_REGION, registry.register, UID, "d", loose, 0, 16, secret=loose)
+        assert "o+w" in refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "d", loose, 0, 16, secret=loose)
     finally:
         for name in (link, fifo):
             os.unlink(os.path.join(SHM_DIR, name.lstrip("/")))
@@ -87,7 +88,7 @@ def test_another_uids_object_is_refused(shm_object):
     key = shm_object()
     registry = SystemShm(enabled=True, own=set(), server_uid=UID)
     other = UID + 12345
-    assert "another uid" in refused(ErrorCode.BAD_REGION, registry.register, other, "r", key, 0, 16, secret=key)
+    assert "another uid" in refused(ErrorCode.BAD_REGION, registry.register, f"uid:{other}", other, "r", key, 0, 16, secret=key)
     assert registry.regions == {}
 
 
@@ -96,10 +97,10 @@ def test_root_may_register_anyones_object_but_never_one_of_the_servers_uid(shm_o
     key = shm_object()
     os.chown(os.path.join(SHM_DIR, key.lstrip("/")), 54321, -1)
     registry = SystemShm(enabled=True, own=set(), server_uid=54321)  # a service running as uid 54321
-    assert "server's uid" in refused(ErrorCode.BAD_REGION, registry.register, 0, "r", key, 0, 16, secret=key)
-    registry.register(54321, "mine", key, 0, 16)  # its owner (here the server's own uid) may
+    assert "server's uid" in refused(ErrorCode.BAD_REGION, registry.register, "uid:0", 0, "r", key, 0, 16, secret=key)
+    registry.register("uid:54321", 54321, "mine", key, 0, 16)  # its owner (here the server's own uid) may
     registry = SystemShm(enabled=True, own=set(), server_uid=0)
-    registry.register(0, "r", key, 0, 16)  # root may register another uid's object
+    registry.register("uid:0", 0, "r", key, 0, 16)  # root may register another uid's object
     registry.close_all()
 
 
@@ -107,14 +108,14 @@ def test_ranges_past_the_end_are_refused_at_registration_and_at_use(shm_object):
     key = shm_object(size=4096)
     registry = SystemShm(enabled=True, own=set())
     for offset, size in ((0, 4097), (4096, 1), (1 << 62, 1 << 62), (-1, 16), (0, -5)):
-        refused(ErrorCode.BAD_REGION, registry.register, UID, "r", key, offset, size, secret=key)
-    registry.register(UID, "r", key, 1024, 2048)
-    refused(ErrorCode.BAD_REGION, registry.register, UID, "r", key, 0, 16)  # the name is taken
+        refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "r", key, offset, size, secret=key)
+    registry.register(OWNER, UID, "r", key, 1024, 2048)
+    refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "r", key, 0, 16)  # the name is taken
     for ref, nbytes in ((ShmRef("r", 2049), 16), (ShmRef("r", 16, 2040), 16), (ShmRef("r", 16), 17),
                         (ShmRef("r", 16, -1), 16), (ShmRef("nope", 16), 16)):
-        refused(ErrorCode.BAD_REGION, registry.take, UID, ref, nbytes, "input 'x'")
-    refused(ErrorCode.BAD_REGION, registry.take, UID + 1, ShmRef("r", 16), 16, "input 'x'")  # names are per uid
-    region = registry.take(UID, ShmRef("r", 16, 2032), 16, "input 'x'")
+        refused(ErrorCode.BAD_REGION, registry.take, OWNER, ref, nbytes, "input 'x'")
+    refused(ErrorCode.BAD_REGION, registry.take, "uid:other", ShmRef("r", 16), 16, "input 'x'")  # names are per uid
+    region = registry.take(OWNER, ShmRef("r", 16, 2032), 16, "input 'x'")
     registry.give_back(region)
     registry.close_all()
 
@@ -122,9 +123,9 @@ def test_ranges_past_the_end_are_refused_at_registration_and_at_use(shm_object):
 def test_reads_and_writes_go_through_the_descriptor_and_a_shrunk_object_fails_only_that_request(shm_object):
     key = shm_object(size=8192, data=bytes(range(256)) * 32)
     registry = SystemShm(enabled=True, own=set())
-    registry.register(UID, "r", key, 256, 4096)
+    registry.register(OWNER, UID, "r", key, 256, 4096)
     ref = ShmRef("r", 512, 0)
-    region = registry.take(UID, ref, 512, "input 'x'")
+    region = registry.take(OWNER, ref, 512, "input 'x'")
     sink = bytearray(512)
     registry.read_into(region, ref, memoryview(sink), "input 'x'")
     assert sink == (bytes(range(256)) * 2)
@@ -150,24 +151,24 @@ def test_status_and_unregister_wait_for_the_requests_using_a_region(shm_object):
     registry = SystemShm(enabled=True, own=set())
 
     async def scenario():
-        registry.register(UID, "a", key, 0, 4096)
-        registry.register(UID, "b", key2, 0, 64)
-        assert [r["name"] for r in registry.status(UID, None)] == ["a", "b"]
-        assert registry.status(UID + 1, None) == []
-        in_use = registry.take(UID, ShmRef("a", 16), 16, "input 'x'")
+        registry.register(OWNER, UID, "a", key, 0, 4096)
+        registry.register(OWNER, UID, "b", key2, 0, 64)
+        assert [r["name"] for r in registry.status(OWNER, None)] == ["a", "b"]
+        assert registry.status("uid:other", None) == []
+        in_use = registry.take(OWNER, ShmRef("a", 16), 16, "input 'x'")
         fd = in_use.fd
-        task = asyncio.ensure_future(registry.unregister(UID, "a"))
+        task = asyncio.ensure_future(registry.unregister(OWNER, "a"))
         await asyncio.sleep(0.05)
         assert not task.done(), "unregister did not wait for the request using the region"
-        refused(ErrorCode.BAD_REGION, registry.take, UID, ShmRef("a", 16), 16, "input 'x'")  # closing: no new use
-        refused(ErrorCode.BAD_REGION, registry.status, UID, "a")
+        refused(ErrorCode.BAD_REGION, registry.take, OWNER, ShmRef("a", 16), 16, "input 'x'")  # closing: no new use
+        refused(ErrorCode.BAD_REGION, registry.status, OWNER, "a")
         registry.give_back(in_use)
         await asyncio.wait_for(task, 5)
         assert in_use.fd == -1
         with pytest.raises(OSError):
             os.fstat(fd)
-        await registry.unregister(UID, "never-registered")  # as Triton: not an error
-        await registry.unregister(UID, None)
+        await registry.unregister(OWNER, "never-registered")  # as Triton: not an error
+        await registry.unregister(OWNER, None)
         assert registry.regions == {}
 
     asyncio.run(scenario())
@@ -176,7 +177,22 @@ def test_status_and_unregister_wait_for_the_requests_using_a_region(shm_object):
 def test_one_uid_may_hold_only_so_many_regions(shm_object):
     key = shm_object()
     registry = SystemShm(enabled=True, own=set(), max_per_uid=2)
-    registry.register(UID, "a", key, 0, 16)
-    registry.register(UID, "b", key, 16, 16)
-    assert "max_regions_per_uid" in refused(ErrorCode.OVERLOADED, registry.register, UID, "c", key, 32, 16)
+    registry.register(OWNER, UID, "a", key, 0, 16)
+    registry.register(OWNER, UID, "b", key, 16, 16)
+    assert "max_regions_per_uid" in refused(ErrorCode.OVERLOADED, registry.register, OWNER, UID, "c", key, 32, 16)
+    registry.close_all()
+
+
+@pytest.mark.skipif(UID != 0, reason="needs root to give an object to another uid")
+def test_a_tokens_uid_is_exact_even_root(shm_object):
+    """A token with uid 0 registers root's own objects only: 'root may register anyone's' is for
+    root the kernel vouches for (a Unix-socket peer), never for a secret."""
+    key, mine = shm_object(), shm_object()
+    os.chown(os.path.join(SHM_DIR, key.lstrip("/")), 54321, -1)
+    registry = SystemShm(enabled=True, own=set(), server_uid=1234)
+    with pytest.raises(V2Error) as info:
+        registry.register("token:t", 0, "r", key, 0, 16, exact=True)
+    assert info.value.code == ErrorCode.BAD_REGION and "another uid" in info.value.message
+    registry.register("token:t", 0, "mine", mine, 0, 16, exact=True)  # root's own
+    registry.register("uid:0", 0, "r", key, 0, 16)  # root over the Unix socket: anyone's
     registry.close_all()

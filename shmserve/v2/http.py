@@ -2,11 +2,21 @@
 
 Owns: the listening socket (a loopback ``host:port``, or a Unix socket path
 made like the native socket: its directory trusted, its mode and group
-set), who may connect (the peer's uid, from ``shmserve.v2.peer``, against the
-allow-list: ``V2Service.connect``), and each connection: it pumps bytes into
-an ``httptools.HttpRequestParser``, answers requests one at a time in the
-order they came (pipelined ones wait their turn), and bounds what a client
-can make it hold (``HttpLimits`` and the native door's ``DoorLimits``).
+set), who each request is (on a Unix socket the peer's uid from
+``SO_PEERCRED``, checked against the allow-list when it connects; on TCP the
+``Authorization: Bearer`` token of each request, or anonymous: a proxy's
+connection carries many callers' requests), and each connection: it pumps
+bytes into an ``httptools.HttpRequestParser``, answers requests one at a time
+in the order they came (pipelined ones wait their turn), and bounds what a
+client can make it hold (``HttpLimits``, the native door's ``DoorLimits``,
+and the v2 ``Ledger`` per caller).
+
+A request is identified and checked (``auth.Authenticator.check``: may it
+run this operation; is its caller within ``max_inflight_per_uid``) as soon as
+its headers are in, before a byte of its body is read; a refused one is
+answered and its connection closed, so a caller that is refused holds
+nothing.  Every body byte held in memory counts against its caller
+(``max_buffered_bytes_per_uid``) until its answer is sent.
 
 A connection's life is a table (``RULES``: state, event, next state); the
 request line and headers must arrive within ``frame_timeout_s``, a body
@@ -37,6 +47,7 @@ import asyncio
 import collections
 import enum
 import logging
+import socket
 import zlib
 from dataclasses import dataclass
 
@@ -45,6 +56,7 @@ import httptools
 from shmserve.errors import ErrorCode
 from shmserve.frontend.unix import DoorLimits, Listener
 from shmserve.v2 import peer, rest
+from shmserve.v2.auth import Identity
 from shmserve.v2.messages import Incoming, V2Error
 from shmserve.v2.service import Caller, V2Service
 
@@ -56,7 +68,7 @@ MAX_HEADERS = 100
 MAX_PIPELINED = 16  # requests parsed ahead of the one being served
 MAX_JSON_BYTES = 8 << 20  # JSON is parsed on the loop: ~50 ms for 8 MiB; larger tensors go binary
 MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
-REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
            504: "Gateway Timeout"}
@@ -158,10 +170,12 @@ class _Message:
     """One parsed request: its line, headers and (unless streamed) body."""
 
     __slots__ = ("method", "url", "headers", "body", "size", "keep_alive", "version", "length", "header_length",
-                 "request")
+                 "request", "caller", "held")
 
     def __init__(self):
         self.url, self.headers, self.body, self.size = bytearray(), {}, [], 0
+        self.caller: Caller | None = None  # who sends it (known once its headers are in)
+        self.held = 0  # its body bytes counted against its caller (Ledger.take_bytes) until it is done
         self.method, self.keep_alive, self.version = "", True, "1.1"
         self.length: int | None = None  # Content-Length
         self.header_length: int | None = None  # Inference-Header-Content-Length
@@ -186,7 +200,7 @@ class HttpDoor:
         self.listener: Listener | None = None
         self.address: str | None = None
         self.connections: set[HttpConnection] = set()
-        self.per_uid: collections.Counter[int] = collections.Counter()
+        self.per_uid: collections.Counter[str] = collections.Counter()  # Unix-socket peers: identity key -> count
 
     @property
     def json_limits(self) -> rest.Limits:
@@ -225,24 +239,26 @@ class HttpDoor:
         for conn in list(self.connections):
             conn.transport.abort()
 
-    def enter(self, conn: "HttpConnection", uid: int) -> str | None:
-        """Count ``conn`` of ``uid``; or why it may not be served (``max_connections``,
-        ``max_connections_per_uid``)."""
+    def enter(self, conn: "HttpConnection", peer: Identity | None) -> str | None:
+        """Count ``conn`` (``peer``: its Unix-socket peer; None on TCP, where a connection has no
+        owner); or why it may not be served (``max_connections``, ``max_connections_per_uid``)."""
         limits = self.door_limits
         if len(self.connections) >= limits.max_connections:
             return f"the HTTP door has {len(self.connections)} connections open (server.max_connections)"
-        if self.per_uid[uid] >= limits.max_connections_per_uid:
-            return f"uid {uid} has {self.per_uid[uid]} HTTP connections open (server.max_connections_per_uid)"
+        if peer is not None and self.per_uid[peer.key] >= limits.max_connections_per_uid:
+            return f"{peer.who} has {self.per_uid[peer.key]} HTTP connections open (server.max_connections_per_uid)"
         self.connections.add(conn)
-        self.per_uid[uid] += 1
+        if peer is not None:
+            self.per_uid[peer.key] += 1
         return None
 
     def leave(self, conn: "HttpConnection") -> None:
         if conn in self.connections:
             self.connections.remove(conn)
-            self.per_uid[conn.caller.uid] -= 1
-            if not self.per_uid[conn.caller.uid]:
-                del self.per_uid[conn.caller.uid]
+            if conn.peer is not None:
+                self.per_uid[conn.peer.key] -= 1
+                if not self.per_uid[conn.peer.key]:
+                    del self.per_uid[conn.peer.key]
 
 
 class HttpConnection(asyncio.BufferedProtocol):
@@ -261,7 +277,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.held: list = []  # results whose arena views the transport may still hold
         self.after: V2Error | None = None  # the answer to send once the current one is sent, then close
         self.head_bytes = 0
-        self.caller: Caller | None = None
+        self.v2door = None  # the connection's requests in flight (V2Service.open_door), once it is served
+        self.peer: Identity | None = None  # a Unix-socket peer (SO_PEERCRED); None on TCP
+        self.who = "a TCP peer"  # for logs
         self.timer = None
         self.stall_timer = None
         self.reading = True
@@ -288,19 +306,24 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume: "all sent"
-        uid, groups = peer.credentials(transport.get_extra_info("socket"))
-        try:
-            caller = self.service.connect(uid, groups, name=transport.get_extra_info("peername"))
-        except V2Error as exc:
-            self._refuse_connection(exc)
-            return
-        refusal = self.door.enter(self, caller.uid)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            uid, groups = peer.credentials(sock)
+            try:
+                if uid is None:
+                    raise V2Error(ErrorCode.PERMISSION_DENIED, "the kernel did not say who the peer is")
+                self.peer = self.service.auth.peer(uid, groups)
+            except V2Error as exc:
+                log.warning("HTTP: refused a connection of uid %s: %s", uid, exc.message)
+                self._refuse_connection(exc)
+                return
+            self.who = self.peer.who
+        refusal = self.door.enter(self, self.peer)
         if refusal is not None:
-            log.warning("HTTP: refused a connection of uid %d: %s", caller.uid, refusal)
-            self.service.disconnect(caller)
+            log.warning("HTTP: refused a connection of %s: %s", self.who, refusal)
             self._refuse_connection(V2Error(ErrorCode.OVERLOADED, refusal))
             return
-        self.caller = caller
+        self.v2door = self.service.open_door()
 
     def _refuse_connection(self, exc: V2Error) -> None:
         """Answer the request the client is about to send with ``exc``, and close."""
@@ -337,10 +360,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.work is not None:
             self.work.cancel()
             self.work = None
-        if self.caller is not None:
+        for msg in (self.msg, self.current, *self.queue):
+            if msg is not None:
+                self._let_go(msg)
+        if self.v2door is not None:
             self.door.leave(self)
-            self.service.disconnect(self.caller)
-            self.caller = None
+            self.service.close_door(self.v2door)
+            self.v2door = None
 
     def pause_writing(self) -> None:
         """The answer waits in the transport: close the connection if it still does after
@@ -361,8 +387,8 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _stalled(self) -> None:
         self.stall_timer = None
-        log.warning("HTTP: closing a connection of uid %d: its answer went unread for %g s (server.stall_timeout_s)",
-                    self.caller.uid if self.caller else -1, self.door.door_limits.stall_timeout_s)
+        log.warning("HTTP: closing a connection of %s: its answer went unread for %g s (server.stall_timeout_s)",
+                    self.who, self.door.door_limits.stall_timeout_s)
         self.transport.abort()
 
     def stop_reading(self) -> None:
@@ -400,6 +426,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         """What the client sent cannot be read on (not HTTP, over a limit, a deadline): answer
         ``error`` after the answers before it, and close."""
         self.closing = True
+        for msg in (self.msg, *self.queue):
+            if msg is not None:
+                self._let_go(msg)
         self.queue.clear()
         self.msg = None
         receiving = self.input in (Input.STREAM, Input.DISCARD)  # the current request's own body
@@ -408,8 +437,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._cancel_timer()
         if receiving and self.work is not None:
             self.work.cancel()  # a streamed request whose body will never be in
+            self._let_go(self.current)
             self.work, self.current = None, None
         elif discarding and self.work is None:  # a refused one: its answer waited for the rest of its body
+            self._let_go(self.current)
             self.current, self.refusal = None, None
         if self.current is None:
             self.current = _Message()
@@ -461,12 +492,42 @@ class HttpConnection(asyncio.BufferedProtocol):
             if msg.length is not None and msg.header_length > msg.length:  # chunked: checked once it is in
                 raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {msg.header_length} is more "
                                                    f"than the body's Content-Length {msg.length}")
+        msg.caller = self._identify(msg)
         self.advance(Ev.HEADERS)
         if msg.headers.get("expect", "").lower() == "100-continue" and msg.version == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
+    def _identify(self, msg: _Message) -> Caller:
+        """Who sends ``msg`` (its headers are in, its body is not), checked before any of its body
+        is read: may it run this operation, and (infer) is it within its requests in flight.
+        V2Error UNAUTHENTICATED (a token this server does not know), PERMISSION_DENIED,
+        OVERLOADED; a request to no route is let through (it is answered 404 or 405 in turn)."""
+        service = self.service
+        identity = self.peer if self.peer is not None else service.auth.bearer(msg.headers.get("authorization"))
+        try:
+            op, _ = rest.route(msg.method, msg.url.decode("latin-1"))[:2]
+        except (V2Error, UnicodeDecodeError):
+            op = None
+        if op is not None:
+            service.auth.check(identity, op)
+            if op == "infer":
+                ledger = service.ledger
+                if ledger.requests[identity.key] >= ledger.max_requests():
+                    raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} has {ledger.requests[identity.key]} v2 "
+                                                        "requests in flight (server.max_inflight_per_uid)")
+        return Caller(identity, self.v2door)
+
+    def _let_go(self, msg: _Message) -> None:
+        """``msg`` is done with (answered, dropped, or its connection gone): its body bytes no
+        longer count against its caller."""
+        if msg.held:
+            self.service.ledger.give_bytes(msg.caller.identity, msg.held)
+            msg.held = 0
+
     def on_body(self, body: bytes) -> None:
         msg = self.msg
+        self.service.ledger.take_bytes(msg.caller.identity, len(body), msg.held)  # OVERLOADED: over its budget
+        msg.held += len(body)
         msg.size += len(body)
         limits = self.door.limits
         if msg.size > limits.max_body_bytes:
@@ -532,7 +593,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         what = "the request line and headers" if key == "frame_timeout_s" else "the body"
         error = V2Error(ErrorCode.TIMEOUT if key == "upload_timeout_s" else ErrorCode.BAD_FRAME,
                         f"{what} did not all arrive within {limit:g} s (server.{key})")
-        log.info("HTTP: closing a connection of uid %d: %s", self.caller.uid if self.caller else -1, error.message)
+        log.info("HTTP: closing a connection of %s: %s", self.who, error.message)
         self._fail_input(error)
 
     # -- serving ----------------------------------------------------------------------------
@@ -582,7 +643,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         return out
 
     async def _operation(self, op: str, params: dict, body: dict):
-        service, caller = self.service, self.caller
+        service, caller = self.service, self.current.caller
         m, v, r = params.get("m"), params.get("v"), params.get("r")
         if op == "live":
             return service.live()
@@ -649,7 +710,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _start_infer(self, msg: _Message, request) -> None:
         """Submit ``request`` (``msg``'s); V2Error if it is refused at once."""
-        call = self.service.start(self.caller, request, self._infer_done)
+        call = self.service.start(msg.caller, request, self._infer_done)
         if not call.ended:  # (an answer given at once has already been sent)
             self.work = call
 
@@ -698,7 +759,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._respond_error(exc)
 
     def _respond_error(self, error: V2Error) -> None:
-        extra = ((b"allow", ", ".join(error.allow).encode()),) if isinstance(error, rest.NoRoute) else ()
+        if isinstance(error, rest.NoRoute):
+            extra = ((b"allow", ", ".join(error.allow).encode()),)
+        elif error.code is ErrorCode.UNAUTHENTICATED:
+            extra = ((b"www-authenticate", b'Bearer realm="shmserve"'),)
+        else:
+            extra = ()
         self._respond(error.http_status, "application/json", [rest.error_body(error)], extra, None)
 
     def _respond(self, status: int, ctype: str, parts: list, extra=(), result=None) -> None:
@@ -725,6 +791,8 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _sent(self) -> None:
         """The current answer is all sent: serve the next request, or read for one (or close)."""
+        if self.current is not None:
+            self._let_go(self.current)
         self.current = None
         if self.after is not None:
             error, self.after = self.after, None
@@ -767,7 +835,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             return
         msg.request, request.body = request, self
         try:
-            call = self.service.start(self.caller, request, self._infer_done)
+            call = self.service.start(msg.caller, request, self._infer_done)
         except V2Error as exc:
             self._refuse_stream(exc)
             return

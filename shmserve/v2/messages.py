@@ -167,6 +167,7 @@ class V2Error(Exception):
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNKNOWN_MODEL: 404,
     ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.OVERLOADED: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.MODEL_UNAVAILABLE: 503,
@@ -184,6 +185,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 GRPC_STATUS: dict[ErrorCode, str] = {
     ErrorCode.UNKNOWN_MODEL: "NOT_FOUND",
     ErrorCode.PERMISSION_DENIED: "PERMISSION_DENIED",
+    ErrorCode.UNAUTHENTICATED: "UNAUTHENTICATED",
     ErrorCode.OVERLOADED: "UNAVAILABLE",
     ErrorCode.SHUTTING_DOWN: "UNAVAILABLE",
     ErrorCode.MODEL_UNAVAILABLE: "UNAVAILABLE",

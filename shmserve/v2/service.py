@@ -2,17 +2,20 @@
 
 Owns: what each v2 operation answers (health, server and model metadata,
 model readiness and configuration, inference, the system and CUDA
-shared-memory extensions, the repository extension, statistics), who may
-call which (the same peer-credential allow-list and admin list as the Unix
-socket; a caller whose uid is unknown is refused), and the dispatcher
-``Door`` of a v2 connection: it copies a request's input bytes (from the
-message, or read from a registered region) into the arena space the
-dispatcher gives it, and takes each answer's outputs out before the space is
-released.
+shared-memory extensions, the repository extension, statistics), what each
+caller holds across both doors (``Ledger``: requests in flight and request
+bytes buffered, per identity), and the dispatcher ``Door`` of a v2
+connection: it copies a request's input bytes (from the message, or read
+from a registered region) into the arena space the dispatcher gives it, and
+takes each answer's outputs out before the space is released.  Who a caller
+is and what it may do is ``shmserve.v2.auth`` (``V2Service.auth``); the
+doors ask it before they read a body, and the operations that need more than
+inference check again.
 
-Every call takes a ``Caller`` (who, and which connection: the per-connection
-limits apply to it).  Errors are ``messages.V2Error`` with a shmserve code;
-the doors map them to HTTP and gRPC status codes.
+Every call takes a ``Caller`` (who: an ``auth.Identity``; and which
+connection: its ``V2Door``, whose requests the per-connection limits count).
+Errors are ``messages.V2Error`` with a shmserve code; the doors map them to
+HTTP and gRPC status codes.
 
 Must not: parse HTTP or protobuf, touch a socket, or block the loop.
 """
@@ -25,13 +28,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable
 
 from shmserve import __version__, protocol
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.requests import Request
+from shmserve.v2.auth import Authenticator, Identity
 from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
                                   ShmRef, V2Error)
 from shmserve.v2.sysshm import SystemShm
@@ -48,16 +52,116 @@ PLATFORMS = {"onnx": ("onnxruntime", "onnxruntime_onnx"), "torch": ("pytorch", "
              "tensorrt": ("tensorrt", "tensorrt_plan"), "python": ("python", "python")}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Caller:
-    """A v2 client connection (HTTP) or peer (gRPC).  ``uid``/``groups``: its credentials (from
-    ``SO_PEERCRED`` on a Unix socket, or looked up for a loopback TCP peer).  A caller whose uid
-    could not be found is refused by ``V2Service.connect``."""
+    """Who makes a request (``identity``: ``auth.Authenticator`` made it) and through which
+    connection (``door``: an HTTP connection's, or a gRPC peer's).  The HTTP door over a Unix
+    socket keeps one per connection; over TCP, and on the gRPC door, there is one per request (a
+    connection may carry several callers' requests: a proxy's does)."""
 
-    uid: int
-    groups: frozenset[int] = frozenset()
-    name: Hashable = None  # for logs: the peer address
-    door: "V2Door" = field(default=None, repr=False)
+    identity: Identity
+    door: "V2Door" = field(repr=False)
+
+    @property
+    def key(self) -> str:
+        """What this caller's limits and registered regions are kept under."""
+        return self.identity.key
+
+
+class Ledger:
+    """What each caller (an identity's ``key``) holds across both v2 doors: requests in flight
+    (``max_inflight_per_uid``) and request bytes the doors hold in memory outside the arena
+    (``max_buffered_bytes_per_uid``: HTTP bodies being parsed, gRPC messages read).  Counts only;
+    whoever takes gives back, exactly once (a door's ``finally``)."""
+
+    def __init__(self, max_requests: Callable[[], int], max_bytes: Callable[[], int]):
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.waiting: dict[str, collections.deque] = {}  # key -> [nbytes, future] waiting for room, in order
+
+    def take_request(self, identity: Identity) -> None:
+        """Count one more request of ``identity``.  V2Error OVERLOADED at the limit."""
+        key = identity.key
+        if self.requests[key] >= self.max_requests():
+            raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} has {self.requests[key]} v2 requests in flight "
+                                                "(server.max_inflight_per_uid)")
+        self.requests[key] += 1
+
+    def give_request(self, identity: Identity) -> None:
+        _uncount(self.requests, identity.key, 1)
+
+    def bytes_fit(self, identity: Identity, nbytes: int, mine: int = 0) -> bool:
+        """Whether ``identity`` may hold ``nbytes`` more, for a body or message that holds
+        ``mine`` of its bytes already: always, if that one holds all of them (one at a time fits,
+        whatever its size)."""
+        held = self.bytes[identity.key]
+        return held == mine or held + nbytes <= self.max_bytes()
+
+    def take_bytes(self, identity: Identity, nbytes: int, mine: int = 0) -> None:
+        """Count ``nbytes`` more buffered for ``identity`` (``mine``: as ``bytes_fit``).  V2Error
+        OVERLOADED if they do not fit: nothing is counted then."""
+        if not self.bytes_fit(identity, nbytes, mine):
+            raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} has {self.bytes[identity.key]} bytes of v2 requests "
+                                                f"held in memory; {nbytes} more would pass "
+                                                "server.max_buffered_bytes_per_uid")
+        self.bytes[identity.key] += nbytes
+
+    async def reserve_bytes(self, identity: Identity, nbytes: int, timeout: float) -> None:
+        """Take ``nbytes`` for ``identity`` once they fit (``bytes_fit``), after its earlier
+        waiters, waiting at most ``timeout`` seconds.  V2Error OVERLOADED if they did not fit in
+        time (nothing is taken then); cancelling the wait takes nothing either."""
+        key = identity.key
+        if key not in self.waiting and self.bytes_fit(identity, nbytes):
+            self.bytes[key] += nbytes
+            return
+        granted = asyncio.get_running_loop().create_future()
+        entry = [nbytes, granted]
+        self.waiting.setdefault(key, collections.deque()).append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(granted), timeout)
+        except BaseException as exc:
+            if granted.done() and not granted.cancelled():
+                self.give_bytes(identity, nbytes)  # granted just as the wait ended
+            else:
+                granted.cancel()
+                queue = self.waiting.get(key)
+                if queue is not None and entry in queue:
+                    queue.remove(entry)
+                    if not queue:
+                        del self.waiting[key]
+                    self._wake(key)  # it may have held up smaller ones behind it
+            if isinstance(exc, asyncio.TimeoutError):
+                raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} had {self.bytes[key]} bytes of v2 requests "
+                                                    f"held in memory for {timeout:g} s; {nbytes} more would pass "
+                                                    "server.max_buffered_bytes_per_uid") from None
+            raise
+
+    def give_bytes(self, identity: Identity, nbytes: int) -> None:
+        _uncount(self.bytes, identity.key, nbytes)
+        if identity.key in self.waiting:
+            self._wake(identity.key)
+
+    def _wake(self, key: str) -> None:
+        """Grant the waiters of ``key`` that fit now, in order."""
+        queue, limit = self.waiting.get(key), self.max_bytes()
+        while queue:
+            nbytes, granted = queue[0]
+            held = self.bytes[key]
+            if held and held + nbytes > limit:
+                break
+            queue.popleft()
+            if not granted.done():
+                self.bytes[key] += nbytes
+                granted.set_result(None)
+        if queue is not None and not queue:
+            del self.waiting[key]
+
+
+def _uncount(counter: collections.Counter, key: str, n: int) -> None:
+    counter[key] -= n
+    if counter[key] <= 0:
+        del counter[key]
 
 
 def _error(exc: ShmserveError) -> V2Error:
@@ -88,8 +192,8 @@ class V2Door:
     While a thread reads into a request's space (``copying``), nothing frees that space: a drop
     then waits for the read to end."""
 
-    def __init__(self, service: "V2Service", caller: Caller):
-        self.service, self.caller = service, caller
+    def __init__(self, service: "V2Service"):
+        self.service = service
         self.dispatcher = service.dispatcher
         self.pending: dict[Request, InferCall] = {}
         self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
@@ -277,7 +381,7 @@ class InferCall:
         self.ended = True
         self.service._give_back(self.held)
         self.held = []
-        self.service._uncount(self.caller.uid)
+        self.service.ledger.give_request(self.caller.identity)
 
 
 OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
@@ -296,46 +400,35 @@ def _write_regions(writes: list) -> None:
 class V2Service:
     """The v2 operations over one running server (see the module header).
 
-    ``allowed(uid, groups)`` and ``is_admin(uid, groups)``: the Unix door's allow-list and admin
-    list (one definition of each).  ``lifecycle``: the model lifecycle (repository extension)."""
+    ``auth``: who callers are and what they may do; ``ledger``: what each holds (the server sets
+    its limits: ``max_inflight_per_uid``, ``max_buffered_bytes_per_uid``, read again on every
+    use, so a reload applies); ``lifecycle``: the model lifecycle (repository extension)."""
 
     def __init__(self, *, dispatcher: Dispatcher, models: Models, status, lifecycle, shm: SystemShm,
-                 allowed: Callable[[int, set], bool], is_admin: Callable[[int, set], bool],
-                 max_inflight_per_uid: Callable[[], int] = lambda: 1 << 20):
+                 auth: Authenticator, ledger: Ledger | None = None):
         self.dispatcher, self.models, self.status, self.lifecycle, self.shm = dispatcher, models, status, lifecycle, shm
-        self.allowed, self.is_admin = allowed, is_admin
-        self.max_inflight_per_uid = max_inflight_per_uid  # server.max_inflight_per_uid (it may change on reload)
-        self.inflight: collections.Counter[int] = collections.Counter()  # uid -> v2 requests being served
-        self.callers: set[Caller] = set()
+        self.auth = auth
+        self.ledger = ledger if ledger is not None else Ledger(lambda: 1 << 20, lambda: 1 << 40)
+        self.doors: set[V2Door] = set()
         self.started = True
 
     # -- connections ---------------------------------------------------------------------
 
-    def connect(self, uid: int | None, groups=frozenset(), name: Hashable = None) -> Caller:
-        """A new caller (one per HTTP connection; one per gRPC peer).  V2Error PERMISSION_DENIED if
-        it is not on the allow-list (uid None included)."""
-        if uid is None:
-            raise V2Error(ErrorCode.PERMISSION_DENIED, "the caller's uid could not be found (only loopback "
-                                                       "TCP and Unix-socket clients are served)")
-        if not self.allowed(uid, set(groups)):
-            log.warning("v2: refused %s uid %d (not on the allow-list)", name, uid)
-            raise V2Error(ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
-        caller = Caller(uid, frozenset(groups), name)
-        caller.door = V2Door(self, caller)
-        self.callers.add(caller)
-        return caller
+    def open_door(self) -> "V2Door":
+        """The bookkeeping of a new connection (HTTP) or peer (gRPC): its requests in flight."""
+        door = V2Door(self)
+        self.doors.add(door)
+        return door
 
-    def disconnect(self, caller: Caller) -> None:
-        """The caller is gone: its requests still in flight are dropped (their space freed once
+    def close_door(self, door: "V2Door") -> None:
+        """Its connection is gone: its requests still in flight are dropped (their space freed once
         workers let go)."""
-        self.callers.discard(caller)
-        if caller.door is not None:
-            caller.door.close()
+        self.doors.discard(door)
+        door.close()
 
-    def _admin(self, caller: Caller, what: str) -> None:
-        if not self.is_admin(caller.uid, set(caller.groups)):
-            raise V2Error(ErrorCode.PERMISSION_DENIED, f"uid {caller.uid} may not {what}: only the server's uid, "
-                                                       "root and server.admin_uids / admin_groups may")
+    def _need(self, caller: Caller, op: str) -> None:
+        """V2Error PERMISSION_DENIED unless ``caller`` may run ``op`` (``auth.SCOPE_OF``)."""
+        self.auth.check(caller.identity, op)
 
     # -- health and metadata -------------------------------------------------------------
 
@@ -449,11 +542,8 @@ class V2Service:
         datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
         offset or size outside it), TOO_LARGE.  ``done``'s error: every code a request can fail
         with, plus BAD_REGION (an output larger than its region, a region shrunk under it)."""
-        uid = caller.uid
-        if self.inflight[uid] >= self.max_inflight_per_uid():
-            raise V2Error(ErrorCode.OVERLOADED, f"uid {uid} has {self.inflight[uid]} v2 requests in flight "
-                                                f"(server.max_inflight_per_uid)")
-        self.inflight[uid] += 1
+        self._need(caller, "infer")
+        self.ledger.take_request(caller.identity)
         call = InferCall(self, caller, request, done)
         try:
             self._submit(call)
@@ -491,7 +581,7 @@ class V2Service:
             what = f"input {t.name!r}"
             nbytes = meta.nbytes
             if t.shm is not None:
-                region = self.shm.take(caller.uid, t.shm, nbytes, what)
+                region = self.shm.take(caller.key, t.shm, nbytes, what)
                 call.held.append(region)
                 if nbytes:
                     call.sources.append((region, t.shm, what))
@@ -507,7 +597,7 @@ class V2Service:
         call.wanted = self._wanted(request)
         for o in call.wanted or ():
             if o.shm is not None:
-                call.outputs[o.name] = region = self.shm.take(caller.uid, o.shm, 0, f"output {o.name!r}")
+                call.outputs[o.name] = region = self.shm.take(caller.key, o.shm, 0, f"output {o.name!r}")
                 call.held.append(region)
         parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
                                        version=version_number(request.model, request.version), key=request.key)
@@ -521,11 +611,6 @@ class V2Service:
     def _give_back(self, regions: list) -> None:
         for region in regions:
             self.shm.give_back(region)
-
-    def _uncount(self, uid: int) -> None:
-        self.inflight[uid] -= 1
-        if not self.inflight[uid]:
-            del self.inflight[uid]
 
     def _wanted(self, request: InferRequest):
         if request.outputs is None:
@@ -578,28 +663,38 @@ class V2Service:
 
     def shm_register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of the POSIX shared-memory object ``key``
-        under ``name`` (names are per caller uid).  V2Error as ``SystemShm.register`` says; the
-        message never contains ``key``."""
-        self.shm.register(caller.uid, name, key, offset, byte_size)
+        under ``name`` (names are per caller).  The object must belong to the caller's uid: a
+        caller with none (an anonymous one, a token without ``uid``) cannot register.  V2Error
+        PERMISSION_DENIED, or as ``SystemShm.register`` says; the message never contains ``key``."""
+        self._need(caller, "shm_register")
+        if caller.identity.uid is None:
+            raise V2Error(ErrorCode.PERMISSION_DENIED, f"{caller.identity.who} names no uid whose shared-memory "
+                                                       "objects it may register (a token's entry needs uid = N)")
+        identity = caller.identity
+        self.shm.register(caller.key, identity.uid, name, key, offset, byte_size, exact=not identity.key.startswith("uid:"))
 
     async def shm_unregister(self, caller: Caller, name: str | None) -> None:
         """Unregister ``name`` (None: all of the caller's), once the requests using it are done.
         Unknown names are not an error (as Triton)."""
-        await self.shm.unregister(caller.uid, name)
+        self._need(caller, "shm_unregister")
+        await self.shm.unregister(caller.key, name)
 
     def shm_status(self, caller: Caller, name: str | None) -> list[dict]:
         """``[{"name", "key", "offset", "byte_size"}]`` of the caller's regions.  V2Error
         BAD_REGION for an unknown ``name``."""
-        return self.shm.status(caller.uid, name)
+        self._need(caller, "shm_status")
+        return self.shm.status(caller.key, name)
 
     def cuda_shm_register(self, caller: Caller, name: str, raw_handle: bytes, device_id: int,
                           byte_size: int) -> None:
         """Always V2Error BAD_REGION: CUDA shared memory is not supported."""
+        self._need(caller, "cuda_shm_register")
         raise V2Error(ErrorCode.BAD_REGION, "CUDA shared memory is not supported by shmserve: use system shared "
                                             "memory, or the native client's lanes for GPU models")
 
     def cuda_shm_status(self, caller: Caller, name: str | None) -> list[dict]:
         """Always empty; V2Error BAD_REGION for a ``name``."""
+        self._need(caller, "cuda_shm_status")
         if name:
             raise V2Error(ErrorCode.BAD_REGION, f"no CUDA shared-memory region {name!r} is registered")
         return []
@@ -609,7 +704,7 @@ class V2Service:
     def repository_index(self, caller: Caller, ready_only: bool = False) -> list[dict]:
         """``[{"name", "version", "state", "reason"}]`` (state READY, UNAVAILABLE, LOADING,
         UNLOADING).  V2Error PERMISSION_DENIED for a caller not on the admin list."""
-        self._admin(caller, "read the model repository")
+        self._need(caller, "repository_index")
         out = []
         for e in self.status.repository_index()["models"]:
             phase = e["state"]
@@ -636,22 +731,22 @@ class V2Service:
         """Load ``name`` (its newest version, or ``parameters["version"]``) through the model
         lifecycle.  V2Error PERMISSION_DENIED, UNKNOWN_MODEL, MODEL_UNAVAILABLE (it failed to
         load; the message says why), BAD_INPUT (Triton's ``config`` or ``file:`` overrides)."""
-        self._admin(caller, "load models")
+        self._need(caller, "repository_load")
         self._check_name(name)
         version = self._control_version(name, parameters)
         try:
-            await self.lifecycle.load(name, version, None, by=f"uid {caller.uid} (v2)")
+            await self.lifecycle.load(name, version, None, by=f"{caller.identity.who} (v2)")
         except ShmserveError as exc:
             raise _error(exc) from None
 
     async def repository_unload(self, caller: Caller, name: str, parameters: dict | None = None) -> None:
         """Unload every loaded version of ``name`` (or ``parameters["version"]``).  V2Error
         PERMISSION_DENIED, UNKNOWN_MODEL."""
-        self._admin(caller, "unload models")
+        self._need(caller, "repository_unload")
         self._check_name(name)
         version = self._control_version(name, parameters)
         try:
-            await self.lifecycle.unload(name, version, by=f"uid {caller.uid} (v2)")
+            await self.lifecycle.unload(name, version, by=f"{caller.identity.who} (v2)")
         except ShmserveError as exc:
             raise _error(exc) from None
 
@@ -667,6 +762,7 @@ class V2Service:
         "inference_count", "execution_count", "inference_stats": {"success", "fail", "queue",
         "compute_input", "compute_infer", "compute_output": {"count", "ns"}}, "batch_stats":
         []}]}`` from the counters and histograms the server keeps.  V2Error UNKNOWN_MODEL."""
+        self._need(caller, "statistics")
         if name:
             versions = [self._version(name, version)] if version else \
                 [v for v in self.models.versions() if v.name == name]

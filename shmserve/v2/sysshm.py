@@ -1,7 +1,8 @@
 """The system shared-memory extension of KServe v2: regions a client registers by POSIX name.
 
-Owns: the registered regions (per caller uid: one uid's names never reach
-another's), the checks at registration and at every use, reading a
+Owns: the registered regions (per caller, ``owner``: an identity's key, so
+one caller's names never reach another's; the object must belong to the
+caller's uid), the checks at registration and at every use, reading a
 request's inputs out of a region and writing its outputs into one, and
 unregistering (which waits for the requests that use the region).
 
@@ -54,7 +55,7 @@ _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 class ShmRegion:
     name: str
     key: str
-    uid: int
+    owner: str  # the caller that registered it (an identity's key)
     fd: int
     offset: int
     byte_size: int
@@ -82,17 +83,22 @@ def object_name(key: str) -> str:
 
 class SystemShm:
     """The registered regions of one server.  ``enabled``: registration allowed.  ``own``:
-    (st_dev, st_ino) of segments that can never be registered (the arena)."""
+    (st_dev, st_ino) of segments that can never be registered (the arena).  Each holds a
+    descriptor: ``max_per_uid`` per caller, ``max_total`` in all (the server counts both in its
+    descriptor budget)."""
 
-    def __init__(self, *, enabled: bool, own: set[tuple[int, int]], max_per_uid: int = 256, server_uid: int | None = None):
-        self.enabled, self.own, self.max_per_uid = enabled, own, max_per_uid
+    def __init__(self, *, enabled: bool, own: set[tuple[int, int]], max_per_uid: int = 256, max_total: int = 1024,
+                 server_uid: int | None = None):
+        self.enabled, self.own, self.max_per_uid, self.max_total = enabled, own, max_per_uid, max_total
         self.server_uid = os.getuid() if server_uid is None else server_uid
-        self.regions: dict[tuple[int, str], ShmRegion] = {}
+        self.regions: dict[tuple[str, str], ShmRegion] = {}
 
     # -- registration -----------------------------------------------------------------
 
-    def register(self, uid: int, name: str, key: str, offset: int, byte_size: int) -> ShmRegion:
-        """See ``V2Service.shm_register``."""
+    def register(self, owner: str, uid: int, name: str, key: str, offset: int, byte_size: int, *,
+                 exact: bool = False) -> ShmRegion:
+        """See ``V2Service.shm_register``: ``owner`` registers ``key``, an object of ``uid`` (root,
+        unless ``exact``, may register any but the server uid's: a token's uid is always exact)."""
         if not self.enabled:
             raise V2Error(ErrorCode.PERMISSION_DENIED, "registering system shared memory is off on this server "
                                                        "(server.v2_system_shared_memory = true turns it on)")
@@ -100,11 +106,14 @@ class SystemShm:
             raise _bad(f"a region name must be 1 to {NAME_MAX} characters")
         if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 0:
             raise _bad(f"region {name!r}: offset and byte_size must be integers >= 0")
-        if (uid, name) in self.regions:
+        if (owner, name) in self.regions:
             raise _bad(f"region {name!r} is already registered: unregister it first")
-        if sum(r.uid == uid for r in self.regions.values()) >= self.max_per_uid:
-            raise V2Error(ErrorCode.OVERLOADED, f"{self.max_per_uid} regions registered by uid {uid} "
+        if sum(r.owner == owner for r in self.regions.values()) >= self.max_per_uid:
+            raise V2Error(ErrorCode.OVERLOADED, f"{self.max_per_uid} regions registered by this caller "
                                                 f"(server.max_regions_per_uid)")
+        if len(self.regions) >= self.max_total:
+            raise V2Error(ErrorCode.OVERLOADED, f"{self.max_total} regions registered on this server "
+                                                f"(server.max_regions)")
         path = os.path.join(SHM_DIR, object_name(key))
         try:
             fd = os.open(path, _OPEN_FLAGS)
@@ -115,23 +124,23 @@ class SystemShm:
                        "a shared-memory object of the caller's uid") from None
         try:
             st = os.fstat(fd)
-            problem = self._problem(st, uid, offset, byte_size)
+            problem = self._problem(st, uid, offset, byte_size, exact)
             if problem:
                 raise _bad(f"region {name!r}: {problem}")
         except BaseException:
             os.close(fd)
             raise
-        region = ShmRegion(name, key, uid, fd, offset, byte_size)
+        region = ShmRegion(name, key, owner, fd, offset, byte_size)
         region.idle.set()
-        self.regions[(uid, name)] = region
+        self.regions[(owner, name)] = region
         return region
 
-    def _problem(self, st: os.stat_result, uid: int, offset: int, byte_size: int) -> str:
+    def _problem(self, st: os.stat_result, uid: int, offset: int, byte_size: int, exact: bool = False) -> str:
         if not stat.S_ISREG(st.st_mode):
             return "the key does not name a shared-memory object"
         if (st.st_dev, st.st_ino) in self.own:
             return "the key names one of the server's own segments"
-        if uid != 0 and st.st_uid != uid:
+        if (uid != 0 or exact) and st.st_uid != uid:
             return "the object belongs to another uid; register only your own"
         if st.st_uid == self.server_uid and uid != self.server_uid:
             return "the object belongs to the server's uid"
@@ -142,25 +151,25 @@ class SystemShm:
                     f"({st.st_size} bytes)")
         return ""
 
-    async def unregister(self, uid: int, name: str | None) -> None:
-        """Unregister ``name`` (None: all of ``uid``'s) once no request uses it; unknown names are
+    async def unregister(self, owner: str, name: str | None) -> None:
+        """Unregister ``name`` (None: all of ``owner``'s) once no request uses it; unknown names are
         ignored.  New requests cannot name it meanwhile."""
-        targets = [r for (u, n), r in self.regions.items() if u == uid and (name is None or n == name)]
+        targets = [r for (o, n), r in self.regions.items() if o == owner and (name is None or n == name)]
         for r in targets:
             r.closing = True
         for r in targets:
             await r.idle.wait()
-            if self.regions.get((uid, r.name)) is r:
-                del self.regions[(uid, r.name)]
+            if self.regions.get((owner, r.name)) is r:
+                del self.regions[(owner, r.name)]
                 os.close(r.fd)
                 r.fd = -1
 
-    def status(self, uid: int, name: str | None) -> list[dict]:
-        if name is not None and ((uid, name) not in self.regions or self.regions[(uid, name)].closing):
+    def status(self, owner: str, name: str | None) -> list[dict]:
+        if name is not None and ((owner, name) not in self.regions or self.regions[(owner, name)].closing):
             raise _bad(f"no region {name!r} is registered")
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for (u, n), r in sorted(self.regions.items(), key=lambda kv: kv[0][1])
-                if u == uid and not r.closing and (name is None or n == name)]
+                for (o, n), r in sorted(self.regions.items(), key=lambda kv: kv[0][1])
+                if o == owner and not r.closing and (name is None or n == name)]
 
     def close_all(self) -> None:
         for r in self.regions.values():
@@ -171,11 +180,11 @@ class SystemShm:
 
     # -- use --------------------------------------------------------------------------
 
-    def take(self, uid: int, ref: ShmRef, nbytes: int, what: str) -> ShmRegion:
-        """The region ``ref`` names, counted as in use until ``give_back``.  V2Error BAD_REGION: no
-        such region (or it is being unregistered), or ``nbytes`` at ``ref.offset`` does not fit
-        in ``ref.byte_size`` or the registered range."""
-        r = self.regions.get((uid, ref.region))
+    def take(self, owner: str, ref: ShmRef, nbytes: int, what: str) -> ShmRegion:
+        """The region ``ref`` names among ``owner``'s, counted as in use until ``give_back``.
+        V2Error BAD_REGION: no such region (or it is being unregistered), or ``nbytes`` at
+        ``ref.offset`` does not fit in ``ref.byte_size`` or the registered range."""
+        r = self.regions.get((owner, ref.region))
         if r is None or r.closing:
             raise _bad(f"{what}: no region {ref.region!r} is registered")
         if type(ref.offset) is not int or type(ref.byte_size) is not int or ref.offset < 0 or ref.byte_size < 0:

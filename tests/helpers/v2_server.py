@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -48,18 +49,65 @@ MODELS = "".join([
       for name, dtypes in TYPED.items())])
 
 
-def section(*, shm: bool = True, extra: str = "") -> str:
-    """The [server] keys: both doors on loopback port 0, 1 s deadlines, 20 MiB requests."""
-    return (f'http = "127.0.0.1:0"\ngrpc = "127.0.0.1:0"\nv2_system_shared_memory = {str(shm).lower()}\n'
-            f"max_request_bytes = {MAX_REQUEST_BYTES}\nframe_timeout_s = {DEADLINE_S}\n"
-            f"upload_timeout_s = {DEADLINE_S}\nstall_timeout_s = {DEADLINE_S}\n{extra}")
+# TCP callers are anonymous unless they present a token (docs/security.md): these servers know three,
+# made fresh for each test session.  SHM_UID is the uid whose /dev/shm objects "admin" and "client"
+# may register (this suite's own); "other" may register OTHER_UID's (made only by root).
+TOKENS = {"admin": secrets.token_urlsafe(24), "client": secrets.token_urlsafe(24), "other": secrets.token_urlsafe(24)}
+SHM_UID = os.getuid()
+OTHER_UID = SHM_UID + 54321
+TOKEN_UIDS = {"admin": SHM_UID, "client": SHM_UID, "other": OTHER_UID}
+
+
+def auth(role: str = "admin") -> dict[str, str]:
+    """The headers (HTTP) or metadata (gRPC, as ``.items()``) that present the ``role`` token."""
+    return {"authorization": f"Bearer {TOKENS[role]}"}
+
+
+class Bearer:
+    """A tritonclient plugin (``client.register_plugin``) that presents the ``role`` token on every call."""
+
+    def __init__(self, role: str = "admin"):
+        self.value = auth(role)["authorization"]
+
+    def __call__(self, request):
+        request.headers["authorization"] = self.value
+
+
+def authed(client, role: str = "admin"):
+    """``client`` (tritonclient.http or .grpc) presenting the ``role`` token from now on."""
+    client.register_plugin(Bearer(role))
+    return client
+
+
+def write_tokens(workdir: Path) -> Path:
+    from shmserve.v2.auth import token_entry
+
+    path = workdir / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(token_entry(role, token, "admin" if role == "admin" else "client", TOKEN_UIDS[role])
+                          for role, token in TOKENS.items()))
+    return path
+
+
+def section(*, shm: bool = True, extra: str = "", http: str = "127.0.0.1:0") -> str:
+    """The [server] keys: both doors on loopback port 0 (``http``: another address), 1 s
+    deadlines, 20 MiB requests, the test tokens; a key ``extra`` sets replaces its default."""
+    lines = [f'http = "{http}"', 'grpc = "127.0.0.1:0"', f"v2_system_shared_memory = {str(shm).lower()}",
+             'v2_tokens = "tokens.toml"', f"max_request_bytes = {MAX_REQUEST_BYTES}",
+             f"frame_timeout_s = {DEADLINE_S}", f"upload_timeout_s = {DEADLINE_S}", f"stall_timeout_s = {DEADLINE_S}"]
+    given = {line.partition("=")[0].strip() for line in extra.splitlines()}
+    return "".join(f"{line}\n" for line in lines if line.partition("=")[0].strip() not in given) + extra
 
 
 @contextlib.contextmanager
-def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS):
+def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS,
+               http: str = "127.0.0.1:0"):
     """``helpers.server.serving`` with both v2 doors; ``srv.http`` and ``srv.grpc`` are their
-    addresses.  The native socket answers before the doors are listed, so this waits for them."""
-    with serving(workdir, models, server_section=section(shm=shm, extra=extra)) as srv:
+    addresses (``http``: a Unix socket path instead of TCP).  The native socket answers before the
+    doors are listed, so this waits for them."""
+    write_tokens(workdir)
+    with serving(workdir, models, server_section=section(shm=shm, extra=extra, http=http)) as srv:
         v2 = wait_for(lambda: (lambda d: d if {"http", "grpc"} <= set(d) else None)(srv.info()["v2"]),
                       "the v2 doors to listen", timeout=30)
         srv.http, srv.grpc = v2["http"], v2["grpc"]
@@ -153,7 +201,7 @@ def shm_objects():
 
     made = []
 
-    def make(size: int = 4096, mode: int = 0o600, data: bytes = b"", uid: int | None = None) -> str:
+    def make(size: int = 4096, mode: int = 0o600, data: bytes = b"", uid: int | None = SHM_UID) -> str:
         name = new_instance("v2shm")
         path = os.path.join("/dev/shm", name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
@@ -163,7 +211,7 @@ def shm_objects():
             os.ftruncate(fd, size)
             if data:
                 os.pwrite(fd, data, 0)
-            if uid is not None:
+            if uid is not None and uid != os.getuid():
                 os.fchown(fd, uid, -1)
         finally:
             os.close(fd)
@@ -184,17 +232,45 @@ def shm_path(key: str) -> str:
 # -- gRPC, message by message ------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def grpc_stub(address: str, max_message: int = 256 << 20):
-    """Triton's GRPCInferenceService stub on a fresh channel (closed on the way out)."""
+def grpc_stub(address: str, max_message: int = 256 << 20, role: str | None = "admin"):
+    """Triton's GRPCInferenceService stub on a fresh channel (closed on the way out), presenting the
+    ``role`` token on every call (None: anonymous)."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
     channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_message),
                                                       ("grpc.max_receive_message_length", max_message)])
     try:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        wrapped = channel if role is None else grpc.intercept_channel(channel, _Presenting(auth(role)))
+        yield service_pb2_grpc.GRPCInferenceServiceStub(wrapped)
     finally:
         channel.close()
+
+
+def _presenting_base():
+    import grpc
+
+    class Presenting(grpc.UnaryUnaryClientInterceptor):
+        """Adds ``metadata`` to every unary call of a channel."""
+
+        def __init__(self, metadata: dict):
+            self.metadata = tuple(metadata.items())
+
+        def intercept_unary_unary(self, continuation, details, request):
+            import collections
+
+            fields = collections.namedtuple("Details", ("method", "timeout", "metadata", "credentials",
+                                                        "wait_for_ready", "compression"))
+            metadata = tuple(details.metadata or ()) + self.metadata
+            return continuation(fields(details.method, details.timeout, metadata, details.credentials,
+                                       getattr(details, "wait_for_ready", None),
+                                       getattr(details, "compression", None)), request)
+
+    return Presenting
+
+
+def _Presenting(metadata: dict):
+    return _presenting_base()(metadata)
 
 
 def grpc_refused(call, status: str, code: str | None = None) -> str:
