@@ -458,15 +458,26 @@ def swap_repository(workdir: Path) -> Path:
 def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
     """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
     ``swap`` only the model repository of ``swap_repository``."""
+    import secrets
+
+    from shmserve.bench_v2 import TOKEN_ENV
+    from shmserve.v2.auth import token_entry
+
     instance = f"bench-{RUN_ID}"
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
+    token = secrets.token_urlsafe(32)  # its v2 clients' (they inherit the environment): shared memory is theirs
+    fd = os.open(workdir / "tokens.toml", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token_entry("bench", token, "client", os.getuid()))
+    os.environ[TOKEN_ENV] = token
     server = f"""[server]
 instance = "{instance}"
 max_request_bytes = {200 << 20}
 http = "127.0.0.1:0"
 grpc = "127.0.0.1:0"
 v2_system_shared_memory = true
+v2_tokens = "tokens.toml"
 """
     cfg.write_text(server + f"model_repository = {json.dumps(str(swap_repository(workdir)))}\n" if swap else
                    server + f"""[[models]]
@@ -728,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
     p.add_argument("--instance", type=instance_name, default="default", help="instance whose default socket to measure")
     p.add_argument("--spawn-server", action="store_true", help="start and stop a server of its own")
+    p.add_argument("--token", default=None, help="the v2 bearer token the http and grpc clients present (needed "
+                                                 "for --mode shm: a TCP caller without one is anonymous; default: "
+                                                 "$SHMSERVE_V2_TOKEN; --spawn-server makes its own)")
     p.add_argument("--model", help="a model with one input; its leading dimension is sized to the payload "
                                    "(default: identity, or the running server's first one-input model; "
                                    "--spawn-server has identity, identity_batched, demo)")
@@ -759,6 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.token:
+        from shmserve.bench_v2 import TOKEN_ENV
+
+        os.environ[TOKEN_ENV] = args.token  # the client processes inherit it
     if args.rate < 0:
         p.error("--rate must be 0 or more")
     swapping = args.during_swap is not None

@@ -34,6 +34,14 @@ import numpy as np
 from shmserve.v2.messages import V2_NAMES
 
 PROTOCOLS = ("unix", "http", "grpc")
+# The bearer token the v2 clients present (a TCP caller without one is anonymous, and may not register
+# shared memory): bench --token, or the token of the server --spawn-server makes.
+TOKEN_ENV = "SHMSERVE_V2_TOKEN"
+
+
+def _authorization() -> dict[str, str]:
+    token = os.environ.get(TOKEN_ENV)
+    return {"authorization": f"Bearer {token}"} if token else {}
 # unix: inline is Client.infer (through a lane by default), socket the same with lanes=False (tensor
 # bytes through the socket and the front-end), zero-copy Client.zero_copy (a lane, no copies).
 MODES = {"unix": ("inline", "socket", "zero-copy"), "http": ("inline", "shm"), "grpc": ("inline", "shm")}
@@ -131,6 +139,7 @@ class HttpCall:
 
     def __init__(self, address: str, model: str, name: str, x: np.ndarray, output: str, shm: bool):
         self.conn = HttpConnection(address)
+        self.auth = _authorization()
         self.regions: list[_Region] = []
         datatype = V2_NAMES[x.dtype.name]
         tensor = {"name": name, "shape": list(x.shape), "datatype": datatype}
@@ -146,16 +155,18 @@ class HttpCall:
             out = {"name": output, "parameters": {"shared_memory_region": f"out{os.getpid()}",
                                                   "shared_memory_byte_size": x.nbytes}}
             self.request = HttpConnection.request("POST", path, json.dumps({"inputs": [tensor], "outputs": [out]})
-                                                  .encode(), {"content-type": "application/json"})
+                                                  .encode(), {"content-type": "application/json", **self.auth})
         else:
             tensor["parameters"] = {"binary_data_size": x.nbytes}
             header = json.dumps({"inputs": [tensor], "outputs": [{"name": output,
                                                                   "parameters": {"binary_data": True}}]}).encode()
             self.request = HttpConnection.request("POST", path, header + x.tobytes(), {
-                "inference-header-content-length": len(header), "content-type": "application/octet-stream"})
+                "inference-header-content-length": len(header), "content-type": "application/octet-stream",
+                **self.auth})
 
     def _post(self, path: str, body: bytes) -> memoryview:
-        status, data = self.conn(HttpConnection.request("POST", path, body, {"content-type": "application/json"}))
+        status, data = self.conn(HttpConnection.request("POST", path, body, {"content-type": "application/json",
+                                                                             **self.auth}))
         if status != 200:
             raise RuntimeError(f"{path}: HTTP {status}: {bytes(data[:200])!r}")
         return data
@@ -187,6 +198,7 @@ class GrpcCall:
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1),
                                                                ("grpc.max_receive_message_length", -1)])
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.metadata = tuple(_authorization().items())
         self.regions: list[_Region] = []
         req = service_pb2.ModelInferRequest(model_name=model)
         tensor = req.inputs.add(name=name, datatype=V2_NAMES[x.dtype.name], shape=list(x.shape))
@@ -197,7 +209,7 @@ class GrpcCall:
             np.frombuffer(src.buf, np.uint8, x.nbytes)[:] = x.reshape(-1).view(np.uint8)
             _registered(self.regions, lambda tag, r: self.stub.SystemSharedMemoryRegister(
                 service_pb2.SystemSharedMemoryRegisterRequest(name=f"{tag}{os.getpid()}", key=r.key, offset=0,
-                                                              byte_size=r.size)))
+                                                              byte_size=r.size), metadata=self.metadata))
             for t, tag in ((tensor, "in"), (out, "out")):
                 t.parameters["shared_memory_region"].string_param = f"{tag}{os.getpid()}"
                 t.parameters["shared_memory_byte_size"].int64_param = x.nbytes
@@ -206,13 +218,13 @@ class GrpcCall:
         self.request = req
 
     def __call__(self):
-        return self.stub.ModelInfer(self.request)
+        return self.stub.ModelInfer(self.request, metadata=self.metadata)
 
     def close(self) -> None:
         try:
             for tag in ("in", "out") if self.regions else ():  # by name: the other clients' stay
                 self.stub.SystemSharedMemoryUnregister(self.pb.SystemSharedMemoryUnregisterRequest(
-                    name=f"{tag}{os.getpid()}"))
+                    name=f"{tag}{os.getpid()}"), metadata=self.metadata)
         finally:
             self.channel.close()
             for r in self.regions:

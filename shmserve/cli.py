@@ -669,6 +669,44 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_token(args: argparse.Namespace) -> int:
+    """A new bearer token for the v2 doors: its entry appended to the token file (made 0600 if
+    missing), the token printed once (only its digest is kept)."""
+    import secrets
+
+    from shmserve.v2.auth import TokenFileError, load_tokens, token_entry
+
+    token = secrets.token_urlsafe(32)
+    entry = token_entry(args.name, token, args.role, args.uid)
+    if args.file:
+        try:
+            if os.path.exists(args.file):
+                if any(t.name == args.name for t in load_tokens(args.file)):
+                    print(f"shmserve token: {args.file} already has a token named {args.name!r}: choose another name",
+                          file=sys.stderr)
+                    return EXIT_USAGE
+            fd = os.open(args.file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(("\n" if f.tell() else "") + entry)
+            load_tokens(args.file)  # the file as the server will read it
+        except TokenFileError as exc:
+            print(f"shmserve token: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        except OSError as exc:
+            print(f"shmserve token: cannot write {args.file}: {exc.strerror}", file=sys.stderr)
+            return EXIT_FAILURE
+    if args.json:
+        print(json.dumps({"name": args.name, "role": args.role, "uid": args.uid, "token": token,
+                          "file": args.file, "entry": entry}))
+    elif args.file:
+        print(f"added token {args.name!r} ({args.role}) to {args.file}; 'systemctl reload shmserve' (SIGHUP) "
+              f"applies it.  The token (shown once, only its digest is kept):\n{token}")
+    else:
+        print(f"# the entry for server.v2_tokens (append it to that file, mode 0600):\n{entry}\n"
+              f"# the token (shown once): give it to the caller as 'Authorization: Bearer <token>'\n{token}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shmserve import __version__
 
@@ -821,7 +859,31 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--json", action="store_true", help="one line of JSON: what was (or would be) removed, "
                                                              "and what was left")
     cleanup.set_defaults(func=_cmd_cleanup)
+
+    token = command("token", "make a bearer token for the v2 doors' TCP callers (server.v2_tokens; "
+                             "docs/security.md)",
+                    "shmserve token ingest --file /etc/shmserve/v2-tokens.toml",
+                    "shmserve token ops --role admin --file /etc/shmserve/v2-tokens.toml")
+    token.add_argument("name", type=_token_name, help="who it is for (letters, digits, '.', '_', '-'; in logs "
+                                                      "and limits)")
+    token.add_argument("--role", choices=("client", "admin"), default="client",
+                       help="client: inference, metadata, statistics, shared memory; admin: also the repository "
+                            "(default: client)")
+    token.add_argument("--uid", type=_counting, default=None,
+                       help="the uid whose /dev/shm objects it may register (default: none)")
+    token.add_argument("--file", help="append the entry to this token file (made 0600 if missing); "
+                                      "default: print it")
+    token.add_argument("--json", action="store_true", help="one line of JSON (the token included)")
+    token.set_defaults(func=_cmd_token)
     return parser
+
+
+def _token_name(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"{text[:70]!r}: 1 to 64 letters, digits, '.', '_' or '-'")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

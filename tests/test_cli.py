@@ -311,3 +311,29 @@ def test_a_bad_instance_name_is_a_usage_error_naming_the_rule(command):
     r = cli(command, "--instance", "../x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "invalid instance name '../x'" in r.stderr and "A-Z a-z 0-9 _ -" in r.stderr
+
+
+def test_token_makes_a_token_its_file_entry_keeps_only_the_digest_and_mistakes_are_one_line(tmp_path):
+    from shmserve.v2.auth import Authenticator, load_tokens
+
+    path = tmp_path / "tokens.toml"
+    r = cli("token", "ingest", "--uid", "1001", "--file", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)
+    assert made["name"] == "ingest" and made["role"] == "client" and made["uid"] == 1001
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and made["token"] not in path.read_text()
+    r = cli("token", "ops", "--role", "admin", "--file", str(path))
+    assert r.returncode == 0 and "systemctl reload" in r.stdout
+    ops_token = r.stdout.strip().splitlines()[-1]
+    tokens = load_tokens(str(path))
+    assert [(t.name, t.role, t.uid) for t in tokens] == [("ingest", "client", 1001), ("ops", "admin", None)]
+    auth = Authenticator(allowed=lambda *a: False, is_admin=lambda *a: False, tokens=tokens)
+    assert auth.bearer(f"Bearer {made['token']}").key == "token:ingest"
+    assert auth.bearer(f"Bearer {ops_token}").key == "token:ops"
+    again = cli("token", "ops", "--file", str(path))
+    assert again.returncode == 2 and "already has a token named 'ops'" in again.stderr
+    for bad in (["token", "a b"], ["token", "x", "--uid", "0"], ["token", "x", "--role", "root"]):
+        r = cli(*bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, bad
+    printed = cli("token", "solo")
+    assert printed.returncode == 0 and "[[token]]" in printed.stdout and 'name = "solo"' in printed.stdout
