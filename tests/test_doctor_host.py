@@ -227,6 +227,10 @@ def test_a_descriptor_limit_below_connections_and_regions_is_a_warning(tmp_path)
     assert "LimitNOFILE=65536" in f.fix
     host.process(FRONT, nofile=(1024, 65536))  # the server lifts its soft limit to the hard one
     assert check("host.fds", context(host.root))[0] == []
+    host.process(FRONT, nofile=(2700, 2700))  # enough, until v2 clients may register their /dev/shm objects
+    assert check("host.fds", context(host.root))[0] == []
+    (f,) = check("host.fds", context(host.root, v2_system_shared_memory=True))[0]
+    assert "v2 shared-memory registrations (max_regions_per_uid, 256)" in f.expected and "2880" in f.expected
 
 
 # -- placement.numa -------------------------------------------------------------------------

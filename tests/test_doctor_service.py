@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shmserve.doctor import CHECKS, checks_service, run_checks
+from shmserve.doctor import CHECKS, run_checks
 from shmserve.doctor.context import Service
 from shmserve.doctor.findings import CRITICAL, INFO, SCHEMA, WARNING, CheckResult, Finding, Report, render
 from shmserve.frontend.history import STAGES, History, Sample, WorkerSample

@@ -6,7 +6,10 @@ decode and validate its inputs into numpy views (a bytes input unpacked into
 an object array, its elements checked), lay its outputs out in its output
 area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
-the worker's latency histograms.
+the worker's latency histograms; and the count of requests that brought an
+input signature the worker had not met (``new_signatures``, for ``shmserve
+doctor``: from the signature a lane's decode checks anyway, and the arena's
+requests' shapes).
 
 Each request's own work on the slot's bytes (claim, a lane slot's decode, the
 output descriptors, publish) is ``shmserve.hotpath``'s: compiled by default,

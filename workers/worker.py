@@ -11,11 +11,14 @@ arena is unregistered and only then unmapped.  And the serve loop
 (``Worker``): the worker's state in the worker table, waiting on its own
 submission ring and its lanes' at once, the front-end's commands on its
 ring (stop, attach a lane, drop a region: unmapped as soon as no request in
-hand uses it, busy or idle), orphan detection, and handing requests to
-``workers.step`` one by one or to ``workers.batching``.
+hand uses it, busy or idle), orphan detection, handing requests to
+``workers.step`` one by one or to ``workers.batching``, and when to tell the
+front-end the step's input-signature counts (at most once a second while
+busy, at once when idle: ``tell_signatures_now``).
 
 Must not: parse arguments, handle signals or talk on the control socket
-(``workers.main``), or look inside a request (``workers.step``).
+(``workers.main`` hands it the callables that do), or look inside a request
+(``workers.step``).
 """
 
 from __future__ import annotations
@@ -146,11 +149,12 @@ class Worker:
                  gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
                  tell_lane_failed: Callable[[int, str], None] = lambda region, why: None, *,
                  memory: dict | None = None, warmup: dict | None = None, threads: dict | None = None,
-                 tell_signatures: Callable[[dict], None] = lambda counts: None):
+                 tell_signatures: Callable[[dict], None] = lambda counts: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
         self.memory, self.warmup, self.threads = memory, warmup, threads or {}
-        self.tell_signatures = tell_signatures
-        self._told_signatures, self._told_at = 0, 0.0
+        self.tell_signatures, self.clock = tell_signatures, clock
+        self._told_signatures, self._told_at = 0, -SIGNATURES_EVERY_S
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
         completions = Ring.of_worker(arena, index, completion=True)
@@ -197,7 +201,7 @@ class Worker:
     def tell_signatures_now(self, idle: bool) -> None:
         """Tell the front-end the input-signature counts (at most once a second while busy: a model
         whose inputs change shape on every call must not send a message per call)."""
-        now = time.monotonic()
+        now = self.clock()
         if not idle and now - self._told_at < SIGNATURES_EVERY_S:
             return
         step = self.step

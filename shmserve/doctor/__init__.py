@@ -101,9 +101,11 @@ def gather(instance: str, *, root: str = "/", config_path: str | None = None, so
     settings = fallback
     if service.live and service.info is not None:
         settings = Settings.from_status(service.info, service.models or [], fallback)
+    elif service.snapshot is not None:  # a dead instance: its arena is as large as it is
+        settings.arena_bytes = int(service.snapshot["size"])
     gpus = query(nvidia_smi or find_nvidia_smi(path))
     sources = {"arena": service.snapshot.get("arena") if service.snapshot else None,
-               "server": service.state, "server_why": service.why, "settings": settings.source,
+               "server_why": service.why, "settings": settings.source,
                "nvidia_smi": gpus.command, "nvidia_smi_error": gpus.error, "nvidia_smi_dropped": gpus.dropped,
                "cuda_version": gpus.cuda_version, "tensorrt": list(gpus.tensorrt) if gpus.tensorrt else None}
     return service, settings, gpus, sources

@@ -163,10 +163,10 @@ def memory(ctx: Context) -> list[Finding]:
     by_bus = ctx.gpus.by_bus()
     budget = {d: b for d, b in ctx.settings.memory_budget.items() if d.startswith("cuda")}
     found = []
-    gpus = placement.nvidia_gpus(ctx.host.root)
+    gpus, env = placement.nvidia_gpus(ctx.host.root), ctx.server_environ()
     for device, limit in sorted(budget.items()):
         ordinal = int(device.partition(":")[2])
-        gpu, _ = placement.cuda_gpu(ordinal, gpus, os.environ)
+        gpu, _ = placement.cuda_gpu(ordinal, gpus, env)
         row = by_bus.get(gpu.bus_id) if gpu else next((r for r in rows if r.get("index") == ordinal), None)
         total = row.get("memory.total") if row else None
         if not isinstance(total, int):

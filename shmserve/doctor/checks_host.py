@@ -292,16 +292,19 @@ def fds(ctx: Context) -> list[Finding]:
     if limit is None:
         raise Skip(f"no 'Max open files' in proc/{pid}/limits")
     s = ctx.settings
-    needed = s.max_connections + 2 * s.max_regions + FD_SPARE
+    registrations = s.max_regions_per_uid if s.v2_system_shared_memory else 0  # one uid's, at least
+    needed = s.max_connections + 2 * s.max_regions + registrations + FD_SPARE
     usable = limit.hard  # the server lifts its soft limit to the hard one at start
     if usable is None or usable >= needed:
         return []
     return [Finding(
         "host.fds", WARNING, "the descriptor limit is below what the configured limits can use",
         f"{whose}: RLIMIT_NOFILE", f"hard limit {usable} (proc/{pid}/limits 'Max open files'; soft {limit.soft})",
-        f"at least max_connections ({s.max_connections}) + 2 x max_regions ({s.max_regions}) + {FD_SPARE} = "
-        f"{needed}", "The front-end holds a descriptor per connection and two per lane or region (workers one "
-        "per region); past the limit accept() and region creation fail with 'too many open files' while the "
-        "configured limits still say yes.",
+        f"at least max_connections ({s.max_connections}) + 2 x max_regions ({s.max_regions})"
+        + (f" + one uid's v2 shared-memory registrations (max_regions_per_uid, {registrations})"
+           if registrations else "") + f" + {FD_SPARE} = {needed}",
+        "The front-end holds a descriptor per connection, two per lane or region (workers one per region) and "
+        "one per v2 system shared-memory registration; past the limit accept(), region creation and "
+        "registration fail with 'too many open files' while the configured limits still say yes.",
         "systemd: LimitNOFILE=65536 (the shipped unit); a shell: ulimit -n 65536; or lower [server] "
         "max_connections / max_regions", {"hard": usable, "soft": limit.soft, "needed": needed})]

@@ -15,12 +15,13 @@ from shmserve import placement, workerlink
 from shmserve.doctor.checks_host import Skip
 from shmserve.doctor.context import Context
 from shmserve.doctor.findings import INFO, WARNING, Finding
+from shmserve.inspection import plural
 from shmserve.placement import format_cpulist
 
 # -- each GPU worker's CPUs against its GPU's local CPUs ---------------------------------------
 
 def numa(ctx: Context) -> list[Finding]:
-    env = _server_environ(ctx)
+    env = ctx.server_environ()
     found = []
     gpu_workers = [w for w in ctx.service.workers() if w.alive and w.device.startswith("cuda")]
     if gpu_workers:
@@ -67,17 +68,6 @@ def _far(ctx: Context, who: str, device: str, cpus, local, why: str, source: str
         f"\"{format_cpulist(local)}\"; if 'auto' could not tell the GPU's CPUs, set CUDA_DEVICE_ORDER=PCI_BUS_ID "
         f"in the service's environment (docs/config.md, CPU and device placement)",
         {"cpus": format_cpulist(cpus), "local": format_cpulist(local), "device": device})
-
-
-def _server_environ(ctx: Context) -> dict[str, str] | None:
-    """The front-end's environment (its CUDA_VISIBLE_DEVICES decides what cuda:N is), else ours."""
-    snap = ctx.service.snapshot or {}
-    if ctx.service.live and snap.get("owner_pid"):
-        proc = ctx.host.process(snap["owner_pid"])
-        env = proc.environ() if proc else None
-        if env is not None:
-            return env
-    return None  # placement reads os.environ
 
 
 # -- thread pools against the CPUs each worker owns --------------------------------------------
@@ -132,13 +122,13 @@ def threads(ctx: Context) -> list[Finding]:
         models = sorted({w.model for w, _, _, _ in group})
         fix_pool = max(1, len(cpus) // len(group))
         found.append(Finding(
-            "placement.threads", WARNING, f"{total} compute threads share {len(cpus)} CPUs",
+            "placement.threads", WARNING, f"{total} compute threads share {plural(len(cpus), 'CPU')}",
             ", ".join(w.who for w, _, _, _ in group), names,
-            f"at most {len(cpus)} threads on CPUs {format_cpulist(cpus)} (one per CPU)",
+            f"at most {plural(len(cpus), 'thread')} on CPUs {format_cpulist(cpus)} (one per CPU)",
             "An oversubscribed pool's threads take turns on the same CPUs: a parallel operator waits for its "
             "slowest thread, which waits for the scheduler, and spinning pool threads burn the time the others "
             "need. Latency grows with every request running at once.",
-            f"give each worker {fix_pool} thread(s): [models.options] intra_op_threads = {fix_pool} "
+            f"give each worker {plural(fix_pool, 'thread')}: [models.options] intra_op_threads = {fix_pool} "
             f"(onnxruntime), OMP_NUM_THREADS={fix_pool} in the service's environment (torch, MKL, OpenBLAS); or "
             f"cpus_per_worker = {fix_pool} so each worker owns its CPUs; or fewer instances of "
             f"{', '.join(models)}",

@@ -112,7 +112,8 @@ def _count(window: dict) -> int:
 
 def _why_stage(stage: str) -> str:
     return {
-        "queue": "Requests wait for a worker: the workers are busy with earlier ones (or slow to wake).",
+        "queue": "Requests wait between being queued and a worker claiming them: the workers are busy with "
+                 "earlier requests, or asleep and slow to wake (a CPU shared with other work, a throttled cgroup).",
         "copy_in": "Inputs are copied into the worker's view (or to the GPU) before the model runs.",
         "copy_out": "Outputs are copied out of the model's buffers (or back from the GPU) after it ran.",
         "handoff": "Time between the request being admitted and a worker claiming it, and between DONE and the "
@@ -123,8 +124,9 @@ def _why_stage(stage: str) -> str:
 
 def _fix_stage(stage: str, model: str) -> str:
     return {
-        "queue": f"more workers (shmserve scale {model} N, or instances), dynamic batching (max_batch_size, "
-                 f"max_queue_delay_us), or fewer clients per model",
+        "queue": f"if its workers are busy ('shmserve info': in flight): more workers (shmserve scale {model} N) "
+                 f"or dynamic batching (max_batch_size, max_queue_delay_us); if they idle: CPUs of their own "
+                 f"(cpus, host.cgroup_cpu and placement.frontend above) and spin_us",
         "copy_in": "zero-copy calls (Client.zero_copy: the inputs written in shared memory once); on a GPU, "
                    "io_mode = \"mapped\" for inputs read once",
         "copy_out": "zero-copy calls (outputs read in place); on a GPU, io_mode = \"mapped\"",

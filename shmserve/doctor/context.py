@@ -14,6 +14,7 @@ model runtime.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from shmserve.doctor.gpu import GpuFacts
@@ -48,6 +49,8 @@ class Settings:
     spin_us: int
     memory_budget: dict[str, int]
     models: list[ModelFacts] = field(default_factory=list)
+    max_regions_per_uid: int = 256
+    v2_system_shared_memory: bool = False  # v2 clients' registrations each hold a descriptor in the front-end
 
     @classmethod
     def from_config(cls, config, source: str) -> "Settings":
@@ -63,7 +66,8 @@ class Settings:
                   for m in config.models]
         return cls(source, geometry.total_size, config.max_connections, config.max_regions,
                    config.max_region_bytes_per_connection, config.max_region_bytes_per_uid,
-                   config.effective_spin_us(), dict(config.memory_budget), models)
+                   config.effective_spin_us(), dict(config.memory_budget), models, config.max_regions_per_uid,
+                   config.v2_system_shared_memory)
 
     @classmethod
     def from_status(cls, info: dict, listing: list[dict], fallback: "Settings") -> "Settings":
@@ -82,7 +86,8 @@ class Settings:
                    int(limits.get("max_region_bytes_per_uid", fallback.max_region_bytes_per_uid)),
                    int(limits.get("spin_us", fallback.spin_us)),
                    {str(k): int(v) for k, v in (limits.get("memory_budget") or fallback.memory_budget).items()},
-                   models or fallback.models)
+                   models or fallback.models, int(limits.get("max_regions_per_uid", fallback.max_regions_per_uid)),
+                   bool(limits.get("v2_system_shared_memory", fallback.v2_system_shared_memory)))
 
     def gpu_models(self) -> list[ModelFacts]:
         return [m for m in self.models if any(d.startswith("cuda") for d in m.devices)]
@@ -175,3 +180,11 @@ class Context:
         own = self.host.own_pid()
         return own, (f"this shell's process (pid {own}): no live server; a 'shmserve serve' started from here "
                      f"gets these")
+
+    def server_environ(self) -> dict[str, str]:
+        """The live front-end's environment (its CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER decide
+        what cuda:N is), else doctor's own."""
+        snap = self.service.snapshot or {}
+        proc = self.host.process(snap["owner_pid"]) if self.service.live and snap.get("owner_pid") else None
+        env = proc.environ() if proc is not None else None
+        return env if env is not None else dict(os.environ)

@@ -153,7 +153,8 @@ class Status:
         c = self.config
         return {"max_connections": c.max_connections, "max_regions": c.max_regions,
                 "max_region_bytes_per_connection": c.max_region_bytes_per_connection,
-                "max_region_bytes_per_uid": c.max_region_bytes_per_uid, "spin_us": c.effective_spin_us(),
+                "max_region_bytes_per_uid": c.max_region_bytes_per_uid, "max_regions_per_uid": c.max_regions_per_uid,
+                "spin_us": c.effective_spin_us(),
                 "memory_budget": dict(c.memory_budget), "v2_system_shared_memory": c.v2_system_shared_memory}
 
     def _is_default(self, v: ModelState) -> bool:
