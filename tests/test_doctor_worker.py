@@ -7,22 +7,15 @@ of the backend once through the adapter."""
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import socket
 
 import numpy as np
 
-from shmserve import workerlink
-from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.spec import TensorSpec
 from workers.adapter import BackendAdapter
-from workers.regions import RegionCache
-from workers.step import Step
-from workers.worker import SIGNATURES_EVERY_S, Worker
+from workers.worker import SIGNATURES_EVERY_S
 
-from test_worker_batching import FrontEnd
+from test_worker_batching import serving
 
 
 class Echo:
@@ -43,20 +36,10 @@ class Clock:
 
 @contextlib.contextmanager
 def worker_over(instance: str, backend, clock: Clock, told: list):
-    config = ModelConfig(name="echo", backend="python", path="x:y")
-    with Arena.create(instance, slot_count=16, max_workers=1, size_classes=[(4096, 32), (65536, 32)],
-                      prefault=False) as arena, contextlib.ExitStack() as stack:
-        adapter = stack.enter_context(BackendAdapter(backend))
-        spec = adapter.prepare(config)
-        control, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        stack.callback(control.close)
-        stack.callback(worker_end.close)
-        regions = stack.enter_context(RegionCache(functools.partial(workerlink.receive_regions, worker_end)))
-        completion_fd = os.eventfd(0)
-        stack.callback(os.close, completion_fd)
-        worker = Worker(arena, 0, config, completion_fd, 0.0, Step(arena, 0, regions, adapter, spec),
-                        tell_signatures=told.append, clock=clock)
-        yield FrontEnd(arena, spec), worker
+    """(FrontEnd, Worker) as test_worker_batching makes them, the worker telling ``told`` on ``clock``."""
+    with serving(instance, ModelConfig(name="echo", backend="python", path="x:y"), backend) as (front, worker):
+        worker.tell_signatures, worker.clock = told.append, clock
+        yield front, worker
 
 
 def run(front, worker, n: int):
