@@ -180,3 +180,15 @@ def test_doctor_user_errors_are_one_line(tmp_path):
     r = doctor("--help")
     assert r.returncode == 0 and "examples:" in r.stdout
     assert "exit codes:" in r.stdout and "doctor: a critical finding" in r.stdout
+
+
+def test_doctor_imports_no_cuda_and_no_model_runtime(tmp_path):
+    """The operations layer, like the front-end, never imports CUDA or a runtime: a run of every check
+    leaves none of them in sys.modules (TensorRT's version comes from package metadata)."""
+    code = ("import sys\nfrom shmserve import doctor\n"
+            f"doctor.run({new_instance('imp')!r}, sample_s=0)\n"
+            "heavy = ('torch', 'onnxruntime', 'tensorrt', 'tensorrt_lean', 'tensorrt_lean_bindings', 'cuda', 'numba')\n"
+            "print(','.join(sorted(m for m in heavy if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=tmp_path).stdout.strip()
+    assert out == "", f"doctor imported {out}"
