@@ -52,6 +52,13 @@ DEFAULT_SIZE_CLASSES = (  # (extent size, count): ~150 MiB in all, enough for th
 )
 
 
+def default_ring_capacity(slot_count: int) -> int:
+    """A worker ring's entries for an arena of ``slot_count`` slots: every slot once, and as much
+    again for commands and stale entries (a power of two).  ``Arena.create``'s default; ``shmserve
+    doctor`` sizes an arena that is not made yet with it."""
+    return min(layout.MAX_RING_CAPACITY, 1 << max(0, (2 * slot_count - 1).bit_length()))
+
+
 class ArenaError(Exception):
     """An arena could not be created, attached or used; the message says why and what to do."""
 
@@ -234,8 +241,8 @@ class Arena:
         left behind in /dev/shm.
         """
         name = layout.arena_name(instance)
-        if ring_capacity is None:  # every slot once, and as much again for commands and stale entries
-            ring_capacity = min(layout.MAX_RING_CAPACITY, 1 << max(0, (2 * slot_count - 1).bit_length()))
+        if ring_capacity is None:
+            ring_capacity = default_ring_capacity(slot_count)
         try:
             geometry = layout.plan(slot_count=slot_count, size_classes=size_classes,
                                    max_workers=max_workers, ring_capacity=ring_capacity, max_regions=max_regions)

@@ -25,6 +25,7 @@ PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at
 EXIT_CODES = """exit codes:
   0    success
   1    the operation failed (the server answered with an error), or the instance is unhealthy
+       (doctor: a critical finding, or one at --fail-on)
   2    usage, input or configuration error
   3    no server answers at the socket
   4    permission denied (the socket's group gives access)
@@ -72,6 +73,17 @@ def _natural(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _sample(text: str) -> float:
+    """argparse type: seconds from 0 to 60."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"must be 0 to 60, got {text!r}")
     return value
 
 
@@ -637,6 +649,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from shmserve import doctor
+    from shmserve.config import ConfigError
+
+    try:
+        report = doctor.run(args.instance, root=args.root, config_path=args.config, socket=args.socket,
+                            sample_s=args.sample)
+    except ConfigError as exc:
+        return _usage("doctor", f"--config: {exc}")
+    if args.json:
+        print(json.dumps(report.to_dict(args.fail_on)))
+    else:
+        from shmserve.doctor.findings import render
+
+        _print(render(report, verbose=args.verbose))
+    return EXIT_FAILURE if report.exit_status(args.fail_on) else EXIT_OK
+
+
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     from shmserve import stale
     from shmserve.arena import uid_words
@@ -851,6 +881,24 @@ def build_parser() -> argparse.ArgumentParser:
     command("bench", "latency and throughput against floors measured in the same run "
                      "(its options: 'shmserve bench --help')",
             "shmserve bench --spawn-server", "shmserve bench --payload 4KiB,1MiB --json-out results.json")
+
+    doctor = command("doctor", "read-only checks of the host, placement, GPUs and the instance: each finding "
+                               "with its evidence, why it matters and the fix (docs/operations.md)",
+                     "shmserve doctor", "shmserve doctor --instance prod --json | jq '.findings[]'",
+                     "shmserve doctor --config /etc/shmserve/shmserve.toml   # before the first start")
+    doctor.add_argument("--instance", type=instance_name, default="default", help="instance name")
+    doctor.add_argument("--config", help="the limits and models to check the host against when no server answers "
+                                         "(default: a live server's own, else the defaults)")
+    doctor.add_argument("--socket", help="the live server's socket (default: the one its arena names)")
+    doctor.add_argument("--root", default="/", metavar="DIR", help="read /proc and /sys under DIR (a copy of "
+                                                                   "another machine's, or a container's host mount)")
+    doctor.add_argument("--sample", type=_sample, default=1.0, metavar="S",
+                        help="watch growing counters (CPU throttling) this many seconds; 0: read them once")
+    doctor.add_argument("--fail-on", choices=("critical", "warning"), default="critical",
+                        help="exit 1 when a finding is at least this severe")
+    doctor.add_argument("--json", action="store_true", help="one line of JSON (schema: docs/operations.md)")
+    doctor.add_argument("-v", "--verbose", action="store_true", help="also list every check and why one was skipped")
+    doctor.set_defaults(func=_cmd_doctor)
 
     cleanup = command("cleanup", "remove arenas whose server is gone (never a live one)",
                       "shmserve cleanup --dry-run", "shmserve cleanup --instance prod")

@@ -38,15 +38,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _percentile(counts: list[int], q: float) -> float | None:
-    total = sum(counts)
-    if not total:
-        return None
-    target, running = q * total, 0
-    for i, n in enumerate(counts):
-        running += n
-        if running >= target:
-            return float(layout.hist_upper_bound(i))  # in microseconds
-    return float(layout.hist_upper_bound(len(counts) - 1))
+    bound = layout.hist_quantile(counts, q)
+    return None if bound is None else float(bound)  # in microseconds
 
 
 def snapshot(instance: str, *, stuck_after_s: float = STUCK_AFTER_S) -> dict:

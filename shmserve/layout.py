@@ -417,6 +417,20 @@ def hist_upper_bound(bucket: int) -> int:
     return 2 ** (bucket + 1)
 
 
+def hist_quantile(counts: Sequence[int], q: float) -> int | None:
+    """The upper bound of the bucket holding quantile ``q`` (0-1) of a histogram's ``counts``
+    (microseconds for a stage); None for an empty histogram."""
+    total = sum(counts)
+    if not total:
+        return None
+    target, running = q * total, 0
+    for i, n in enumerate(counts):
+        running += n
+        if running >= target:
+            return hist_upper_bound(i)
+    return hist_upper_bound(len(counts) - 1)
+
+
 RING_TAIL, RING_HEAD, RING_SEQ, RING_WAITERS = 0, CACHE_LINE, 2 * CACHE_LINE, 2 * CACHE_LINE + 4
 
 SLOT = Record("Slot", TENSORS_OFFSET, [

@@ -34,6 +34,7 @@ from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.errors import ErrorCode
 from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
+from shmserve.frontend.history import History
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
 from shmserve.frontend.regions import RegionLimits, RegionTable
@@ -252,9 +253,10 @@ class Frontend:
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
                                    startup_timeout=STARTUP_TIMEOUT_S, finished=self._finished_by)
+        self.history = History()
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
-                             socket_path=self.socket_path, lifecycle=self.lifecycle)
+                             socket_path=self.socket_path, lifecycle=self.lifecycle, history=self.history)
         self.door = UnixDoor(self.dispatcher, self.regions, self.status, clock=self.dispatcher.clock,
                              limits=door_limits_of(self.config), allow_uids=self.config.allow_uids,
                              allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
@@ -320,6 +322,9 @@ class Frontend:
             self.arena.beat()
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
+            now = time.monotonic()
+            if self.history.due(now):  # a sample a minute: the baseline 'shmserve doctor' compares with
+                self.history.record(self.status.sample(now))
             await asyncio.sleep(HEARTBEAT_S)
 
     def _finished_by(self, w: WorkerHandle) -> int:

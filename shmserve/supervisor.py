@@ -139,7 +139,8 @@ class WorkerHandle:
     terminating: bool = False  # TERM sent (wedged or stopping); KILL follows unless it exits
     ready_future: asyncio.Future | None = None
     placement: placement.Placement | None = None  # its device and CPUs, decided when the handle was made
-    reported: dict | None = None  # where its process said it runs when ready: {"device": …, "cpus": "0-3"}
+    reported: dict | None = None  # where its process said it runs when ready: {"device": …, "cpus": "0-3", "threads": …}
+    signatures: dict | None = None  # input signatures its process met: {"new", "distinct"} (doctor)
 
     @property
     def device(self) -> str:
@@ -306,6 +307,7 @@ class Supervisor:
         # the new one does not cost every push a futex_wake.  Nobody else touches it now.
         atomics.store32(self.arena.buf, w.submissions.waiters_offset, 0)
         w.restart_at = None
+        w.signatures = None  # the new process counts its own
         layout.WORKER.write(self.arena.buf, base, pid=0, state=layout.WORKER_STARTING, restarts=w.restarts,
                             heartbeat_ns=time.monotonic_ns(), device=where.device.encode()[:16],
                             name=w.model.name.encode()[:48], crash_streak=w.crash_streak, restart_at_ns=0,
@@ -361,6 +363,10 @@ class Supervisor:
             self.on_dropped(w, message.get("region"))
         elif message["event"] == "lane_failed":
             self.on_lane_failed(w, message.get("region"), str(message.get("error")))
+        elif message["event"] == "signatures":
+            counts = {k: message.get(k) for k in ("new", "distinct")}
+            if all(type(v) is int and v >= 0 for v in counts.values()):
+                w.signatures = counts
 
     def _served_healthily(self, w: WorkerHandle, proc: subprocess.Popen) -> None:
         """``restart_healthy_s`` after ``proc`` reported ready: if it is still the ready one, the worker

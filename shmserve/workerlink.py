@@ -12,12 +12,18 @@ Worker -> front-end:
      "gpu": {...} or null,                                     what the GPU registered;
      "memory": {"host_bytes": n, "device_bytes": n},           what it uses (workers.memory);
      "warmup": {"runs": n, "seconds": t},                      what its warm-up ran
-     "placement": {"device": "cuda:1", "cpus": "0-3"}}         where it runs (its affinity, read back)
+     "placement": {"device": "cuda:1", "cpus": "0-3",          where it runs (its affinity, read back),
+                   "threads": {...}}}                           and its runtime's thread pools
+                                                               (``workers.adapter.BackendAdapter.threads``)
     {"event": "failed", "error": "..."}                        could not load
     {"event": "dropped", "region": id}                         a region it was told to drop is
                                                                unmapped and its descriptor closed
     {"event": "lane_failed", "region": id, "error": "..."}     a lane it was told to attach cannot
                                                                be served (not mapped or not locked)
+    {"event": "signatures", "new": n, "distinct": n}           requests that brought an input signature
+                                                               it had not met, signatures it remembers
+                                                               (``workers.step``; at most one a second,
+                                                               and when idle)
 
 Front-end -> worker, only client regions (``send_region``):
 
@@ -45,6 +51,10 @@ import socket
 import sys
 
 import orjson
+
+# The environment variables that size a worker's OpenMP, MKL and OpenBLAS pools: its ready message
+# reports them beside its runtime's own thread settings.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 EXIT_OK = 0
 EXIT_LOAD_FAILED = 3  # the model cannot be loaded: restarting would fail the same way
@@ -117,6 +127,14 @@ def tell_lane_failed(sock: socket.socket, region: int, why: str) -> None:
     """Worker: the lane of region ``region`` cannot be served here (``why``)."""
     try:
         sock.send(encode({"event": "lane_failed", "region": region, "error": why[:500]}))
+    except OSError:
+        pass  # the front-end is gone
+
+
+def tell_signatures(sock: socket.socket, counts: dict) -> None:
+    """Worker: its input-signature counts (``{"new", "distinct"}``), for ``shmserve doctor``."""
+    try:
+        sock.send(encode({"event": "signatures", **counts}))
     except OSError:
         pass  # the front-end is gone
 

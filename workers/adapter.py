@@ -7,7 +7,9 @@ returns arrays (``run``), and whether it synchronizes a stream, takes the
 GPU's registered memory, wants the final specs declared, supplies its own
 warm-up inputs, tells the device memory it holds, or writes a batch's
 outputs straight into each request's output area (``accepts_row_splits``,
-see ``workers.backends.RowSplit``).
+see ``workers.backends.RowSplit``), or runs thread pools (``threads``: a dict,
+or a method returning one, of its runtime's ``intra_op`` and ``inter_op``
+threads, for ``shmserve doctor``).
 Every optional call is offered in one shape (missing means a no-op), so the
 rest of the worker calls without asking.  ``prepare`` turns the backend and
 the model's config into its ``ModelSpec``; ``warm_up`` runs it on the
@@ -55,7 +57,8 @@ class BackendAdapter:
     ``writes_outputs``), ``closes``.
     Calls: ``run_into`` or ``run`` (the one it has; the other is None),
     ``synchronize()``, ``bind_memory(memory)``, ``declare(inputs, outputs)``,
-    ``device_bytes()`` (int, or None: it cannot tell), ``close()`` — the
+    ``device_bytes()`` (int, or None: it cannot tell), ``threads()`` (a dict,
+    {} if it does not say), ``close()`` — the
     optional ones are no-ops (returning None) where the backend lacks them.
     ``inputs``/``outputs``: what the backend tells of its tensors (empty if
     nothing).
@@ -65,7 +68,7 @@ class BackendAdapter:
 
     __slots__ = ("backend", "run", "run_into", "synchronize", "bind_memory", "declare", "device_bytes", "close",
                  "inputs", "outputs", "writes_outputs", "synchronizes", "takes_memory", "takes_declare", "own_warmup",
-                 "tells_device_bytes", "writes_row_splits", "closes", "_warmup")
+                 "tells_device_bytes", "writes_row_splits", "closes", "_warmup", "_threads")
 
     def __init__(self, backend):
         self.backend = backend
@@ -94,6 +97,13 @@ class BackendAdapter:
         self._warmup = own_inputs
         self.inputs = tuple(getattr(backend, "inputs", None) or ())
         self.outputs = tuple(getattr(backend, "outputs", None) or ())
+        self._threads = getattr(backend, "threads", None)
+
+    def threads(self) -> dict:
+        """The thread pools the backend says its runtime runs (``{"runtime", "intra_op", "inter_op"}``;
+        {} when it does not say, or says something that is not a dict)."""
+        found = self._threads() if callable(self._threads) else self._threads
+        return dict(found) if isinstance(found, dict) else {}
 
     @classmethod
     def load(cls, config: ModelConfig) -> "BackendAdapter":

@@ -93,7 +93,8 @@ def _start(stack: contextlib.ExitStack, args: argparse.Namespace, config: ModelC
     return open_worker(stack, arena, args.index, config, args.completion_fd, args.spin_us / 1e6,
                        functools.partial(workerlink.receive_regions, control), gpu,
                        functools.partial(workerlink.tell_dropped, control),
-                       functools.partial(workerlink.tell_lane_failed, control))
+                       functools.partial(workerlink.tell_lane_failed, control),
+                       functools.partial(workerlink.tell_signatures, control))
 
 
 def _pin(cpus: str | None) -> str | None:
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         except StartFailed as exc:
             control.send(workerlink.encode({"event": "failed", "error": exc.message}))
             return exc.exit_code
-        where = {"device": config.device, "cpus": placement.format_cpulist(os.sched_getaffinity(0))}
+        where = {"device": config.device, "cpus": placement.format_cpulist(os.sched_getaffinity(0)),
+                 "threads": {**worker.threads, "env": {name: os.environ[name] for name in workerlink.THREAD_VARIABLES
+                                                       if name in os.environ}}}
         control.send(workerlink.encode({"event": "ready", "spec": worker.spec.to_dict(), "gpu": worker.gpu_info,
                                         "memory": worker.memory, "warmup": worker.warmup, "placement": where}))
         return worker.serve()

@@ -6,7 +6,10 @@ decode and validate its inputs into numpy views (a bytes input unpacked into
 an object array, its elements checked), lay its outputs out in its output
 area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
-the worker's latency histograms.
+the worker's latency histograms; and the count of requests that brought an
+input signature the worker had not met (``new_signatures``, for ``shmserve
+doctor``: from the signature a lane's decode checks anyway, and the arena's
+requests' shapes).
 
 Each request's own work on the slot's bytes (claim, a lane slot's decode, the
 output descriptors, publish) is ``shmserve.hotpath``'s: compiled by default,
@@ -37,7 +40,8 @@ from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
 from shmserve.spec import ModelSpec, bind_inputs
 
-LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as valid (then forgotten at once)
+LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as valid (then forgotten at once);
+# the arena's requests' signatures are remembered as many (for doctor's count of new ones)
 
 _BYTES = layout.BYTES_DTYPE
 _HOT = hotpath.active  # claim, decode_lane, encode_outputs, publish: compiled, or the reference
@@ -210,6 +214,10 @@ class Step:
         # Hot path: what the adapter states, bound once.
         self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
         self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
+        # For `shmserve doctor` (service.shapes): requests whose input signature this worker had not met
+        # (or had forgotten, past LANE_SIGNATURES_MAX of a kind), and the arena requests' signatures met.
+        self.new_signatures = 0
+        self._arena_signatures: set[tuple] = set()
 
     # -- one request, whole -------------------------------------------------------------------
 
@@ -308,6 +316,7 @@ class Step:
         regions = self.regions
         maps, sizes = regions.maps, regions.sizes
         inputs = {}
+        signature = []
         try:
             for t in range(n_inputs):
                 region = layout.region_of_tensor(buf, g, index, t)
@@ -323,8 +332,15 @@ class Step:
                     view = np.ndarray(desc.shape, desc.dtype, buffer=source, offset=desc.offset)
                 view.flags.writeable = False
                 inputs[names[desc.name_index]] = view
+                signature.append((desc.name_index, desc.dtype, desc.shape))
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.BAD_REGION, f"input descriptor rejected: {exc}") from None
+        signature = tuple(signature)
+        if signature not in self._arena_signatures:
+            if len(self._arena_signatures) >= LANE_SIGNATURES_MAX:
+                self._arena_signatures.clear()
+            self._arena_signatures.add(signature)
+            self.new_signatures += 1
         return slot, inputs
 
     def _decode_lane(self, space: Space, index: int):
@@ -357,7 +373,13 @@ class Step:
             if len(self._checked_lane_inputs) >= LANE_SIGNATURES_MAX:
                 self._checked_lane_inputs.clear()
             self._checked_lane_inputs.add(signature)
+            self.new_signatures += 1
         return slot, inputs
+
+    @property
+    def distinct_signatures(self) -> int:
+        """Input signatures this worker remembers having met (lane and arena requests apart)."""
+        return len(self._checked_lane_inputs) + len(self._arena_signatures)
 
     def place(self, space: Space, index: int, slot) -> OutputPlacer:
         """An OutputPlacer for the slot's output area, after checking the area.

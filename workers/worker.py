@@ -11,11 +11,14 @@ arena is unregistered and only then unmapped.  And the serve loop
 (``Worker``): the worker's state in the worker table, waiting on its own
 submission ring and its lanes' at once, the front-end's commands on its
 ring (stop, attach a lane, drop a region: unmapped as soon as no request in
-hand uses it, busy or idle), orphan detection, and handing requests to
-``workers.step`` one by one or to ``workers.batching``.
+hand uses it, busy or idle), orphan detection, handing requests to
+``workers.step`` one by one or to ``workers.batching``, and when to tell the
+front-end the step's input-signature counts (at most once a second while
+busy, at once when idle: ``tell_signatures_now``).
 
 Must not: parse arguments, handle signals or talk on the control socket
-(``workers.main``), or look inside a request (``workers.step``).
+(``workers.main`` hands it the callables that do), or look inside a request
+(``workers.step``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from workers.step import RequestFailed, Space, Step
 
 CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
+SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
 
 
@@ -80,7 +84,8 @@ def heartbeat(arena: Arena, index: int):
 def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: ModelConfig, completion_fd: int,
                 spin_s: float, fetch_regions: Callable[[], list[tuple[int, int, int]]],
                 gpu: GpuMemory | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
-                tell_lane_failed: Callable[[int, str], None] = lambda region, why: None) -> "Worker":
+                tell_lane_failed: Callable[[int, str], None] = lambda region, why: None,
+                tell_signatures: Callable[[dict], None] = lambda counts: None) -> "Worker":
     """Everything worker ``index`` holds, entered on ``stack`` above ``arena``'s mapping (which the
     caller entered first); a Worker ready to serve.  ``fetch_regions``: the region descriptors the
     front-end has sent (``RegionCache``); ``tell_dropped(region)``: tells it a region it closed
@@ -88,7 +93,9 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     GPU worker (the arena is registered with it here, before the model loads: DESIGN.md section 6).
 
     The Worker carries what the ready message tells besides the spec: ``memory`` (``workers.memory``,
-    measured after warm-up) and ``warmup`` (runs and seconds).
+    measured after warm-up), ``warmup`` (runs and seconds) and ``threads`` (its runtime's pools).
+    ``tell_signatures(counts)`` tells the front-end how many requests brought an input signature the
+    worker had not met (``Worker.tell_signatures_now``).
 
     Raises StartFailed: EXIT_ARENA_FAILED if the arena cannot be page-locked (or the device's memory
     use read), EXIT_LOAD_FAILED if the model cannot be loaded and warmed up.  What was entered so far unwinds with ``stack``.
@@ -106,6 +113,7 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
         spec = adapter.prepare(config, gpu.memory if gpu is not None else None)
         warmed = adapter.warm_up(config, spec)
         own_device_bytes = adapter.device_bytes() if gpu is not None else None
+        threads = adapter.threads()
     except Exception as exc:
         raise StartFailed(workerlink.EXIT_LOAD_FAILED,
                           f"cannot load model {config.name!r} ({config.backend}, {config.path}): "
@@ -115,7 +123,7 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
     step = Step(arena, index, regions, adapter, spec, config.version)
     return Worker(arena, index, config, completion_fd, spin_s, step, gpu_info, tell_dropped, tell_lane_failed,
-                  memory=used, warmup=warmed.to_dict())
+                  memory=used, warmup=warmed.to_dict(), threads=threads, tell_signatures=tell_signatures)
 
 
 def _device_bytes(gpu: GpuMemory | None, config: ModelConfig) -> int | None:
@@ -140,9 +148,13 @@ class Worker:
     def __init__(self, arena: Arena, index: int, config: ModelConfig, completion_fd: int, spin_s: float, step: Step,
                  gpu_info: dict | None = None, tell_dropped: Callable[[int], None] = lambda region: None,
                  tell_lane_failed: Callable[[int, str], None] = lambda region, why: None, *,
-                 memory: dict | None = None, warmup: dict | None = None):
+                 memory: dict | None = None, warmup: dict | None = None, threads: dict | None = None,
+                 tell_signatures: Callable[[dict], None] = lambda counts: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
-        self.memory, self.warmup = memory, warmup
+        self.memory, self.warmup, self.threads = memory, warmup, threads or {}
+        self.tell_signatures, self.clock = tell_signatures, clock
+        self._told_signatures, self._told_at = 0, -SIGNATURES_EVERY_S
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
         completions = Ring.of_worker(arena, index, completion=True)
@@ -162,7 +174,11 @@ class Worker:
         serve_one, batcher = self.step.serve, self.batcher
         backlog: list[tuple[Space, int]] = []  # gathered but not yet run (a batch was full)
         while True:
+            if self.step.new_signatures != self._told_signatures:
+                self.tell_signatures_now(idle=False)
             if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
+                if self.step.new_signatures != self._told_signatures:
+                    self.tell_signatures_now(idle=True)
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
                 continue
@@ -181,6 +197,16 @@ class Worker:
             if stop:
                 atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
+
+    def tell_signatures_now(self, idle: bool) -> None:
+        """Tell the front-end the input-signature counts (at most once a second while busy: a model
+        whose inputs change shape on every call must not send a message per call)."""
+        now = self.clock()
+        if not idle and now - self._told_at < SIGNATURES_EVERY_S:
+            return
+        step = self.step
+        self._told_signatures, self._told_at = step.new_signatures, now
+        self.tell_signatures({"new": step.new_signatures, "distinct": step.distinct_signatures})
 
     # -- submissions: the worker's own ring and its lanes' -------------------------------------
 

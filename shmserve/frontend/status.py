@@ -1,7 +1,9 @@
 """What the front-end reports about itself: the one read-only view that ``info``, health and metrics read.
 
 Owns: the shapes of the model listing, the health answer and the ``info``
-answer, and ``snapshot()`` (typed values for metrics).  Everything is read
+answer (with the limits and the last hour's windows ``shmserve doctor``
+reads), ``snapshot()`` (typed values for metrics) and ``sample()`` (what the
+server's ``History`` keeps a minute of).  Everything is read
 at the moment it is asked for, from the parts that own it: models and their
 workers, the dispatcher's queues and outcome counts, the region table's
 lanes, and the arena's counters and worker table.
@@ -26,6 +28,8 @@ from shmserve import __version__, layout, protocol
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.frontend.dispatcher import Dispatcher
+from shmserve.frontend.history import STAGES as HISTORY_STAGES
+from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.regions import RegionTable
 from shmserve.supervisor import READY, WorkerHandle
@@ -54,6 +58,8 @@ class WorkerStatus:
     gpu: dict | None
     cpus: str | None = None  # the CPUs it may run on: as it reported when ready, else as it was pinned (None: any)
     cpus_from: str | None = None  # why those: "cpus = 0-3", "local to cuda:0 (PCI …)", "inherited[: why]"
+    threads: dict | None = None  # its runtime's thread pools and OMP/MKL/OpenBLAS variables, as it reported when ready
+    signatures: dict | None = None  # {"new": requests that brought an input signature it had not met, "distinct"}
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,11 @@ class Status:
 
     def __init__(self, *, config: Callable[[], ServerConfig], arena: Arena, models: Models,
                  workers: list[WorkerHandle], dispatcher: Dispatcher, regions: RegionTable, socket_path: str,
-                 lifecycle=None):
+                 lifecycle=None, history: History | None = None):
         self._config = config  # returns the configuration in force now
         self.arena, self.models, self.workers = arena, models, workers
         self.lifecycle = lifecycle
+        self.history = history  # the server samples into it (``sample``); ``info`` shows its windows
         self.dispatcher, self.regions, self.socket_path = dispatcher, regions, socket_path
         self.started = time.monotonic()
         self.front_doors: dict[str, str] = {}  # "http"/"grpc" -> the address it listens on (the server sets it)
@@ -111,7 +118,8 @@ class Status:
                             w.last_exit, None if restart_in is None else round(restart_in, 3), len(w.inflight),
                             entry.requests, entry.errors, self.regions.lanes_of(w),
                             w.model.io_mode if w.device != "cpu" else None, w.gpu,
-                            str(cpus) if cpus is not None else None, where.source if where is not None else None)
+                            str(cpus) if cpus is not None else None, where.source if where is not None else None,
+                            (w.reported or {}).get("threads"), w.signatures)
 
     def snapshot(self) -> Snapshot:
         depths = self.dispatcher.queue_depths()
@@ -126,6 +134,28 @@ class Status:
         return Snapshot(models=models, outcomes=dict(self.dispatcher.outcomes), lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size)
+
+    def sample(self, now: float) -> Sample:
+        """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
+        buf, g = self.arena.buf, self.arena.geometry
+        workers = {}
+        for w in self.workers:
+            stages = tuple((sum(counts), total_us) for counts, total_us in
+                           (layout.read_histogram(buf, g, w.index, stage) for stage in HISTORY_STAGES))
+            workers[w] = WorkerSample(w.model.name, stages, layout.read_histogram(buf, g, w.index, "total")[0])
+        outcomes: dict[tuple[str, str], int] = {}
+        for (model, _version, code), n in self.dispatcher.outcomes.items():
+            outcomes[(model, code)] = outcomes.get((model, code), 0) + n
+        return Sample(now, workers, outcomes)
+
+    def limits(self) -> dict:
+        """The limits ``shmserve doctor`` measures the host against (``info``'s ``limits``)."""
+        c = self.config
+        return {"max_connections": c.max_connections, "max_regions": c.max_regions,
+                "max_region_bytes_per_connection": c.max_region_bytes_per_connection,
+                "max_region_bytes_per_uid": c.max_region_bytes_per_uid, "max_regions_per_uid": c.max_regions_per_uid,
+                "spin_us": c.effective_spin_us(),
+                "memory_budget": dict(c.memory_budget), "v2_system_shared_memory": c.v2_system_shared_memory}
 
     def _is_default(self, v: ModelState) -> bool:
         model = self.models.get(v.name)
@@ -235,7 +265,8 @@ class Status:
                             "model": s.model, "version": s.version, "device": s.device, "pid": s.pid if private else None, "state": s.state,
                             "restarts": s.restarts, "crash_streak": s.crash_streak, "last_exit": s.last_exit,
                             "restart_in_s": s.restart_in_s, "inflight": s.inflight, "io_mode": s.io_mode,
-                            "gpu": gpu, "cpus": s.cpus, "cpus_from": s.cpus_from})
+                            "gpu": gpu, "cpus": s.cpus, "cpus_from": s.cpus_from, "threads": s.threads,
+                            "signatures": s.signatures})
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "instance": config.instance,
                 "pid": os.getpid() if private else None, "socket": self.socket_path if private else None,
                 "uptime_s": round(time.monotonic() - self.started, 3),
@@ -243,4 +274,6 @@ class Status:
                           "largest_extent": self.dispatcher.extents.largest},
                 "max_request_bytes": self.dispatcher.max_request, "request_timeout_s": config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
-                "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors)}
+                "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors),
+                "limits": self.limits(),
+                "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}

@@ -144,6 +144,8 @@ class OnnxRuntimeBackend:
         o = config.options
         opts.intra_op_num_threads = int(o.get("intra_op_threads", 1))
         opts.inter_op_num_threads = int(o.get("inter_op_threads", 1))
+        self.threads = {"runtime": "onnxruntime", "intra_op": opts.intra_op_num_threads,
+                        "inter_op": opts.inter_op_num_threads}  # 0: ONNX Runtime's default (one per core)
         level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

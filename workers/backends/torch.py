@@ -300,6 +300,11 @@ class TorchBackend:
         """The caching allocator's reserved bytes on the model's CUDA device (None on the CPU)."""
         return int(self.torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else None
 
+    def threads(self) -> dict:
+        """The CPU thread pools torch runs (it sizes them from the CPUs it may use, or OMP_NUM_THREADS)."""
+        return {"runtime": "torch", "intra_op": self.torch.get_num_threads(),
+                "inter_op": self.torch.get_num_interop_threads()}
+
     def close(self) -> None:
         self.synchronize()
         self.module = None
