@@ -180,6 +180,10 @@ class ModelConfig:
         return tuple(sorted({1, *self.preferred_batch_sizes, *((self.max_batch_size,) if self.max_batch_size else ())}))
 
 
+DESCRIPTORS_RESERVED = 64  # the arena, eventfds, signals, logs, metrics, listeners, libraries' own
+DESCRIPTORS_PER_WORKER = 4  # its control socket, pidfd, and the descriptors passed while spawning it
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     models: tuple[ModelConfig, ...]
@@ -273,6 +277,24 @@ class ServerConfig:
 
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
+
+    def descriptor_budget(self) -> dict[str, int]:
+        """How many descriptors the front-end may hold at once when every limit is reached, by what
+        holds them: each door's connections, client regions and lanes (two each: the memfd and the
+        mapping's copy), registered v2 shared memory, workers, and its own.  ``serve`` refuses to
+        start when it does not fit under RLIMIT_NOFILE; ``shmserve doctor`` measures a host by it."""
+        budget = {"server.max_connections (Unix socket)": self.max_connections}
+        if self.http:
+            budget["server.max_connections (HTTP)"] = self.max_connections
+        if self.grpc:
+            budget["server.max_connections (gRPC)"] = self.max_connections
+        budget["server.max_regions (client regions and lanes, two each)"] = 2 * self.max_regions
+        if self.v2_system_shared_memory and (self.http or self.grpc):
+            budget["server.max_regions (registered shared memory)"] = self.max_regions
+        workers = max(self.max_workers, sum(m.instances for m in self.models))
+        budget["server.max_workers (4 each)"] = DESCRIPTORS_PER_WORKER * workers
+        budget["the front-end's own"] = DESCRIPTORS_RESERVED
+        return budget
 
     def arena_size_classes(self) -> tuple[tuple[int, int], ...]:
         """Explicit classes, or a default whose largest class holds a max_request_bytes request twice."""

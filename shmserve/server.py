@@ -112,27 +112,6 @@ def load_v2_tokens(config: ServerConfig) -> tuple:
         raise SystemExit(f"shmserve serve: {exc}") from None
 
 
-DESCRIPTORS_RESERVED = 64  # the arena, eventfds, signals, logs, metrics, listeners, libraries' own
-DESCRIPTORS_PER_WORKER = 4  # its control socket, pidfd, and the descriptors passed while spawning it
-
-
-def descriptor_budget(config: ServerConfig) -> dict[str, int]:
-    """How many descriptors the front-end may hold at once when every limit is reached, by what
-    holds them (each door's connections, client regions, registered shared memory, workers)."""
-    budget = {"server.max_connections (Unix socket)": config.max_connections}
-    if config.http:
-        budget["server.max_connections (HTTP)"] = config.max_connections
-    if config.grpc:
-        budget["server.max_connections (gRPC)"] = config.max_connections
-    budget["server.max_regions (client regions and lanes, two each)"] = 2 * config.max_regions
-    if config.v2_system_shared_memory and (config.http or config.grpc):
-        budget["server.max_regions (registered shared memory)"] = config.max_regions
-    budget["server.max_workers"] = DESCRIPTORS_PER_WORKER * max(config.max_workers,
-                                                                sum(m.instances for m in config.models))
-    budget["reserved"] = DESCRIPTORS_RESERVED
-    return budget
-
-
 def check_descriptors(config: ServerConfig) -> None:
     """SystemExit naming the limits and the fix if the front-end's descriptor limit (lifted to its
     hard limit first) is smaller than what the configured limits let clients make it hold: one
@@ -140,7 +119,7 @@ def check_descriptors(config: ServerConfig) -> None:
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    budget = descriptor_budget(config)
+    budget = config.descriptor_budget()
     need = sum(budget.values())
     if soft != resource.RLIM_INFINITY and need > soft:
         parts = ", ".join(f"{n} {what}" for what, n in budget.items())

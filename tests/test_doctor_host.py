@@ -220,17 +220,28 @@ GiB = 1 << 30
 
 # -- host.fds -----------------------------------------------------------------------------
 
-def test_a_descriptor_limit_below_connections_and_regions_is_a_warning(tmp_path):
+def test_a_descriptor_limit_below_what_the_limits_can_use_is_a_warning(tmp_path):
+    """The budget is the server's own (ServerConfig.descriptor_budget, which serve refuses to start
+    without): each door's connections, regions and lanes, registrations, workers."""
+    import dataclasses
+
+    from shmserve.config import demo_config
+
+    plain = demo_config().descriptor_budget()
+    need = sum(plain.values())
     host = machine(tmp_path, nofile=(1024, 1024))
-    (f,) = check("host.fds", context(host.root))[0]
-    assert "hard limit 1024" in f.measured and "512" in f.expected and "2624" in f.expected
+    (f,) = check("host.fds", context(host.root, descriptors=plain))[0]
+    assert "hard limit 1024" in f.measured and f"= {need}" in f.expected
+    assert "2048 server.max_regions" in f.expected and "512 server.max_connections (Unix socket)" in f.expected
     assert "LimitNOFILE=65536" in f.fix
     host.process(FRONT, nofile=(1024, 65536))  # the server lifts its soft limit to the hard one
-    assert check("host.fds", context(host.root))[0] == []
-    host.process(FRONT, nofile=(2700, 2700))  # enough, until v2 clients may register their /dev/shm objects
-    assert check("host.fds", context(host.root))[0] == []
-    (f,) = check("host.fds", context(host.root, v2_system_shared_memory=True))[0]
-    assert "v2 shared-memory registrations (max_regions_per_uid, 256)" in f.expected and "2880" in f.expected
+    assert check("host.fds", context(host.root, descriptors=plain))[0] == []
+    host.process(FRONT, nofile=(need, need))  # enough, until the v2 doors and their registrations are on
+    assert check("host.fds", context(host.root, descriptors=plain))[0] == []
+    doors = dataclasses.replace(demo_config(), http="127.0.0.1:0", grpc="127.0.0.1:0",
+                                v2_system_shared_memory=True).descriptor_budget()
+    (f,) = check("host.fds", context(host.root, descriptors=doors))[0]
+    assert "server.max_connections (gRPC)" in f.expected and "registered shared memory" in f.expected
 
 
 # -- placement.numa -------------------------------------------------------------------------

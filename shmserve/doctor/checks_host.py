@@ -292,17 +292,17 @@ def fds(ctx: Context) -> list[Finding]:
     if limit is None:
         raise Skip(f"no 'Max open files' in proc/{pid}/limits")
     s = ctx.settings
-    registrations = s.max_regions_per_uid if s.v2_system_shared_memory else 0  # one uid's, at least
-    needed = s.max_connections + 2 * s.max_regions + registrations + FD_SPARE
+    budget = s.descriptors or {"server.max_connections": s.max_connections,
+                               "server.max_regions (two each)": 2 * s.max_regions, "the front-end's own": FD_SPARE}
+    needed = sum(budget.values())
     usable = limit.hard  # the server lifts its soft limit to the hard one at start
     if usable is None or usable >= needed:
         return []
     return [Finding(
         "host.fds", WARNING, "the descriptor limit is below what the configured limits can use",
         f"{whose}: RLIMIT_NOFILE", f"hard limit {usable} (proc/{pid}/limits 'Max open files'; soft {limit.soft})",
-        f"at least max_connections ({s.max_connections}) + 2 x max_regions ({s.max_regions})"
-        + (f" + one uid's v2 shared-memory registrations (max_regions_per_uid, {registrations})"
-           if registrations else "") + f" + {FD_SPARE} = {needed}",
+        "at least " + " + ".join(f"{n} {what}" for what, n in budget.items()) + f" = {needed} "
+        "(ServerConfig.descriptor_budget: serve refuses to start below it)",
         "The front-end holds a descriptor per connection, two per lane or region (workers one per region) and "
         "one per v2 system shared-memory registration; past the limit accept(), region creation and "
         "registration fail with 'too many open files' while the configured limits still say yes.",

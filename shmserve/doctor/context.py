@@ -51,6 +51,7 @@ class Settings:
     models: list[ModelFacts] = field(default_factory=list)
     max_regions_per_uid: int = 256
     v2_system_shared_memory: bool = False  # v2 clients' registrations each hold a descriptor in the front-end
+    descriptors: dict[str, int] = field(default_factory=dict)  # ServerConfig.descriptor_budget: what holds them
 
     @classmethod
     def from_config(cls, config, source: str) -> "Settings":
@@ -67,7 +68,7 @@ class Settings:
         return cls(source, geometry.total_size, config.max_connections, config.max_regions,
                    config.max_region_bytes_per_connection, config.max_region_bytes_per_uid,
                    config.effective_spin_us(), dict(config.memory_budget), models, config.max_regions_per_uid,
-                   config.v2_system_shared_memory)
+                   config.v2_system_shared_memory, config.descriptor_budget())
 
     @classmethod
     def from_status(cls, info: dict, listing: list[dict], fallback: "Settings") -> "Settings":
@@ -87,7 +88,8 @@ class Settings:
                    int(limits.get("spin_us", fallback.spin_us)),
                    {str(k): int(v) for k, v in (limits.get("memory_budget") or fallback.memory_budget).items()},
                    models or fallback.models, int(limits.get("max_regions_per_uid", fallback.max_regions_per_uid)),
-                   bool(limits.get("v2_system_shared_memory", fallback.v2_system_shared_memory)))
+                   bool(limits.get("v2_system_shared_memory", fallback.v2_system_shared_memory)),
+                   {str(k): int(v) for k, v in (limits.get("descriptors") or fallback.descriptors).items()})
 
     def gpu_models(self) -> list[ModelFacts]:
         return [m for m in self.models if any(d.startswith("cuda") for d in m.devices)]

@@ -155,7 +155,8 @@ class Status:
                 "max_region_bytes_per_connection": c.max_region_bytes_per_connection,
                 "max_region_bytes_per_uid": c.max_region_bytes_per_uid, "max_regions_per_uid": c.max_regions_per_uid,
                 "spin_us": c.effective_spin_us(),
-                "memory_budget": dict(c.memory_budget), "v2_system_shared_memory": c.v2_system_shared_memory}
+                "memory_budget": dict(c.memory_budget), "v2_system_shared_memory": c.v2_system_shared_memory,
+                "descriptors": c.descriptor_budget()}
 
     def _is_default(self, v: ModelState) -> bool:
         model = self.models.get(v.name)
