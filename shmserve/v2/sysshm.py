@@ -19,23 +19,43 @@ rules here:
   a regular file, owned by the caller's uid (root may register anyone's but
   ours), not writable by others, and ``offset + byte_size`` inside its real
   size;
-- every use checks offset + size against the registered range, and reads
-  and writes go through ``pread``/``pwrite`` on the descriptor, never a
-  mapping: a client that shrinks its object under us makes its own request
-  fail (BAD_REGION), never the server (a mapping would take SIGBUS);
-- keys never appear in an error message (``status`` shows a caller its own).
+- every use checks offset + size against the registered range; reads go
+  through ``pread`` on the descriptor, and a client that shrinks its object
+  under us makes its own request fail (BAD_REGION), never the server;
+- writes can never grow the object (a ``pwrite`` past its end would, if the
+  client truncated it after the size check: a check and a write are two
+  calls).  So an output is written into a mapping of just the range it goes
+  to, made for that write and unmapped after it, and never touched from
+  here: the bytes go in through ``/proc/self/mem``, where the kernel's own
+  page walk turns a page past the object's end (or one that /dev/shm has no
+  room for: ENOSPC on a sparse object) into an EIO of that write, never a
+  SIGBUS and never a larger file.  The size is checked before (a short
+  object gets nothing) and after (bytes that fell past the end of a page the
+  object was truncated into are lost: the request fails);
+- every failure of a read or a write is a ``V2Error`` of the request, never
+  an ``OSError`` on the answer path;
+- keys never appear in an error message (``status`` shows a caller its own);
+- unregistering marks the region closing at once (no new request may name
+  it); its descriptor is closed when its last user gives it back, whether or
+  not whoever asked for the unregister is still waiting (a cancelled
+  unregister finishes all the same, and the name is free again).
 
 Costs: one copy in (``pread`` straight into the request's arena space) and
-one out (``pwrite`` from the arena), the same as the Unix socket's inline
-path, with no socket in between.
+one out (from the arena through ``/proc/self/mem``, plus a map and an unmap:
+a few microseconds), the same copies as the Unix socket's inline path, with
+no socket in between.
 
-Must not: decide anything about a request (``shmserve.v2.service``), or map a
-client's object.
+Must not: decide anything about a request (``shmserve.v2.service``), or read
+or write a client's object through memory (a mapping is only ever a target
+of the kernel's copy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
+import mmap
 import os
 import stat
 from dataclasses import dataclass, field
@@ -48,6 +68,17 @@ SHM_DIR = "/dev/shm"
 KEY_MAX = 255
 NAME_MAX = 256
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+# The mapping a write goes through: libc's mmap (Python's refuses a range past the object's end,
+# which is a size check again, and hides the address).
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype, _mmap.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                                  ctypes.c_int, ctypes.c_long)
+_munmap = _libc.munmap
+_munmap.restype, _munmap.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_self_mem: int | None = None  # /proc/self/mem, opened on first use
 
 
 @dataclass(eq=False)
@@ -78,6 +109,32 @@ def object_name(key: str) -> str:
     if name.startswith(layout.NAME_PREFIX):
         raise _bad(f"keys beginning '{layout.NAME_PREFIX}' are shmserve's own segments and cannot be registered")
     return name
+
+
+def _mem() -> int:
+    """The descriptor of /proc/self/mem (opened once).  V2Error INTERNAL if it cannot be."""
+    global _self_mem
+    if _self_mem is None:
+        try:
+            _self_mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise V2Error(ErrorCode.INTERNAL, f"writing into shared memory needs /proc/self/mem "
+                                              f"({os.strerror(exc.errno)})") from None
+    return _self_mem
+
+
+def _write_failed(r: ShmRegion, ref: ShmRef, end: int, what: str, code: int) -> V2Error:
+    """Why a write into ``r`` up to ``end`` stopped (``code``: its errno, 0 for none)."""
+    try:
+        size = os.fstat(r.fd).st_size
+    except OSError:
+        size = -1
+    if 0 <= size < end:
+        return _bad(f"{what}: region {ref.region!r} is shorter than registered (was it truncated?)")
+    if code in (errno.EIO, errno.EFAULT, errno.ENOSPC, errno.ENOMEM, 0):
+        return _bad(f"{what}: region {ref.region!r} could not be written: no room for its pages (is /dev/shm "
+                    f"full? write the object's pages when you create it, so writes into it need none)")
+    return _bad(f"{what}: region {ref.region!r} could not be written ({os.strerror(code)})")
 
 
 class SystemShm:
@@ -143,17 +200,24 @@ class SystemShm:
         return ""
 
     async def unregister(self, uid: int, name: str | None) -> None:
-        """Unregister ``name`` (None: all of ``uid``'s) once no request uses it; unknown names are
-        ignored.  New requests cannot name it meanwhile."""
+        """Unregister ``name`` (None: all of ``uid``'s); returns once no request uses it (unknown
+        names are ignored).  New requests cannot name it from the start; it is gone (its name free
+        again) as soon as its last user gives it back, even if this wait is cancelled."""
         targets = [r for (u, n), r in self.regions.items() if u == uid and (name is None or n == name)]
         for r in targets:
             r.closing = True
+            if r.users == 0:
+                self._remove(r)
         for r in targets:
             await r.idle.wait()
-            if self.regions.get((uid, r.name)) is r:
-                del self.regions[(uid, r.name)]
-                os.close(r.fd)
-                r.fd = -1
+
+    def _remove(self, r: ShmRegion) -> None:
+        """Forget a closing region nobody uses and close its descriptor (once)."""
+        if self.regions.get((r.uid, r.name)) is r:
+            del self.regions[(r.uid, r.name)]
+        if r.fd >= 0:
+            os.close(r.fd)
+            r.fd = -1
 
     def status(self, uid: int, name: str | None) -> list[dict]:
         if name is not None and ((uid, name) not in self.regions or self.regions[(uid, name)].closing):
@@ -194,33 +258,56 @@ class SystemShm:
         if nbytes > ref.byte_size:
             raise _bad(f"{what}: needs {nbytes} bytes, shared_memory_byte_size is {ref.byte_size}")
 
-    @staticmethod
-    def give_back(r: ShmRegion) -> None:
+    def give_back(self, r: ShmRegion) -> None:
+        """A request is done with ``r`` (``take``); the last user of a closing region removes it."""
         r.users -= 1
         if r.users == 0:
+            if r.closing:
+                self._remove(r)
             r.idle.set()
 
     @staticmethod
     def read_into(r: ShmRegion, ref: ShmRef, sink: memoryview, what: str) -> None:
         """Fill ``sink`` from the region at ``ref.offset``.  V2Error BAD_REGION if the object has
-        shrunk under it."""
+        shrunk under it or cannot be read."""
         want, got, at = len(sink), 0, r.offset + ref.offset
         while got < want:
-            n = os.preadv(r.fd, [sink[got:]], at + got)
+            try:
+                n = os.preadv(r.fd, [sink[got:]], at + got)
+            except OSError as exc:
+                raise _bad(f"{what}: region {ref.region!r} could not be read ({os.strerror(exc.errno)})") from None
             if n <= 0:
                 raise _bad(f"{what}: region {ref.region!r} is shorter than registered (was it truncated?)")
             got += n
 
     @staticmethod
     def write_from(r: ShmRegion, ref: ShmRef, data: memoryview, what: str) -> None:
-        """Write ``data`` into the region at ``ref.offset``; V2Error BAD_REGION if the object has
-        shrunk (nothing is written past its end: the file is never grown)."""
+        """Write ``data`` into the region at ``ref.offset``, never past the object's end (see the
+        module header: the file is never grown).  V2Error BAD_REGION if the object has shrunk
+        under it, or has no room for its pages (a sparse object when /dev/shm is full)."""
+        n = len(data)
+        if not n:
+            return
         at = r.offset + ref.offset
-        if os.fstat(r.fd).st_size < at + len(data):
-            raise _bad(f"{what}: region {ref.region!r} is shorter than registered (was it truncated?)")
-        done = 0
-        while done < len(data):
-            n = os.pwrite(r.fd, data[done:], at + done)
-            if n <= 0:
-                raise _bad(f"{what}: region {ref.region!r} could not be written")
-            done += n
+        if os.fstat(r.fd).st_size < at + n:  # already short: write nothing
+            raise _write_failed(r, ref, at + n, what, 0)
+        start = at - at % mmap.PAGESIZE
+        length = at + n - start
+        addr = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, r.fd, start)
+        if addr in (None, _MAP_FAILED):
+            code = ctypes.get_errno()
+            raise _bad(f"{what}: region {ref.region!r} could not be mapped for writing ({os.strerror(code)})")
+        try:
+            mem, done, target = _mem(), 0, addr + (at - start)
+            while done < n:
+                try:
+                    k = os.pwrite(mem, data[done:], target + done)
+                except OSError as exc:
+                    k = -exc.errno
+                if k <= 0:
+                    raise _write_failed(r, ref, at + n, what, -k)
+                done += k
+        finally:
+            _munmap(addr, length)
+        if os.fstat(r.fd).st_size < at + n:  # truncated meanwhile inside a page: what fell past its end is lost
+            raise _write_failed(r, ref, at + n, what, 0)
