@@ -301,6 +301,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._refuse_connection(V2Error(ErrorCode.OVERLOADED, refusal))
             return
         self.caller = caller
+        caller.door.on_abort = self._door_failed
 
     def _refuse_connection(self, exc: V2Error) -> None:
         """Answer the request the client is about to send with ``exc``, and close."""
@@ -341,6 +342,15 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.door.leave(self)
             self.service.disconnect(self.caller)
             self.caller = None
+
+    def _door_failed(self, exc: Exception) -> None:
+        """``V2Door.abort``: a method of this connection's door raised (a bug, or a fault beneath it):
+        the connection ends now.  Its transport is aborted (nothing more is read into arena space
+        or sent from it), then everything it held is let go as when its peer leaves."""
+        log.error("HTTP: closing a connection of uid %d: serving it failed (%s: %s)",
+                  self.caller.uid if self.caller else -1, type(exc).__name__, exc)
+        self.transport.abort()
+        self.connection_lost(exc)
 
     def pause_writing(self) -> None:
         """The answer waits in the transport: close the connection if it still does after

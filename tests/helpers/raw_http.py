@@ -1,4 +1,4 @@
-"""Raw HTTP/1.1 over a loopback TCP socket, for tests that play a hostile v2 client: they write
+"""Raw HTTP/1.1 over a loopback TCP socket (or the door's Unix socket), for tests that play a hostile v2 client: they write
 every byte themselves (a header that lies, a body cut short, a request split anywhere) and read
 what the server answers with httptools' response parser, until it has answered or closed."""
 
@@ -18,15 +18,21 @@ def address(hostport: str) -> tuple[str, int]:
 
 
 def connect(hostport: str, timeout: float = 30.0, rcvbuf: int | None = None) -> socket.socket:
-    """A connection to the HTTP door at ``hostport``; every read on it gives up after ``timeout``
-    seconds (``rcvbuf``: a small receive buffer, for a client that does not read)."""
-    host, port = address(hostport)
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """A connection to the HTTP door at ``hostport`` (a path: its Unix socket); every read on it
+    gives up after ``timeout`` seconds (``rcvbuf``: a small receive buffer, for a client that does
+    not read)."""
+    if "/" in hostport:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target = hostport
+    else:
+        host, port = address(hostport)
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        target = (host, port)
     if rcvbuf is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     s.settimeout(timeout)
-    s.connect((host, port))
+    s.connect(target)
     return s
 
 
