@@ -127,3 +127,21 @@ def test_a_large_json_answer_nobody_reads_holds_a_piece_of_its_text_not_all_of_i
     wait_for(lambda: srv.info()["stats"]["slots_in_use"] == 0, "its slot to be released")
     still_serving(srv)
     assert os.path.exists(f"/proc/{pid}")
+
+
+def test_a_large_json_answer_is_finished_before_garbage_sent_behind_it_is_refused(srv):
+    """Garbage arrives while a large JSON answer is on its way: the answer is sent whole, then the
+    garbage is answered 400 and the connection closed."""
+    x = np.ones(1024, np.float32)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1024], "data": x.tolist()}]}
+    with raw_http.connect(srv.http, timeout=120, rcvbuf=64 * 1024) as s:
+        s.sendall(raw_http.json_infer("big", body))
+        assert s.recv(12) == b"HTTP/1.1 200"  # the answer is on its way
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        reader = raw_http.Reader(s)
+        reader.parser.feed_data(b"HTTP/1.1 200")
+        first, second = reader.read(2)
+        assert reader.closes()
+    assert len(json.loads(bytes(first.body))["outputs"][0]["data"]) == 1024 * 1000
+    assert second.status == 400 and second.code == "bad_frame", second
+    still_serving(srv)

@@ -833,7 +833,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         piece, not its whole text), one per turn.  Then its binary parts, and it is done as any
         answer.  A V2Error (a BYTES output that is not text) comes in the first pass: answered."""
         answer = self.answer
-        if answer is None or self.input is Input.CLOSED:
+        if answer is None or self.transport.is_closing():  # gone: connection_lost lets go of it
             return
         soon = asyncio.get_running_loop().call_soon
         try:
