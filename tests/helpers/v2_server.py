@@ -48,22 +48,24 @@ MODELS = "".join([
       for name, dtypes in TYPED.items())])
 
 
-def section(*, shm: bool = True, extra: str = "", http: str | None = None) -> str:
+def section(*, shm: bool = True, extra: str = "", http: str | None = None, deadlines: float = DEADLINE_S) -> str:
     """The [server] keys: both doors on loopback port 0 (``http``: the HTTP door's address
-    instead), 1 s deadlines, 20 MiB requests."""
+    instead), 1 s deadlines (tests of them; a test whose clients must never meet one, on a busy
+    machine, gives generous ``deadlines``), 20 MiB requests."""
     return (f'http = "{http or "127.0.0.1:0"}"\ngrpc = "127.0.0.1:0"\nv2_system_shared_memory = {str(shm).lower()}\n'
-            f"max_request_bytes = {MAX_REQUEST_BYTES}\nframe_timeout_s = {DEADLINE_S}\n"
-            f"upload_timeout_s = {DEADLINE_S}\nstall_timeout_s = {DEADLINE_S}\n{extra}")
+            f"max_request_bytes = {MAX_REQUEST_BYTES}\nframe_timeout_s = {deadlines}\n"
+            f"upload_timeout_s = {deadlines}\nstall_timeout_s = {deadlines}\n{extra}")
 
 
 @contextlib.contextmanager
 def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS, http: str | None = None,
-               **options):
+               deadlines: float = DEADLINE_S, **options):
     """``helpers.server.serving`` with both v2 doors; ``srv.http`` and ``srv.grpc`` are their
     addresses (``http``: the HTTP door's, a Unix socket path or loopback; default loopback port 0).
     The native socket answers before the doors are listed, so this waits for them.  ``options``
     go to ``ServerProcess``."""
-    with serving(workdir, models, server_section=section(shm=shm, extra=extra, http=http), **options) as srv:
+    with serving(workdir, models, server_section=section(shm=shm, extra=extra, http=http, deadlines=deadlines),
+                 **options) as srv:
         v2 = wait_for(lambda: (lambda d: d if {"http", "grpc"} <= set(d) else None)(srv.info()["v2"]),
                       "the v2 doors to listen", timeout=30)
         srv.http, srv.grpc = v2["http"], v2["grpc"]
