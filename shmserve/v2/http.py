@@ -29,7 +29,9 @@ whole body in one read) are parsed from the buffer they arrived in.
 
 Work on the loop is bounded per turn: a body whose JSON is more than
 ``INLINE_DECODE_BYTES``, or that came gzip or deflate, is decoded on a thread
-(inflating lets go of Python's lock; JSON tensor data is turned into arrays
+(inflating lets go of Python's lock, a piece at a time into pages mapped as
+they are written, so that no copy of the whole body holds the lock; JSON tensor
+data is turned into arrays
 ``rest.JSON_PIECE`` elements at a time; a body inflates at most to what it
 may hold: ``max_json_bytes`` for JSON, ``max_body_bytes`` for binary).  A
 large JSON answer (``rest.ResultBody`` not ``small``) is made a piece at a
@@ -49,6 +51,7 @@ import collections
 import enum
 import functools
 import logging
+import mmap
 import zlib
 from dataclasses import dataclass
 
@@ -70,6 +73,7 @@ MAX_JSON_BYTES = 8 << 20  # JSON is parsed in one call that holds Python's lock 
 # A body whose JSON is at most this (and not encoded) is decoded on the loop (well under a millisecond,
 # no thread hop), as is a streamed request's JSON header; more, or gzip or deflate, on a thread.
 INLINE_DECODE_BYTES = 64 * 1024
+INFLATE_PIECE = 1 << 20  # bytes inflated, then copied, at a time
 MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
@@ -214,7 +218,7 @@ class _Message:
 
 # -- decoding a body (pure: these run on the loop for small bodies, on a thread for the rest) -------
 
-def _decoded(msg: _Message, limits: HttpLimits) -> bytes:
+def _decoded(msg: _Message, limits: HttpLimits) -> bytes | memoryview:
     """``msg``'s body, inflated if it came gzip or deflate.  The inflated size is bounded by what it
     may hold: a JSON body ``max_json_bytes``, a binary one ``max_body_bytes`` (V2Error TOO_LARGE;
     BAD_FRAME for an unknown coding, or a body that does not inflate, is cut short, or has bytes
@@ -229,15 +233,24 @@ def _decoded(msg: _Message, limits: HttpLimits) -> bytes:
         limit, why = limits.max_json_bytes, "a JSON body's limit: send tensors as binary data"
     else:
         limit, why = limits.max_body_bytes, "server.max_request_bytes"
-    try:
-        out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes ({why})")
+    # Into pages mapped as they are written (nothing is touched twice, nothing zeroed first), a
+    # piece at a time: inflate lets go of Python's lock, each copy holds it for one piece only.
+    out, size, pending = mmap.mmap(-1, limit + INFLATE_PIECE), 0, data
+    while True:
+        try:
+            piece = inflater.decompress(pending, INFLATE_PIECE)
+        except zlib.error as exc:
+            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
+        out[size:size + len(piece)] = piece
+        size += len(piece)
+        pending = inflater.unconsumed_tail
+        if size > limit:
+            raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes ({why})")
+        if not piece and not pending or inflater.eof:
+            break
     if not inflater.eof or inflater.unused_data:  # cut short (its checksum never seen), or more after it
         raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body is cut short or has bytes after its end")
-    return out
+    return memoryview(out)[:size]
 
 
 def _json_body(msg: _Message, limits: HttpLimits) -> dict:
