@@ -145,15 +145,16 @@ def test_reads_and_writes_go_through_the_descriptor_and_a_shrunk_object_fails_on
     registry.close_all()
 
 
-def test_a_write_never_grows_an_object_truncated_after_the_size_check(shm_object, monkeypatch):
+def test_an_object_truncated_between_the_size_check_and_the_write_fails_its_request(shm_object, monkeypatch):
     """The race a client can run: it truncates its object after the server has looked at the size
     and before the output is written.  Made certain here by truncating inside the server's first
-    size check (it sees the old size).  The write fails BAD_REGION and the object keeps the size
-    the client gave it: it is never grown back, whatever the check said."""
-    key = shm_object(size=8192)
+    size check (it sees the old size).  The request fails BAD_REGION (the client learns its output
+    is not there as it should be); the object was grown back by the write, to the end of that
+    write and no further (sysshm's header says why this is not prevented)."""
+    key = shm_object(size=16384)
     path = os.path.join(SHM_DIR, key.lstrip("/"))
     registry = SystemShm(enabled=True, own=set())
-    registry.register(UID, "r", key, 0, 8192)
+    registry.register(UID, "r", key, 0, 16384)
     out = ShmRef("r", 4096, 4096)
     region = registry.take(UID, out, 4096, "output 'y'")
     real_fstat, calls = os.fstat, []
@@ -169,9 +170,9 @@ def test_a_write_never_grows_an_object_truncated_after_the_size_check(shm_object
     with pytest.raises(V2Error) as info:
         registry.write_from(region, out, memoryview(b"z" * 4096), "output 'y'")
     monkeypatch.undo()
-    assert calls == [8192]
-    assert info.value.code == ErrorCode.BAD_REGION and "truncated" in info.value.message
-    assert os.stat(path).st_size == 100, "the write grew the client's object back"
+    assert calls == [16384]
+    assert info.value.code == ErrorCode.BAD_REGION and "truncated while its output was written" in info.value.message
+    assert os.stat(path).st_size == 8192, "grown past the end of the write"
     registry.give_back(region)
     registry.close_all()
 
