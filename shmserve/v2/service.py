@@ -291,7 +291,7 @@ class InferCall:
         self.service._uncount(self.caller.uid)
 
 
-OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (the copies let go of the GIL)
+OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
 
 
 def _internal(exc: BaseException, doing: str) -> V2Error:
