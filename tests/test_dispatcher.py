@@ -31,7 +31,7 @@ from shmserve.protocol import TensorMeta
 from shmserve.slotstate import SlotState
 from shmserve.supervisor import FAILED, RESTARTING, STOPPED
 
-from helpers.fake_frontend import ADD, PAIR, TAIL, LaneClient
+from helpers.fake_frontend import ADD, PAIR, TAIL, FakeDoor, LaneClient
 from helpers.fake_frontend import make_fixture, no_children_left, no_processes  # noqa: F401 (fixtures)
 
 ADD2 = dataclasses.replace(ADD, instances=2)
@@ -1022,6 +1022,183 @@ def test_a_lost_connection_drops_all_its_requests_and_leaves_others_alone(make):
     assert all(r.state is RS.DONE for r in mine) and len(door.answers) == 1
     for req in theirs:
         np.testing.assert_array_equal(bystander.results[req]["y"], floats(start=7) + 1)
+
+
+# -- a door that raises ---------------------------------------------------------------------
+
+
+class DoorBug(Exception):
+    """What a faulty door raises (a bug in it, or a fault beneath it such as ENOSPC)."""
+
+
+class FaultyDoor(FakeDoor):
+    """A door whose ``where`` method raises once, on its ``nth`` call, before doing anything (so
+    the door never learns what the dispatcher told it)."""
+
+    def __init__(self, dispatcher, where: str, nth: int = 1, **kw):
+        super().__init__(dispatcher, **kw)
+        self.where, self.left = where, nth
+
+    def _maybe_raise(self, what: str, req) -> None:
+        if what == self.where:
+            self.left -= 1
+            if self.left == 0:
+                raise DoorBug(f"injected in {what} of request {req.id}")
+
+    def waiting(self, req) -> None:
+        self._maybe_raise("waiting", req)
+        super().waiting(req)
+
+    def admitted(self, req, sinks) -> None:
+        self._maybe_raise("admitted", req)
+        super().admitted(req, sinks)
+
+    def answer(self, req, answer) -> None:
+        self._maybe_raise("answer", req)
+        super().answer(req, answer)
+
+
+def faulty_door(fe, where: str, nth: int = 1, **kw) -> FaultyDoor:
+    door = FaultyDoor(fe.dispatcher, where, nth, **kw)
+    fe.doors.append(door)
+    return door
+
+
+def _raise_waiting(fe, door, jobs):
+    fill_slots(fe, fe.door())
+    return door.infer("add", {"x": floats()})
+
+
+def _raise_admitted_inline(fe, door, jobs):
+    return door.infer("add", {"x": floats()})
+
+
+def _raise_admitted_zero_copy(fe, door, jobs):
+    region, buf = open_region(fe, door)
+    buf.close()
+    jobs.append(lambda: fe.regions.close(door, region.id))
+    return door.infer_region(fe.regions, region.id, "add", {"x": (0, "float32", (16,))}, 4096, 4096)
+
+
+def _raise_answer_outputs(fe, door, jobs):
+    req = door.infer("add", {"x": floats()})
+    fe.workers[0].step()
+    assert fe.deliver()
+    return req
+
+
+def _raise_answer_failure(fe, door, jobs):
+    req = door.infer("add", {"x": floats()})
+    [job] = fe.workers[0].claim()
+    fe.workers[0].fail(job, ErrorCode.MODEL_ERROR, "the backend raised")
+    assert fe.deliver()
+    return req
+
+
+def _raise_answer_while_running(fe, door, jobs):
+    req = door.infer("add", {"x": floats()}, timeout_s=1)
+    claimed = fe.workers[0].claim()
+    jobs.append(lambda: [fe.workers[0].complete(job) for job in claimed])
+    fe.clock.advance(1)  # answered TIMEOUT while its worker runs it (ABANDON)
+    return req
+
+
+RAISES = {
+    # the door method that raises: (how to get there, its state once the door raised, slots held then)
+    "waiting": ("waiting", _raise_waiting, RS.DONE, 4),
+    "admitted, receiving its payload": ("admitted", _raise_admitted_inline, RS.DONE, 0),
+    "admitted, zero-copy (published)": ("admitted", _raise_admitted_zero_copy, RS.DONE, 0),
+    "answer with views of the arena": ("answer", _raise_answer_outputs, RS.DONE, 0),
+    "answer with a worker's error": ("answer", _raise_answer_failure, RS.DONE, 0),
+    "answer while its worker runs it": ("answer", _raise_answer_while_running, RS.ABANDONED, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(RAISES))
+def test_a_door_that_raises_is_aborted_and_its_request_gives_up_what_it_holds(fe, case):
+    """Whatever the door's method and the request's state: the exception stays in the dispatcher,
+    the door is told to end its connection (``abort``, with that exception), and the request
+    holds nothing more (a slot a worker still runs, until the worker finishes).  The dispatcher
+    then serves on: a second door is answered, and so is the first one's next request."""
+    where, make_it, after, slots = RAISES[case]
+    door, jobs = faulty_door(fe, where), []
+    req = make_it(fe, door, jobs)
+    assert [type(e) for e in door.aborts] == [DoorBug] and fe.dispatcher.door_faults == 1
+    assert req.state is after and held(fe)[0] == slots and req not in fe.dispatcher.waiting
+    door.close()  # the connection's end, noticed later (as a transport's is)
+    for finish in jobs:
+        finish()
+    fe.settle()
+    assert req.state is RS.DONE
+    other = fe.door()
+    reqs = [other.infer("add", {"x": floats(start=i)}) for i in range(3)]
+    fe.settle()
+    for i, r in enumerate(reqs):
+        np.testing.assert_array_equal(other.results[r]["y"], floats(start=i) + 1)
+
+
+def test_an_abort_that_drops_the_doors_requests_at_once_is_taken_too(fe):
+    """A door whose ``abort`` drops its requests there and then (the v2 door does): the request
+    the raise was about is dropped once, its space freed once."""
+    door = faulty_door(fe, "answer")
+    door.abort = lambda exc: (door.aborts.append(exc), door.close())
+    req = door.infer("add", {"x": floats()})
+    fe.workers[0].step()
+    assert fe.deliver()
+    assert req.state is RS.DONE and req in door.dropped and held(fe) == (0, 0)
+    fe.settle()
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["eventfd", "polling"])
+def test_a_door_raising_in_a_drain_costs_nobody_else_their_answer(make, spin):
+    """Four completions collected in one drain, the second one's door raising: the three others
+    are answered in that same drain, and the completion doorbells are armed again (the next
+    completion wakes the loop; with polling, polling starts again)."""
+    fe = make(spin_s=0.001 if spin else 0.0)
+    doors = [fe.door(), faulty_door(fe, "answer"), fe.door(), fe.door()]
+    reqs = [d.infer("add", {"x": floats(start=10 * i)}) for i, d in enumerate(doors)]
+    assert fe.workers[0].step()
+    if spin:
+        fe.clock.run_soon(limit=1)
+    else:
+        assert fe.deliver()
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(doors[i].result(reqs[i])["y"], floats(start=10 * i) + 1)
+    assert reqs[1].state is RS.DONE and doors[1].aborts and held(fe) == (0, 0)
+    doors[1].close()
+    fe.clock.run_soon()
+    fe.deliver()  # whatever wake-up is left over
+    again = doors[0].infer("add", {"x": floats()})
+    fe.workers[0].step()
+    if spin:
+        fe.clock.run_soon(limit=1)
+    else:
+        assert fe.deliver(), "the completion doorbell was not armed again"
+    assert isinstance(doors[0].answer_of(again), Outputs)
+    fe.settle()
+
+
+def test_a_completion_whose_collection_raises_is_answered_internal_and_the_drain_goes_on(fe):
+    """Not a door: the canary's ``observe`` hook raises for one request.  That request is answered
+    INTERNAL and freed; the others collected in the same drain get their results."""
+    door = fe.door()
+    reqs = [door.infer("add", {"x": floats(start=i)}) for i in range(3)]
+    seen = []
+
+    def observe(req, ok):
+        seen.append(req)
+        if req is reqs[1]:
+            raise DoorBug("injected in observe")
+
+    fe.dispatcher.observe = observe
+    fe.workers[0].step()
+    assert fe.deliver()
+    assert seen == reqs
+    failure = door.failure(reqs[1])
+    assert failure.code is ErrorCode.INTERNAL and "DoorBug" in failure.message
+    for i in (0, 2):
+        np.testing.assert_array_equal(door.result(reqs[i])["y"], floats(start=i) + 1)
+    fe.settle()
 
 
 # -- shutdown ---------------------------------------------------------------------------------

@@ -636,6 +636,20 @@ def test_chunked_bodies_json_binary_and_raw(srv):
         then_closed(reader)
 
 
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked", "identity, chunked"])
+def test_a_transfer_coding_other_than_chunked_alone_is_answered_501_never_ignored(srv, coding):
+    """h11's rule: only ``Transfer-Encoding: chunked``.  ``gzip, chunked`` (its gzip coding would be
+    silently dropped) is 501 with the stable code, and the connection is closed; other clients are
+    served on."""
+    body = gzip.compress(json.dumps(json_body()).encode())
+    with connect(srv.http) as s:
+        s.sendall(request("POST", "/v2/models/identity/infer", chunked(body), {"Transfer-Encoding": coding}))
+        reader = Reader(s)
+        refused(reader.one(), 501, "bad_frame", "is not supported (only 'chunked'")
+        then_closed(reader)
+    answered_identity(one(srv.http, json_infer("identity", json_body())), bytes((1, 2, 3, 4)))
+
+
 def gzip_bomb(inflated: int) -> bytes:
     z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
     block = bytes(1 << 20)

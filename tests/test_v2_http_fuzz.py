@@ -32,7 +32,7 @@ from helpers.v2_server import TOKENS, auth, json_values, open_fds, shm_objects, 
 
 SEED = int(os.environ.get("SHMSERVE_SEED") or random.SystemRandom().randrange(2**32))
 EXAMPLES = int(os.environ.get("SHMSERVE_FUZZ_EXAMPLES", "600"))  # ~10 s on 2 cores
-ANSWERS = {100, 200, 400, 401, 403, 404, 405, 413, 431, 503, 504}
+ANSWERS = {100, 200, 400, 401, 403, 404, 405, 413, 431, 501, 503, 504}  # 501: a transfer coding not served
 QUIET_S = 0.1  # an example that goes quiet is closed after this long without an answer
 
 

@@ -682,3 +682,92 @@ def test_a_binary_response_can_be_read_back(outs, default):
 
 def test_the_limits_the_codec_leans_on():
     assert struct.calcsize("<I") == 4 and orjson.loads(rest.dumps({"a": np.arange(2)})) == {"a": [0, 1]}
+
+
+# -- work a piece at a time --------------------------------------------------------------------------
+
+P = rest.JSON_PIECE
+
+
+@pytest.mark.parametrize("shape", [(3 * P + 7,), (1, 2 * P + 1), (P // 2 + 3, 4), (3, 2, P // 2 + 5), (2, P + 1, 1)],
+                         ids=["flat", "one long row", "many short rows", "deep", "long middle"])
+def test_large_json_tensor_data_is_turned_into_bytes_in_pieces_exactly(shape):
+    """More than JSON_PIECE elements, laid out every way: the bytes are those of the whole array."""
+    rng = np.random.default_rng(math.prod(shape))
+    x = rng.integers(-1000, 1000, shape).astype(np.int32)
+    assert rest.json_to_bytes("INT32", shape, x.tolist(), "x") == x.astype("<i4").tobytes()
+    f = rng.random(shape).astype(np.float32)
+    assert rest.json_to_bytes("FP32", shape, f.tolist(), "x") == f.astype("<f4").tobytes()
+    assert rest.json_to_bytes("FP32", shape, x.reshape(-1).tolist(), "x") == x.astype("<f4").tobytes()  # flat
+
+
+@pytest.mark.parametrize("spoil", ["ragged row", "string in the last piece", "list where a number goes"])
+def test_large_json_tensor_data_that_is_not_a_regular_array_is_refused(spoil):
+    data = np.zeros((4, P), np.int32).tolist()
+    if spoil == "ragged row":
+        data[3].pop()
+    elif spoil == "string in the last piece":
+        data[3][-1] = "7"
+    else:
+        data[2][5] = [1]
+    refused(ErrorCode.BAD_INPUT, rest.json_to_bytes, "INT32", (4, P), data, "input 'x'")
+    flat = [0] * (2 * P) + ["7"]
+    refused(ErrorCode.BAD_INPUT, rest.json_to_bytes, "INT32", (2 * P + 1,), flat, "input 'x'")
+
+
+def large_result(n: int = 2 * P + 3) -> tuple[InferResult, dict]:
+    rng = np.random.default_rng(n)
+    f = rng.random(n).astype(np.float32)
+    b = rng.random(n).astype(ml_dtypes.bfloat16)
+    i = rng.integers(-(1 << 40), 1 << 40, n).astype(np.int64)
+    s = [f"s{k}".encode() for k in range(n)]
+    outputs = [OutputTensor("f", "FP32", (n,), memoryview(f.tobytes())),
+               OutputTensor("bin", "UINT8", (3,), memoryview(b"\x01\x02\x03"), binary=True),
+               OutputTensor("b", "BF16", (n,), memoryview(b.tobytes())),
+               OutputTensor("i", "INT64", (n,), memoryview(i.tobytes())),
+               OutputTensor("s", "BYTES", (n,), rest.serialize_bytes(s)),
+               OutputTensor("empty", "FP32", (0,), b"")]
+    expected = {"f": f, "b": b.astype(np.float32), "i": i, "s": [e.decode() for e in s], "empty": []}
+    return InferResult("m", "2", "r", outputs), expected
+
+
+def test_a_large_json_answer_is_made_in_pieces_the_same_each_time():
+    """Each piece holds at most JSON_PIECE elements of one output (orjson's text of them); the
+    pieces make the same JSON as the whole answer, twice over, and the binary part follows."""
+    result, expected = large_result()
+    body = rest.ResultBody(result, False)
+    assert not body.small and body.binary and [bytes(p) for p in body.parts] == [b"\x01\x02\x03"]
+    pieces = list(body.pieces())
+    assert list(body.pieces()) == pieces
+    assert max(piece.count(b",") for piece in pieces) <= P
+    header = b"".join(pieces)
+    assert header == body.header() == rest.encode_result(result, False)[0]
+    answer = json.loads(header)
+    assert (answer["model_name"], answer["model_version"], answer["id"]) == ("m", "2", "r")
+    got = {o["name"]: o for o in answer["outputs"]}
+    for name, values in expected.items():
+        data = got[name]["data"]
+        assert (data == values if isinstance(values, list) else
+                np.array_equal(np.array(data, values.dtype), values)), name
+    assert got["bin"]["parameters"] == {"binary_data_size": 3} and "data" not in got["bin"]
+
+
+def test_a_small_answer_is_one_piece_of_work():
+    y = np.arange(P, dtype=np.float32)
+    body = rest.ResultBody(InferResult("m", "1", None, [OutputTensor("y", "FP32", (P,), memoryview(y.tobytes()))]),
+                           False)
+    assert body.small and not body.binary and json.loads(body.header())["outputs"][0]["data"] == y.tolist()
+
+
+def test_a_bytes_output_that_is_not_text_is_refused_while_the_pieces_are_made():
+    n = 2 * P
+    raw = rest.serialize_bytes([b"ok"] * (n - 1) + [b"\xff"])
+    body = rest.ResultBody(InferResult("m", "1", None, [OutputTensor("s", "BYTES", (n,), raw)]), False)
+    pieces = body.pieces()
+    next(pieces)
+    with pytest.raises(V2Error) as info:
+        list(pieces)
+    assert info.value.code is ErrorCode.BAD_INPUT and "binary_data = true" in info.value.message
+    extra = rest.serialize_bytes([b"ok"] * n) + b"\x00"  # bytes after the last element
+    body = rest.ResultBody(InferResult("m", "1", None, [OutputTensor("s", "BYTES", (n,), extra)]), False)
+    refused(ErrorCode.BAD_INPUT, body.header)

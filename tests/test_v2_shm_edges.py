@@ -340,6 +340,29 @@ def test_unregister_waits_for_the_request_reading_and_writing_the_region(srv, st
     assert {r["name"] for r in status(srv)} == left
 
 
+def test_an_unregister_whose_client_leaves_still_frees_the_name(srv, stub, make):
+    """The client of an unregister closes its connection while a request still reads the region
+    (the server cancels that call): the region goes all the same once the request is done, its
+    descriptor is closed, and its name can be registered again."""
+    x = np.array([0.8, 1, 2, 3], np.float32)  # slow sleeps x[0] seconds
+    key = make(64, data=x.tobytes())
+    fds = client_fds(srv)
+    assert register(srv, "r", key, 0, 64).status == 200
+    answers = {}
+    runner = threading.Thread(target=lambda: answers.update(r=one(srv.http, json_infer(
+        "slow", shm_infer(x, "r")))))
+    runner.start()
+    wait_for(lambda: srv.info()["stats"]["slots_in_use"] == 1, "the request to run")
+    with raw_http.connect(srv.http) as s:
+        s.sendall(request("POST", "/v2/systemsharedmemory/region/r/unregister"))
+        wait_for(lambda: "r" not in [r["name"] for r in status(srv)], "the unregister to begin")
+    runner.join(30)  # the unregister's connection closed before it could be answered
+    assert answers["r"].status == 200, answers["r"]
+    assert "r" not in [r["name"] for r in status(srv)]
+    wait_for(lambda: client_fds(srv) == fds, "the region's descriptor to be closed", timeout=15)
+    assert register(srv, "r", key, 0, 64).status == 200, "the name stayed blocked"
+
+
 def test_each_registration_holds_one_descriptor_until_it_is_unregistered(srv, stub, make):
     keys = [make(256) for _ in range(5)]
     fds = client_fds(srv)

@@ -146,6 +146,63 @@ def test_reads_and_writes_go_through_the_descriptor_and_a_shrunk_object_fails_on
     registry.close_all()
 
 
+def test_an_object_truncated_between_the_size_check_and_the_write_fails_its_request(shm_object, monkeypatch):
+    """The race a client can run: it truncates its object after the server has looked at the size
+    and before the output is written.  Made certain here by truncating inside the server's first
+    size check (it sees the old size).  The request fails BAD_REGION (the client learns its output
+    is not there as it should be); the object was grown back by the write, to the end of that
+    write and no further (sysshm's header says why this is not prevented)."""
+    key = shm_object(size=16384)
+    path = os.path.join(SHM_DIR, key.lstrip("/"))
+    registry = SystemShm(enabled=True, own=set())
+    registry.register(OWNER, UID, "r", key, 0, 16384)
+    out = ShmRef("r", 4096, 4096)
+    region = registry.take(OWNER, out, 4096, "output 'y'")
+    real_fstat, calls = os.fstat, []
+
+    def fstat_then_truncate(fd):
+        st = real_fstat(fd)
+        if fd == region.fd and not calls:
+            calls.append(st.st_size)
+            os.truncate(path, 100)  # the client, right after the check read the size
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_truncate)
+    with pytest.raises(V2Error) as info:
+        registry.write_from(region, out, memoryview(b"z" * 4096), "output 'y'")
+    monkeypatch.undo()
+    assert calls == [16384]
+    assert info.value.code == ErrorCode.BAD_REGION and "truncated while its output was written" in info.value.message
+    assert os.stat(path).st_size == 8192, "grown past the end of the write"
+    registry.give_back(region)
+    registry.close_all()
+
+
+def test_an_unregister_whose_caller_leaves_still_frees_the_name(shm_object):
+    """The caller of an unregister goes away (its task cancelled) while a request still uses the
+    region: the region is removed all the same once the request gives it back, and the name can be
+    registered again."""
+    key = shm_object()
+    registry = SystemShm(enabled=True, own=set())
+
+    async def scenario():
+        registry.register(OWNER, UID, "r", key, 0, 4096)
+        in_use = registry.take(OWNER, ShmRef("r", 16), 16, "input 'x'")
+        task = asyncio.ensure_future(registry.unregister(OWNER, "r"))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        refused(ErrorCode.BAD_REGION, registry.take, UID, ShmRef("r", 16), 16, "input 'x'")  # still closing
+        registry.give_back(in_use)
+        assert in_use.fd == -1 and registry.regions == {}
+        registry.register(OWNER, UID, "r", key, 0, 4096)  # the name is free again
+        await registry.unregister(OWNER, "r")
+        assert registry.regions == {}
+
+    asyncio.run(scenario())
+
+
 def test_status_and_unregister_wait_for_the_requests_using_a_region(shm_object):
     key, key2 = shm_object(), shm_object()
     registry = SystemShm(enabled=True, own=set())

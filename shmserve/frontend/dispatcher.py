@@ -14,7 +14,10 @@ gRPC next) plug in through one small interface: per connection, an object
 with the ``Door`` methods, and five calls into the dispatcher — ``submit``
 (check), ``admit`` (take space), ``received`` (payload landed), ``release``
 (an answer's views written) and ``drop`` (the connection is gone).  The dispatcher knows nothing of sockets
-or wire formats: answers are typed values (``Outputs`` or ``Failure``).
+or wire formats: answers are typed values (``Outputs`` or ``Failure``).  Whatever a door does,
+the dispatcher releases what a request holds: a door method that raises has its connection
+ended (``Door.abort``) and the request dropped, and a completion whose collection raises is
+answered INTERNAL, the rest of its drain collected as usual.
 
 Recovery: a request for a model whose workers are all restarting waits for
 one (parked, per model, in arrival order; its deadline runs): before
@@ -42,6 +45,7 @@ import collections
 import logging
 import random
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
@@ -111,6 +115,10 @@ class Door(Protocol):
     The dispatcher calls, for every request: at most one ``waiting``, at most one
     ``admitted``, and exactly one ``answer`` (unless the door told it, with ``drop``, that
     nobody is left to answer).
+
+    A method that raises is a broken door: the dispatcher calls its ``abort`` and drops the
+    request, whatever state it was in (``Dispatcher._door_raised``), so no exception of a door
+    can leak a slot, an extent or a place in a queue, nor reach the completion loop.
     """
 
     def in_flight(self) -> int:
@@ -130,6 +138,13 @@ class Door(Protocol):
         """``req``'s one answer.  If it is ``Outputs`` with ``in_arena``, call
         ``Dispatcher.release(req)`` once its views are written (or never will be).  If ``req``'s
         payload was never received, the door skips it."""
+
+    def abort(self, exc: Exception) -> None:
+        """One of this door's methods raised ``exc``: end its connection now.  Once this returns,
+        nothing of the door reads or writes arena space it was given (sinks, answer views: a
+        transport aborted drops what it had not sent); its requests are dropped as when the
+        connection is lost (now or later), and a caller it can still answer is answered.  The
+        dispatcher then drops the request the raise was about.  Must not raise."""
 
 
 class Clock(Protocol):
@@ -195,6 +210,9 @@ class _ShadowDoor:
             if isinstance(answer, Outputs) and answer.in_arena:
                 self.dispatcher.release(req)
 
+    def abort(self, exc: Exception) -> None:
+        self.sources = []  # a copy has no connection: nothing more is copied
+
 
 # -- the dispatcher -------------------------------------------------------------------------
 
@@ -232,6 +250,7 @@ class Dispatcher:
         self.shadow_to: Callable[[Request], ModelState | None] = lambda req: None
         self.shadow_done: Callable[[Request, dict, Answer], None] = lambda copy, outputs, answer: None
         self.draw = random.random  # uniform [0, 1) for a canary's split
+        self.door_faults = 0  # door methods that raised (``_door_raised``)
         self.stopping = False
         self._polling = False
         self._poll_until = 0.0
@@ -290,7 +309,10 @@ class Dispatcher:
         req.advance(Event.WAIT)
         self._arm_deadline(req)
         queue.append(req)
-        req.door.waiting(req)
+        try:
+            req.door.waiting(req)
+        except Exception as exc:
+            self._door_raised(req, "waiting", exc)
 
     def _check(self, door: Door, parsed: InferRequest, model: ModelState, payload_bytes: int,
                region: Region | None) -> Request:
@@ -436,11 +458,17 @@ class Dispatcher:
         if region is None:
             req.out_offset, req.out_capacity = pos, req.extent.offset + req.extent.size - pos
         if sinks:
-            req.door.admitted(req, sinks)
+            try:
+                req.door.admitted(req, sinks)
+            except Exception as exc:
+                self._door_raised(req, "admitted", exc, sinks)
             return
         self._publish(req)
         if not req.answered:  # published, or parked for a worker: nothing more to receive
-            req.door.admitted(req, None)
+            try:
+                req.door.admitted(req, None)
+            except Exception as exc:
+                self._door_raised(req, "admitted", exc)
 
     def _admit_waiting(self) -> None:
         while self.waiting and not self.stopping:
@@ -601,7 +629,29 @@ class Dispatcher:
         for entry in w.completions.pop_all():
             index, generation = layout.split_entry(entry)
             if index in w.inflight:
-                self._complete(w, index, generation)
+                req = self.pending.get(index)
+                try:
+                    self._complete(w, index, generation)
+                except Exception as exc:  # a bug on the way to its answer: the rest of this drain goes on
+                    self._completion_failed(req, generation, exc)
+
+    def _completion_failed(self, req: Request | None, generation: int, exc: Exception) -> None:
+        """Collecting ``req``'s completion raised ``exc`` (not in its door: ``_door_raised`` has
+        those): it is answered INTERNAL if it was not answered yet, and what it holds is freed."""
+        log.error("collecting the result of request %s failed; it is answered 'internal' and freed",
+                  req.id if req is not None else "?", exc_info=exc)
+        traceback.clear_frames(exc.__traceback__)  # logged: its frames must not keep views of the arena
+        if req is None or req.generation != generation:
+            return
+        if self.pending.get(req.slot) is req:
+            del self.pending[req.slot]
+            req.worker.inflight.discard(req.slot)
+        if req.state is RequestState.QUEUED:
+            self._end(req, Failure(ErrorCode.INTERNAL, f"the server failed collecting this request's result "
+                                                       f"({type(exc).__name__}); see its log"))
+        elif req.state is RequestState.ABANDONED:
+            req.advance(Event.RELEASE)
+            self._free(req)
 
     def _complete(self, w: WorkerHandle, index: int, generation: int) -> None:
         req = self.pending.get(index)
@@ -643,7 +693,10 @@ class Dispatcher:
             self._end(req, outputs)
             return
         req.advance(Event.HOLD)
-        req.door.answer(req, outputs)
+        try:
+            req.door.answer(req, outputs)
+        except Exception as exc:
+            self._door_raised(req, "answer", exc, [o.view for o in outputs.outputs if o.view is not None])
 
     def _shadow(self, req: Request, outputs: Outputs, target: ModelState) -> None:
         """Copy finished inline request ``req`` to version ``target`` (canary shadow mode): its
@@ -715,7 +768,10 @@ class Dispatcher:
             self.outcomes[(req.model.name, req.model.version, answer.code.wire)] += 1
         if held:
             self._free(req)
-        req.door.answer(req, answer)
+        try:
+            req.door.answer(req, answer)
+        except Exception as exc:
+            self._door_raised(req, "answer", exc)
 
     def _abandon(self, req: Request, failure: Failure) -> None:
         """Answer ``req`` with ``failure`` while a worker may still touch its slot (ABANDON):
@@ -724,7 +780,33 @@ class Dispatcher:
         self._cancel_timer(req)
         self.outcomes[(req.model.name, req.model.version, failure.code.wire)] += 1
         log.debug("request %d on model %s: %s: %s", req.id, req.model.key, failure.code.wire, failure.message)
-        req.door.answer(req, failure)
+        try:
+            req.door.answer(req, failure)
+        except Exception as exc:
+            self._door_raised(req, "answer", exc)
+
+    def _door_raised(self, req: Request, where: str, exc: Exception, views=()) -> None:
+        """``Door.<where>`` raised ``exc`` for ``req``: a bug in the door or a fault beneath it, so the
+        door's state is unknown.  It is told to end its connection (``Door.abort``: once that
+        returns it reads and writes none of the arena space it was given), the ``views`` of the
+        arena it was handed (sinks, outputs) are released (a view the door kept is dead, one it
+        sliced is the door's to drop), then ``req`` gives up what it holds, as ``drop`` does
+        (freed now; a request a worker runs, once it finishes).  Whoever else is served is not
+        affected; a second raise (from ``abort``) is only logged."""
+        self.door_faults += 1
+        log.error("a front door raised in %s for request %d on model %s; its connection is ended and what the "
+                  "request held is freed", where, req.id, req.model.key, exc_info=exc)
+        traceback.clear_frames(exc.__traceback__)  # logged: its frames must not keep views of the arena
+        try:
+            req.door.abort(exc)
+        except Exception:
+            log.exception("the front door raised again while ending its connection")
+        for view in views:
+            try:
+                view.release()
+            except BufferError:  # exported (a transport's write in progress): abort has dropped it
+                pass
+        self.drop(req)
 
     def _free(self, req: Request) -> None:
         """Return a request's slot and extent (whatever state the slot reached) and admit waiters."""

@@ -693,6 +693,15 @@ class ClientConnection(asyncio.BufferedProtocol):
             self.proto.accept_payload(sinks)
         self._update()
 
+    def abort(self, exc: Exception) -> None:
+        """``Door.abort``: a method of this connection raised (a bug, or a fault beneath it): it ends
+        now.  Its transport is aborted (nothing more lands in a request's space, nothing queued is
+        sent from the arena); ``connection_lost`` then drops what it held."""
+        log.error("closing the connection of pid %d uid %d: serving it failed (%s: %s)", self.pid, self.uid,
+                  type(exc).__name__, exc)
+        self._end_input()
+        self.transport.abort()
+
     def answer(self, req: Request, answer: Answer) -> None:
         entry = self.entries.get(req)
         if entry is None:

@@ -37,6 +37,19 @@ socket.  Binary outputs are written with ``writelines`` from views of the
 arena, released once the transport has sent them.  Smaller requests (the
 whole body in one read) are parsed from the buffer they arrived in.
 
+Work on the loop is bounded per turn: a body whose JSON is more than
+``INLINE_DECODE_BYTES``, or that came gzip or deflate, is decoded on a thread
+(inflating lets go of Python's lock, a piece at a time into pages mapped as
+they are written, so that no copy of the whole body holds the lock; JSON tensor
+data is turned into arrays
+``rest.JSON_PIECE`` elements at a time; a body inflates at most to what it
+may hold: ``max_json_bytes`` for JSON, ``max_body_bytes`` for binary).  A
+large JSON answer (``rest.ResultBody`` not ``small``) is made a piece at a
+time, one piece per turn: once to count its length, then again as the
+transport sends it, so an answer nobody reads holds one piece and its arena
+space, not its whole text (``_answer_step``).  Transfer codings other than
+``chunked`` are answered 501 (as h11 does), never ignored.
+
 Must not: decide anything about a request (``shmserve.v2.service``), know the
 JSON and binary forms (``shmserve.v2.rest``), or block the loop.
 """
@@ -46,7 +59,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import logging
+import mmap
 import socket
 import zlib
 from dataclasses import dataclass
@@ -66,12 +81,16 @@ READ_BUFFER = 256 * 1024  # request heads and small bodies; streamed bodies bypa
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (nginx's default large_client_header_buffers is 32 KiB)
 MAX_HEADERS = 100
 MAX_PIPELINED = 16  # requests parsed ahead of the one being served
-MAX_JSON_BYTES = 8 << 20  # JSON is parsed on the loop: ~50 ms for 8 MiB; larger tensors go binary
+MAX_JSON_BYTES = 8 << 20  # JSON is parsed in one call that holds Python's lock (~50 ms for 8 MiB): bigger goes binary
+# A body whose JSON is at most this (and not encoded) is decoded on the loop (well under a millisecond,
+# no thread hop), as is a streamed request's JSON header; more, or gzip or deflate, on a thread.
+INLINE_DECODE_BYTES = 64 * 1024
+INFLATE_PIECE = 1 << 20  # bytes inflated, then copied, at a time
 MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
-           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
-           504: "Gateway Timeout"}
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+           503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +101,11 @@ class HttpLimits:
 
     max_body_bytes: int
     max_json_bytes: int = MAX_JSON_BYTES
+
+    @property
+    def rest(self) -> rest.Limits:
+        """The limits ``shmserve.v2.rest`` checks a body against."""
+        return rest.Limits(self.max_body_bytes, self.max_json_bytes)
 
 
 # -- what a connection is receiving ---------------------------------------------------------------
@@ -152,6 +176,18 @@ class HeadTooLarge(V2Error):
         return 431
 
 
+class CodingNotImplemented(V2Error):
+    """A ``Transfer-Encoding`` other than ``chunked`` alone (``gzip, chunked``): 501, as h11 answers;
+    the body's coding would otherwise be ignored.  (``Content-Encoding`` is the supported way.)"""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.BAD_FRAME, message)
+
+    @property
+    def http_status(self) -> int:
+        return 501
+
+
 def _route(msg: "_Message") -> tuple[str, dict]:
     """``rest.route`` of a parsed request: (operation, path parameters).  V2Error: NoRoute, or
     BAD_FRAME for a path that is not percent-encoded UTF-8."""
@@ -184,6 +220,85 @@ class _Message:
     def data(self) -> bytes:
         return b"".join(self.body)
 
+    @property
+    def encoding(self) -> str:
+        return self.headers.get("content-encoding", "identity").lower()
+
+    def decodes_inline(self) -> bool:
+        """Whether its body is decoded on the loop (``INLINE_DECODE_BYTES``)."""
+        json_bytes = self.size if self.header_length is None else self.header_length
+        return json_bytes <= INLINE_DECODE_BYTES and self.encoding == "identity"
+
+
+# -- decoding a body (pure: these run on the loop for small bodies, on a thread for the rest) -------
+
+def _decoded(msg: _Message, limits: HttpLimits) -> bytes | memoryview:
+    """``msg``'s body, inflated if it came gzip or deflate.  The inflated size is bounded by what it
+    may hold: a JSON body ``max_json_bytes``, a binary one ``max_body_bytes`` (V2Error TOO_LARGE;
+    BAD_FRAME for an unknown coding, or a body that does not inflate, is cut short, or has bytes
+    after its end).  zlib lets go of Python's lock while it inflates."""
+    data, encoding = msg.data(), msg.encoding
+    if encoding == "identity":
+        return data
+    if encoding not in ("gzip", "deflate"):
+        raise V2Error(ErrorCode.BAD_FRAME, f"Content-Encoding {encoding[:20]!r} is not supported (gzip, deflate)")
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    if msg.header_length is None:
+        limit, why = limits.max_json_bytes, "a JSON body's limit: send tensors as binary data"
+    else:
+        limit, why = limits.max_body_bytes, "server.max_request_bytes"
+    # Into pages mapped as they are written (nothing is touched twice, nothing zeroed first), a
+    # piece at a time: inflate lets go of Python's lock, each copy holds it for one piece only.
+    out, size, pending = mmap.mmap(-1, limit + INFLATE_PIECE), 0, data
+    while True:
+        try:
+            piece = inflater.decompress(pending, INFLATE_PIECE)
+        except zlib.error as exc:
+            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
+        out[size:size + len(piece)] = piece
+        size += len(piece)
+        pending = inflater.unconsumed_tail
+        if size > limit:
+            raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes ({why})")
+        if not piece and not pending or inflater.eof:
+            break
+    if not inflater.eof or inflater.unused_data:  # cut short (its checksum never seen), or more after it
+        raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body is cut short or has bytes after its end")
+    return memoryview(out)[:size]
+
+
+def _json_body(msg: _Message, limits: HttpLimits) -> dict:
+    """The JSON object of an operation's body (``rest.loads``)."""
+    return rest.loads(_decoded(msg, limits), limits.rest)
+
+
+def _infer_request(msg: _Message, model: str, version: str | None, spec_input, limits: HttpLimits):
+    """The infer request of a buffered ``msg`` (``spec_input``: the model's one input, for a raw
+    binary body).  V2Error as ``rest.parse_infer`` says."""
+    if msg.header_length is None:
+        return rest.parse_infer(model, version, rest.loads(_decoded(msg, limits), limits.rest))
+    data = memoryview(_decoded(msg, limits))
+    h = msg.header_length
+    if h > len(data):
+        raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {h} is more than the "
+                                           f"{len(data)}-byte body")
+    if h == 0:
+        return rest.raw_binary_request(model, version, spec_input, len(data), data)
+    header = rest.loads(data[:h], limits.rest, "the JSON header")
+    return rest.parse_infer(model, version, header, binary=data[h:])
+
+
+@dataclass(eq=False)
+class _JsonAnswer:
+    """A large JSON answer on its way (``HttpConnection._answer_step``): its header is made twice, a
+    piece at a time, once to count its length (nothing kept) and once to send it."""
+
+    body: rest.ResultBody
+    result: object  # released once all is sent (its binary parts, views of the arena, go last)
+    pieces: object  # the pass under way
+    length: int = 0  # of the JSON header, counted in the first pass
+    counting: bool = True
+
 
 class HttpDoor:
     """The HTTP door of one server: its listener and open connections.
@@ -201,10 +316,6 @@ class HttpDoor:
         self.address: str | None = None
         self.connections: set[HttpConnection] = set()
         self.per_uid: collections.Counter[str] = collections.Counter()  # Unix-socket peers: identity key -> count
-
-    @property
-    def json_limits(self) -> rest.Limits:
-        return rest.Limits(self.limits.max_body_bytes, self.limits.max_json_bytes)
 
     async def start(self, address: str) -> None:
         """Listen on ``address``.  SystemExit naming the flag and why if it cannot."""
@@ -294,6 +405,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.tail = b""
         self.stream_done = None
         self.refusal: V2Error | None = None  # the streamed request's refusal, sent once its body is dropped
+        self.answer: _JsonAnswer | None = None  # a large JSON answer being made and sent
 
     def advance(self, event: Ev) -> None:
         to = RULES.get((self.input, event))
@@ -324,6 +436,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._refuse_connection(V2Error(ErrorCode.OVERLOADED, refusal))
             return
         self.v2door = self.service.open_door()
+        self.v2door.on_abort = self._door_failed
 
     def _refuse_connection(self, exc: V2Error) -> None:
         """Answer the request the client is about to send with ``exc``, and close."""
@@ -357,6 +470,9 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.stall_timer.cancel()
             self.stall_timer = None
         self._release_held()
+        if self.answer is not None:
+            answer, self.answer = self.answer, None
+            answer.result.release()
         if self.work is not None:
             self.work.cancel()
             self.work = None
@@ -367,6 +483,14 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.door.leave(self)
             self.service.close_door(self.v2door)
             self.v2door = None
+
+    def _door_failed(self, exc: Exception) -> None:
+        """``V2Door.abort``: a method of this connection's door raised (a bug, or a fault beneath it):
+        the connection ends now.  Its transport is aborted (nothing more is read into arena space
+        or sent from it), then everything it held is let go as when its peer leaves."""
+        log.error("HTTP: closing a connection of %s: serving it failed (%s: %s)", self.who, type(exc).__name__, exc)
+        self.transport.abort()
+        self.connection_lost(exc)
 
     def pause_writing(self) -> None:
         """The answer waits in the transport: close the connection if it still does after
@@ -382,7 +506,10 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.stall_timer.cancel()
             self.stall_timer = None
         self._release_held()
-        if self.current is not None and self.work is None:
+        if self.answer is not None:
+            if not self.answer.counting:
+                self._answer_step()
+        elif self.current is not None and self.work is None:
             self._sent()
 
     def _stalled(self) -> None:
@@ -492,6 +619,10 @@ class HttpConnection(asyncio.BufferedProtocol):
             if msg.length is not None and msg.header_length > msg.length:  # chunked: checked once it is in
                 raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {msg.header_length} is more "
                                                    f"than the body's Content-Length {msg.length}")
+        coding = msg.headers.get("transfer-encoding")
+        if coding is not None and [c.strip() for c in coding.lower().split(",") if c.strip()] != ["chunked"]:
+            raise CodingNotImplemented(f"Transfer-Encoding {coding[:40]!r} is not supported (only 'chunked'; "
+                                       "compress a body with Content-Encoding)")
         msg.caller = self._identify(msg)
         self.advance(Ev.HEADERS)
         if msg.headers.get("expect", "").lower() == "100-continue" and msg.version == "1.1":
@@ -548,6 +679,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         """Whether ``msg``'s body may go straight into the arena: a binary infer request with a
         plain body still arriving, and no request served or waiting before it."""
         return (msg.header_length is not None and msg.length is not None and msg.method == "POST"
+                and msg.header_length <= INLINE_DECODE_BYTES  # its header is parsed on the loop
                 and self.current is None and not self.queue and "transfer-encoding" not in msg.headers
                 and msg.headers.get("content-encoding", "identity").lower() == "identity"
                 and bytes(msg.url).split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer"))
@@ -604,7 +736,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         try:
             op, params = _route(msg)
             if op == "infer":  # the hot path: no task, the answer comes back through _infer_done
-                self._start_infer(msg, self._infer_request(msg, params))
+                model, version = params["m"], params["v"]
+                spec_input = self.service.raw_input(model, version) if msg.header_length == 0 else None
+                decode = functools.partial(_infer_request, msg, model, version, spec_input, self.door.limits)
+                if msg.decodes_inline():
+                    self._start_infer(msg, decode())
+                else:
+                    self._offload(decode, lambda request: self._start_infer(msg, request))
                 return
         except V2Error as exc:
             self._respond_error(exc)
@@ -612,35 +750,36 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.work = asyncio.get_running_loop().create_task(self._serve(msg, op, params))
         self.work.add_done_callback(self._served)
 
+    def _offload(self, job, then) -> None:
+        """Decode on a thread: run ``job`` (pure: it touches nothing of this connection) there, then
+        ``then(its value)`` back on the loop, unless the connection has gone meanwhile (``work`` is
+        cancelled).  A V2Error of either is the answer."""
+        future = asyncio.get_running_loop().run_in_executor(None, job)
+        self.work = future
+        future.add_done_callback(lambda f: self._offloaded(f, then))
+
+    def _offloaded(self, future: asyncio.Future, then) -> None:
+        if future is not self.work:  # cancelled: the connection is gone
+            return
+        self.work = None
+        try:
+            then(future.result())
+        except V2Error as exc:
+            self._respond_error(exc)
+        except Exception as exc:  # our bug: this request is answered, the connection goes on
+            log.error("HTTP: internal error decoding a request", exc_info=exc)
+            self._respond_error(V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})"))
+
     async def _serve(self, msg: _Message, op: str, params: dict):
         """(status, content type, body parts, extra headers, None) for an operation other than infer."""
-        body = rest.loads(self._decoded(msg), self.door.json_limits) if msg.size else {}
+        body = {}
+        if msg.size:
+            body = _json_body(msg, self.door.limits) if msg.decodes_inline() else \
+                await asyncio.get_running_loop().run_in_executor(None, _json_body, msg, self.door.limits)
         value = await self._operation(op, params, body)
         if isinstance(value, bool):  # health and readiness: the status says it
             return (200 if value else 503), "application/json", [], (), None
         return 200, "application/json", ([rest.dumps(value)] if value is not None else []), (), None
-
-    def _decoded(self, msg: _Message) -> bytes:
-        """The body, inflated if it came gzip or deflate (bounded: it may not inflate past
-        ``max_body_bytes``)."""
-        data = msg.data()
-        encoding = msg.headers.get("content-encoding", "identity").lower()
-        if encoding == "identity":
-            return data
-        if encoding not in ("gzip", "deflate"):
-            raise V2Error(ErrorCode.BAD_FRAME, f"Content-Encoding {encoding[:20]!r} is not supported (gzip, deflate)")
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-        limit = self.door.limits.max_body_bytes
-        try:
-            out = inflater.decompress(data, limit + 1)
-        except zlib.error as exc:
-            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
-        if len(out) > limit or inflater.unconsumed_tail:
-            raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes "
-                                               "(server.max_request_bytes)")
-        if not inflater.eof or inflater.unused_data:  # cut short (its checksum never seen), or more after it
-            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body is cut short or has bytes after its end")
-        return out
 
     async def _operation(self, op: str, params: dict, body: dict):
         service, caller = self.service, self.current.caller
@@ -688,28 +827,9 @@ class HttpConnection(asyncio.BufferedProtocol):
             service.cuda_shm_register(caller, r, body.get("raw_handle"), body.get("device_id"), body.get("byte_size"))
         return None  # cuda_shm_unregister: nothing is ever registered
 
-    def _infer_request(self, msg: _Message, params: dict):
-        """The infer request of a buffered ``msg``.  V2Error as ``rest.parse_infer`` says."""
-        model, version = params["m"], params["v"]
-        if msg.header_length is None:
-            request = rest.parse_infer(model, version, rest.loads(self._decoded(msg), self.door.json_limits))
-        else:
-            data = memoryview(self._decoded(msg))
-            h = msg.header_length
-            if h > len(data):
-                raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {h} is more than the "
-                                                   f"{len(data)}-byte body")
-            if h == 0:
-                request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
-                                                  len(data), data)
-            else:
-                header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
-                request = rest.parse_infer(model, version, header, binary=data[h:])
-        msg.request = request
-        return request
-
     def _start_infer(self, msg: _Message, request) -> None:
         """Submit ``request`` (``msg``'s); V2Error if it is refused at once."""
+        msg.request = request
         call = self.service.start(msg.caller, request, self._infer_done)
         if not call.ended:  # (an answer given at once has already been sent)
             self.work = call
@@ -723,17 +843,22 @@ class HttpConnection(asyncio.BufferedProtocol):
             return
         answer = None
         if error is None:
+            body = rest.ResultBody(result, self.current.request.binary_outputs)
+            if not body.small and self.input not in (Input.STREAM, Input.DISCARD):
+                self.answer = _JsonAnswer(body, result, body.pieces())  # made as its client reads it
+                self._answer_step()
+                return
             try:
-                header, parts, header_length = rest.encode_result(result, self.current.request.binary_outputs)
+                header = body.header()
             except V2Error as exc:
                 error = exc
-            if error is not None or header_length is None:
+            if error is not None or not body.binary:
                 result.release()
                 result = None
             if error is None:
-                answer = (200, "application/json", [header], (), None) if header_length is None else \
-                    (200, "application/octet-stream", [header, *parts],
-                     ((b"inference-header-content-length", b"%d" % header_length),), result)
+                answer = (200, "application/json", [header], (), None) if not body.binary else \
+                    (200, "application/octet-stream", [header, *body.parts],
+                     ((b"inference-header-content-length", b"%d" % len(header)),), result)
         if self.input in (Input.STREAM, Input.DISCARD):  # answered before its body was all in
             if answer is not None and answer[4] is not None:
                 answer[4].release()
@@ -779,10 +904,54 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._release_held()
             self._sent()
 
-    def _write(self, status: int, ctype: str, parts: list, extra=(), body: bool = True) -> None:
-        """The answer's head and (unless ``body`` is false: a HEAD request's) its ``parts``."""
+    def _answer_step(self) -> None:
+        """One piece of a large JSON answer (``answer``).  First pass: counted, one piece per turn
+        of the loop.  Then the head (with the length), and the second pass: each piece written once
+        the one before has left the transport (its client reads: an answer nobody reads holds one
+        piece, not its whole text), one per turn.  Then its binary parts, and it is done as any
+        answer.  A V2Error (a BYTES output that is not text) comes in the first pass: answered."""
+        answer = self.answer
+        if answer is None or self.transport.is_closing():  # gone: connection_lost lets go of it
+            return
+        soon = asyncio.get_running_loop().call_soon
+        try:
+            piece = next(answer.pieces, None)
+        except V2Error as exc:
+            self.answer = None
+            answer.result.release()
+            self._respond_error(exc)
+            return
+        if piece is not None:
+            if answer.counting:
+                answer.length += len(piece)
+                soon(self._answer_step)
+                return
+            self.transport.write(piece)
+        elif answer.counting:  # counted: the head, then the same pieces again
+            answer.counting, answer.pieces, body = False, answer.body.pieces(), answer.body
+            if not self.current.keep_alive:
+                self.closing = True
+            extra = ((b"inference-header-content-length", b"%d" % answer.length),) if body.binary else ()
+            self._write(200, "application/octet-stream" if body.binary else "application/json", [], extra,
+                        length=answer.length + sum(len(p) for p in body.parts))
+        else:  # all of the JSON is out: the binary parts, then the next request
+            self.answer = None
+            self.transport.writelines(answer.body.parts)
+            self.held.append(answer.result)
+            if not self.write_blocked:
+                self._release_held()
+                self._sent()
+            return
+        if not self.write_blocked:
+            soon(self._answer_step)  # else resume_writing takes the next step
+
+    def _write(self, status: int, ctype: str, parts: list, extra=(), body: bool = True,
+               length: int | None = None) -> None:
+        """The answer's head and (unless ``body`` is false: a HEAD request's) its ``parts``
+        (``length``: the body's, when it is sent in pieces later)."""
+        length = sum(len(p) for p in parts) if length is None else length
         head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
-            status, REASONS.get(status, "Error").encode(), ctype.encode(), sum(len(p) for p in parts))]
+            status, REASONS.get(status, "Error").encode(), ctype.encode(), length)]
         head.extend(b"%s: %s\r\n" % (name, value) for name, value in extra)
         if self.closing and self.after is None:  # only the last answer says so (an error may follow this one)
             head.append(b"connection: close\r\n")
@@ -828,7 +997,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
                                                   msg.length, Incoming(msg.length))
             else:
-                header = rest.loads(data[:h], self.door.json_limits, "the JSON header")
+                header = rest.loads(data[:h], self.door.limits.rest, "the JSON header")
                 request = rest.parse_infer(model, version, header, streamed=msg.length - h)
         except V2Error as exc:
             self._refuse_stream(exc)

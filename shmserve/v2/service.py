@@ -190,7 +190,11 @@ class V2Door:
     ``body``, straight from the socket; the request is published once all have landed).
 
     While a thread reads into a request's space (``copying``), nothing frees that space: a drop
-    then waits for the read to end."""
+    then waits for the read to end.
+
+    A method of it that raises (``Door.abort``): the connection's own end first (``on_abort``,
+    which the HTTP door sets: its transport aborted, its calls cancelled), then every call still
+    pending is answered INTERNAL (a gRPC caller's: its replies hold no view of the arena)."""
 
     def __init__(self, service: "V2Service"):
         self.service = service
@@ -200,6 +204,7 @@ class V2Door:
         self.copying: dict[Request, asyncio.Future] = {}  # a thread reads regions into their space
         self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
         self.ids = itertools.count(1)
+        self.on_abort: Callable[[Exception], None] | None = None  # the connection's end (HTTP)
 
     def in_flight(self) -> int:
         return len(self.pending)
@@ -227,8 +232,8 @@ class V2Door:
             return
         try:
             _read_regions(reads)
-        except V2Error as exc:
-            self._fail(req, exc)
+        except Exception as exc:
+            self._fail(req, _internal(exc, "reading a region"))
             return
         self._inputs_read(req, incoming)
 
@@ -239,10 +244,8 @@ class V2Door:
             self.dispatcher.drop(req)
             return
         exc = copy.exception()
-        if isinstance(exc, V2Error):
-            self._fail(req, exc)
-        elif exc is not None:
-            self._fail(req, V2Error(ErrorCode.INTERNAL, f"reading a region failed: {exc!r}"))
+        if exc is not None:
+            self._fail(req, _internal(exc, "reading a region"))
         else:
             self._inputs_read(req, incoming)
 
@@ -301,6 +304,15 @@ class V2Door:
             call.cancel()
         self.receiving.clear()
 
+    def abort(self, exc: Exception) -> None:
+        """``Door.abort``: see the class docstring."""
+        if self.on_abort is not None:
+            self.on_abort(exc)
+        for req in list(self.pending):
+            if req in self.pending:
+                self._fail(req, V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__}): "
+                                                            f"see the server's log"))
+
 
 class InferCall:
     """One v2 infer request on its way (``V2Service.start``): what it holds until it ends (the
@@ -328,10 +340,10 @@ class InferCall:
         release = (lambda: service.dispatcher.release(req)) if answer.in_arena else None
         try:
             result, writes = service._result(self, answer)
-        except V2Error as exc:
+        except Exception as exc:  # a region that cannot take an output, or our bug: its answer is an error
             if release is not None:
                 release()
-            self._end(None, exc)
+            self._end(None, _internal(exc, "writing the answer"))
             return
         result.releaser = release
         if not writes:
@@ -348,8 +360,7 @@ class InferCall:
             return
         result.release()
         if not self.ended:
-            self._end(None, exc if isinstance(exc, V2Error) else V2Error(ErrorCode.INTERNAL, f"writing a region "
-                                                                                               f"failed: {exc!r}"))
+            self._end(None, _internal(exc, "writing a region"))
 
     def failed(self, error: V2Error) -> None:
         """Its inputs could not be read (the door has freed its space)."""
@@ -385,6 +396,15 @@ class InferCall:
 
 
 OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
+
+
+def _internal(exc: BaseException, doing: str) -> V2Error:
+    """``exc`` as a request's error: a V2Error as it is; anything else is our fault, logged with its
+    traceback and answered INTERNAL."""
+    if isinstance(exc, V2Error):
+        return exc
+    log.error("v2: %s failed", doing, exc_info=exc)
+    return V2Error(ErrorCode.INTERNAL, f"{doing} failed ({type(exc).__name__}): see the server's log")
 
 
 def _read_regions(reads: list) -> None:

@@ -224,6 +224,7 @@ class FakeDoor:
         self.payloads: dict[Request, bytes] = {}
         self.written: set[Request] = set()
         self.dropped: set[Request] = set()
+        self.aborts: list[Exception] = []  # what ``abort`` was told, in order
         self._ids = itertools.count(1)
 
     # -- the dispatcher's Door ------------------------------------------------------------
@@ -253,6 +254,13 @@ class FakeDoor:
         self._release_sinks(req)
         if self.write_now and self.holds_views(req):
             self.write(req)
+
+    def abort(self, exc: Exception) -> None:
+        """A method of this door raised: the connection ends.  Like a real transport, its end is
+        noticed later: the test calls ``close`` (connection lost) when it chooses."""
+        self.aborts.append(exc.with_traceback(None))  # its frames would keep views of the arena alive
+        for req in list(self.sinks):  # an aborted transport receives nothing more
+            self._release_sinks(req)
 
     def _called(self, what: str, req: Request) -> None:
         assert req in self.requests, f"{what} for request {req.id}, which this door did not submit"

@@ -1,4 +1,4 @@
-"""Raw HTTP/1.1 over a loopback TCP socket (or a Unix one), for tests that play a hostile v2 client: they write
+"""Raw HTTP/1.1 over a loopback TCP socket (or the door's Unix socket), for tests that play a hostile v2 client: they write
 every byte themselves (a header that lies, a body cut short, a request split anywhere) and read
 what the server answers with httptools' response parser, until it has answered or closed."""
 

@@ -88,12 +88,18 @@ def standard_models(identity_instances: int = 2) -> str:
 
 
 class ServerProcess:
-    """A `shmserve serve` child.  ``start()`` returns once it answers health checks."""
+    """A `shmserve serve` child.  ``start()`` returns once it answers health checks.
+
+    ``module``: what ``python -m`` runs (``helpers.faults`` wraps door callbacks first);
+    ``launcher``: a command the server is run under (it must exec it, so that ``proc.pid`` is the
+    server's: ``unshare``); ``env``: more environment variables."""
 
     def __init__(self, workdir: Path, config_text: str, *, server_section: str = "", socket_dir: Path | None = None,
-                 extra_args: list[str] = ()):
+                 extra_args: list[str] = (), module: str = "shmserve.cli", launcher: list[str] = (),
+                 env: dict | None = None):
         self.workdir = workdir
         self.extra_args = list(extra_args)
+        self.module, self.launcher, self.env = module, list(launcher), dict(env or {})
         from conftest import new_instance
 
         self.instance = new_instance("srv")
@@ -105,11 +111,12 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+                   **self.env)
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(self.config_path),
-                                      "--socket", self.socket, *self.extra_args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([*self.launcher, sys.executable, "-m", self.module, "serve", "--config",
+                                      str(self.config_path), "--socket", self.socket, *self.extra_args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

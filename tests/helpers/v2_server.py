@@ -90,24 +90,29 @@ def write_tokens(workdir: Path) -> Path:
     return path
 
 
-def section(*, shm: bool = True, extra: str = "", http: str = "127.0.0.1:0") -> str:
-    """The [server] keys: both doors on loopback port 0 (``http``: another address), 1 s
-    deadlines, 20 MiB requests, the test tokens; a key ``extra`` sets replaces its default."""
-    lines = [f'http = "{http}"', 'grpc = "127.0.0.1:0"', f"v2_system_shared_memory = {str(shm).lower()}",
-             'v2_tokens = "tokens.toml"', f"max_request_bytes = {MAX_REQUEST_BYTES}",
-             f"frame_timeout_s = {DEADLINE_S}", f"upload_timeout_s = {DEADLINE_S}", f"stall_timeout_s = {DEADLINE_S}"]
+def section(*, shm: bool = True, extra: str = "", http: str | None = None, deadlines: float = DEADLINE_S) -> str:
+    """The [server] keys: both doors on loopback port 0 (``http``: the HTTP door's address
+    instead), 1 s deadlines (tests of them; a test whose clients must never meet one, on a busy
+    machine, gives generous ``deadlines``), 20 MiB requests, the test tokens; a key ``extra`` sets
+    replaces its default."""
+    lines = [f'http = "{http or "127.0.0.1:0"}"', 'grpc = "127.0.0.1:0"',
+             f"v2_system_shared_memory = {str(shm).lower()}", 'v2_tokens = "tokens.toml"',
+             f"max_request_bytes = {MAX_REQUEST_BYTES}", f"frame_timeout_s = {deadlines}",
+             f"upload_timeout_s = {deadlines}", f"stall_timeout_s = {deadlines}"]
     given = {line.partition("=")[0].strip() for line in extra.splitlines()}
     return "".join(f"{line}\n" for line in lines if line.partition("=")[0].strip() not in given) + extra
 
 
 @contextlib.contextmanager
-def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS,
-               http: str = "127.0.0.1:0"):
+def v2_serving(workdir: Path, *, shm: bool = True, extra: str = "", models: str = MODELS, http: str | None = None,
+               deadlines: float = DEADLINE_S, **options):
     """``helpers.server.serving`` with both v2 doors; ``srv.http`` and ``srv.grpc`` are their
-    addresses (``http``: a Unix socket path instead of TCP).  The native socket answers before the
-    doors are listed, so this waits for them."""
+    addresses (``http``: the HTTP door's, a Unix socket path or loopback; default loopback port 0).
+    The native socket answers before the doors are listed, so this waits for them.  ``options``
+    go to ``ServerProcess``."""
     write_tokens(workdir)
-    with serving(workdir, models, server_section=section(shm=shm, extra=extra, http=http)) as srv:
+    with serving(workdir, models, server_section=section(shm=shm, extra=extra, http=http, deadlines=deadlines),
+                 **options) as srv:
         v2 = wait_for(lambda: (lambda d: d if {"http", "grpc"} <= set(d) else None)(srv.info()["v2"]),
                       "the v2 doors to listen", timeout=30)
         srv.http, srv.grpc = v2["http"], v2["grpc"]
