@@ -476,6 +476,8 @@ def _describe(method: str, a: dict) -> str:
         return (f"model {a['model']} version {a['version']}: {a['state']}, {a['workers']} worker(s)"
                 + (f", loaded in {a['load_seconds']:.2f} s" if a.get("load_seconds") is not None else ""))
     if method == "unload":
+        if not a["unloaded"]:
+            return f"model {a['model']}: nothing loaded to unload"
         return f"model {a['model']}: unloaded version(s) {', '.join(map(str, a['unloaded']))}"
     if method == "scale":
         return f"model {a['model']} version {a['version']}: {a['workers']} worker(s)"

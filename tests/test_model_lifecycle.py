@@ -322,6 +322,49 @@ def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
             assert state("c") == "ready" and state("b") == "ready"
 
 
+def test_a_control_call_whose_caller_leaves_runs_to_its_end(tmp_path):
+    """Issue 23 item 5: a v2 unload over HTTP whose client closes its connection while the model
+    drains (a slow request in hand) still drains and unloads it; the model is loaded again
+    afterwards (it was left ``draining`` for good, and ``load`` failed ``internal``).  The HTTP
+    door listens on a Unix socket, whose caller is known by its peer credentials."""
+    import socket as sockets
+
+    from helpers import raw_http
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1, SLOW_ECHO)
+    (tmp_path / "v2").mkdir(mode=0o700)
+    door = tmp_path / "v2" / "s.sock"
+    with serving(tmp_path, "", server_section=repo_server_section(repo, f'http = "{door}"\n')) as srv:
+        slow_answer: list = []
+
+        def slow():
+            with srv.client(timeout=120, lanes=False) as sc:
+                xs = np.array([4.0, 0.0], np.float32)
+                slow_answer.append(served_version(xs, sc.infer("m", {"x": xs})["y"]))
+
+        t = threading.Thread(target=slow)
+        t.start()
+        try:
+            with srv.client(timeout=120) as c:
+                wait_for(lambda: [w["inflight"] for w in srv.info()["workers"]] == [1], "the slow request in hand")
+                wait_for(lambda: os.path.exists(door), "the HTTP door's socket")
+                with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as caller:
+                    caller.connect(str(door))
+                    caller.sendall(raw_http.request("POST", "/v2/repository/models/m/unload"))
+                    wait_for(lambda: versions(c, "m")[1]["state"] == "draining", "m draining")
+                # The caller has gone; the slow request finishes within the drain time (10 s), then m unloads.
+                wait_for(lambda: versions(c, "m")[1]["state"] == "unloaded", "m unloaded after its caller left",
+                         timeout=60)
+                assert c.unload("m")["unloaded"] == []  # again: nothing left to do, and no error
+                assert c.load("m")["state"] == "ready"
+                x = np.zeros(2, np.float32)
+                assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+        finally:
+            t.join(120)
+        assert slow_answer == [1]
+
+
 def test_control_calls_need_an_admin_and_files_must_stay_in_the_repository(tmp_path):
     from helpers.other_user import as_nobody, server_nobody_can_reach
 

@@ -8,6 +8,15 @@ move to it, in one step), ``unload``, ``scale``, a reload's differences
 log of every decision (``events``) with the counters metrics export.  One
 operation per model at a time (a lock per model name); the others wait.
 
+Operations: a control call (load, unload, scale, canary start, promote,
+abort) runs as a task the lifecycle owns; its caller awaits a shielded
+result.  So a caller that leaves half-way (its connection closed, its RPC
+cancelled, its deadline passed) cancels only its own wait: the operation
+runs to its end, and no version is left half-drained.  Each is idempotent:
+an identical call while one runs joins it (and gets its answer), and
+repeated after it ended it changes nothing (a version already serving is
+not loaded again; unloading what is not loaded unloads nothing).
+
 Draining a version (replaced, unloaded, evicted, scaled down): its workers
 take nothing new (``WorkerHandle.retiring``); its lanes are handed to the
 model's new default version (the old worker drops each one after the calls in
@@ -47,9 +56,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable, Coroutine
 
 from shmserve import layout, protocol, repository
 from shmserve.config import ModelConfig, ServerConfig
@@ -103,6 +113,7 @@ class Lifecycle:
         self.counts: collections.Counter = collections.Counter()  # (what, model) -> n: loads, failures, evictions
         self.seconds: collections.Counter = collections.Counter()  # (what, model) -> total s: load, warmup
         self.tasks: set[asyncio.Task] = set()
+        self.operations: dict[tuple, asyncio.Task] = {}  # control operations running, by what they do
         self.stopping = False
         dispatcher.load_on_demand = self.load_on_demand
         dispatcher.observe = self.observe
@@ -201,16 +212,37 @@ class Lifecycle:
 
     # -- control calls ----------------------------------------------------------------------
 
+    def _operation(self, key: tuple, start: Callable[[], Coroutine]) -> Awaitable:
+        """Run the control operation ``start()`` as a task the lifecycle owns and return a shielded
+        wait for its result (module docstring: operations).  A caller cancelled while it waits
+        cancels only its wait.  An identical operation (the same ``key``) already running is
+        joined instead of started again."""
+        task = self.operations.get(key)
+        if task is None:
+            task = self.operations[key] = self._spawn_task(start())
+            task.add_done_callback(functools.partial(self._operation_done, key))
+        return asyncio.shield(task)
+
+    def _operation_done(self, key: tuple, task: asyncio.Task) -> None:
+        if self.operations.get(key) is task:
+            del self.operations[key]
+
     async def load(self, name: str, version: int | None = None, instances: int | None = None, *,
                    keep: bool = False, by: str = "") -> ModelState:
         """Load ``version`` of ``name`` (None: the newest its policy selects) with ``instances``
         workers (None: its config's), warm it, and make it the default in one step; the version
         serving before drains and is unloaded unless ``keep``.  An already serving version is
-        only scaled to ``instances`` and made the default.
+        only scaled to ``instances`` and made the default.  Runs to its end even if the caller
+        leaves (``_operation``).
 
         Raises ShmserveError: UNKNOWN_MODEL, PERMISSION_DENIED (``config_for``), OVERLOADED (no
         free worker entries, or the memory budget cannot be met), MODEL_UNAVAILABLE (its
         workers could not load it: the reason; what served before still does)."""
+        return await self._operation(("load", name, version, instances, keep),
+                                     lambda: self._load(name, version, instances, keep, by))
+
+    async def _load(self, name: str, version: int | None, instances: int | None, keep: bool,
+                    by: str) -> ModelState:
         async with self.locks[name]:
             cfg = self.config_for(name, version)
             if instances is not None:
@@ -241,18 +273,23 @@ class Lifecycle:
             return current
 
     async def unload(self, name: str, version: int | None = None, *, by: str = "") -> list[int]:
-        """Drain and unload ``version`` of ``name`` (None: every version); the versions unloaded.
-        If the default goes, the newest other serving version becomes it.  UNKNOWN_MODEL if
-        there is no such model or loaded version."""
+        """Drain and unload ``version`` of ``name`` (None: every version); the versions this call
+        unloaded (none if none was loaded: nothing to do).  If the default goes, the newest other
+        serving version becomes it.  Runs to its end even if the caller leaves.  UNKNOWN_MODEL if
+        there is no such model or version."""
+        return await self._operation(("unload", name, version), lambda: self._unload(name, version, by))
+
+    async def _unload(self, name: str, version: int | None, by: str) -> list[int]:
         async with self.locks[name]:
             model = self.models.get(name)
-            if model is None:
+            if model is None or not model.versions:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+            if version is not None and version not in model.versions:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no version {version}")
             targets = [v for v in model.versions.values() if v.phase in (SERVING, LOADING)
                        and (version is None or v.version == version)]
             if not targets:
-                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no loaded version"
-                                    + (f" {version}" if version is not None else ""))
+                return []  # not loaded (unloaded by an earlier call, evicted, or it failed to load)
             why = f"unloaded{' by ' + by if by else ''}"
             await asyncio.gather(*(self._drain(v, UNLOADED, why) for v in targets))
             return [v.version for v in targets]
@@ -264,6 +301,10 @@ class Lifecycle:
         MODEL_UNAVAILABLE (a new worker could not load it; the others keep serving)."""
         if type(instances) is not int or not 1 <= instances <= 64:
             raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"instances must be an integer in [1, 64], got {instances!r}")
+        return await self._operation(("scale", name, instances, version),
+                                     lambda: self._scale_model(name, instances, version, by))
+
+    async def _scale_model(self, name: str, instances: int, version: int | None, by: str) -> ModelState:
         async with self.locks[name]:
             model = self.models.get(name)
             target = None
@@ -281,18 +322,30 @@ class Lifecycle:
                      by: str = "") -> dict:
         """``start`` a canary of ``version`` against ``name``'s default under ``plan`` (the
         candidate is loaded beside it if it is not serving), ``promote`` or ``abort`` the running
-        one, or report its ``status``; the rollout's snapshot.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad
-        plan, a canary already running or none running), and what ``load`` raises."""
+        one, or report its ``status``; the rollout's snapshot.  A start, promote or abort runs to
+        its end even if the caller leaves.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad plan, a canary
+        already running or none running), and what ``load`` raises."""
+        if action == "status":
+            return self._canary_status(name)
+        return await self._operation(("canary", name, action, version, repr(plan)),
+                                     lambda: self._canary_action(name, action, version, plan, by))
+
+    def _canary_status(self, name: str) -> dict:
+        model = self.models.get(name)
+        if model is None:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+        if model.rollout is not None:
+            return model.rollout.snapshot(time.monotonic())
+        if model.rollouts:
+            return model.rollouts[-1]
+        raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
+
+    async def _canary_action(self, name: str, action: str, version: int | None, plan: dict | None,
+                             by: str) -> dict:
         model = self.models.get(name)
         if model is None:
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
         now = time.monotonic()
-        if action == "status":
-            if model.rollout is not None:
-                return model.rollout.snapshot(now)
-            if model.rollouts:
-                return model.rollouts[-1]
-            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
         if action in ("promote", "abort"):
             rollout = model.rollout
             if rollout is None:
@@ -743,15 +796,19 @@ class Lifecycle:
         self.events.append({"time_unix": round(time.time(), 3), "model": version.name, "version": version.version,
                             "event": what, "reason": reason})
 
-    def _spawn_task(self, coro) -> None:
+    def _spawn_task(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("model lifecycle task failed: %r", task.exception())
+        exc = None if task.cancelled() else task.exception()  # retrieved: its caller may have left
+        if isinstance(exc, ShmserveError):  # an operation's refusal: its caller's answer
+            log.info("model lifecycle: [%s] %s", exc.code.wire, exc.message)
+        elif exc is not None:
+            log.error("model lifecycle task failed: %r", exc)
 
     async def stop(self) -> None:
         self.stopping = True
