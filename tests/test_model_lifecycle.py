@@ -269,20 +269,29 @@ model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
 """
 
 
-def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
+def measured_bytes(tmp_path: Path, body: str = SLOW_ECHO) -> int:
+    """The memory one version of a model of ``body`` is measured at, on a server of its own."""
     measure = tmp_path / "measure"
     measure.mkdir()
-    add_version(measure / "repo", "a", 1, SLOW_ECHO)
+    add_version(measure / "repo", "a", 1, body)
     with serving(measure, "", server_section=repo_server_section(measure / "repo")) as srv:
         with srv.client() as c:
-            one = wait_for(lambda: versions(c, "a")[1].get("memory_bytes"), "a measured memory use")
-    budget = int(one * 2.5)  # two versions fit, three do not
+            return wait_for(lambda: versions(c, "a")[1].get("memory_bytes"), "a measured memory use")
 
+
+def on_demand_models(tmp_path: Path, names: str, versions_fit: float, extra: str = "") -> str:
+    """A repository of ``on_demand`` models ``names`` (SLOW_ECHO) and the [server] section serving
+    it under a cpu memory budget of ``versions_fit`` times one version's measured size."""
+    budget = int(measured_bytes(tmp_path) * versions_fit)
     repo = tmp_path / "repo"
-    for name in "abc":
+    for name in names:
         add_version(repo, name, 1, SLOW_ECHO, 'load = "on_demand"\n')
+    return repo_server_section(repo, f"memory_budget = {{cpu = {budget}}}\n{extra}")
+
+
+def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
+    section = on_demand_models(tmp_path, "abc", 2.5)  # two versions fit, three do not
     x = np.zeros(2, np.float32)
-    section = repo_server_section(repo, f"memory_budget = {{cpu = {budget}}}")
     with serving(tmp_path, "", server_section=section) as srv:
         with srv.client() as c:
             def state(name):
@@ -320,6 +329,55 @@ def test_residency_evicts_the_least_recently_used_idle_model(tmp_path):
             assert slow_answer == [1]
             assert state("a") == "evicted", "the busy model c must not be evicted"
             assert state("c") == "ready" and state("b") == "ready"
+
+
+def test_a_lane_clients_ready_word_pins_nothing_past_its_deadline(tmp_path):
+    """Issue 23 item 6: a client writes READY into a slot of its own lane of on-demand model a
+    (no worker ever claims it) and keeps rewriting it with new generations.  Model b (measured by
+    an earlier load, then evicted), which needs a's memory, waits for room (its requests time out saying so, never ``model_unavailable``) and
+    loads once the lane has been pending past server.request_timeout_s with a's workers idle; a
+    is evicted.  Before: b's load was refused, b was left unavailable for good, and each new
+    generation started the lane's time again, so a stayed pinned."""
+    from shmserve import _atomics as atomics
+    from shmserve import layout
+    from shmserve.slotstate import SlotState
+
+    section = on_demand_models(tmp_path, "ab", 1.5, "request_timeout_s = 3\n")  # one version fits, two do not
+    x = np.zeros(2, np.float32)
+    with serving(tmp_path, "", server_section=section) as srv:
+        with srv.client(lanes=False) as c, srv.client() as hostile:
+            for name in "ba":  # b measured (a first load is never refused), then evicted for a
+                assert served_version(x, c.infer(name, {"x": x})["y"]) == 1
+            wait_for(lambda: versions(c, "b")[1]["state"] == "evicted", "b evicted for a")
+            lane = hostile.open_region(4096, lane="a")
+            stop = threading.Event()
+
+            def scribble():  # READY with a new generation, in slot 0 then 1, every 50 ms
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    atomics.store64(lane.buf, layout.LANE.slot_off(n % 2),
+                                    layout.pack_status(n, int(SlotState.READY)))
+                    stop.wait(0.05)
+
+            t = threading.Thread(target=scribble)
+            t.start()
+            failures: list[ShmserveError] = []
+            try:
+                deadline = time.monotonic() + 90
+                while True:
+                    try:
+                        assert served_version(x, c.infer("b", {"x": x}, timeout=30)["y"]) == 1
+                        break
+                    except ShmserveError as exc:
+                        failures.append(exc)
+                        assert exc.code is ErrorCode.TIMEOUT and "waiting for room" in exc.message, failures
+                        assert time.monotonic() < deadline, f"b never loaded: {failures[-1]}"
+            finally:
+                stop.set()
+                t.join(10)
+            assert versions(c, "a")[1]["state"] == "evicted"
+            assert versions(c, "b")[1]["state"] == "ready"
 
 
 def test_a_control_call_whose_caller_leaves_runs_to_its_end(tmp_path):

@@ -41,6 +41,9 @@ LOADING      SERVING      its workers are ready (at start-up: once they were
                           waited for, ready or not; the workers' states say)
 LOADING      FAILED_LOAD  a worker could not load it (its new workers are
                           stopped; the version serving before stays)
+LOADING      UNLOADED     a load on demand found no room under the memory
+LOADING      EVICTED      budget, and no request waits for it any more (the
+                          next request tries again)
 SERVING      DRAINING     replaced, unloaded, evicted, or a canary rolled back
 DRAINING     UNLOADED     its workers are gone
 DRAINING     EVICTED      the same, after an eviction (loaded again on demand)
@@ -73,12 +76,13 @@ log = logging.getLogger("shmserve.lifecycle")
 
 PHASES: frozenset[tuple[str, str]] = frozenset({
     (UNLOADED, LOADING), (EVICTED, LOADING), (FAILED_LOAD, LOADING), (SERVING, LOADING),
-    (LOADING, SERVING), (LOADING, FAILED_LOAD),
+    (LOADING, SERVING), (LOADING, FAILED_LOAD), (LOADING, UNLOADED), (LOADING, EVICTED),
     (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED),
 })
 EVENTS_KEPT = 500  # the decision log ``inspect`` and ``repository`` show
 CANARY_TICK_S = 0.5  # how often running canaries are analysed
 ROLLOUTS_KEPT = 10  # finished canaries kept per model (their snapshots)
+ROOM_RETRY_S = 0.5  # a load on demand that found no room tries again this often while requests wait for it
 
 
 class IllegalPhase(RuntimeError):
@@ -414,6 +418,10 @@ class Lifecycle:
                 count = self.finished(w)
                 finished += max(0, count - self.finished_seen.get(w, count))
                 self.finished_seen[w] = count
+            if finished > 0:
+                version.progress_at = now
+            if version.phase == SERVING:  # each look at its lanes (residency: how long one is pending)
+                self.regions.lane_pending_since(version, now)
             lane_calls, version.observed = finished - version.observed, 0
             if lane_calls > 0:
                 version.meter.hit(now, lane_calls)
@@ -561,16 +569,42 @@ class Lifecycle:
         (the request waits for it, within its timeout).  Its phase is LOADING from this call on."""
         if version.phase not in (UNLOADED, EVICTED) or self.stopping:
             return
+        resting = version.phase
         set_phase(version, LOADING, "loading on demand")
-        self._spawn_task(self._load_on_demand(version))
+        self._spawn_task(self._load_on_demand(version, resting))
 
-    async def _load_on_demand(self, version: ModelState) -> None:
-        async with self.locks[version.name]:
-            ok = await self._start_version(version, give_up=True, by="on demand")
-            model = self.models.by_name[version.name]
-            if ok and (model.current is None or model.current.phase != SERVING):
-                model.default = version.version
-            self.dispatcher.settle(version)
+    async def _load_on_demand(self, version: ModelState, resting: str) -> None:
+        """Load ``version`` for the requests waiting for it.  If the memory budget has no room for
+        it now (what holds the memory is busy, or pinned), it is tried again every ROOM_RETRY_S
+        while requests still wait; once none does, it goes back to ``resting`` (UNLOADED or
+        EVICTED) with the reason, and the next request tries again."""
+        while True:
+            async with self.locks[version.name]:
+                if version.phase != LOADING:  # unloaded or loaded meanwhile by a control call
+                    return
+                try:
+                    await self._make_room(version)
+                except ShmserveError as exc:
+                    refused = exc.message
+                else:
+                    ok = await self._start_version(version, give_up=True, by="on demand", room_made=True)
+                    model = self.models.by_name[version.name]
+                    if ok and (model.current is None or model.current.phase != SERVING):
+                        model.default = version.version
+                    self.dispatcher.settle(version)
+                    return
+                budget = self.budget(version.config.device)
+                fits_ever = budget is not None and version.memory.get("measured_bytes", 0) <= budget
+                if not (fits_ever and self.dispatcher.busy(version)) or self.stopping:
+                    set_phase(version, resting, f"no room to load it on demand: {refused}")
+                    self.counts[("load_failed", version.name)] += 1
+                    self._event(version, "load failed", version.reason)
+                    self.dispatcher.settle(version)  # those waiting are answered with the reason
+                    return
+                if not version.reason.startswith("waiting for room"):
+                    self._event(version, "waiting for room", refused)
+                version.reason = f"waiting for room: {refused}"
+            await asyncio.sleep(ROOM_RETRY_S)
 
     def footprint(self, version: ModelState) -> int:
         """The bytes ``version`` uses on its device, as measured when its workers were ready: host
@@ -593,9 +627,8 @@ class Lifecycle:
             return
         self.note_lane_use()  # lane calls since the last heartbeat count too
         now = time.monotonic()
-        stale_s = self.config().request_timeout_s  # a lane call pending longer is a client's lie
         resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
-                                       self.dispatcher.busy(v) or self.regions.lane_busy(v, now, stale_s),
+                                       self.dispatcher.busy(v) or self.lane_busy(v, now),
                                        v.config.pinned, v.config.load == "on_demand")
                     for v in self.models.versions() if v.phase == SERVING and v is not version
                     and v.config.device == device]
@@ -614,23 +647,38 @@ class Lifecycle:
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
             self.seconds[("eviction", victim.name)] += time.monotonic() - started
 
+    def lane_busy(self, version: ModelState, now: float) -> bool:
+        """Whether ``version``'s lanes keep it from being evicted: one holds a call queued or running,
+        and that is believable.  What a lane says is the client's to write, so a lane pending for
+        longer than ``server.request_timeout_s`` (every call's deadline) counts only while the
+        version's workers are still finishing calls (they finished one within that time): a client
+        that leaves a READY word nobody claims, rewrites it, or has left, pins nothing past its
+        deadline (issue 23 item 6)."""
+        since = self.regions.lane_pending_since(version, now)
+        if since is None:
+            return False
+        stale_s = self.config().request_timeout_s
+        return now - since <= stale_s or now - version.progress_at <= stale_s
+
     @staticmethod
     def rate(version: ModelState) -> float:
         return version.meter.rate(time.monotonic())
 
     # -- the steps ------------------------------------------------------------------------
 
-    async def _start_version(self, version: ModelState, *, give_up: bool, by: str = "") -> bool:
+    async def _start_version(self, version: ModelState, *, give_up: bool, by: str = "",
+                             room_made: bool = False) -> bool:
         """Start and warm ``version``'s workers; whether all became ready.  ``give_up``: a failed
         load stops its workers and leaves the version FAILED_LOAD (a control call, a reload, on
         demand); otherwise (start-up) the workers that failed stay as the supervisor left them
-        (restarting with back-off, or failed) and the version is SERVING regardless."""
+        (restarting with back-off, or failed) and the version is SERVING regardless.
+        ``room_made``: the caller has made room under the memory budget already."""
         set_phase(version, LOADING, f"loading{' (' + by + ')' if by else ''}")
         version.drain_failure = None
         self._event(version, "load", by or "start-up")
         started = time.monotonic()
         try:
-            if give_up:
+            if give_up and not room_made:
                 await self._make_room(version)
             workers = [self.supervisor.add_worker(version.config) for _ in range(version.config.instances)]
         except ShmserveError as exc:

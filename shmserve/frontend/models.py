@@ -50,6 +50,7 @@ class ModelState:
     drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
     observed: int = 0  # requests the dispatcher saw run since the last Lifecycle.note_lane_use
+    progress_at: float = float("-inf")  # time.monotonic() when its workers were last seen finishing requests
 
     @property
     def version(self) -> int:
