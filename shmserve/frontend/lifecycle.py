@@ -85,6 +85,15 @@ ROLLOUTS_KEPT = 10  # finished canaries kept per model (their snapshots)
 ROOM_RETRY_S = 0.5  # a load on demand that found no room tries again this often while requests wait for it
 
 
+@dataclasses.dataclass
+class _Tally:
+    """One worker's requests, as the lifecycle counts them for residency (``note_lane_use``)."""
+
+    finished: int = 0  # its own counter (the arena's worker table) at the last look: every call it ran
+    observed: int = 0  # of those, the ones the dispatcher saw end (socket requests: ``observe``)
+    lanes: int = 0  # lane calls counted as use so far
+
+
 class IllegalPhase(RuntimeError):
     """A phase change the table does not allow: a bug in the lifecycle."""
 
@@ -109,7 +118,7 @@ class Lifecycle:
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
         # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
         self.finished = finished
-        self.finished_seen: dict = {}  # worker -> its count at the last note_lane_use
+        self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
         self.config = config
         self.startup_timeout = startup_timeout
         self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -399,35 +408,48 @@ class Lifecycle:
         version = req.model
         now = time.monotonic()
         version.meter.hit(now)
-        version.observed += 1
+        version.uses += 1
+        if req.worker is not None:
+            self.tallies.setdefault(req.worker, _Tally()).observed += 1
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
             model.rollout.record(version.version, ok, max(0.0, self.dispatcher.clock.monotonic() - req.started), now)
 
     def note_lane_use(self) -> None:
         """Count the lane calls each version's workers finished since the last look as its use
-        (residency's last use and rate; the v2 statistics' last inference): lane calls never
-        pass the dispatcher, so only the workers' counters see them (less what ``observe`` saw).
-        The server calls this with its heartbeat; nothing without ``finished``."""
+        (residency's last use and rate; the v2 statistics' last inference), each exactly once.
+        Lane calls never pass the dispatcher, so only a worker's own counter sees them, and it
+        counts socket requests too: those the dispatcher saw end (``observe`` counted them), and
+        those it has not collected yet, which are among the worker's in-flight slots.  So what
+        the counter holds beyond the two is at most the lane calls it ran, and exactly that once
+        it has no socket request in flight; what it reaches above the lane calls already counted
+        is counted now.  (A socket request a dead worker held is failed by the front-end, so
+        observed without the worker counting it: that worker's next lane calls as many go
+        uncounted, never one twice.)  The server calls this with its heartbeat; also each look at
+        the lanes that says how long one has had a call pending.  Nothing without ``finished``."""
         if self.finished is None:
             return
         now = time.monotonic()
         for version in self.models.versions():
-            finished = 0
-            for w in version.workers:  # per worker: one that leaves or is new costs no other's count
+            calls = 0
+            for w in version.workers:
+                tally = self.tallies.setdefault(w, _Tally())
                 count = self.finished(w)
-                finished += max(0, count - self.finished_seen.get(w, count))
-                self.finished_seen[w] = count
-            if finished > 0:
-                version.progress_at = now
+                if count > tally.finished:
+                    version.progress_at = now
+                tally.finished = count
+                lanes = count - tally.observed - len(w.inflight)
+                if lanes > tally.lanes:
+                    calls += lanes - tally.lanes
+                    tally.lanes = lanes
             if version.phase == SERVING:  # each look at its lanes (residency: how long one is pending)
                 self.regions.lane_pending_since(version, now)
-            lane_calls, version.observed = finished - version.observed, 0
-            if lane_calls > 0:
-                version.meter.hit(now, lane_calls)
+            if calls:
+                version.meter.hit(now, calls)
+                version.uses += calls
                 version.last_used = max(version.last_used, now)
         live = {w for v in self.models.versions() for w in v.workers}
-        self.finished_seen = {w: n for w, n in self.finished_seen.items() if w in live}
+        self.tallies = {w: t for w, t in self.tallies.items() if w in live}
 
     def shadow_to(self, req) -> ModelState | None:
         """The candidate a finished request of a stable version is copied to (a canary in shadow

@@ -49,7 +49,7 @@ class ModelState:
     load_seconds: float | None = None  # how long its last load (start to all workers ready) took
     drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
-    observed: int = 0  # requests the dispatcher saw run since the last Lifecycle.note_lane_use
+    uses: int = 0  # requests counted as its use (residency): socket requests and lane calls, each once
     progress_at: float = float("-inf")  # time.monotonic() when its workers were last seen finishing requests
 
     @property

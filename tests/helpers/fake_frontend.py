@@ -5,7 +5,7 @@ Owns: ``FakeClock`` (a ``dispatcher.Clock`` whose time moves only when a test sa
 ``FakeDoor`` (a ``dispatcher.Door`` that records every call, receives inline payloads into the
 sinks it is given and writes answers when told), ``FakeWorker`` (a real ``WorkerHandle`` over
 the arena's real rings, and an in-process stand-in for ``workers.main`` that claims, runs and
-completes slots through them, arena and lane alike), ``LaneClient`` (a lane region driven
+completes slots through them, arena and lane alike, counting each in the worker table), ``LaneClient`` (a lane region driven
 through ``lanes.ClientLane``) and ``build``, which wires them together the way
 ``shmserve.server`` does and takes them apart again.  For test modules: the fixtures ``make``
 (import ``make_fixture``), ``no_processes`` and ``no_children_left`` (autouse where imported).
@@ -595,6 +595,10 @@ class FakeWorker:
         layout.stamp(space.buf, space.geometry, job.index, "t_done", 2)
         # Order matters here (as in the worker): outputs and descriptors before DONE.
         transition_slot(space.buf, space.geometry, job.index, job.generation, SlotState.RUNNING, state, Actor.WORKER)
+        entry = self.arena.geometry.worker_off(self.index)  # counted after DONE, as the worker does
+        atomics.fetch_add64(self.arena.buf, entry + layout.WORKER.offset("requests"), 1)
+        if state is SlotState.ERROR:
+            atomics.fetch_add64(self.arena.buf, entry + layout.WORKER.offset("errors"), 1)
         if push:
             space.completions.push(job.entry)
             space.outbox.notify()
