@@ -376,13 +376,30 @@ def test_each_request_counts_once_as_use(tmp_path):
             wait_for(lambda: uses() == sum(answered), f"{sum(answered)} uses counted")
 
 
+def served_in_time(c, name: str, x: np.ndarray, timeout: float = 120.0) -> list[ShmserveError]:
+    """Ask ``name`` until it answers (checked), within ``timeout`` s: each request is capped by
+    a short server.request_timeout_s, and a load may take longer on a busy machine.  The failures
+    (each a TIMEOUT while ``name`` loads or waits for room), in order."""
+    failures: list[ShmserveError] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert served_version(x, c.infer(name, {"x": x}, timeout=60)["y"]) == 1
+            return failures
+        except ShmserveError as exc:
+            failures.append(exc)
+            assert exc.code is ErrorCode.TIMEOUT and f"model {name!r} is loading" in exc.message, failures
+            assert time.monotonic() < deadline, f"{name} never answered: {failures[-1]}"
+
+
 def test_a_lane_clients_ready_word_pins_nothing_past_its_deadline(tmp_path):
     """Issue 23 item 6: a client writes READY into a slot of its own lane of on-demand model a
     (no worker ever claims it) and keeps rewriting it with new generations.  Model b (measured by
-    an earlier load, then evicted), which needs a's memory, waits for room (its requests time out saying so, never ``model_unavailable``) and
-    loads once the lane has been pending past server.request_timeout_s with a's workers idle; a
-    is evicted.  Before: b's load was refused, b was left unavailable for good, and each new
-    generation started the lane's time again, so a stayed pinned."""
+    an earlier load, then evicted), which needs a's memory, waits for room (its requests time out
+    saying so, never ``model_unavailable``) and loads once the lane has been pending past
+    server.request_timeout_s with a's workers idle; a is evicted.  Before: b's load was refused,
+    b was left unavailable for good, and each new generation started the lane's time again, so a
+    stayed pinned."""
     from shmserve import _atomics as atomics
     from shmserve import layout
     from shmserve.slotstate import SlotState
@@ -392,10 +409,10 @@ def test_a_lane_clients_ready_word_pins_nothing_past_its_deadline(tmp_path):
     with serving(tmp_path, "", server_section=section) as srv:
         with srv.client(lanes=False) as c, srv.client() as hostile:
             for name in "ba":  # b measured (a first load is never refused), then evicted for a
-                assert served_version(x, c.infer(name, {"x": x})["y"]) == 1
+                served_in_time(c, name, x)
             wait_for(lambda: versions(c, "b")[1]["state"] == "evicted", "b evicted for a")
             lane = hostile.open_region(4096, lane="a")
-            stop = threading.Event()
+            stop, written = threading.Event(), threading.Event()
 
             def scribble():  # READY with a new generation, in slot 0 then 1, every 50 ms
                 n = 0
@@ -403,24 +420,19 @@ def test_a_lane_clients_ready_word_pins_nothing_past_its_deadline(tmp_path):
                     n += 1
                     atomics.store64(lane.buf, layout.LANE.slot_off(n % 2),
                                     layout.pack_status(n, int(SlotState.READY)))
+                    written.set()
                     stop.wait(0.05)
 
             t = threading.Thread(target=scribble)
             t.start()
-            failures: list[ShmserveError] = []
             try:
-                deadline = time.monotonic() + 90
-                while True:
-                    try:
-                        assert served_version(x, c.infer("b", {"x": x}, timeout=30)["y"]) == 1
-                        break
-                    except ShmserveError as exc:
-                        failures.append(exc)
-                        assert exc.code is ErrorCode.TIMEOUT and "waiting for room" in exc.message, failures
-                        assert time.monotonic() < deadline, f"b never loaded: {failures[-1]}"
+                assert written.wait(30)
+                served_in_time(c, "b", x)
             finally:
                 stop.set()
                 t.join(10)
+            waited = [e for e in c.repository()["events"] if e["model"] == "b" and e["event"] == "waiting for room"]
+            assert waited and "held by a:1" in waited[0]["reason"], waited
             assert versions(c, "a")[1]["state"] == "evicted"
             assert versions(c, "b")[1]["state"] == "ready"
 
