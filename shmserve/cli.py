@@ -6,7 +6,9 @@ delegates to the module that owns the work (server, client, stale).
 Exit codes (``EXIT_CODES``, printed by ``--help``): 0 success; 1 the
 operation failed or the instance is unhealthy; 2 usage, input or configuration
 error; 3 no server answers at the socket; 4 permission denied; 130
-interrupted (Ctrl-C).  A user's mistake gets one line on stderr, never a
+interrupted (Ctrl-C); 141 the reader of the output left (``| head``), as for a
+process SIGPIPE stopped, with nothing on stderr: a closed stdout is never
+taken for a server's fault.  A user's mistake gets one line on stderr, never a
 traceback.
 """
 
@@ -21,6 +23,7 @@ import zlib
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_OUTPUT_CLOSED = 128 + 13  # the shell's status for a process SIGPIPE stopped
 PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at each edge
 EXIT_CODES = """exit codes:
   0    success
@@ -28,7 +31,8 @@ EXIT_CODES = """exit codes:
   2    usage, input or configuration error
   3    no server answers at the socket
   4    permission denied (the socket's group gives access)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C)
+  141  the reader of the output left (`| head`)"""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -99,10 +103,20 @@ def _row(table, *cells) -> None:
     table.add_row(*(Text(str(c)) for c in cells))
 
 
-def _print(*renderables) -> None:
+def _console():
+    """A rich Console on stdout that lets a reader's leaving (``| head``) reach ``main`` as the
+    BrokenPipeError it is (rich's own turns it into exit status 1)."""
     from rich.console import Console
 
-    console = Console()
+    class PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return PipedConsole()
+
+
+def _print(*renderables) -> None:
+    console = _console()
     for r in renderables:
         console.print(r)
 
@@ -138,6 +152,8 @@ def _talks_to_server(func):
         path = resolve_socket(args.socket, None, args.instance)
         try:
             return func(args)
+        except BrokenPipeError:  # our stdout's reader left (the client turns its socket's errors into its own)
+            raise
         except ConnectionClosed as exc:
             refused = _access_refused(path)
             print(f"shmserve {args.command}: {refused or exc.message}", file=sys.stderr)
@@ -613,9 +629,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         elif state["instances"]:
             print(json.dumps({**state["instances"][0], "leftovers": state["leftovers"]}))
     elif not args.check:
-        from rich.console import Console
-
-        console = Console()
+        console = _console()
         for snap in state["instances"]:
             console.print(inspection.render(snap))
             if snap["lifecycle"]:
@@ -833,18 +847,22 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "bench":  # its own parser: `shmserve bench --help`
             from shmserve import bench
 
-            return bench.main(argv[1:])
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return EXIT_OK
-        return args.func(args)
+            status = bench.main(argv[1:])
+        else:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if args.command is None:
+                parser.print_help()
+                status = EXIT_OK
+            else:
+                status = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's flush at exit
+        return status
     except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's convention for SIGINT
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `shmserve models | head`: the reader left
+    except BrokenPipeError:  # `shmserve canary m status | head -1`: the reader left, nothing else did
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return EXIT_FAILURE
+        return EXIT_OUTPUT_CLOSED
 
 
 if __name__ == "__main__":
