@@ -43,8 +43,8 @@ def add_version(repo: Path, model: str, version: int, body: str = ECHO, config: 
         cfg.write_text('backend = "python"\npath = "vmodel:model"\n' + textwrap.dedent(config))
 
 
-def repo_server_section(repo: Path, extra: str = "") -> str:
-    return f'model_repository = "{repo}"\nversion_drain_timeout_s = 10\n' + textwrap.dedent(extra)
+def repo_server_section(repo: Path, extra: str = "", drain_s: float = 10) -> str:
+    return f'model_repository = "{repo}"\nversion_drain_timeout_s = {drain_s}\n' + textwrap.dedent(extra)
 
 
 def served_version(x: np.ndarray, y: np.ndarray) -> int:
@@ -478,6 +478,60 @@ def test_a_control_call_whose_caller_leaves_runs_to_its_end(tmp_path):
         finally:
             t.join(120)
         assert slow_answer == [1]
+
+
+def test_a_drain_that_times_out_fails_lane_calls_as_socket_calls(tmp_path):
+    """Issue 24 item 4: a lane call (zero-copy, model m) and a socket call (model n) still running
+    on their model's old version when version_drain_timeout_s passes both fail
+    ``model_unavailable`` naming the key, as docs/config.md says (the lane call got
+    ``worker_crashed ... exit 6 (terminated)``)."""
+    repo = tmp_path / "repo"
+    for name in "mn":
+        for v in (1, 2):  # a request of x[0] >= 0.5 runs x[0] seconds (up to 60)
+            add_version(repo, name, v, marking(tmp_path / f"{name}-started", SLOW_ECHO.replace("10.0", "60.0")))
+    section = repo_server_section(repo, "max_workers = 8\n", drain_s=1)
+    with serving(tmp_path, "", server_section=section) as srv:
+        with srv.client(timeout=60) as admin:
+            for name in "mn":
+                admin.load(name, version=1)
+        answers: dict[str, ShmserveError | None] = {}
+
+        def call(name: str):
+            with srv.client(timeout=120, lanes=name == "m") as cc:
+                try:
+                    if name == "m":
+                        with cc.zero_copy("m", {"x": ((2,), "float32")}) as zc:
+                            zc.inputs["x"][:] = [60.0, 0.0]
+                            zc.run()
+                    else:
+                        cc.infer("n", {"x": np.array([60.0, 0.0], np.float32)})
+                    answers[name] = None
+                except ShmserveError as exc:
+                    answers[name] = exc
+
+        def swap(name: str):
+            with srv.client(timeout=120) as a:
+                assert a.load(name, version=2)["version"] == 2
+
+        calls = [threading.Thread(target=call, args=(name,)) for name in "mn"]
+        for t in calls:
+            t.start()
+        try:
+            for name in "mn":
+                wait_for((tmp_path / f"{name}-started").exists, f"{name}'s call running")
+            swaps = [threading.Thread(target=swap, args=(name,)) for name in "mn"]
+            for t in swaps:
+                t.start()
+            for t in swaps:
+                t.join(120)
+        finally:
+            for t in calls:
+                t.join(120)
+        for name in "mn":
+            exc = answers[name]
+            assert exc is not None and exc.code is ErrorCode.MODEL_UNAVAILABLE, (name, exc)
+            assert f"version 1 of model {name!r} was replaced by version 2" in exc.message, (name, exc)
+            assert "server.version_drain_timeout_s = 1 s" in exc.message, (name, exc)
 
 
 def test_control_calls_need_an_admin_and_files_must_stay_in_the_repository(tmp_path):

@@ -469,8 +469,11 @@ class RegionTable:
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
         """Worker ``w`` died: it holds no region any more (closed ones it had may be released);
         fail the call its lanes had running (WORKER_CRASHED; SHUTTING_DOWN when the server stopped
-        it), and move them on (the calls it had not claimed run on the next worker)."""
+        it; its version's drain failure when a drain timed out and terminated it, as the socket's
+        calls get), and move them on (the calls it had not claimed run on the next worker)."""
+        version = self.models.version_of(w)
         code, why = ((ErrorCode.SHUTTING_DOWN, "the server is shutting down") if self.divert_every else
+                     version.drain_failure if version is not None and version.drain_failure else
                      (ErrorCode.WORKER_CRASHED,
                       f"worker {w.index} for model {w.model.name!r} {how} while running this request"))
         for region in list(self.closing.values()):
