@@ -251,6 +251,7 @@ class Frontend:
         if version is not None:
             self.regions.attach_waiting(version)
         self.dispatcher.worker_ready(w)
+        self.lifecycle.worker_ready(w)
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
         try:

@@ -594,6 +594,33 @@ def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
             assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
 
 
+def test_a_version_fixed_by_a_reload_says_so(tmp_path):
+    """Issue 24 item 3: a version that cannot load at start-up (its config.toml names a callable
+    its module lacks), fixed in config.toml and reloaded (SIGHUP), serves, and the repository
+    no longer shows the old "cannot load" reason, the failed load's time and 0 bytes of memory
+    (which also under-counted it against memory_budget)."""
+    import signal
+
+    repo = tmp_path / "repo"
+    add_version(repo, "m", 1, config="")
+    config = repo / "m" / "config.toml"
+    config.write_text('backend = "python"\npath = "vmodel:no_such_model"\n')
+    x = np.ones(2, np.float32)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        with srv.client() as c:
+            broken = wait_for(lambda: (lambda v: v if v["state"] == "unavailable" else None)(versions(c, "m")[1]),
+                              "m unavailable at start-up")
+            assert "no_such_model" in broken["reason"] and not broken["memory_bytes"], broken
+            config.write_text('backend = "python"\npath = "vmodel:model"\n')
+            srv.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: versions(c, "m")[1]["state"] == "ready", "m serving after the reload")
+            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
+            fixed = versions(c, "m")[1]
+            assert "no_such_model" not in fixed["reason"] and fixed["reason"].startswith("loaded in "), fixed
+            assert fixed["memory_bytes"] > 0 and fixed["load_seconds"] != broken["load_seconds"], fixed
+            assert fixed["workers"] == fixed["workers_ready"] == 1, fixed
+
+
 def test_the_async_client_loads_scales_and_unloads_and_names_versions(tmp_path):
     """AsyncClient's lifecycle calls go through the same control path: load an older version (it
     becomes the default), infer by version and by key, scale, unload, read the repository."""

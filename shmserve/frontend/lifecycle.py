@@ -46,6 +46,8 @@ LOADING      EVICTED      budget, and no request waits for it any more (the
                           next request tries again)
 SERVING      DRAINING     replaced, unloaded, evicted, or a canary rolled back
 DRAINING     UNLOADED     its workers are gone
+FAILED_LOAD  UNLOADED     a reload, for an on_demand version (its next request
+                          tries again)
 DRAINING     EVICTED      the same, after an eviction (loaded again on demand)
 ===========  ===========  =================================================
 
@@ -77,7 +79,7 @@ log = logging.getLogger("shmserve.lifecycle")
 PHASES: frozenset[tuple[str, str]] = frozenset({
     (UNLOADED, LOADING), (EVICTED, LOADING), (FAILED_LOAD, LOADING), (SERVING, LOADING),
     (LOADING, SERVING), (LOADING, FAILED_LOAD), (LOADING, UNLOADED), (LOADING, EVICTED),
-    (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED),
+    (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED), (FAILED_LOAD, UNLOADED),
 })
 EVENTS_KEPT = 500  # the decision log ``inspect`` and ``repository`` show
 CANARY_TICK_S = 0.5  # how often running canaries are analysed
@@ -552,13 +554,16 @@ class Lifecycle:
                         version.config = cfg
                         if cfg.load == "on_demand":
                             model.on_demand = True
+                            if version.phase == FAILED_LOAD:
+                                set_phase(version, UNLOADED, "loaded on its next request (reload)")
                             continue
                         if await self._start_version(version, give_up=True, by="reload"):
                             done.append(f"loaded {version.key}")
                         continue
                     if version.phase != SERVING:
                         continue
-                    if dataclasses.replace(version.config, instances=cfg.instances) != cfg:
+                    if dataclasses.replace(version.config, instances=cfg.instances) != cfg \
+                            or version.state == MODEL_UNAVAILABLE:
                         if await self._replace_workers(version, cfg):
                             done.append(f"replaced the workers of {version.key} (new settings)")
                     elif cfg.instances != len(self._live(version)):
@@ -702,42 +707,79 @@ class Lifecycle:
         try:
             if give_up and not room_made:
                 await self._make_room(version)
-            workers = [self.supervisor.add_worker(version.config) for _ in range(version.config.instances)]
+            workers = await self._bring_up(version, version.config, version.config.instances, keep_failed=not give_up)
         except ShmserveError as exc:
             set_phase(version, FAILED_LOAD, exc.message)
             self.counts[("load_failed", version.name)] += 1
             self._event(version, "load failed", exc.message)
-            return False
-        version.workers.extend(workers)
-        ok = await self.supervisor.wait_ready(workers, self.startup_timeout)
-        if not ok and give_up:
-            errors = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
-            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in workers))
-            version.workers = [w for w in version.workers if w not in workers]
-            set_phase(version, FAILED_LOAD, "; ".join(errors))
-            self.counts[("load_failed", version.name)] += 1
-            self._event(version, "load failed", version.reason)
             self.dispatcher.settle(version)
             return False
-        seconds = time.monotonic() - started
-        version.load_seconds = seconds
-        self.counts[("load" if ok else "load_failed", version.name)] += 1
-        self.seconds[("load", version.name)] += seconds
-        self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
-                                                       for w in workers), default=0.0)
-        if ok:
-            set_phase(version, SERVING, f"loaded in {seconds:.2f} s" + (f" ({by})" if by else ""))
-        else:  # start-up: it serves with what is ready; its workers' states say the rest
-            set_phase(version, SERVING, "; ".join(sorted({w.error or w.last_exit or "not ready"
-                                                          for w in workers if w.state != READY})))
+        unready = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
+        if unready:  # start-up: it serves with what is ready; its workers' states say the rest
+            self.counts[("load_failed", version.name)] += 1
+            version.load_seconds = time.monotonic() - started
+            version.degraded = True
+            set_phase(version, SERVING, "; ".join(unready))
+            self._event(version, "not ready", version.reason)
+        else:
+            set_phase(version, SERVING, "")
+            self._loaded(version, workers, started, by)
         version.memory = {"measured_bytes": self.footprint(version)}
         version.last_used = max(version.last_used, time.monotonic())  # loaded counts as used (residency)
-        self._event(version, "ready" if ok else "not ready", version.reason)
-        self.regions.attach_waiting(version)
-        self.dispatcher.settle(version)
         if give_up and self.budget(version.config.device) is not None:
             await self._make_room_after(version)
         return True
+
+    async def _bring_up(self, version: ModelState, cfg: ModelConfig, count: int, *,
+                        keep_failed: bool = False) -> list[WorkerHandle]:
+        """Start ``count`` workers of ``cfg`` for ``version`` and wait until each is ready or has
+        failed; the new workers.  Ready ones take work at once (lanes waiting attached, parked
+        requests served).  Unless ``keep_failed`` (start-up: the supervisor restarts them), a
+        worker that did not become ready stops them all again.  Raises ShmserveError: OVERLOADED
+        (no free worker entry: none is started), MODEL_UNAVAILABLE (why they did not load)."""
+        new: list[WorkerHandle] = []
+        try:
+            for _ in range(count):
+                new.append(self.supervisor.add_worker(cfg))
+        except ShmserveError:
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+            raise
+        version.workers.extend(new)
+        if not await self.supervisor.wait_ready(new, self.startup_timeout) and not keep_failed:
+            errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+            version.workers = [w for w in version.workers if w not in new]
+            raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, "; ".join(errors))
+        self.regions.attach_waiting(version)
+        self.dispatcher.settle(version)
+        return new
+
+    def _loaded(self, version: ModelState, workers: list[WorkerHandle], started: float, by: str) -> None:
+        """``workers`` of ``version``, started at ``started``, are all ready: what it uses now
+        (measured), how long its load took, and why it serves."""
+        seconds = time.monotonic() - started
+        version.load_seconds = seconds
+        version.degraded = False
+        self.counts[("load", version.name)] += 1
+        self.seconds[("load", version.name)] += seconds
+        self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
+                                                       for w in workers), default=0.0)
+        version.memory = {"measured_bytes": self.footprint(version)}
+        version.reason = f"loaded in {seconds:.2f} s" + (f" ({by})" if by else "")
+        self._event(version, "ready", version.reason)
+
+    def worker_ready(self, w: WorkerHandle) -> None:
+        """The supervisor's report that worker ``w`` is ready (a restart included; the server wires
+        it): its version's memory is measured again, and a version that served without all its
+        workers since start-up says so no more once they all are."""
+        version = self.models.version_of(w)
+        if version is None or version.phase != SERVING or w.retiring:
+            return
+        version.memory = {"measured_bytes": self.footprint(version)}
+        if version.degraded and all(x.state == READY for x in self._live(version)):
+            version.degraded = False
+            version.reason = "ready: its workers were ready after start-up"
+            self._event(version, "ready", version.reason)
 
     async def _make_room_after(self, version: ModelState) -> None:
         """Now that ``version``'s size is measured: evict others if the device is over budget."""
@@ -800,20 +842,13 @@ class Lifecycle:
     async def _scale(self, version: ModelState, instances: int, by: str) -> None:
         live = self._live(version)
         if instances > len(live):
-            new = []
             try:
-                for _ in range(instances - len(live)):
-                    new.append(self.supervisor.add_worker(version.config))
-            finally:
-                version.workers.extend(new)
-            if not await self.supervisor.wait_ready(new, self.startup_timeout):
-                errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
-                await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
-                version.workers = [w for w in version.workers if w not in new]
+                await self._bring_up(version, version.config, instances - len(live))
+            except ShmserveError as exc:
+                if exc.code is not ErrorCode.MODEL_UNAVAILABLE:
+                    raise
                 raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"{version.key}: a new worker did not load: "
-                                                                 f"{'; '.join(errors)}")
-            self.regions.attach_waiting(version)
-            self.dispatcher.settle(version)
+                                                                 f"{exc.message}") from None
         elif instances < len(live):
             # Those not ready first, then the least busy.
             victims = sorted(live, key=lambda w: (w.state == READY, len(w.inflight)))[:len(live) - instances]
@@ -821,34 +856,30 @@ class Lifecycle:
             await asyncio.gather(*(self._retire(w, None, timeout) for w in victims))
             version.workers = [w for w in version.workers if w not in victims]
         version.config = dataclasses.replace(version.config, instances=instances)
+        version.memory = {"measured_bytes": self.footprint(version)}
         self._event(version, "scale", f"{len(live)} -> {instances} workers" + (f" ({by})" if by else ""))
 
     async def _replace_workers(self, version: ModelState, cfg: ModelConfig) -> bool:
-        """New settings for a serving version: start its workers anew with ``cfg``, warm them, then
-        retire the old ones (their lanes handed to the new ones).  False (logged) if the new
-        workers did not load: the old ones keep serving with the old settings."""
+        """New settings for a serving version (or the same for one whose workers all failed for
+        good: tried again): start its workers anew with ``cfg``, warm them, then retire the old
+        ones (their lanes handed to the new ones); the version then says what it uses, how long
+        the load took and why it serves (``_loaded``: no failure of the old workers stays).  False
+        (logged) if the new workers did not load: the old ones keep serving with the old settings."""
         old = self._live(version)
+        started = time.monotonic()
         try:
-            new = [self.supervisor.add_worker(cfg) for _ in range(cfg.instances)]
+            new = await self._bring_up(version, cfg, cfg.instances)
         except ShmserveError as exc:
-            log.error("reload: %s: %s", version.key, exc.message)
-            return False
-        version.workers.extend(new)
-        if not await self.supervisor.wait_ready(new, self.startup_timeout):
-            errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
-            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
-            version.workers = [w for w in version.workers if w not in new]
             log.error("reload: %s: the new settings did not load (%s); the old ones still serve", version.key,
-                      "; ".join(errors))
-            self._event(version, "reload failed", "; ".join(errors))
+                      exc.message)
+            self._event(version, "reload failed", exc.message)
             return False
         version.config = cfg
-        self.regions.attach_waiting(version)
-        self.dispatcher.settle(version)
         timeout = self.config().version_drain_timeout_s
         await asyncio.gather(*(self._retire(w, None, timeout) for w in old))
         version.workers = [w for w in version.workers if w not in old]
         self._event(version, "settings", "workers replaced with the new settings (reload)")
+        self._loaded(version, new, started, "reload")
         return True
 
     def _default_newest(self, model: Model) -> None:

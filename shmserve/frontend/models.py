@@ -44,6 +44,7 @@ class ModelState:
     phase: str = LOADING
     reason: str = ""  # why it is in its phase (a failed load's error, "unloaded by uid 1000", ...)
     explicit: bool = False  # loaded by a control call naming this version (kept when the default moves)
+    degraded: bool = False  # serving since start-up without all its workers ready (``reason`` says why)
     last_used: float = 0.0  # time.monotonic() of its last request (residency)
     memory: dict = field(default_factory=dict)  # measured after load: {"host_bytes": n, "device_bytes": n}
     load_seconds: float | None = None  # how long its last load (start to all workers ready) took
