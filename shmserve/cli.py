@@ -527,11 +527,13 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 CANARY_FLAGS = (("steps", "STEPS", "percentages of traffic, e.g. 1,5,25,100"),
                 ("hold_s", "S", "hold each step at least this long"),
                 ("window_s", "S", "window the thresholds are measured over"),
-                ("min_samples", "N", "requests per version in the window before any decision"),
+                ("min_samples", "N", "requests per version in the window before any decision (at least 100 "
+                                     "while the p99 is judged)"),
                 ("max_error_rate_increase", "X", "roll back if the candidate's error rate exceeds the stable "
                                                  "one's by more than this (0.01 = 1 point)"),
                 ("max_p99_ratio", "R", "roll back if the candidate's p99 latency exceeds the stable one's by "
-                                       "this factor"),
+                                       "this factor ('off': errors alone decide)"),
+                ("cold_requests", "N", "each version's first requests, counted for errors but not latency"),
                 ("shadow_percent", "P", "shadow mode: share of requests copied to the candidate"),
                 ("max_mismatch_rate", "X", "shadow mode: roll back above this share of mismatching outputs"))
 
@@ -545,12 +547,21 @@ def _cmd_canary(args: argparse.Namespace) -> int:
         for field, _, _ in CANARY_FLAGS:
             value = getattr(args, field)
             if value is not None:
-                plan[field] = value
+                plan[field] = None if value == "off" else value
         if args.shadow:
             plan["mode"] = "shadow"
         if args.no_sticky:
             plan["sticky"] = False
     return _lifecycle_call(args, "canary", action=args.action, version=args.version, plan=plan or None)
+
+
+def _ratio_or_off(text: str) -> float | str:
+    if text == "off":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
 def _steps(text: str) -> list[float]:
@@ -800,9 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
     for field, metavar, text in CANARY_FLAGS:
         default = getattr(defaults, field)
         shown = ",".join(f"{s:g}" for s in default) if field == "steps" else f"{default:g}"
+        kind = {"steps": _steps, "min_samples": int, "cold_requests": int, "max_p99_ratio": _ratio_or_off}
         canary.add_argument(f"--{field.replace('_', '-')}", dest=field, metavar=metavar, default=None,
-                            type=_steps if field == "steps" else (int if field == "min_samples" else float),
-                            help=f"{text} (default: {shown})")
+                            type=kind.get(field, float), help=f"{text} (default: {shown})")
     canary.add_argument("--shadow", action="store_true", help="shadow mode: copies of requests go to the candidate "
                                                                "and are compared; its answers are never returned")
     canary.add_argument("--no-sticky", action="store_true", help="split per request even when a --key is sent")
