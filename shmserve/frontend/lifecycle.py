@@ -1,7 +1,7 @@
 """Model lifecycle: load, swap, scale, drain and unload model versions while serving.
 
-Owns: every version's *phase* (the table ``PHASES`` below) and the operations
-that move it — start-up, ``load`` (a version's workers are started and warmed
+Owns: what moves every version's *phase* (the events of the table in
+``shmserve.frontend.models``) and the operations that do it — start-up, ``load`` (a version's workers are started and warmed
 *beside* the serving one; only once all are ready does the model's default
 move to it, in one step), ``unload``, ``scale``, a reload's differences
 (``apply``), loading on demand and eviction under the memory budget, and the
@@ -27,29 +27,9 @@ its workers have queued or running finishes — a STOP entry behind it — withi
 they still held fails MODEL_UNAVAILABLE, saying so.  Then the version's memory
 is released with its processes.
 
-Phases
-------
-===========  ===========  =================================================
-from         to           when
-===========  ===========  =================================================
-UNLOADED     LOADING      a load (start-up, control call, reload, on demand)
-EVICTED      LOADING      the same
-FAILED_LOAD  LOADING      the same, after a failed one
-SERVING      LOADING      a load of a version all of whose workers failed for
-                          good (they are replaced by new ones)
-LOADING      SERVING      its workers are ready (at start-up: once they were
-                          waited for, ready or not; the workers' states say)
-LOADING      FAILED_LOAD  a worker could not load it (its new workers are
-                          stopped; the version serving before stays)
-LOADING      UNLOADED     a load on demand found no room under the memory
-LOADING      EVICTED      budget, and no request waits for it any more (the
-                          next request tries again)
-SERVING      DRAINING     replaced, unloaded, evicted, or a canary rolled back
-DRAINING     UNLOADED     its workers are gone
-FAILED_LOAD  UNLOADED     a reload, for an on_demand version (its next request
-                          tries again)
-DRAINING     EVICTED      the same, after an eviction (loaded again on demand)
-===========  ===========  =================================================
+Phases: a version's phase moves only by the events of the table in
+``shmserve.frontend.models`` (``Phase``, ``PhaseEvent``, ``TRANSITIONS``);
+this module decides which event happens when.
 
 Must not: touch requests, slots or sockets (the dispatcher moves parked
 requests: ``Dispatcher.settle``), or start processes itself (the supervisor
@@ -71,16 +51,11 @@ from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend import canary
 from shmserve.frontend.models import (DRAINING, EVICTED, FAILED_LOAD, LOADING, MODEL_UNAVAILABLE, SERVING, UNLOADED,
-                                      Model, ModelState, Models)
+                                      Model, ModelState, Models, PhaseEvent)
 from shmserve.supervisor import READY, WorkerHandle
 
 log = logging.getLogger("shmserve.lifecycle")
 
-PHASES: frozenset[tuple[str, str]] = frozenset({
-    (UNLOADED, LOADING), (EVICTED, LOADING), (FAILED_LOAD, LOADING), (SERVING, LOADING),
-    (LOADING, SERVING), (LOADING, FAILED_LOAD), (LOADING, UNLOADED), (LOADING, EVICTED),
-    (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED), (FAILED_LOAD, UNLOADED),
-})
 EVENTS_KEPT = 500  # the decision log ``inspect`` and ``repository`` show
 CANARY_TICK_S = 0.5  # how often running canaries are analysed
 ROLLOUTS_KEPT = 10  # finished canaries kept per model (their snapshots)
@@ -94,17 +69,6 @@ class _Tally:
     finished: int = 0  # its own counter (the arena's worker table) at the last look: every call it ran
     observed: int = 0  # of those, the ones the dispatcher saw end (socket requests: ``observe``)
     lanes: int = 0  # lane calls counted as use so far
-
-
-class IllegalPhase(RuntimeError):
-    """A phase change the table does not allow: a bug in the lifecycle."""
-
-
-def set_phase(version: ModelState, phase: str, reason: str = "") -> None:
-    """Move ``version`` to ``phase``; IllegalPhase if the table forbids it (staying put is allowed)."""
-    if phase != version.phase and (version.phase, phase) not in PHASES:
-        raise IllegalPhase(f"{version.key}: {version.phase} -> {phase} is not allowed")
-    version.phase, version.reason = phase, reason
 
 
 class Lifecycle:
@@ -129,6 +93,7 @@ class Lifecycle:
         self.seconds: collections.Counter = collections.Counter()  # (what, model) -> total s: load, warmup
         self.tasks: set[asyncio.Task] = set()
         self.operations: dict[tuple, asyncio.Task] = {}  # control operations running, by what they do
+        self.draining: dict[ModelState, asyncio.Future] = {}  # versions being drained: done once they are
         self.stopping = False
         dispatcher.load_on_demand = self.load_on_demand
         dispatcher.observe = self.observe
@@ -555,7 +520,7 @@ class Lifecycle:
                         if cfg.load == "on_demand":
                             model.on_demand = True
                             if version.phase == FAILED_LOAD:
-                                set_phase(version, UNLOADED, "loaded on its next request (reload)")
+                                version.advance(PhaseEvent.RESET, "loaded on its next request (reload)")
                             continue
                         if await self._start_version(version, give_up=True, by="reload"):
                             done.append(f"loaded {version.key}")
@@ -596,15 +561,14 @@ class Lifecycle:
         (the request waits for it, within its timeout).  Its phase is LOADING from this call on."""
         if version.phase not in (UNLOADED, EVICTED) or self.stopping:
             return
-        resting = version.phase
-        set_phase(version, LOADING, "loading on demand")
-        self._spawn_task(self._load_on_demand(version, resting))
+        version.advance(PhaseEvent.LOAD, "loading on demand")
+        self._spawn_task(self._load_on_demand(version))
 
-    async def _load_on_demand(self, version: ModelState, resting: str) -> None:
+    async def _load_on_demand(self, version: ModelState) -> None:
         """Load ``version`` for the requests waiting for it.  If the memory budget has no room for
         it now (what holds the memory is busy, or pinned), it is tried again every ROOM_RETRY_S
-        while requests still wait; once none does, it goes back to ``resting`` (UNLOADED or
-        EVICTED) with the reason, and the next request tries again."""
+        while requests still wait; once none does, it is UNLOADED again (NO_ROOM) with the
+        reason, and the next request tries again."""
         while True:
             async with self.locks[version.name]:
                 if version.phase != LOADING:  # unloaded or loaded meanwhile by a control call
@@ -623,7 +587,7 @@ class Lifecycle:
                 budget = self.budget(version.config.device)
                 fits_ever = budget is not None and version.memory.get("measured_bytes", 0) <= budget
                 if not (fits_ever and self.dispatcher.busy(version)) or self.stopping:
-                    set_phase(version, resting, f"no room to load it on demand: {refused}")
+                    version.advance(PhaseEvent.NO_ROOM, f"no room to load it on demand: {refused}")
                     self.counts[("load_failed", version.name)] += 1
                     self._event(version, "load failed", version.reason)
                     self.dispatcher.settle(version)  # those waiting are answered with the reason
@@ -700,7 +664,10 @@ class Lifecycle:
         demand); otherwise (start-up) the workers that failed stay as the supervisor left them
         (restarting with back-off, or failed) and the version is SERVING regardless.
         ``room_made``: the caller has made room under the memory budget already."""
-        set_phase(version, LOADING, f"loading{' (' + by + ')' if by else ''}")
+        if version.phase == LOADING:  # on demand: it is from the request on
+            version.reason = f"loading{' (' + by + ')' if by else ''}"
+        else:
+            version.advance(PhaseEvent.LOAD, f"loading{' (' + by + ')' if by else ''}")
         version.drain_failure = None
         self._event(version, "load", by or "start-up")
         started = time.monotonic()
@@ -709,7 +676,7 @@ class Lifecycle:
                 await self._make_room(version)
             workers = await self._bring_up(version, version.config, version.config.instances, keep_failed=not give_up)
         except ShmserveError as exc:
-            set_phase(version, FAILED_LOAD, exc.message)
+            version.advance(PhaseEvent.FAIL, exc.message)
             self.counts[("load_failed", version.name)] += 1
             self._event(version, "load failed", exc.message)
             self.dispatcher.settle(version)
@@ -719,10 +686,10 @@ class Lifecycle:
             self.counts[("load_failed", version.name)] += 1
             version.load_seconds = time.monotonic() - started
             version.degraded = True
-            set_phase(version, SERVING, "; ".join(unready))
+            version.advance(PhaseEvent.READY, "; ".join(unready))
             self._event(version, "not ready", version.reason)
         else:
-            set_phase(version, SERVING, "")
+            version.advance(PhaseEvent.READY)
             self._loaded(version, workers, started, by)
         version.memory = {"measured_bytes": self.footprint(version)}
         version.last_used = max(version.last_used, time.monotonic())  # loaded counts as used (residency)
@@ -805,10 +772,23 @@ class Lifecycle:
 
     async def _drain(self, version: ModelState, to: str, why: str) -> None:
         """Stop ``version`` serving (module docstring: draining) and wait until its workers are
-        gone; then it is ``to`` (UNLOADED or EVICTED)."""
-        if version.phase == LOADING:  # a load in progress is not drained: it finishes first
+        gone; then it is ``to`` (UNLOADED or EVICTED).  A version another operation drains already
+        (an eviction, an unload) is waited for; one loading finishes first, and one not loaded has
+        nothing to drain."""
+        if version.phase == DRAINING and version in self.draining:
+            await asyncio.shield(self.draining[version])
             return
-        set_phase(version, DRAINING, why)
+        if version.phase != SERVING:
+            return
+        done = self.draining[version] = asyncio.get_running_loop().create_future()
+        try:
+            await self._drain_now(version, PhaseEvent.EVICT if to == EVICTED else PhaseEvent.UNLOAD, why)
+        finally:
+            del self.draining[version]
+            done.set_result(None)
+
+    async def _drain_now(self, version: ModelState, end: PhaseEvent, why: str) -> None:
+        version.advance(PhaseEvent.DRAIN, why)
         self._event(version, "drain", why)
         model = self.models.by_name[version.name]
         if model.default == version.version:
@@ -816,7 +796,7 @@ class Lifecycle:
             if newest is not None:
                 model.default = newest.version
                 self.regions.adopt_lanes(newest)
-            elif to != EVICTED:  # an evicted default stays the default: a request for it loads it again
+            elif end is not PhaseEvent.EVICT:  # an evicted default stays the default: a request for it loads it again
                 model.default = None
         target = model.current if model.current is not version else None
         timeout = self.config().version_drain_timeout_s
@@ -826,8 +806,8 @@ class Lifecycle:
         self.dispatcher.settle(version)
         await asyncio.gather(*(self._retire(w, target, timeout) for w in list(version.workers)))
         version.workers.clear()
-        set_phase(version, to, why)
-        self._event(version, to, why)
+        version.advance(end, why)
+        self._event(version, version.phase.value, why)
         self.dispatcher.settle(version)
         if target is None:
             self.regions.fail_lanes(version, f"model {version.name!r} has no version serving now ({why})")
