@@ -22,8 +22,10 @@ from helpers.fake_frontend import make_fixture, no_children_left, no_processes  
 def lifecycle_of(fe) -> Lifecycle:
     """The lifecycle over ``fe``'s parts, counting lane calls from the arena's worker table as the
     server does (``Frontend._finished_by``)."""
-    return Lifecycle(fe.models, None, fe.dispatcher, fe.regions, lambda: ServerConfig(models=()),
+    life = Lifecycle(fe.models, None, fe.dispatcher, fe.regions, lambda: ServerConfig(models=()), clock=fe.clock,
                      startup_timeout=1.0, finished=lambda w: fe.arena.worker_counter(w.index, "requests"))
+    fe.dispatcher.observe = life.observe
+    return life
 
 
 def test_a_request_the_worker_finished_before_the_dispatcher_saw_it_counts_once(make):

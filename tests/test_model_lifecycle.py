@@ -413,7 +413,7 @@ def test_each_request_counts_once_as_use(tmp_path):
 def served_in_time(c, name: str, x: np.ndarray, timeout: float = 120.0) -> list[ShmserveError]:
     """Ask ``name`` until it answers (checked), within ``timeout`` s: each request is capped by
     a short server.request_timeout_s, and a load may take longer on a busy machine.  The failures
-    (each a TIMEOUT while ``name`` loads or waits for room), in order."""
+    (each a TIMEOUT naming ``name``: loading, or waiting for room), in order."""
     failures: list[ShmserveError] = []
     deadline = time.monotonic() + timeout
     while True:
@@ -422,7 +422,7 @@ def served_in_time(c, name: str, x: np.ndarray, timeout: float = 120.0) -> list[
             return failures
         except ShmserveError as exc:
             failures.append(exc)
-            assert exc.code is ErrorCode.TIMEOUT and f"model {name!r} is loading" in exc.message, failures
+            assert exc.code is ErrorCode.TIMEOUT and f"model {name!r}" in exc.message, failures
             assert time.monotonic() < deadline, f"{name} never answered: {failures[-1]}"
 
 

@@ -46,7 +46,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Coroutine
 
-from shmserve import layout, protocol, repository
+from shmserve import protocol, repository
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend import canary
@@ -75,13 +75,19 @@ class Lifecycle:
     """The model lifecycle of one front-end (module docstring).
 
     ``config()`` returns the configuration in force; ``supervisor``, ``dispatcher`` and
-    ``regions`` are the parts it moves; ``startup_timeout`` bounds one load; ``finished(w)``
-    how many requests worker ``w`` has finished (socket and lane calls: ``note_lane_use``).
+    ``regions`` are the parts it moves (the supervisor starts and retires workers:
+    ``add_worker``, ``wait_ready``, ``retire``); ``clock`` its time and timers (the
+    dispatcher's ``Clock``: the event loop's in the server, a fake in tests);
+    ``startup_timeout`` bounds one load; ``finished(w)`` how many requests worker ``w`` has
+    finished (socket and lane calls: ``note_lane_use``).  The server wires the hooks other
+    parts call: the dispatcher's ``load_on_demand`` and ``observe``, the supervisor's
+    ``worker_ready``; canary shadowing is ``shmserve.frontend.shadow``'s.
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
-                 startup_timeout: float, finished: Callable[[object], int] | None = None):
+                 clock, startup_timeout: float, finished: Callable[[object], int] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
+        self.clock = clock
         # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
         self.finished = finished
         self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
@@ -95,11 +101,7 @@ class Lifecycle:
         self.operations: dict[tuple, asyncio.Task] = {}  # control operations running, by what they do
         self.draining: dict[ModelState, asyncio.Future] = {}  # versions being drained: done once they are
         self.stopping = False
-        dispatcher.load_on_demand = self.load_on_demand
-        dispatcher.observe = self.observe
-        dispatcher.shadow_to = self.shadow_to
-        dispatcher.shadow_done = self.shadow_done
-        self._ticker: asyncio.TimerHandle | None = None
+        self._ticker = None  # the clock's handle of the next canary analysis
 
     # -- the control calls (the doors' entry) ---------------------------------------------------
 
@@ -315,7 +317,7 @@ class Lifecycle:
         if model is None:
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
         if model.rollout is not None:
-            return model.rollout.snapshot(time.monotonic())
+            return model.rollout.snapshot(self.clock.monotonic())
         if model.rollouts:
             return model.rollouts[-1]
         raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
@@ -325,7 +327,7 @@ class Lifecycle:
         model = self.models.get(name)
         if model is None:
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if action in ("promote", "abort"):
             rollout = model.rollout
             if rollout is None:
@@ -362,25 +364,25 @@ class Lifecycle:
                 if not await self._start_version(candidate, give_up=True, by=f"canary{' by ' + by if by else ''}"):
                     raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"canary version {cfg.version} of {name!r} "
                                                                      f"did not load: {candidate.reason}")
-            model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, time.monotonic())
+            model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, self.clock.monotonic())
             self.regions.divert(name, True)  # the front-end routes every Client.infer request now
             self._event(candidate, "canary", f"started against version {stable.version} ({checked.mode}, steps "
                                              f"{list(checked.steps)}%)" + (f" by {by}" if by else ""))
             self._tick_soon()
-            return model.rollout.snapshot(time.monotonic())
+            return model.rollout.snapshot(self.clock.monotonic())
 
     def observe(self, req, ok: bool) -> None:
         """The dispatcher's report of a request that ran (``ok``: it succeeded): canary analysis
         and the version's request rate."""
         version = req.model
-        now = time.monotonic()
+        now = self.clock.monotonic()
         version.meter.hit(now)
         version.uses += 1
         if req.worker is not None:
             self.tallies.setdefault(req.worker, _Tally()).observed += 1
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
-            model.rollout.record(version.version, ok, max(0.0, self.dispatcher.clock.monotonic() - req.started), now)
+            model.rollout.record(version.version, ok, max(0.0, now - req.started), now)
 
     def note_lane_use(self) -> None:
         """Count the lane calls each version's workers finished since the last look as its use
@@ -396,7 +398,7 @@ class Lifecycle:
         the lanes that says how long one has had a call pending.  Nothing without ``finished``."""
         if self.finished is None:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for version in self.models.versions():
             calls = 0
             for w in version.workers:
@@ -418,42 +420,13 @@ class Lifecycle:
         live = {w for v in self.models.versions() for w in v.workers}
         self.tallies = {w: t for w, t in self.tallies.items() if w in live}
 
-    def shadow_to(self, req) -> ModelState | None:
-        """The candidate a finished request of a stable version is copied to (a canary in shadow
-        mode, and this request drawn for its share), else None."""
-        model = self.models.by_name.get(req.model.name)
-        rollout = model.rollout if model is not None else None
-        if rollout is None or rollout.plan.mode != canary.SHADOW or req.model.version != rollout.stable \
-                or rollout.state in canary.TERMINAL or not rollout.shadow(self.dispatcher.draw()):
-            return None
-        candidate = model.versions.get(rollout.candidate)
-        return candidate if candidate is not None and candidate.phase == SERVING else None
-
-    def shadow_done(self, copy, stable_outputs: dict, answer) -> None:
-        """A shadow copy's answer: compared with the stable version's outputs (an error is a
-        mismatch), recorded in the rollout."""
-        from shmserve.frontend.dispatcher import Outputs, output_array
-
-        model = self.models.by_name.get(copy.model.name)
-        rollout = model.rollout if model is not None else None
-        if rollout is None or rollout.candidate != copy.model.version:
-            return
-        match = False
-        if isinstance(answer, Outputs):
-            try:
-                theirs = {o.name: output_array(o) for o in answer.outputs}
-            except layout.LayoutError:  # a bytes output the worker wrote badly: not a match
-                theirs = None
-            match = theirs is not None and canary.outputs_match(stable_outputs, theirs, rollout.plan)
-        rollout.record_shadow(match, time.monotonic())
-
     def _tick_soon(self) -> None:
         if self._ticker is None and not self.stopping:
-            self._ticker = asyncio.get_running_loop().call_later(CANARY_TICK_S, self._tick)
+            self._ticker = self.clock.call_later(CANARY_TICK_S, self._tick)
 
     def _tick(self) -> None:
         self._ticker = None
-        now = time.monotonic()
+        now = self.clock.monotonic()
         running = False
         for model in list(self.models.by_name.values()):
             if model.rollout is None:
@@ -480,7 +453,7 @@ class Lifecycle:
             return
         model.rollout = None
         self.regions.divert(model.name, False)
-        model.rollouts.append(rollout.snapshot(time.monotonic()))
+        model.rollouts.append(rollout.snapshot(self.clock.monotonic()))
         del model.rollouts[:-ROLLOUTS_KEPT]
         async with self.locks[model.name]:
             if candidate is None or candidate.phase != SERVING:
@@ -595,7 +568,7 @@ class Lifecycle:
                 if not version.reason.startswith("waiting for room"):
                     self._event(version, "waiting for room", refused)
                 version.reason = f"waiting for room: {refused}"
-            await asyncio.sleep(ROOM_RETRY_S)
+            await self._sleep(ROOM_RETRY_S)
 
     def footprint(self, version: ModelState) -> int:
         """The bytes ``version`` uses on its device, as measured when its workers were ready: host
@@ -617,7 +590,7 @@ class Lifecycle:
         if budget is None:
             return
         self.note_lane_use()  # lane calls since the last heartbeat count too
-        now = time.monotonic()
+        now = self.clock.monotonic()
         resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
                                        self.dispatcher.busy(v) or self.lane_busy(v, now),
                                        v.config.pinned, v.config.load == "on_demand")
@@ -634,9 +607,9 @@ class Lifecycle:
             self.counts[("eviction", victim.name)] += 1
             self._event(victim, "evict", f"to make room for {version.key} on {device} "
                                          f"(server.memory_budget.{device} = {budget})")
-            started = time.monotonic()
+            started = self.clock.monotonic()
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
-            self.seconds[("eviction", victim.name)] += time.monotonic() - started
+            self.seconds[("eviction", victim.name)] += self.clock.monotonic() - started
 
     def lane_busy(self, version: ModelState, now: float) -> bool:
         """Whether ``version``'s lanes keep it from being evicted: one holds a call queued or running,
@@ -651,9 +624,8 @@ class Lifecycle:
         stale_s = self.config().request_timeout_s
         return now - since <= stale_s or now - version.progress_at <= stale_s
 
-    @staticmethod
-    def rate(version: ModelState) -> float:
-        return version.meter.rate(time.monotonic())
+    def rate(self, version: ModelState) -> float:
+        return version.meter.rate(self.clock.monotonic())
 
     # -- the steps ------------------------------------------------------------------------
 
@@ -670,7 +642,7 @@ class Lifecycle:
             version.advance(PhaseEvent.LOAD, f"loading{' (' + by + ')' if by else ''}")
         version.drain_failure = None
         self._event(version, "load", by or "start-up")
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
             if give_up and not room_made:
                 await self._make_room(version)
@@ -684,7 +656,7 @@ class Lifecycle:
         unready = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
         if unready:  # start-up: it serves with what is ready; its workers' states say the rest
             self.counts[("load_failed", version.name)] += 1
-            version.load_seconds = time.monotonic() - started
+            version.load_seconds = self.clock.monotonic() - started
             version.degraded = True
             version.advance(PhaseEvent.READY, "; ".join(unready))
             self._event(version, "not ready", version.reason)
@@ -692,7 +664,7 @@ class Lifecycle:
             version.advance(PhaseEvent.READY)
             self._loaded(version, workers, started, by)
         version.memory = {"measured_bytes": self.footprint(version)}
-        version.last_used = max(version.last_used, time.monotonic())  # loaded counts as used (residency)
+        version.last_used = max(version.last_used, self.clock.monotonic())  # loaded counts as used (residency)
         if give_up and self.budget(version.config.device) is not None:
             await self._make_room_after(version)
         return True
@@ -724,7 +696,7 @@ class Lifecycle:
     def _loaded(self, version: ModelState, workers: list[WorkerHandle], started: float, by: str) -> None:
         """``workers`` of ``version``, started at ``started``, are all ready: what it uses now
         (measured), how long its load took, and why it serves."""
-        seconds = time.monotonic() - started
+        seconds = self.clock.monotonic() - started
         version.load_seconds = seconds
         version.degraded = False
         self.counts[("load", version.name)] += 1
@@ -846,7 +818,7 @@ class Lifecycle:
         the load took and why it serves (``_loaded``: no failure of the old workers stays).  False
         (logged) if the new workers did not load: the old ones keep serving with the old settings."""
         old = self._live(version)
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
             new = await self._bring_up(version, cfg, cfg.instances)
         except ShmserveError as exc:
@@ -876,6 +848,12 @@ class Lifecycle:
         log.info("model %s: %s%s", version.key, what, f": {reason}" if reason else "")
         self.events.append({"time_unix": round(time.time(), 3), "model": version.name, "version": version.version,
                             "event": what, "reason": reason})
+
+    def _sleep(self, seconds: float) -> asyncio.Future:
+        """A future done ``seconds`` from now on the lifecycle's clock."""
+        done = asyncio.get_running_loop().create_future()
+        self.clock.call_later(seconds, lambda: done.done() or done.set_result(None))
+        return done
 
     def _spawn_task(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
