@@ -9,10 +9,12 @@ Must not: do I/O, read a clock, draw random numbers or touch asyncio.  Time
 comes in as ``now`` (seconds, monotonic, never decreasing: a smaller ``now``
 is taken as the latest one seen) and randomness as ``draw`` (a float in
 [0, 1) per call), so every decision is a function of its inputs and tests
-replay them exactly.  The dispatcher owns the requests, calls ``route`` /
-``shadow`` for each, ``record`` / ``record_shadow`` for each outcome and
-``tick`` periodically, and acts on what a rollout's state says (makes the
-candidate the default on COMPLETE, drops the rollout on any terminal state).
+replay them exactly.  Its callers: ``Models.resolve`` calls ``route`` for a
+request that names no version, ``shmserve.frontend.shadow`` calls ``shadow``
+and ``record_shadow``, and the lifecycle ``record`` for each outcome (the
+dispatcher's ``observe``) and ``tick`` periodically, and acts on what a
+rollout's state says (makes the candidate the default on COMPLETE, drops the
+rollout on any terminal state).
 
 Split mode: the candidate answers a share of the traffic that follows the
 plan's ``steps`` (percent).  A step is promoted to the next when it has been
