@@ -308,11 +308,11 @@ class Lifecycle:
         its end even if the caller leaves.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad plan, a canary
         already running or none running), and what ``load`` raises."""
         if action == "status":
-            return self._canary_status(name)
+            return self.canary_status(name)
         return await self._operation(("canary", name, action, version, repr(plan)),
                                      lambda: self._canary_action(name, action, version, plan, by))
 
-    def _canary_status(self, name: str) -> dict:
+    def canary_status(self, name: str) -> dict:
         model = self.models.get(name)
         if model is None:
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
