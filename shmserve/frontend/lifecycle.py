@@ -1,12 +1,20 @@
 """Model lifecycle: load, swap, scale, drain and unload model versions while serving.
 
 Owns: what moves every version's *phase* (the events of the table in
-``shmserve.frontend.models``) and the operations that do it — start-up, ``load`` (a version's workers are started and warmed
-*beside* the serving one; only once all are ready does the model's default
-move to it, in one step), ``unload``, ``scale``, a reload's differences
-(``apply``), loading on demand and eviction under the memory budget, and the
-log of every decision (``events``) with the counters metrics export.  One
-operation per model at a time (a lock per model name); the others wait.
+``shmserve.frontend.models``) and the operations that do it — start-up,
+``load`` (a version's workers are started and warmed *beside* the serving
+one, by the one bring-up, ``_bring_up``; only once all are ready does the
+model's default move to it, in one step), ``unload``, ``scale``, a reload's
+differences (``apply``), loading on demand and eviction under the memory
+budget (each request counted once as use: ``observe``, ``note_lane_use``),
+canaries (start, promote, abort, the analysis every CANARY_TICK_S, acting on
+a rollout's end), and the log of every decision (``events``) with the
+counters metrics export.  One operation per model at a time (a lock per
+model name); the others wait.  Time and timers come from an injected
+``Clock`` (the event loop's in the server, a fake in tests), and the
+server wires the hooks other parts call (the dispatcher's ``load_on_demand``
+and ``observe``, the supervisor's ``worker_ready``), so the whole lifecycle
+runs in one process against a fake supervisor (``tests/test_lifecycle_fast.py``).
 
 Operations: a control call (load, unload, scale, canary start, promote,
 abort) runs as a task the lifecycle owns; its caller awaits a shielded
@@ -32,8 +40,9 @@ Phases: a version's phase moves only by the events of the table in
 this module decides which event happens when.
 
 Must not: touch requests, slots or sockets (the dispatcher moves parked
-requests: ``Dispatcher.settle``), or start processes itself (the supervisor
-does).
+requests: ``Dispatcher.settle``), start processes itself (the supervisor
+does), copy requests for a shadow canary (``shmserve.frontend.shadow``), or
+read the system clock for a decision.
 """
 
 from __future__ import annotations
