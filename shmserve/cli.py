@@ -6,7 +6,9 @@ delegates to the module that owns the work (server, client, stale).
 Exit codes (``EXIT_CODES``, printed by ``--help``): 0 success; 1 the
 operation failed or the instance is unhealthy; 2 usage, input or configuration
 error; 3 no server answers at the socket; 4 permission denied; 130
-interrupted (Ctrl-C).  A user's mistake gets one line on stderr, never a
+interrupted (Ctrl-C); 141 the reader of the output left (``| head``), as for a
+process SIGPIPE stopped, with nothing on stderr: a closed stdout is never
+taken for a server's fault.  A user's mistake gets one line on stderr, never a
 traceback.
 """
 
@@ -21,6 +23,7 @@ import zlib
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_OUTPUT_CLOSED = 128 + 13  # the shell's status for a process SIGPIPE stopped
 PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at each edge
 EXIT_CODES = """exit codes:
   0    success
@@ -29,7 +32,8 @@ EXIT_CODES = """exit codes:
   2    usage, input or configuration error
   3    no server answers at the socket
   4    permission denied (the socket's group gives access)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C)
+  141  the reader of the output left (`| head`)"""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -111,10 +115,20 @@ def _row(table, *cells) -> None:
     table.add_row(*(Text(str(c)) for c in cells))
 
 
-def _print(*renderables) -> None:
+def _console():
+    """A rich Console on stdout that lets a reader's leaving (``| head``) reach ``main`` as the
+    BrokenPipeError it is (rich's own turns it into exit status 1)."""
     from rich.console import Console
 
-    console = Console()
+    class PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return PipedConsole()
+
+
+def _print(*renderables) -> None:
+    console = _console()
     for r in renderables:
         console.print(r)
 
@@ -150,6 +164,8 @@ def _talks_to_server(func):
         path = resolve_socket(args.socket, None, args.instance)
         try:
             return func(args)
+        except BrokenPipeError:  # our stdout's reader left (the client turns its socket's errors into its own)
+            raise
         except ConnectionClosed as exc:
             refused = _access_refused(path)
             print(f"shmserve {args.command}: {refused or exc.message}", file=sys.stderr)
@@ -488,6 +504,8 @@ def _describe(method: str, a: dict) -> str:
         return (f"model {a['model']} version {a['version']}: {a['state']}, {a['workers']} worker(s)"
                 + (f", loaded in {a['load_seconds']:.2f} s" if a.get("load_seconds") is not None else ""))
     if method == "unload":
+        if not a["unloaded"]:
+            return f"model {a['model']}: nothing loaded to unload"
         return f"model {a['model']}: unloaded version(s) {', '.join(map(str, a['unloaded']))}"
     if method == "scale":
         return f"model {a['model']} version {a['version']}: {a['workers']} worker(s)"
@@ -521,11 +539,13 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 CANARY_FLAGS = (("steps", "STEPS", "percentages of traffic, e.g. 1,5,25,100"),
                 ("hold_s", "S", "hold each step at least this long"),
                 ("window_s", "S", "window the thresholds are measured over"),
-                ("min_samples", "N", "requests per version in the window before any decision"),
+                ("min_samples", "N", "requests per version in the window before any decision (at least 100 "
+                                     "while the p99 is judged)"),
                 ("max_error_rate_increase", "X", "roll back if the candidate's error rate exceeds the stable "
                                                  "one's by more than this (0.01 = 1 point)"),
                 ("max_p99_ratio", "R", "roll back if the candidate's p99 latency exceeds the stable one's by "
-                                       "this factor"),
+                                       "this factor ('off': errors alone decide)"),
+                ("cold_requests", "N", "each version's first requests, counted for errors but not latency"),
                 ("shadow_percent", "P", "shadow mode: share of requests copied to the candidate"),
                 ("max_mismatch_rate", "X", "shadow mode: roll back above this share of mismatching outputs"))
 
@@ -539,12 +559,21 @@ def _cmd_canary(args: argparse.Namespace) -> int:
         for field, _, _ in CANARY_FLAGS:
             value = getattr(args, field)
             if value is not None:
-                plan[field] = value
+                plan[field] = None if value == "off" else value
         if args.shadow:
             plan["mode"] = "shadow"
         if args.no_sticky:
             plan["sticky"] = False
     return _lifecycle_call(args, "canary", action=args.action, version=args.version, plan=plan or None)
+
+
+def _ratio_or_off(text: str) -> float | str:
+    if text == "off":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
 def _steps(text: str) -> list[float]:
@@ -623,9 +652,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         elif state["instances"]:
             print(json.dumps({**state["instances"][0], "leftovers": state["leftovers"]}))
     elif not args.check:
-        from rich.console import Console
-
-        console = Console()
+        console = _console()
         for snap in state["instances"]:
             console.print(inspection.render(snap))
             if snap["lifecycle"]:
@@ -852,9 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
     for field, metavar, text in CANARY_FLAGS:
         default = getattr(defaults, field)
         shown = ",".join(f"{s:g}" for s in default) if field == "steps" else f"{default:g}"
+        kind = {"steps": _steps, "min_samples": int, "cold_requests": int, "max_p99_ratio": _ratio_or_off}
         canary.add_argument(f"--{field.replace('_', '-')}", dest=field, metavar=metavar, default=None,
-                            type=_steps if field == "steps" else (int if field == "min_samples" else float),
-                            help=f"{text} (default: {shown})")
+                            type=kind.get(field, float), help=f"{text} (default: {shown})")
     canary.add_argument("--shadow", action="store_true", help="shadow mode: copies of requests go to the candidate "
                                                                "and are compared; its answers are never returned")
     canary.add_argument("--no-sticky", action="store_true", help="split per request even when a --key is sent")
@@ -941,18 +968,22 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "bench":  # its own parser: `shmserve bench --help`
             from shmserve import bench
 
-            return bench.main(argv[1:])
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return EXIT_OK
-        return args.func(args)
+            status = bench.main(argv[1:])
+        else:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if args.command is None:
+                parser.print_help()
+                status = EXIT_OK
+            else:
+                status = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's flush at exit
+        return status
     except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's convention for SIGINT
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `shmserve models | head`: the reader left
+    except BrokenPipeError:  # `shmserve canary m status | head -1`: the reader left, nothing else did
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return EXIT_FAILURE
+        return EXIT_OUTPUT_CLOSED
 
 
 if __name__ == "__main__":

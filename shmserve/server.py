@@ -38,6 +38,7 @@ from shmserve.frontend.history import History
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
 from shmserve.frontend.regions import RegionLimits, RegionTable
+from shmserve.frontend.shadow import Shadowing
 from shmserve.frontend.status import Status
 from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
 from shmserve.lanes import WAIT_SLICE_S
@@ -231,7 +232,11 @@ class Frontend:
         self.dispatcher = Dispatcher(self.arena, self.models, self.supervisor.workers, limits_of(self.config),
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
-                                   startup_timeout=STARTUP_TIMEOUT_S, finished=self._finished_by)
+                                   clock=self.dispatcher.clock, startup_timeout=STARTUP_TIMEOUT_S,
+                                   finished=self._finished_by)
+        self.dispatcher.load_on_demand = self.lifecycle.load_on_demand  # the lifecycle's hooks
+        self.dispatcher.observe = self.lifecycle.observe
+        self.dispatcher.offer_shadow = Shadowing(self.dispatcher, self.models, self.dispatcher.clock.monotonic).offer
         self.history = History()
         self.status = Status(config=lambda: self.config, arena=self.arena, models=self.models,
                              workers=self.supervisor.workers, dispatcher=self.dispatcher, regions=self.regions,
@@ -289,6 +294,7 @@ class Frontend:
         if version is not None:
             self.regions.attach_waiting(version)
         self.dispatcher.worker_ready(w)
+        self.lifecycle.worker_ready(w)
 
     def _worker_exited(self, w: WorkerHandle, how: str) -> None:
         try:

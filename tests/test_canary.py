@@ -14,14 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmserve.frontend.canary import (MAX_STEPS, TERMINAL, TRANSITIONS, CanaryPlan, IllegalTransition, Kind, Rollout,
-                                      RolloutState, outputs_match)
+from shmserve.frontend.canary import (MAX_STEPS, P99_MIN_SAMPLES, TERMINAL, TRANSITIONS, CanaryPlan, IllegalTransition,
+                                      Kind, Rollout, RolloutState, outputs_match)
 
 from helpers.fake_frontend import reachable
 
 S = RolloutState
 STABLE, CAND = 3, 4
-FAST = CanaryPlan(hold_s=10.0, window_s=10.0, min_samples=50)  # a shorter plan for the streams below
+FAST = CanaryPlan(hold_s=10.0, window_s=10.0, min_samples=100)  # a shorter plan for the streams below
+ERRORS_ONLY = {"max_p99_ratio": None}  # for plans of fewer samples than a p99 needs: latency not judged
 
 
 def drive(r: Rollout, t: float, seconds: float, rate: int, rng: random.Random, *, cand_err: float = 0.0,
@@ -64,7 +65,7 @@ def test_the_default_plan_and_its_wire_form():
     ("hold_s", -1), ("hold_s", math.inf), ("hold_s", "60"), ("window_s", 0), ("window_s", math.nan),
     ("min_samples", 0), ("min_samples", 2.5), ("min_samples", True), ("min_samples", 10**9),
     ("max_error_rate_increase", -0.1), ("max_error_rate_increase", 1.5), ("max_p99_ratio", 0.5),
-    ("max_p99_ratio", None), ("mode", "blue-green"), ("mode", 1), ("sticky", "yes"), ("sticky", 1),
+    ("max_p99_ratio", "1.5"), ("cold_requests", -1), ("cold_requests", 1.5), ("mode", "blue-green"), ("mode", 1), ("sticky", "yes"), ("sticky", 1),
     ("shadow_percent", 0), ("shadow_percent", 100.1), ("shadow_rtol", -1e-5), ("shadow_atol", math.inf),
     ("max_mismatch_rate", 2), ("max_mismatch_rate", False),
 ])
@@ -86,7 +87,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=8)
 FIELDS = ["steps", "hold_s", "window_s", "min_samples", "max_error_rate_increase", "max_p99_ratio", "mode", "sticky",
-          "shadow_percent", "shadow_rtol", "shadow_atol", "max_mismatch_rate", "other"]
+          "shadow_percent", "shadow_rtol", "shadow_atol", "max_mismatch_rate", "cold_requests", "other"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -117,7 +118,7 @@ def test_the_table_shape():
 @pytest.mark.parametrize("end", ["promote", "abort", "rollback"])
 @pytest.mark.parametrize("mode", ["split", "shadow"])
 def test_a_finished_rollout_refuses_promote_and_abort_and_takes_no_more_decisions(end, mode):
-    r = Rollout("m", STABLE, CAND, CanaryPlan(mode=mode, min_samples=1, hold_s=1e6), 0.0)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(mode=mode, min_samples=1, hold_s=1e6, **ERRORS_ONLY), 0.0)
     if end == "promote":
         r.promote(1.0, by="alice")
     elif end == "abort":
@@ -173,7 +174,7 @@ def test_a_good_candidate_goes_through_every_step_in_order_and_completes():
 def test_at_100_percent_the_stable_baseline_stands_in_and_a_late_failure_still_rolls_back():
     """At the last step the stable version gets no traffic: its window empties, and the candidate is measured
     against the stable window the last tick saw with min_samples."""
-    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=(50.0, 100.0), hold_s=30.0, window_s=10.0, min_samples=50), 0.0)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=(50.0, 100.0), hold_s=30.0, window_s=10.0, min_samples=100), 0.0)
     rng = random.Random(11)
     t, log = drive(r, 0.0, 35, 100, rng)
     assert [d.kind for d, *_ in log] == [Kind.STEP] and r.percent == 100.0
@@ -192,7 +193,7 @@ def test_a_step_is_not_promoted_before_min_samples_however_long_it_is_held():
     _, log = drive(r, 0.0, 200, 40, random.Random(2))
     assert log == [] and r.state is S.RAMPING and r.percent == 1.0
     # With min_samples within reach it steps once the hold is over, not before.
-    r = Rollout("m", STABLE, CAND, CanaryPlan(hold_s=30.0, window_s=10.0, min_samples=3), 0.0)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(hold_s=30.0, window_s=10.0, min_samples=3, **ERRORS_ONLY), 0.0)
     _, log = drive(r, 0.0, 200, 40, random.Random(2), stop_when_finished=False)
     assert log and all(held >= 30.0 for _, _, _, held in log)
     assert math.isclose(log[0][0].time, 30.0, abs_tol=1.0)
@@ -238,7 +239,7 @@ def test_a_candidate_within_the_thresholds_is_not_rolled_back():
 
 
 def test_the_error_rate_is_checked_before_the_stable_version_has_min_samples():
-    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=10), 0.0)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=10, **ERRORS_ONLY), 0.0)
     for i in range(10):
         r.record(CAND, i != 0, 0.01, 1.0)  # 10 % errors; the stable version has none recorded
     d, = r.tick(1.0)
@@ -246,15 +247,57 @@ def test_the_error_rate_is_checked_before_the_stable_version_has_min_samples():
 
 
 def test_the_p99_is_compared_only_with_a_stable_window_of_min_samples():
-    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=10, hold_s=1e6), 0.0)
-    for _ in range(10):
+    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=100, hold_s=1e6, cold_requests=0), 0.0)
+    for _ in range(100):
         r.record(CAND, True, 1.0, 1.0)
-    for _ in range(9):
+    for _ in range(99):
         r.record(STABLE, True, 0.001, 1.0)
     assert r.tick(1.0) == []
     r.record(STABLE, True, 0.001, 1.0)
     d, = r.tick(1.0)
     assert "p99 latency 1000.0 ms vs stable 1.0 ms (x1000.00 > max_p99_ratio 1.5)" in d.reason
+
+
+def test_a_candidates_cold_start_is_not_a_latency_regression():
+    """Issue 24 item 5: a candidate's first requests ran cold (x27 the stable p99 on a busy host).
+    Its first ``cold_requests`` outcomes count for errors but not for latency, so it ramps and
+    completes; with none left out, those few decided its p99 and it rolled back at 0 %."""
+    def run(cold_requests: int) -> Rollout:
+        r = Rollout("m", STABLE, CAND, CanaryPlan(steps=(10.0, 50.0, 100.0), hold_s=2.0, window_s=60.0,
+                                                  max_p99_ratio=4.0, cold_requests=cold_requests), 0.0)
+        rng, t, seen = random.Random(12), 0.0, {STABLE: 0, CAND: 0}
+        for i in range(20_000):
+            t += 0.002
+            v = r.route(None, rng.random())
+            seen[v] += 1
+            cold = v == CAND and seen[v] <= 5  # the candidate's first five requests
+            r.record(v, True, (0.027 if cold else 0.001) * (1 + 0.1 * rng.random()), t)
+            if i % 250 == 0:
+                r.tick(t)
+            if r.state in TERMINAL:
+                break
+        return r
+
+    assert run(0).state is S.ROLLED_BACK and "max_p99_ratio" in run(0).decisions[-1].reason
+    r = run(CanaryPlan().cold_requests)
+    assert r.state is S.COMPLETE, r.decisions
+
+
+def test_a_p99_needs_a_hundred_timed_outcomes():
+    """A plan that judges latency with min_samples under P99_MIN_SAMPLES is refused (the p99 of fewer
+    is their slowest one) unless max_p99_ratio is null; and a step waits for that many outcomes past
+    the candidate's cold ones before it is promoted."""
+    with pytest.raises(ValueError, match="min_samples 30 cannot support a p99.*max_p99_ratio to null"):
+        CanaryPlan.from_dict({"min_samples": 30, "max_p99_ratio": 4})
+    assert CanaryPlan.from_dict({"min_samples": 30, "max_p99_ratio": None}).max_p99_ratio is None
+    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=(50.0, 100.0), hold_s=0.0, min_samples=P99_MIN_SAMPLES), 0.0)
+    for _ in range(200):
+        r.record(STABLE, True, 0.01, 1.0)
+    for i in range(P99_MIN_SAMPLES + CanaryPlan().cold_requests):
+        assert r.tick(1.0) == [], i  # min_samples there, but fewer than 100 timed outcomes
+        r.record(CAND, True, 0.01, 1.0)
+    d, = r.tick(1.0)
+    assert d.kind is Kind.STEP and r.window(CAND, 1.0).timed == P99_MIN_SAMPLES
 
 
 def test_a_manual_promote_and_abort():
@@ -272,7 +315,7 @@ def test_a_manual_promote_and_abort():
 
 
 def test_sticky_keys_stay_put_and_once_on_the_candidate_stay_there_through_every_step():
-    plan = CanaryPlan(steps=(1.0, 5.0, 25.0, 60.0, 100.0), hold_s=0.0, window_s=1.0, min_samples=1)
+    plan = CanaryPlan(steps=(1.0, 5.0, 25.0, 60.0, 100.0), hold_s=0.0, window_s=1.0, min_samples=1, **ERRORS_ONLY)
     r = Rollout("model-a", STABLE, CAND, plan, 0.0)
     keys = [f"user-{i}".encode() for i in range(1000)]
     rng = random.Random(6)
@@ -298,7 +341,7 @@ def test_sticky_keys_stay_put_and_once_on_the_candidate_stay_there_through_every
 @given(st.lists(st.floats(0.001, 99.9), min_size=1, max_size=8, unique=True), st.text(min_size=1, max_size=10),
        st.lists(st.binary(max_size=16), min_size=1, max_size=50))
 def test_a_key_on_the_candidate_stays_there_for_any_ramp(percents, model, keys):
-    plan = CanaryPlan(steps=(*sorted(percents), 100.0), hold_s=0.0, window_s=1.0, min_samples=1)
+    plan = CanaryPlan(steps=(*sorted(percents), 100.0), hold_s=0.0, window_s=1.0, min_samples=1, **ERRORS_ONLY)
     r = Rollout(model, STABLE, CAND, plan, 0.0)
     on: set[bytes] = set()
     for i in range(len(plan.steps)):
@@ -391,7 +434,7 @@ def test_shadow_mode_verifies_after_the_hold_and_completes_only_by_promote():
 
 
 def test_a_verified_shadow_rollout_still_rolls_back():
-    plan = CanaryPlan(mode="shadow", min_samples=10, hold_s=0.0, window_s=5.0)
+    plan = CanaryPlan(mode="shadow", min_samples=10, hold_s=0.0, window_s=5.0, **ERRORS_ONLY)
     r = Rollout("m", STABLE, CAND, plan, 0.0)
     for _ in range(10):
         r.record_shadow(True, 1.0)
@@ -428,7 +471,7 @@ def test_the_window_slides_and_its_percentiles_are_nearest_rank():
     w = r.window(STABLE, 20.0)  # the window (10, 20]: samples 101..200
     assert (w.requests, w.errors, w.error_rate) == (100, 10, 0.1)
     assert math.isclose(w.p50_s, 0.150) and math.isclose(w.p99_s, 0.199)
-    assert r.window(STABLE, 100.0) == (0, 0, 0.0, None, None)
+    assert r.window(STABLE, 100.0) == (0, 0, 0.0, None, None, 0)
     assert r.window(CAND, 0.0).requests == 0
     r.record(99, False, 0.5, 100.0)  # another version: ignored
 
@@ -442,7 +485,7 @@ def test_time_never_runs_backwards():
 
 
 def test_samples_are_capped():
-    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=10), 0.0, max_samples=50)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(min_samples=10, **ERRORS_ONLY), 0.0, max_samples=50)
     for i in range(120):
         r.record(CAND, i < 100, 0.01, 1.0)
         r.record_shadow(True, 1.0)
@@ -453,7 +496,8 @@ def test_samples_are_capped():
 
 def test_the_longest_ramp_logs_each_step_once():
     steps = tuple(float(i) for i in range(1, MAX_STEPS + 1))
-    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=steps, hold_s=0.0, window_s=1.0, min_samples=1), 0.0)
+    r = Rollout("m", STABLE, CAND, CanaryPlan(steps=steps, hold_s=0.0, window_s=1.0, min_samples=1, **ERRORS_ONLY),
+                0.0)
     for i in range(1, MAX_STEPS + 1):
         r.record(STABLE, True, 0.01, float(i))
         r.record(CAND, True, 0.01, float(i))
@@ -487,7 +531,8 @@ def test_any_stream_moves_only_along_the_table(mode, min_samples, events):
     """Whatever outcomes arrive in whatever order: every change of state is an edge of the table taken by
     its decision kind, the percent never falls while ramping, a terminal state is final, and only promote
     or abort of a finished rollout raise."""
-    plan = CanaryPlan(mode=mode, steps=(10.0, 50.0, 100.0), hold_s=1.0, window_s=3.0, min_samples=min_samples)
+    plan = CanaryPlan(mode=mode, steps=(10.0, 50.0, 100.0), hold_s=1.0, window_s=3.0, min_samples=min_samples,
+                      **ERRORS_ONLY)
     r = Rollout("m", STABLE, CAND, plan, 0.0)
     t, percent = 0.0, r.percent
     for what, ok, latency, dt in events:

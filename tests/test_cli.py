@@ -337,3 +337,41 @@ def test_token_makes_a_token_its_file_entry_keeps_only_the_digest_and_mistakes_a
         assert r.returncode == 2 and "Traceback" not in r.stderr, bad
     printed = cli("token", "solo")
     assert printed.returncode == 0 and "[[token]]" in printed.stdout and 'name = "solo"' in printed.stdout
+
+
+def closed_stdout(*args, timeout=60) -> subprocess.CompletedProcess:
+    """``cli(*args)`` with a stdout whose reader has gone (``| head`` once it has read its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "shmserve.cli", *args], stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, timeout=timeout, cwd=TESTS_DIR.parent)
+    finally:
+        os.close(write_end)
+    return r
+
+
+def test_a_closed_stdout_is_not_a_server_problem(tmp_path):
+    """Issue 24 item 6: ``shmserve canary m status | head -1`` exited 3 with "<socket>: Broken pipe",
+    as if no server answered.  Every command whose reader left exits 141 (SIGPIPE's status), with
+    nothing on stderr."""
+    from test_model_lifecycle import add_version, repo_server_section
+
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    srv = ServerProcess(tmp_path, "", server_section=repo_server_section(repo)).start()
+    try:
+        sock = ("--socket", srv.socket)
+        with srv.client() as c:
+            c.load("m", version=1)
+            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "max_p99_ratio": 1e6})
+        np.save(tmp_path / "x.npy", np.arange(4, dtype=np.float32))
+        for args in (("canary", "m", "status", *sock), ("canary", "m", "status", "--json", *sock),
+                     ("repository", *sock), ("models", *sock), ("health", *sock), ("info", "--json", *sock),
+                     ("infer", "m", "--input", f"x={tmp_path / 'x.npy'}", *sock), ("scale", "m", "1", *sock),
+                     ("inspect", "--instance", srv.instance), ("cleanup", "--dry-run", "--instance", srv.instance)):
+            r = closed_stdout(*args)
+            assert (r.returncode, r.stderr) == (shmserve_cli.EXIT_OUTPUT_CLOSED, ""), (args, r.stderr)
+    finally:
+        assert srv.stop() == 0, srv.log()

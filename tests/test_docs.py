@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -219,3 +222,159 @@ def test_readme_config_example_is_a_valid_config(tmp_path):
         (tmp_path / "models.toml").write_text(block)
         cfg = config.load(tmp_path / "models.toml")
         assert any(m.max_batch_size > 1 and m.max_queue_delay_us > 0 for m in cfg.models)
+
+
+# -- docs/models.md's worked example, run as written ----------------------------------------------
+
+MODELS_DOC = ROOT / "docs" / "models.md"
+BOX = str.maketrans({c: " " for c in "│┃┆┊║─━┄┈═┏┓┗┛┌┐└┘┡┩┢┪╇╈╋┳┻┣┫┠┨┯┷┿╂╔╗╚╝╠╣╦╩╬╭╮╯╰"})
+# What varies between runs, made one token: decimals (times, ratios, metric values), and a count or a
+# size before its unit or noun, a uid.
+VARYING = re.compile(r"\d+\.\d+(?:e[+-]?\d+)?|\d+(?= ?(?:MiB|ms|s\b|%|bytes|requests|compared|mismatched))"
+                     r"|(?<=uid )\d+|\d+(?= of \d+ compared)")
+
+
+def skeleton(line: str) -> str:
+    """``line`` as the worked example is compared: without a table's boxes, with what varies made ``#``,
+    whitespace collapsed."""
+    return " ".join(VARYING.sub("#", line.translate(BOX)).split())
+
+
+def worked_example() -> list[tuple[str, str, list[str]]]:
+    """The steps of docs/models.md's worked example, in order: ("file", path, lines) for a fenced block
+    headed by its path ("`PATH`:" or "`PATH` (...):"), ("run", command, the output lines shown) for each
+    ``$`` line of a ```console block."""
+    text = MODELS_DOC.read_text().split("\n## Worked example\n", 1)[1]
+    steps, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        head = re.match(r"^`([^`]+)`(?: \(.*)?:?$", lines[i])
+        if head and not lines[i].startswith("``"):
+            j = i + 1
+            while not lines[j].startswith("```"):  # the heading may run on over a few lines
+                j += 1
+            end = lines.index("```", j + 1)
+            steps.append(("file", head.group(1), lines[j + 1:end]))
+            i = end + 1
+            continue
+        if lines[i] == "```console":
+            end = lines.index("```", i + 1)
+            for line in lines[i + 1:end]:
+                if line.startswith("$ "):
+                    steps.append(("run", line[2:], []))
+                else:
+                    steps[-1][2].append(line)
+            i = end + 1
+            continue
+        i += 1
+    return steps
+
+
+def test_the_models_worked_example_is_complete():
+    """Every model file the example's repository needs is shown, and every command it runs is a ``$``
+    line of a console block (issue 24 item 7: the python config lacked inputs and outputs, and the
+    model file was not shown)."""
+    steps = worked_example()
+    files = {path for kind, path, _ in steps if kind == "file"}
+    assert {"DIR/echo/config.toml", "DIR/echo/1/vmodel.py", "DIR/broken/config.toml", "DIR/broken/1/vmodel.py",
+            "send.py", "residency.toml", "repo/a/config.toml", "repo/a/1/vmodel.py"} <= files, files
+    assert 'inputs = [{name = "x"' in "\n".join(next(b for k, p, b in steps if p == "DIR/echo/config.toml"))
+    commands = [c for kind, c, _ in steps if kind == "run"]
+    assert sum(c.startswith("shmserve serve") for c in commands) == 2 and "kill %2" in commands
+
+
+def test_the_models_worked_example_runs_as_written(tmp_path):
+    """docs/models.md's worked example as a reader would run it: its files written, its commands run in
+    order by bash (``shmserve`` and ``python3`` this checkout's), each output shown found in what the
+    command prints (``skeleton``), the servers' log lines in their logs.  Only the names that must be
+    unique here change: the instances, their sockets (in ``tmp_path``), the metrics port."""
+    from conftest import new_instance
+
+    work = tmp_path / "work"
+    (work / "DIR").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, argv in (("shmserve", f'"{sys.executable}" -m shmserve.cli'), ("python3", f'"{sys.executable}"')):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {argv} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    names = {"docslc2": new_instance("doc"), "docslc": new_instance("doc")}
+    sockets = {f"/tmp/{name}.sock": str(tmp_path / f"{name}.sock") for name in names}
+
+    def local(text: str) -> str:
+        for old, new in (*sockets.items(), *names.items(), ("127.0.0.1:9464", f"127.0.0.1:{port}"),
+                         ("DIR", str(work / "DIR"))):
+            text = text.replace(old, new)
+        return text
+
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", COLUMNS="250",
+               PYTHONPATH=str(ROOT))
+    jobs: list[tuple[subprocess.Popen, object]] = []
+    try:
+        for kind, what, shown in worked_example():
+            if kind == "file":
+                path = work / local(what)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("\n".join(shown) + "\n")
+                continue
+            command = local(what)
+            if command.startswith("export "):
+                key, _, value = command[len("export "):].partition("=")
+                env[key] = value
+                continue
+            if command.startswith("kill %"):
+                proc, log = jobs[int(command[len("kill %"):]) - 1]
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(60) == 0, log.read_text()
+                continue
+            if command.endswith(" &"):  # a server: started, then waited for
+                log = tmp_path / f"job{len(jobs) + 1}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen(["bash", "-c", "exec " + command[:-2]], stdout=out,
+                                            stderr=subprocess.STDOUT, env=env, cwd=work)
+                jobs.append((proc, log))
+                deadline = time.monotonic() + 120
+                while "ready: listening on" not in log.read_text():
+                    assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.1)
+                logged = {skeleton(line) for line in log.read_text().splitlines()}
+                for line in shown:
+                    want = skeleton(local(line.removeprefix("... ")))
+                    assert any(want in got for got in logged), f"{command}: log line {line!r} not in\n{logged}"
+                continue
+            r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, env=env,
+                               cwd=work)
+            printed = [skeleton(line) for line in (r.stdout + r.stderr).splitlines()]
+            assert "Traceback" not in r.stdout + r.stderr, f"{command}:\n{r.stdout}{r.stderr}"
+            for line in filter(None, shown):
+                want = skeleton(local(line))
+                assert want in printed, f"{command}: {line!r} not in what it printed:\n{r.stdout}{r.stderr}"
+                printed.remove(want)
+        assert len(jobs) == 2 and all(proc.returncode == 0 for proc, _ in jobs)  # both servers ran and stopped
+    finally:  # a server the example did not stop (it failed first) is stopped as it would be
+        for proc, _ in jobs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def test_the_models_doc_config_snippets_are_valid_config(tmp_path):
+    """docs/models.md's ```toml blocks before its worked example (which runs its own) parse as
+    written: a [server] one as a config file, a model key inside a [[models]] table of its own."""
+    text = MODELS_DOC.read_text().split("\n## Worked example\n", 1)[0]
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2
+    (tmp_path / "x.npy").write_bytes(b"")  # a warm-up file a snippet names: it must exist (read by the worker)
+    (tmp_path / "m.py").write_text("def model(inputs):\n    return inputs\n")
+    for i, block in enumerate(blocks):
+        model = '[[models]]\nname = "m"\nbackend = "python"\npath = "m:model"\n'
+        text = block if block.lstrip().startswith("[server]") else model + block
+        if "[[models]]" not in text:
+            text += "\n" + model
+        (tmp_path / f"snippet{i}.toml").write_text(text)
+        config.load(tmp_path / f"snippet{i}.toml")

@@ -9,10 +9,12 @@ Must not: do I/O, read a clock, draw random numbers or touch asyncio.  Time
 comes in as ``now`` (seconds, monotonic, never decreasing: a smaller ``now``
 is taken as the latest one seen) and randomness as ``draw`` (a float in
 [0, 1) per call), so every decision is a function of its inputs and tests
-replay them exactly.  The dispatcher owns the requests, calls ``route`` /
-``shadow`` for each, ``record`` / ``record_shadow`` for each outcome and
-``tick`` periodically, and acts on what a rollout's state says (makes the
-candidate the default on COMPLETE, drops the rollout on any terminal state).
+replay them exactly.  Its callers: ``Models.resolve`` calls ``route`` for a
+request that names no version, ``shmserve.frontend.shadow`` calls ``shadow``
+and ``record_shadow``, and the lifecycle ``record`` for each outcome (the
+dispatcher's ``observe``) and ``tick`` periodically, and acts on what a
+rollout's state says (makes the candidate the default on COMPLETE, drops the
+rollout on any terminal state).
 
 Split mode: the candidate answers a share of the traffic that follows the
 plan's ``steps`` (percent).  A step is promoted to the next when it has been
@@ -28,7 +30,23 @@ or while that holds fewer than ``min_samples`` with the baseline:
   (before there is any baseline: against the stable window however small,
   empty counting as no errors);
 - p99 latency: candidate over stable above ``max_p99_ratio`` (not checked
-  before there is a baseline).
+  before there is a baseline; never with ``max_p99_ratio`` None).
+
+Latency is compared only where it means something (issue 24 item 5: a
+candidate rolled back at 0 % on its own cold start):
+
+- Cold requests: each version's first ``cold_requests`` outcomes in the
+  rollout count for its error rate but not for its latency.  A candidate
+  loaded for the canary has been warmed up (its warm-up runs never reach
+  the rollout), but its first requests still pay for what warm-up does not
+  touch (lazy initialisation, caches, allocators growing): measured x27 the
+  stable p99 on a busy host.
+- A p99 needs ``P99_MIN_SAMPLES`` (100) timed outcomes on each side: the
+  nearest-rank p99 of fewer is their slowest one, so one cold request or
+  one scheduling stall decides.  A plan that judges latency with
+  ``min_samples`` below that is refused (``max_p99_ratio`` None judges errors
+  only); a step is promoted only once the candidate's latency can be
+  judged, and the baseline is a stable window with that many.
 
 With ``window_s`` longer than ``hold_s`` a step's decision also sees the
 previous step's outcomes still in the window.
@@ -96,6 +114,8 @@ _BF16 = layout.numpy_dtype("bfloat16")  # numbers, though numpy's kind for them 
 # a tick then takes about 7 ms a version, measured on the development host).
 MAX_SAMPLES = 100_000
 MAX_STEPS = 100  # a plan's steps (a wire value: bounded); a rollout decides at most max(len(steps), 2) times
+# The fewest timed outcomes a p99 is taken over: the nearest-rank p99 of fewer is their maximum.
+P99_MIN_SAMPLES = 100
 
 
 class RolloutState(enum.StrEnum):
@@ -145,17 +165,19 @@ class Decision(NamedTuple):
 
 
 class WindowStats(NamedTuple):
-    """One version's outcomes over the window: counts, error rate, nearest-rank latency percentiles (None if empty)."""
+    """One version's outcomes over the window: counts, error rate, and nearest-rank latency
+    percentiles over its ``timed`` outcomes (those past its cold requests; None if there are none)."""
     requests: int
     errors: int
     error_rate: float
     p50_s: float | None
     p99_s: float | None
+    timed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "error_rate": self.error_rate,
                 "p50_ms": None if self.p50_s is None else self.p50_s * 1e3,
-                "p99_ms": None if self.p99_s is None else self.p99_s * 1e3}
+                "p99_ms": None if self.p99_s is None else self.p99_s * 1e3, "timed": self.timed}
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -180,13 +202,14 @@ class CanaryPlan:
     window_s: float = 60.0  # the sliding window thresholds are measured over
     min_samples: int = 100  # outcomes per version in the window (comparisons in shadow mode) before any decision
     max_error_rate_increase: float = 0.01  # candidate error rate minus stable's, absolute (0.01 = 1 point)
-    max_p99_ratio: float = 1.5  # candidate p99 / stable p99
+    max_p99_ratio: float | None = 1.5  # candidate p99 / stable p99 (None: latency is not judged)
     mode: str = SPLIT  # "split": the candidate answers its share; "shadow": it only gets copies
     sticky: bool = True  # a request with a routing key: the same key always lands on the same version
     shadow_percent: float = 100.0  # shadow mode: the share of requests copied to the candidate
     shadow_rtol: float = 1e-5  # shadow mode: outputs_match tolerances (numpy.isclose)
     shadow_atol: float = 1e-6
     max_mismatch_rate: float = 0.0  # shadow mode: mismatches (candidate errors included) over comparisons
+    cold_requests: int = 20  # each version's first outcomes in the rollout: counted for errors, not latency
 
     def __post_init__(self) -> None:
         steps = self.steps
@@ -196,9 +219,9 @@ class CanaryPlan:
         if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 100.0:
             raise ValueError(f"canary plan: steps must be strictly increasing and end at 100, not {list(steps)}")
         object.__setattr__(self, "steps", steps)
+        optional = () if self.max_p99_ratio is None else (("max_p99_ratio", 1.0, 1e9, False),)
         for name, low, high, low_open in (("hold_s", 0.0, 1e9, False), ("window_s", 0.0, 1e9, True),
-                                          ("max_error_rate_increase", 0.0, 1.0, False),
-                                          ("max_p99_ratio", 1.0, 1e9, False),
+                                          ("max_error_rate_increase", 0.0, 1.0, False), *optional,
                                           ("shadow_percent", 0.0, 100.0, True), ("shadow_rtol", 0.0, 1e9, False),
                                           ("shadow_atol", 0.0, 1e9, False), ("max_mismatch_rate", 0.0, 1.0, False)):
             object.__setattr__(self, name, _number(name, getattr(self, name), low, high, low_open=low_open))
@@ -206,6 +229,14 @@ class CanaryPlan:
                 or not 1 <= self.min_samples <= MAX_SAMPLES:
             raise ValueError(f"canary plan: min_samples must be an integer in [1, {MAX_SAMPLES}], "
                              f"not {self.min_samples!r}")
+        if isinstance(self.cold_requests, bool) or not isinstance(self.cold_requests, int) \
+                or not 0 <= self.cold_requests <= MAX_SAMPLES:
+            raise ValueError(f"canary plan: cold_requests must be an integer in [0, {MAX_SAMPLES}], "
+                             f"not {self.cold_requests!r}")
+        if self.max_p99_ratio is not None and self.min_samples < P99_MIN_SAMPLES:
+            raise ValueError(f"canary plan: min_samples {self.min_samples} cannot support a p99 (the p99 of fewer "
+                             f"than {P99_MIN_SAMPLES} outcomes is their slowest one): raise min_samples to "
+                             f"{P99_MIN_SAMPLES}, or set max_p99_ratio to null to judge errors only")
         if self.mode not in (SPLIT, SHADOW):
             raise ValueError(f"canary plan: mode must be 'split' or 'shadow', not {self.mode!r}")
         if not isinstance(self.sticky, bool):
@@ -261,10 +292,12 @@ class _Window:
     """Outcomes oldest first, at most ``cap`` (the oldest go first): their times, latencies and failures, with
     a running count of failures, so that counting is O(1) and percentiles one pass in numpy."""
 
-    __slots__ = ("cap", "times", "latencies", "failed", "errors")
+    __slots__ = ("cap", "times", "latencies", "failed", "errors", "cold", "untimed")
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, cold: int = 0):
         self.cap, self.errors = cap, 0
+        self.cold = cold  # outcomes still to come whose latency does not count (cold requests)
+        self.untimed = 0  # of those in the window, how many (the oldest: they came first)
         self.times: deque[float] = deque()
         self.latencies: deque[float] = deque()
         self.failed: deque[bool] = deque()
@@ -276,11 +309,15 @@ class _Window:
         self.latencies.append(latency)
         self.failed.append(not ok)
         self.errors += not ok
+        if self.cold:
+            self.cold -= 1
+            self.untimed += 1
 
     def _pop(self) -> None:
         self.times.popleft()
         self.latencies.popleft()
         self.errors -= self.failed.popleft()
+        self.untimed = max(0, self.untimed - 1)
 
     def trim(self, oldest: float) -> None:
         """Drop the outcomes at or before ``oldest``."""
@@ -292,9 +329,13 @@ class _Window:
         n = len(self.times)
         if not n:
             return WindowStats(0, 0, 0.0, None, None)
-        i50, i99 = _rank(50, n), _rank(99, n)
-        part = np.partition(np.fromiter(self.latencies, dtype=np.float64, count=n), (i50, i99))
-        return WindowStats(n, self.errors, self.errors / n, float(part[i50]), float(part[i99]))
+        timed = n - self.untimed
+        if not timed:
+            return WindowStats(n, self.errors, self.errors / n, None, None)
+        i50, i99 = _rank(50, timed), _rank(99, timed)
+        latencies = itertools.islice(self.latencies, self.untimed, None)
+        part = np.partition(np.fromiter(latencies, dtype=np.float64, count=timed), (i50, i99))
+        return WindowStats(n, self.errors, self.errors / n, float(part[i50]), float(part[i99]), timed)
 
 
 def _sticky_point(model: str, key: bytes) -> float:
@@ -308,8 +349,8 @@ def _pct(rate: float) -> str:
     return f"{rate * 100:.1f}%"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 class Rollout:
@@ -336,7 +377,8 @@ class Rollout:
         self.state = RolloutState.RAMPING if plan.mode == SPLIT else RolloutState.SHADOWING
         self.step = 0  # index into plan.steps (stays 0 in shadow mode)
         self.started_at = self.step_at = self._now = float(now)
-        self._windows = {stable: _Window(max_samples), candidate: _Window(max_samples)}
+        self._windows = {stable: _Window(max_samples, plan.cold_requests),
+                         candidate: _Window(max_samples, plan.cold_requests)}
         self._shadow = _Window(max_samples)  # comparisons: a mismatch counts as a failure, latency 0
         self._baseline: tuple[float, WindowStats] | None = None  # (when, stable's window) last time it was large enough
         self._decisions: list[Decision] = []  # bounded by the table: one per step, then one that ends it
@@ -428,12 +470,16 @@ class Rollout:
             return (f"error rate {_pct(cand.error_rate)} vs stable {_pct(base.error_rate)} "
                     f"(+{increase * 100:.1f} points > max_error_rate_increase {plan.max_error_rate_increase * 100:.1f}"
                     f" points) over {cand.requests} requests")
-        if reference is not None:
+        if reference is not None and self._p99_judged(cand) and self._p99_judged(reference):
             ratio = cand.p99_s / reference.p99_s if reference.p99_s else (math.inf if cand.p99_s else 1.0)
             if ratio > plan.max_p99_ratio:
                 return (f"p99 latency {_ms(cand.p99_s)} vs stable {_ms(reference.p99_s)} "
                         f"(x{ratio:.2f} > max_p99_ratio {plan.max_p99_ratio:g}) over {cand.requests} requests")
         return None
+
+    def _p99_judged(self, w: WindowStats) -> bool:
+        """Whether ``w`` holds enough timed outcomes for its p99 to be judged (and the plan judges it)."""
+        return self.plan.max_p99_ratio is not None and w.timed >= P99_MIN_SAMPLES
 
     def tick(self, now: float) -> list[Decision]:
         """Evaluate the thresholds and the ramp at ``now``; returns the decisions taken (at most one).  Costs a
@@ -445,7 +491,7 @@ class Rollout:
             return []
         plan = self.plan
         cand, stable = self.window(self.candidate, now), self.window(self.stable, now)
-        if stable.requests >= plan.min_samples:
+        if stable.requests >= plan.min_samples and (plan.max_p99_ratio is None or self._p99_judged(stable)):
             self._baseline = (now, stable)
         reference = self._baseline[1] if self._baseline else None  # stable's window, or its last large one
         if why := self._crossed(cand, stable, reference):
@@ -463,7 +509,8 @@ class Rollout:
                                    f"awaiting promote")]
             return []
         if held < plan.hold_s or cand.requests < plan.min_samples or reference is None \
-                or (stable.requests < plan.min_samples and self.percent < 100.0):
+                or (stable.requests < plan.min_samples and self.percent < 100.0) \
+                or (plan.max_p99_ratio is not None and not self._p99_judged(cand)):
             return []
         summary = (f"held {self.percent:g}% for {held:g} s: error rate {_pct(cand.error_rate)} vs stable "
                    f"{_pct(reference.error_rate)}, p99 {_ms(cand.p99_s)} vs {_ms(reference.p99_s)} "

@@ -183,37 +183,6 @@ def output_array(output: Output):
     return layout.array_from_bytes(output.view if output.nbytes else b"", output.dtype, output.shape)
 
 
-class _ShadowDoor:
-    """The door of a shadow copy (canary shadow mode): its payload is the original request's
-    inputs, copied here arena to arena; its answer is compared, never sent anywhere."""
-
-    def __init__(self, dispatcher: "Dispatcher", sources: list, outputs: dict):
-        self.dispatcher, self.sources, self.outputs = dispatcher, sources, outputs
-
-    def in_flight(self) -> int:
-        return 0
-
-    def waiting(self, req: Request) -> None:
-        pass
-
-    def admitted(self, req: Request, sinks: list | None) -> None:
-        if sinks is not None:
-            for sink, source in zip(sinks, self.sources):
-                sink[:] = source
-            self.sources = []
-            self.dispatcher.received(req)
-
-    def answer(self, req: Request, answer: "Answer") -> None:
-        try:
-            self.dispatcher.shadow_done(req, self.outputs, answer)
-        finally:
-            if isinstance(answer, Outputs) and answer.in_arena:
-                self.dispatcher.release(req)
-
-    def abort(self, exc: Exception) -> None:
-        self.sources = []  # a copy has no connection: nothing more is copied
-
-
 # -- the dispatcher -------------------------------------------------------------------------
 
 class Dispatcher:
@@ -245,10 +214,9 @@ class Dispatcher:
         # for (``load_on_demand``), and every request that ran is reported (``observe``: canary analysis).
         self.load_on_demand: Callable[[ModelState], None] = lambda version: None
         self.observe: Callable[[Request, bool], None] | None = None
-        # Canary shadow mode: the version a finished inline request is copied to (None: not this
-        # one), and the comparison of the two answers (the request's outputs as arrays, the copy's).
-        self.shadow_to: Callable[[Request], ModelState | None] = lambda req: None
-        self.shadow_done: Callable[[Request, dict, Answer], None] = lambda copy, outputs, answer: None
+        # Canary shadow mode (``shmserve.frontend.shadow``): every inline request that finished with
+        # outputs, while it still holds them, is offered for a copy to a candidate.
+        self.offer_shadow: Callable[[Request, Outputs], None] = lambda req, outputs: None
         self.draw = random.random  # uniform [0, 1) for a canary's split
         self.door_faults = 0  # door methods that raised (``_door_raised``)
         self.stopping = False
@@ -527,14 +495,17 @@ class Dispatcher:
 
     def _route(self, req: Request) -> WorkerHandle | None:
         """The worker for ``req`` now.  A request that named no version and whose version no
-        longer takes requests (replaced, unloaded, evicted) moves to its model's default version
-        first, if that takes the same tensors; None if no worker is ready."""
+        longer takes requests (replaced, unloaded, evicted) moves first to the version such a
+        request goes to now (``Models.resolve``: the default, or a canary's side), if that takes
+        the same tensors; None if no worker is ready."""
         model = req.model
         worker = model.pick_worker()
         if worker is None and not req.named_version and not model.taking:
-            owner = self.models.get(model.name)
-            current = owner.current if owner is not None else None
-            if current is not None and current is not model and current.taking \
+            try:  # where a request naming no version goes now (the one routing rule)
+                current = self.models.resolve(model.name, None, None, self.draw())
+            except ShmserveError:
+                current = None
+            if current is not None and current is not model \
                     and (req.unchecked is not None or req.state is RequestState.NEW
                          or current.same_interface(model)):
                 req.model = current
@@ -686,9 +657,7 @@ class Dispatcher:
         if self.observe is not None:
             self.observe(req, True)
         if not req.zero_copy and req.shadow is None:
-            target = self.shadow_to(req)
-            if target is not None:
-                self._shadow(req, outputs, target)
+            self.offer_shadow(req, outputs)
         if req.zero_copy:
             self._end(req, outputs)
             return
@@ -698,30 +667,15 @@ class Dispatcher:
         except Exception as exc:
             self._door_raised(req, "answer", exc, [o.view for o in outputs.outputs if o.view is not None])
 
-    def _shadow(self, req: Request, outputs: Outputs, target: ModelState) -> None:
-        """Copy finished inline request ``req`` to version ``target`` (canary shadow mode): its
-        inputs, still in its extent, into new arena space; the copy's answer goes to
-        ``shadow_done`` with ``req``'s outputs, never to a client.  Skipped when ``target`` has
-        no ready worker, there is no arena space now (a shadow copy never waits), or a bytes
-        output of ``req`` does not unpack (its client gets it as it is)."""
-        if target.pick_worker() is None or self.waiting or self.stopping:
-            return
-        now = self.clock.monotonic()
-        try:
-            mine = {o.name: output_array(o) for o in outputs.outputs}
-        except layout.LayoutError:
-            return
-        sources, pos = [], req.extent.offset
+    def input_views(self, req: Request) -> list[memoryview]:
+        """The bytes of inline request ``req``'s non-empty inputs, in order, as views of its extent
+        (valid while it holds it: until its answer's views are released)."""
+        views, pos = [], req.extent.offset
         for t in req.inputs:
             if t.nbytes:
-                sources.append(self.view[pos:pos + t.nbytes])
+                views.append(self.view[pos:pos + t.nbytes])
             pos += layout.align_tensor(t.nbytes)
-        copy = Request(_ShadowDoor(self, sources, mine), req.id, target, req.inputs, req.timeout_s,
-                       deadline=now + req.timeout_s, started=now, named_version=True, shadow=True,
-                       in_bytes=req.in_bytes, total_bytes=req.total_bytes)
-        if not self._allocate(copy):
-            return
-        self._admit(copy)
+        return views
 
     def _outputs(self, req: Request, index: int) -> Outputs:
         """The outputs the worker wrote, validated against the space they must lie in."""

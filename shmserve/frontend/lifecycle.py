@@ -1,12 +1,29 @@
 """Model lifecycle: load, swap, scale, drain and unload model versions while serving.
 
-Owns: every version's *phase* (the table ``PHASES`` below) and the operations
-that move it — start-up, ``load`` (a version's workers are started and warmed
-*beside* the serving one; only once all are ready does the model's default
-move to it, in one step), ``unload``, ``scale``, a reload's differences
-(``apply``), loading on demand and eviction under the memory budget, and the
-log of every decision (``events``) with the counters metrics export.  One
-operation per model at a time (a lock per model name); the others wait.
+Owns: what moves every version's *phase* (the events of the table in
+``shmserve.frontend.models``) and the operations that do it — start-up,
+``load`` (a version's workers are started and warmed *beside* the serving
+one, by the one bring-up, ``_bring_up``; only once all are ready does the
+model's default move to it, in one step), ``unload``, ``scale``, a reload's
+differences (``apply``), loading on demand and eviction under the memory
+budget (each request counted once as use: ``observe``, ``note_lane_use``),
+canaries (start, promote, abort, the analysis every CANARY_TICK_S, acting on
+a rollout's end), and the log of every decision (``events``) with the
+counters metrics export.  One operation per model at a time (a lock per
+model name); the others wait.  Time and timers come from an injected
+``Clock`` (the event loop's in the server, a fake in tests), and the
+server wires the hooks other parts call (the dispatcher's ``load_on_demand``
+and ``observe``, the supervisor's ``worker_ready``), so the whole lifecycle
+runs in one process against a fake supervisor (``tests/test_lifecycle_fast.py``).
+
+Operations: a control call (load, unload, scale, canary start, promote,
+abort) runs as a task the lifecycle owns; its caller awaits a shielded
+result.  So a caller that leaves half-way (its connection closed, its RPC
+cancelled, its deadline passed) cancels only its own wait: the operation
+runs to its end, and no version is left half-drained.  Each is idempotent:
+an identical call while one runs joins it (and gets its answer), and
+repeated after it ended it changes nothing (a version already serving is
+not loaded again; unloading what is not loaded unloads nothing).
 
 Draining a version (replaced, unloaded, evicted, scaled down): its workers
 take nothing new (``WorkerHandle.retiring``); its lanes are handed to the
@@ -18,28 +35,14 @@ its workers have queued or running finishes — a STOP entry behind it — withi
 they still held fails MODEL_UNAVAILABLE, saying so.  Then the version's memory
 is released with its processes.
 
-Phases
-------
-===========  ===========  =================================================
-from         to           when
-===========  ===========  =================================================
-UNLOADED     LOADING      a load (start-up, control call, reload, on demand)
-EVICTED      LOADING      the same
-FAILED_LOAD  LOADING      the same, after a failed one
-SERVING      LOADING      a load of a version all of whose workers failed for
-                          good (they are replaced by new ones)
-LOADING      SERVING      its workers are ready (at start-up: once they were
-                          waited for, ready or not; the workers' states say)
-LOADING      FAILED_LOAD  a worker could not load it (its new workers are
-                          stopped; the version serving before stays)
-SERVING      DRAINING     replaced, unloaded, evicted, or a canary rolled back
-DRAINING     UNLOADED     its workers are gone
-DRAINING     EVICTED      the same, after an eviction (loaded again on demand)
-===========  ===========  =================================================
+Phases: a version's phase moves only by the events of the table in
+``shmserve.frontend.models`` (``Phase``, ``PhaseEvent``, ``TRANSITIONS``);
+this module decides which event happens when.
 
 Must not: touch requests, slots or sockets (the dispatcher moves parked
-requests: ``Dispatcher.settle``), or start processes itself (the supervisor
-does).
+requests: ``Dispatcher.settle``), start processes itself (the supervisor
+does), copy requests for a shadow canary (``shmserve.frontend.shadow``), or
+read the system clock for a decision.
 """
 
 from __future__ import annotations
@@ -47,55 +50,56 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable, Coroutine
 
-from shmserve import layout, protocol, repository
+from shmserve import protocol, repository
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend import canary
 from shmserve.frontend.models import (DRAINING, EVICTED, FAILED_LOAD, LOADING, MODEL_UNAVAILABLE, SERVING, UNLOADED,
-                                      Model, ModelState, Models)
+                                      Model, ModelState, Models, PhaseEvent)
 from shmserve.supervisor import READY, WorkerHandle
 
 log = logging.getLogger("shmserve.lifecycle")
 
-PHASES: frozenset[tuple[str, str]] = frozenset({
-    (UNLOADED, LOADING), (EVICTED, LOADING), (FAILED_LOAD, LOADING), (SERVING, LOADING),
-    (LOADING, SERVING), (LOADING, FAILED_LOAD),
-    (SERVING, DRAINING), (DRAINING, UNLOADED), (DRAINING, EVICTED),
-})
 EVENTS_KEPT = 500  # the decision log ``inspect`` and ``repository`` show
 CANARY_TICK_S = 0.5  # how often running canaries are analysed
 ROLLOUTS_KEPT = 10  # finished canaries kept per model (their snapshots)
+ROOM_RETRY_S = 0.5  # a load on demand that found no room tries again this often while requests wait for it
 
 
-class IllegalPhase(RuntimeError):
-    """A phase change the table does not allow: a bug in the lifecycle."""
+@dataclasses.dataclass
+class _Tally:
+    """One worker's requests, as the lifecycle counts them for residency (``note_lane_use``)."""
 
-
-def set_phase(version: ModelState, phase: str, reason: str = "") -> None:
-    """Move ``version`` to ``phase``; IllegalPhase if the table forbids it (staying put is allowed)."""
-    if phase != version.phase and (version.phase, phase) not in PHASES:
-        raise IllegalPhase(f"{version.key}: {version.phase} -> {phase} is not allowed")
-    version.phase, version.reason = phase, reason
+    finished: int = 0  # its own counter (the arena's worker table) at the last look: every call it ran
+    observed: int = 0  # of those, the ones the dispatcher saw end (socket requests: ``observe``)
+    lanes: int = 0  # lane calls counted as use so far
 
 
 class Lifecycle:
     """The model lifecycle of one front-end (module docstring).
 
     ``config()`` returns the configuration in force; ``supervisor``, ``dispatcher`` and
-    ``regions`` are the parts it moves; ``startup_timeout`` bounds one load; ``finished(w)``
-    how many requests worker ``w`` has finished (socket and lane calls: ``note_lane_use``).
+    ``regions`` are the parts it moves (the supervisor starts and retires workers:
+    ``add_worker``, ``wait_ready``, ``retire``); ``clock`` its time and timers (the
+    dispatcher's ``Clock``: the event loop's in the server, a fake in tests);
+    ``startup_timeout`` bounds one load; ``finished(w)`` how many requests worker ``w`` has
+    finished (socket and lane calls: ``note_lane_use``).  The server wires the hooks other
+    parts call: the dispatcher's ``load_on_demand`` and ``observe``, the supervisor's
+    ``worker_ready``; canary shadowing is ``shmserve.frontend.shadow``'s.
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
-                 startup_timeout: float, finished: Callable[[object], int] | None = None):
+                 clock, startup_timeout: float, finished: Callable[[object], int] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
+        self.clock = clock
         # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
         self.finished = finished
-        self.finished_seen: dict = {}  # worker -> its count at the last note_lane_use
+        self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
         self.config = config
         self.startup_timeout = startup_timeout
         self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -103,12 +107,10 @@ class Lifecycle:
         self.counts: collections.Counter = collections.Counter()  # (what, model) -> n: loads, failures, evictions
         self.seconds: collections.Counter = collections.Counter()  # (what, model) -> total s: load, warmup
         self.tasks: set[asyncio.Task] = set()
+        self.operations: dict[tuple, asyncio.Task] = {}  # control operations running, by what they do
+        self.draining: dict[ModelState, asyncio.Future] = {}  # versions being drained: done once they are
         self.stopping = False
-        dispatcher.load_on_demand = self.load_on_demand
-        dispatcher.observe = self.observe
-        dispatcher.shadow_to = self.shadow_to
-        dispatcher.shadow_done = self.shadow_done
-        self._ticker: asyncio.TimerHandle | None = None
+        self._ticker = None  # the clock's handle of the next canary analysis
 
     # -- the control calls (the doors' entry) ---------------------------------------------------
 
@@ -201,16 +203,37 @@ class Lifecycle:
 
     # -- control calls ----------------------------------------------------------------------
 
+    def _operation(self, key: tuple, start: Callable[[], Coroutine]) -> Awaitable:
+        """Run the control operation ``start()`` as a task the lifecycle owns and return a shielded
+        wait for its result (module docstring: operations).  A caller cancelled while it waits
+        cancels only its wait.  An identical operation (the same ``key``) already running is
+        joined instead of started again."""
+        task = self.operations.get(key)
+        if task is None:
+            task = self.operations[key] = self._spawn_task(start())
+            task.add_done_callback(functools.partial(self._operation_done, key))
+        return asyncio.shield(task)
+
+    def _operation_done(self, key: tuple, task: asyncio.Task) -> None:
+        if self.operations.get(key) is task:
+            del self.operations[key]
+
     async def load(self, name: str, version: int | None = None, instances: int | None = None, *,
                    keep: bool = False, by: str = "") -> ModelState:
         """Load ``version`` of ``name`` (None: the newest its policy selects) with ``instances``
         workers (None: its config's), warm it, and make it the default in one step; the version
         serving before drains and is unloaded unless ``keep``.  An already serving version is
-        only scaled to ``instances`` and made the default.
+        only scaled to ``instances`` and made the default.  Runs to its end even if the caller
+        leaves (``_operation``).
 
         Raises ShmserveError: UNKNOWN_MODEL, PERMISSION_DENIED (``config_for``), OVERLOADED (no
         free worker entries, or the memory budget cannot be met), MODEL_UNAVAILABLE (its
         workers could not load it: the reason; what served before still does)."""
+        return await self._operation(("load", name, version, instances, keep),
+                                     lambda: self._load(name, version, instances, keep, by))
+
+    async def _load(self, name: str, version: int | None, instances: int | None, keep: bool,
+                    by: str) -> ModelState:
         async with self.locks[name]:
             cfg = self.config_for(name, version)
             if instances is not None:
@@ -241,18 +264,23 @@ class Lifecycle:
             return current
 
     async def unload(self, name: str, version: int | None = None, *, by: str = "") -> list[int]:
-        """Drain and unload ``version`` of ``name`` (None: every version); the versions unloaded.
-        If the default goes, the newest other serving version becomes it.  UNKNOWN_MODEL if
-        there is no such model or loaded version."""
+        """Drain and unload ``version`` of ``name`` (None: every version); the versions this call
+        unloaded (none if none was loaded: nothing to do).  If the default goes, the newest other
+        serving version becomes it.  Runs to its end even if the caller leaves.  UNKNOWN_MODEL if
+        there is no such model or version."""
+        return await self._operation(("unload", name, version), lambda: self._unload(name, version, by))
+
+    async def _unload(self, name: str, version: int | None, by: str) -> list[int]:
         async with self.locks[name]:
             model = self.models.get(name)
-            if model is None:
+            if model is None or not model.versions:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+            if version is not None and version not in model.versions:
+                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no version {version}")
             targets = [v for v in model.versions.values() if v.phase in (SERVING, LOADING)
                        and (version is None or v.version == version)]
             if not targets:
-                raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no loaded version"
-                                    + (f" {version}" if version is not None else ""))
+                return []  # not loaded (unloaded by an earlier call, evicted, or it failed to load)
             why = f"unloaded{' by ' + by if by else ''}"
             await asyncio.gather(*(self._drain(v, UNLOADED, why) for v in targets))
             return [v.version for v in targets]
@@ -264,6 +292,10 @@ class Lifecycle:
         MODEL_UNAVAILABLE (a new worker could not load it; the others keep serving)."""
         if type(instances) is not int or not 1 <= instances <= 64:
             raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"instances must be an integer in [1, 64], got {instances!r}")
+        return await self._operation(("scale", name, instances, version),
+                                     lambda: self._scale_model(name, instances, version, by))
+
+    async def _scale_model(self, name: str, instances: int, version: int | None, by: str) -> ModelState:
         async with self.locks[name]:
             model = self.models.get(name)
             target = None
@@ -281,18 +313,30 @@ class Lifecycle:
                      by: str = "") -> dict:
         """``start`` a canary of ``version`` against ``name``'s default under ``plan`` (the
         candidate is loaded beside it if it is not serving), ``promote`` or ``abort`` the running
-        one, or report its ``status``; the rollout's snapshot.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad
-        plan, a canary already running or none running), and what ``load`` raises."""
+        one, or report its ``status``; the rollout's snapshot.  A start, promote or abort runs to
+        its end even if the caller leaves.  UNKNOWN_MODEL, BAD_ARGUMENT (a bad plan, a canary
+        already running or none running), and what ``load`` raises."""
+        if action == "status":
+            return self.canary_status(name)
+        return await self._operation(("canary", name, action, version, repr(plan)),
+                                     lambda: self._canary_action(name, action, version, plan, by))
+
+    def canary_status(self, name: str) -> dict:
         model = self.models.get(name)
         if model is None:
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
-        now = time.monotonic()
-        if action == "status":
-            if model.rollout is not None:
-                return model.rollout.snapshot(now)
-            if model.rollouts:
-                return model.rollouts[-1]
-            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
+        if model.rollout is not None:
+            return model.rollout.snapshot(self.clock.monotonic())
+        if model.rollouts:
+            return model.rollouts[-1]
+        raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} has had no canary")
+
+    async def _canary_action(self, name: str, action: str, version: int | None, plan: dict | None,
+                             by: str) -> dict:
+        model = self.models.get(name)
+        if model is None:
+            raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+        now = self.clock.monotonic()
         if action in ("promote", "abort"):
             rollout = model.rollout
             if rollout is None:
@@ -329,81 +373,69 @@ class Lifecycle:
                 if not await self._start_version(candidate, give_up=True, by=f"canary{' by ' + by if by else ''}"):
                     raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"canary version {cfg.version} of {name!r} "
                                                                      f"did not load: {candidate.reason}")
-            model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, time.monotonic())
+            model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, self.clock.monotonic())
             self.regions.divert(name, True)  # the front-end routes every Client.infer request now
             self._event(candidate, "canary", f"started against version {stable.version} ({checked.mode}, steps "
                                              f"{list(checked.steps)}%)" + (f" by {by}" if by else ""))
             self._tick_soon()
-            return model.rollout.snapshot(time.monotonic())
+            return model.rollout.snapshot(self.clock.monotonic())
 
     def observe(self, req, ok: bool) -> None:
         """The dispatcher's report of a request that ran (``ok``: it succeeded): canary analysis
         and the version's request rate."""
         version = req.model
-        now = time.monotonic()
+        now = self.clock.monotonic()
         version.meter.hit(now)
-        version.observed += 1
+        version.uses += 1
+        if req.worker is not None:
+            self.tallies.setdefault(req.worker, _Tally()).observed += 1
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
-            model.rollout.record(version.version, ok, max(0.0, self.dispatcher.clock.monotonic() - req.started), now)
+            model.rollout.record(version.version, ok, max(0.0, now - req.started), now)
 
     def note_lane_use(self) -> None:
         """Count the lane calls each version's workers finished since the last look as its use
-        (residency's last use and rate; the v2 statistics' last inference): lane calls never
-        pass the dispatcher, so only the workers' counters see them (less what ``observe`` saw).
-        The server calls this with its heartbeat; nothing without ``finished``."""
+        (residency's last use and rate; the v2 statistics' last inference), each exactly once.
+        Lane calls never pass the dispatcher, so only a worker's own counter sees them, and it
+        counts socket requests too: those the dispatcher saw end (``observe`` counted them), and
+        those it has not collected yet, which are among the worker's in-flight slots.  So what
+        the counter holds beyond the two is at most the lane calls it ran, and exactly that once
+        it has no socket request in flight; what it reaches above the lane calls already counted
+        is counted now.  (A socket request a dead worker held is failed by the front-end, so
+        observed without the worker counting it: that worker's next lane calls as many go
+        uncounted, never one twice.)  The server calls this with its heartbeat; also each look at
+        the lanes that says how long one has had a call pending.  Nothing without ``finished``."""
         if self.finished is None:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for version in self.models.versions():
-            finished = 0
-            for w in version.workers:  # per worker: one that leaves or is new costs no other's count
+            calls = 0
+            for w in version.workers:
+                tally = self.tallies.setdefault(w, _Tally())
                 count = self.finished(w)
-                finished += max(0, count - self.finished_seen.get(w, count))
-                self.finished_seen[w] = count
-            lane_calls, version.observed = finished - version.observed, 0
-            if lane_calls > 0:
-                version.meter.hit(now, lane_calls)
+                if count > tally.finished:
+                    version.progress_at = now
+                tally.finished = count
+                lanes = count - tally.observed - len(w.inflight)
+                if lanes > tally.lanes:
+                    calls += lanes - tally.lanes
+                    tally.lanes = lanes
+            if version.phase == SERVING:  # each look at its lanes (residency: how long one is pending)
+                self.regions.lane_pending_since(version, now)
+            if calls:
+                version.meter.hit(now, calls)
+                version.uses += calls
                 version.last_used = max(version.last_used, now)
         live = {w for v in self.models.versions() for w in v.workers}
-        self.finished_seen = {w: n for w, n in self.finished_seen.items() if w in live}
-
-    def shadow_to(self, req) -> ModelState | None:
-        """The candidate a finished request of a stable version is copied to (a canary in shadow
-        mode, and this request drawn for its share), else None."""
-        model = self.models.by_name.get(req.model.name)
-        rollout = model.rollout if model is not None else None
-        if rollout is None or rollout.plan.mode != canary.SHADOW or req.model.version != rollout.stable \
-                or rollout.state in canary.TERMINAL or not rollout.shadow(self.dispatcher.draw()):
-            return None
-        candidate = model.versions.get(rollout.candidate)
-        return candidate if candidate is not None and candidate.phase == SERVING else None
-
-    def shadow_done(self, copy, stable_outputs: dict, answer) -> None:
-        """A shadow copy's answer: compared with the stable version's outputs (an error is a
-        mismatch), recorded in the rollout."""
-        from shmserve.frontend.dispatcher import Outputs, output_array
-
-        model = self.models.by_name.get(copy.model.name)
-        rollout = model.rollout if model is not None else None
-        if rollout is None or rollout.candidate != copy.model.version:
-            return
-        match = False
-        if isinstance(answer, Outputs):
-            try:
-                theirs = {o.name: output_array(o) for o in answer.outputs}
-            except layout.LayoutError:  # a bytes output the worker wrote badly: not a match
-                theirs = None
-            match = theirs is not None and canary.outputs_match(stable_outputs, theirs, rollout.plan)
-        rollout.record_shadow(match, time.monotonic())
+        self.tallies = {w: t for w, t in self.tallies.items() if w in live}
 
     def _tick_soon(self) -> None:
         if self._ticker is None and not self.stopping:
-            self._ticker = asyncio.get_running_loop().call_later(CANARY_TICK_S, self._tick)
+            self._ticker = self.clock.call_later(CANARY_TICK_S, self._tick)
 
     def _tick(self) -> None:
         self._ticker = None
-        now = time.monotonic()
+        now = self.clock.monotonic()
         running = False
         for model in list(self.models.by_name.values()):
             if model.rollout is None:
@@ -430,7 +462,7 @@ class Lifecycle:
             return
         model.rollout = None
         self.regions.divert(model.name, False)
-        model.rollouts.append(rollout.snapshot(time.monotonic()))
+        model.rollouts.append(rollout.snapshot(self.clock.monotonic()))
         del model.rollouts[:-ROLLOUTS_KEPT]
         async with self.locks[model.name]:
             if candidate is None or candidate.phase != SERVING:
@@ -469,13 +501,16 @@ class Lifecycle:
                         version.config = cfg
                         if cfg.load == "on_demand":
                             model.on_demand = True
+                            if version.phase == FAILED_LOAD:
+                                version.advance(PhaseEvent.RESET, "loaded on its next request (reload)")
                             continue
                         if await self._start_version(version, give_up=True, by="reload"):
                             done.append(f"loaded {version.key}")
                         continue
                     if version.phase != SERVING:
                         continue
-                    if dataclasses.replace(version.config, instances=cfg.instances) != cfg:
+                    if dataclasses.replace(version.config, instances=cfg.instances) != cfg \
+                            or version.state == MODEL_UNAVAILABLE:
                         if await self._replace_workers(version, cfg):
                             done.append(f"replaced the workers of {version.key} (new settings)")
                     elif cfg.instances != len(self._live(version)):
@@ -508,16 +543,41 @@ class Lifecycle:
         (the request waits for it, within its timeout).  Its phase is LOADING from this call on."""
         if version.phase not in (UNLOADED, EVICTED) or self.stopping:
             return
-        set_phase(version, LOADING, "loading on demand")
+        version.advance(PhaseEvent.LOAD, "loading on demand")
         self._spawn_task(self._load_on_demand(version))
 
     async def _load_on_demand(self, version: ModelState) -> None:
-        async with self.locks[version.name]:
-            ok = await self._start_version(version, give_up=True, by="on demand")
-            model = self.models.by_name[version.name]
-            if ok and (model.current is None or model.current.phase != SERVING):
-                model.default = version.version
-            self.dispatcher.settle(version)
+        """Load ``version`` for the requests waiting for it.  If the memory budget has no room for
+        it now (what holds the memory is busy, or pinned), it is tried again every ROOM_RETRY_S
+        while requests still wait; once none does, it is UNLOADED again (NO_ROOM) with the
+        reason, and the next request tries again."""
+        while True:
+            async with self.locks[version.name]:
+                if version.phase != LOADING:  # unloaded or loaded meanwhile by a control call
+                    return
+                try:
+                    await self._make_room(version)
+                except ShmserveError as exc:
+                    refused = exc.message
+                else:
+                    ok = await self._start_version(version, give_up=True, by="on demand", room_made=True)
+                    model = self.models.by_name[version.name]
+                    if ok and (model.current is None or model.current.phase != SERVING):
+                        model.default = version.version
+                    self.dispatcher.settle(version)
+                    return
+                budget = self.budget(version.config.device)
+                fits_ever = budget is not None and version.memory.get("measured_bytes", 0) <= budget
+                if not (fits_ever and self.dispatcher.busy(version)) or self.stopping:
+                    version.advance(PhaseEvent.NO_ROOM, f"no room to load it on demand: {refused}")
+                    self.counts[("load_failed", version.name)] += 1
+                    self._event(version, "load failed", version.reason)
+                    self.dispatcher.settle(version)  # those waiting are answered with the reason
+                    return
+                if not version.reason.startswith("waiting for room"):
+                    self._event(version, "waiting for room", refused)
+                version.reason = f"waiting for room: {refused}"
+            await self._sleep(ROOM_RETRY_S)
 
     def footprint(self, version: ModelState) -> int:
         """The bytes ``version`` uses on its device, as measured when its workers were ready: host
@@ -539,10 +599,9 @@ class Lifecycle:
         if budget is None:
             return
         self.note_lane_use()  # lane calls since the last heartbeat count too
-        now = time.monotonic()
-        stale_s = self.config().request_timeout_s  # a lane call pending longer is a client's lie
+        now = self.clock.monotonic()
         resident = [residency.Resident(v.key, device, self.footprint(v), v.last_used, self.rate(v),
-                                       self.dispatcher.busy(v) or self.regions.lane_busy(v, now, stale_s),
+                                       self.dispatcher.busy(v) or self.lane_busy(v, now),
                                        v.config.pinned, v.config.load == "on_demand")
                     for v in self.models.versions() if v.phase == SERVING and v is not version
                     and v.config.device == device]
@@ -557,64 +616,118 @@ class Lifecycle:
             self.counts[("eviction", victim.name)] += 1
             self._event(victim, "evict", f"to make room for {version.key} on {device} "
                                          f"(server.memory_budget.{device} = {budget})")
-            started = time.monotonic()
+            started = self.clock.monotonic()
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
-            self.seconds[("eviction", victim.name)] += time.monotonic() - started
+            self.seconds[("eviction", victim.name)] += self.clock.monotonic() - started
 
-    @staticmethod
-    def rate(version: ModelState) -> float:
-        return version.meter.rate(time.monotonic())
+    def lane_busy(self, version: ModelState, now: float) -> bool:
+        """Whether ``version``'s lanes keep it from being evicted: one holds a call queued or running,
+        and that is believable.  What a lane says is the client's to write, so a lane pending for
+        longer than ``server.request_timeout_s`` (every call's deadline) counts only while the
+        version's workers are still finishing calls (they finished one within that time): a client
+        that leaves a READY word nobody claims, rewrites it, or has left, pins nothing past its
+        deadline (issue 23 item 6)."""
+        since = self.regions.lane_pending_since(version, now)
+        if since is None:
+            return False
+        stale_s = self.config().request_timeout_s
+        return now - since <= stale_s or now - version.progress_at <= stale_s
+
+    def rate(self, version: ModelState) -> float:
+        return version.meter.rate(self.clock.monotonic())
 
     # -- the steps ------------------------------------------------------------------------
 
-    async def _start_version(self, version: ModelState, *, give_up: bool, by: str = "") -> bool:
+    async def _start_version(self, version: ModelState, *, give_up: bool, by: str = "",
+                             room_made: bool = False) -> bool:
         """Start and warm ``version``'s workers; whether all became ready.  ``give_up``: a failed
         load stops its workers and leaves the version FAILED_LOAD (a control call, a reload, on
         demand); otherwise (start-up) the workers that failed stay as the supervisor left them
-        (restarting with back-off, or failed) and the version is SERVING regardless."""
-        set_phase(version, LOADING, f"loading{' (' + by + ')' if by else ''}")
+        (restarting with back-off, or failed) and the version is SERVING regardless.
+        ``room_made``: the caller has made room under the memory budget already."""
+        if version.phase == LOADING:  # on demand: it is from the request on
+            version.reason = f"loading{' (' + by + ')' if by else ''}"
+        else:
+            version.advance(PhaseEvent.LOAD, f"loading{' (' + by + ')' if by else ''}")
         version.drain_failure = None
         self._event(version, "load", by or "start-up")
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
-            if give_up:
+            if give_up and not room_made:
                 await self._make_room(version)
-            workers = [self.supervisor.add_worker(version.config) for _ in range(version.config.instances)]
+            workers = await self._bring_up(version, version.config, version.config.instances, keep_failed=not give_up)
         except ShmserveError as exc:
-            set_phase(version, FAILED_LOAD, exc.message)
+            version.advance(PhaseEvent.FAIL, exc.message)
             self.counts[("load_failed", version.name)] += 1
             self._event(version, "load failed", exc.message)
-            return False
-        version.workers.extend(workers)
-        ok = await self.supervisor.wait_ready(workers, self.startup_timeout)
-        if not ok and give_up:
-            errors = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
-            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in workers))
-            version.workers = [w for w in version.workers if w not in workers]
-            set_phase(version, FAILED_LOAD, "; ".join(errors))
-            self.counts[("load_failed", version.name)] += 1
-            self._event(version, "load failed", version.reason)
             self.dispatcher.settle(version)
             return False
-        seconds = time.monotonic() - started
-        version.load_seconds = seconds
-        self.counts[("load" if ok else "load_failed", version.name)] += 1
-        self.seconds[("load", version.name)] += seconds
-        self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
-                                                       for w in workers), default=0.0)
-        if ok:
-            set_phase(version, SERVING, f"loaded in {seconds:.2f} s" + (f" ({by})" if by else ""))
-        else:  # start-up: it serves with what is ready; its workers' states say the rest
-            set_phase(version, SERVING, "; ".join(sorted({w.error or w.last_exit or "not ready"
-                                                          for w in workers if w.state != READY})))
+        unready = sorted({w.error or w.last_exit or "not ready" for w in workers if w.state != READY})
+        if unready:  # start-up: it serves with what is ready; its workers' states say the rest
+            self.counts[("load_failed", version.name)] += 1
+            version.load_seconds = self.clock.monotonic() - started
+            version.degraded = True
+            version.advance(PhaseEvent.READY, "; ".join(unready))
+            self._event(version, "not ready", version.reason)
+        else:
+            version.advance(PhaseEvent.READY)
+            self._loaded(version, workers, started, by)
         version.memory = {"measured_bytes": self.footprint(version)}
-        version.last_used = max(version.last_used, time.monotonic())  # loaded counts as used (residency)
-        self._event(version, "ready" if ok else "not ready", version.reason)
-        self.regions.attach_waiting(version)
-        self.dispatcher.settle(version)
+        version.last_used = max(version.last_used, self.clock.monotonic())  # loaded counts as used (residency)
         if give_up and self.budget(version.config.device) is not None:
             await self._make_room_after(version)
         return True
+
+    async def _bring_up(self, version: ModelState, cfg: ModelConfig, count: int, *,
+                        keep_failed: bool = False) -> list[WorkerHandle]:
+        """Start ``count`` workers of ``cfg`` for ``version`` and wait until each is ready or has
+        failed; the new workers.  Ready ones take work at once (lanes waiting attached, parked
+        requests served).  Unless ``keep_failed`` (start-up: the supervisor restarts them), a
+        worker that did not become ready stops them all again.  Raises ShmserveError: OVERLOADED
+        (no free worker entry: none is started), MODEL_UNAVAILABLE (why they did not load)."""
+        new: list[WorkerHandle] = []
+        try:
+            for _ in range(count):
+                new.append(self.supervisor.add_worker(cfg))
+        except ShmserveError:
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+            raise
+        version.workers.extend(new)
+        if not await self.supervisor.wait_ready(new, self.startup_timeout) and not keep_failed:
+            errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
+            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
+            version.workers = [w for w in version.workers if w not in new]
+            raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, "; ".join(errors))
+        self.regions.attach_waiting(version)
+        self.dispatcher.settle(version)
+        return new
+
+    def _loaded(self, version: ModelState, workers: list[WorkerHandle], started: float, by: str) -> None:
+        """``workers`` of ``version``, started at ``started``, are all ready: what it uses now
+        (measured), how long its load took, and why it serves."""
+        seconds = self.clock.monotonic() - started
+        version.load_seconds = seconds
+        version.degraded = False
+        self.counts[("load", version.name)] += 1
+        self.seconds[("load", version.name)] += seconds
+        self.seconds[("warmup", version.name)] += max((float((w.warmup or {}).get("seconds") or 0)
+                                                       for w in workers), default=0.0)
+        version.memory = {"measured_bytes": self.footprint(version)}
+        version.reason = f"loaded in {seconds:.2f} s" + (f" ({by})" if by else "")
+        self._event(version, "ready", version.reason)
+
+    def worker_ready(self, w: WorkerHandle) -> None:
+        """The supervisor's report that worker ``w`` is ready (a restart included; the server wires
+        it): its version's memory is measured again, and a version that served without all its
+        workers since start-up says so no more once they all are."""
+        version = self.models.version_of(w)
+        if version is None or version.phase != SERVING or w.retiring:
+            return
+        version.memory = {"measured_bytes": self.footprint(version)}
+        if version.degraded and all(x.state == READY for x in self._live(version)):
+            version.degraded = False
+            version.reason = "ready: its workers were ready after start-up"
+            self._event(version, "ready", version.reason)
 
     async def _make_room_after(self, version: ModelState) -> None:
         """Now that ``version``'s size is measured: evict others if the device is over budget."""
@@ -640,10 +753,23 @@ class Lifecycle:
 
     async def _drain(self, version: ModelState, to: str, why: str) -> None:
         """Stop ``version`` serving (module docstring: draining) and wait until its workers are
-        gone; then it is ``to`` (UNLOADED or EVICTED)."""
-        if version.phase == LOADING:  # a load in progress is not drained: it finishes first
+        gone; then it is ``to`` (UNLOADED or EVICTED).  A version another operation drains already
+        (an eviction, an unload) is waited for; one loading finishes first, and one not loaded has
+        nothing to drain."""
+        if version.phase == DRAINING and version in self.draining:
+            await asyncio.shield(self.draining[version])
             return
-        set_phase(version, DRAINING, why)
+        if version.phase != SERVING:
+            return
+        done = self.draining[version] = asyncio.get_running_loop().create_future()
+        try:
+            await self._drain_now(version, PhaseEvent.EVICT if to == EVICTED else PhaseEvent.UNLOAD, why)
+        finally:
+            del self.draining[version]
+            done.set_result(None)
+
+    async def _drain_now(self, version: ModelState, end: PhaseEvent, why: str) -> None:
+        version.advance(PhaseEvent.DRAIN, why)
         self._event(version, "drain", why)
         model = self.models.by_name[version.name]
         if model.default == version.version:
@@ -651,7 +777,7 @@ class Lifecycle:
             if newest is not None:
                 model.default = newest.version
                 self.regions.adopt_lanes(newest)
-            elif to != EVICTED:  # an evicted default stays the default: a request for it loads it again
+            elif end is not PhaseEvent.EVICT:  # an evicted default stays the default: a request for it loads it again
                 model.default = None
         target = model.current if model.current is not version else None
         timeout = self.config().version_drain_timeout_s
@@ -661,8 +787,8 @@ class Lifecycle:
         self.dispatcher.settle(version)
         await asyncio.gather(*(self._retire(w, target, timeout) for w in list(version.workers)))
         version.workers.clear()
-        set_phase(version, to, why)
-        self._event(version, to, why)
+        version.advance(end, why)
+        self._event(version, version.phase.value, why)
         self.dispatcher.settle(version)
         if target is None:
             self.regions.fail_lanes(version, f"model {version.name!r} has no version serving now ({why})")
@@ -677,20 +803,13 @@ class Lifecycle:
     async def _scale(self, version: ModelState, instances: int, by: str) -> None:
         live = self._live(version)
         if instances > len(live):
-            new = []
             try:
-                for _ in range(instances - len(live)):
-                    new.append(self.supervisor.add_worker(version.config))
-            finally:
-                version.workers.extend(new)
-            if not await self.supervisor.wait_ready(new, self.startup_timeout):
-                errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
-                await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
-                version.workers = [w for w in version.workers if w not in new]
+                await self._bring_up(version, version.config, instances - len(live))
+            except ShmserveError as exc:
+                if exc.code is not ErrorCode.MODEL_UNAVAILABLE:
+                    raise
                 raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"{version.key}: a new worker did not load: "
-                                                                 f"{'; '.join(errors)}")
-            self.regions.attach_waiting(version)
-            self.dispatcher.settle(version)
+                                                                 f"{exc.message}") from None
         elif instances < len(live):
             # Those not ready first, then the least busy.
             victims = sorted(live, key=lambda w: (w.state == READY, len(w.inflight)))[:len(live) - instances]
@@ -698,34 +817,30 @@ class Lifecycle:
             await asyncio.gather(*(self._retire(w, None, timeout) for w in victims))
             version.workers = [w for w in version.workers if w not in victims]
         version.config = dataclasses.replace(version.config, instances=instances)
+        version.memory = {"measured_bytes": self.footprint(version)}
         self._event(version, "scale", f"{len(live)} -> {instances} workers" + (f" ({by})" if by else ""))
 
     async def _replace_workers(self, version: ModelState, cfg: ModelConfig) -> bool:
-        """New settings for a serving version: start its workers anew with ``cfg``, warm them, then
-        retire the old ones (their lanes handed to the new ones).  False (logged) if the new
-        workers did not load: the old ones keep serving with the old settings."""
+        """New settings for a serving version (or the same for one whose workers all failed for
+        good: tried again): start its workers anew with ``cfg``, warm them, then retire the old
+        ones (their lanes handed to the new ones); the version then says what it uses, how long
+        the load took and why it serves (``_loaded``: no failure of the old workers stays).  False
+        (logged) if the new workers did not load: the old ones keep serving with the old settings."""
         old = self._live(version)
+        started = self.clock.monotonic()
         try:
-            new = [self.supervisor.add_worker(cfg) for _ in range(cfg.instances)]
+            new = await self._bring_up(version, cfg, cfg.instances)
         except ShmserveError as exc:
-            log.error("reload: %s: %s", version.key, exc.message)
-            return False
-        version.workers.extend(new)
-        if not await self.supervisor.wait_ready(new, self.startup_timeout):
-            errors = sorted({w.error or w.last_exit or "not ready" for w in new if w.state != READY})
-            await asyncio.gather(*(self.supervisor.retire(w, 0) for w in new))
-            version.workers = [w for w in version.workers if w not in new]
             log.error("reload: %s: the new settings did not load (%s); the old ones still serve", version.key,
-                      "; ".join(errors))
-            self._event(version, "reload failed", "; ".join(errors))
+                      exc.message)
+            self._event(version, "reload failed", exc.message)
             return False
         version.config = cfg
-        self.regions.attach_waiting(version)
-        self.dispatcher.settle(version)
         timeout = self.config().version_drain_timeout_s
         await asyncio.gather(*(self._retire(w, None, timeout) for w in old))
         version.workers = [w for w in version.workers if w not in old]
         self._event(version, "settings", "workers replaced with the new settings (reload)")
+        self._loaded(version, new, started, "reload")
         return True
 
     def _default_newest(self, model: Model) -> None:
@@ -743,15 +858,25 @@ class Lifecycle:
         self.events.append({"time_unix": round(time.time(), 3), "model": version.name, "version": version.version,
                             "event": what, "reason": reason})
 
-    def _spawn_task(self, coro) -> None:
+    def _sleep(self, seconds: float) -> asyncio.Future:
+        """A future done ``seconds`` from now on the lifecycle's clock."""
+        done = asyncio.get_running_loop().create_future()
+        self.clock.call_later(seconds, lambda: done.done() or done.set_result(None))
+        return done
+
+    def _spawn_task(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("model lifecycle task failed: %r", task.exception())
+        exc = None if task.cancelled() else task.exception()  # retrieved: its caller may have left
+        if isinstance(exc, ShmserveError):  # an operation's refusal: its caller's answer
+            log.info("model lifecycle: [%s] %s", exc.code.wire, exc.message)
+        elif exc is not None:
+            log.error("model lifecycle task failed: %r", exc)
 
     async def stop(self) -> None:
         self.stopping = True

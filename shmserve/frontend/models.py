@@ -3,10 +3,44 @@
 Owns: ``Model`` — a name clients call: its versions, which one is the
 default, and its canary rollout if one runs; ``ModelState`` — one version of
 a model: its configuration, its workers, its spec (as its workers reported
-it), its lifecycle phase (``shmserve.frontend.lifecycle`` moves it), the
-choice of worker for a request, and its availability derived from its
-workers' states; ``Models`` — every model by name, and the resolution of a
-request's model, version and routing key to the version that serves it.
+it), its lifecycle phase (``Phase``: the one transition table below, whose
+events ``shmserve.frontend.lifecycle`` applies), the choice of worker for a
+request, and its availability derived from its workers' states; ``Models`` —
+every model by name, and the resolution of a request's model, version and
+routing key to the version that serves it (the one routing rule: the
+dispatcher asks it again for a request whose version went away).
+
+Phases
+------
+===========  =======  ===========  ==============================================
+from         event    to           when
+===========  =======  ===========  ==============================================
+UNLOADED     LOAD     LOADING      a load (start-up, control call, reload, on
+                                   demand, canary)
+EVICTED      LOAD     LOADING      the same
+FAILED_LOAD  LOAD     LOADING      the same, after a failed one
+SERVING      LOAD     LOADING      a load of a version all of whose workers
+                                   failed for good (they are replaced)
+LOADING      READY    SERVING      its workers are ready (at start-up: once they
+                                   were waited for, ready or not; their states
+                                   say the rest)
+LOADING      FAIL     FAILED_LOAD  a worker could not load it, or no room was
+                                   left for it (worker entries, memory budget);
+                                   the version serving before stays
+LOADING      NO_ROOM  UNLOADED     a load on demand found no room under the
+                                   memory budget, and no request waits for it
+                                   any more (the next request tries again)
+SERVING      DRAIN    DRAINING     replaced, unloaded, evicted, or a canary
+                                   rolled back
+DRAINING     UNLOAD   UNLOADED     its workers are gone
+DRAINING     EVICT    EVICTED      its workers are gone, after an eviction
+                                   (loaded again on demand)
+FAILED_LOAD  RESET    UNLOADED     a reload, for an on_demand version (its next
+                                   request tries again)
+===========  =======  ===========  ==============================================
+
+Only a SERVING version takes requests that name no version (``Models.resolve``);
+an on_demand one UNLOADED or EVICTED is loaded by its next request.
 
 Must not: start or stop workers (``shmserve.supervisor``), decide a phase
 change (``shmserve.frontend.lifecycle``) or hold requests
@@ -15,6 +49,7 @@ change (``shmserve.frontend.lifecycle``) or hold requests
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -27,10 +62,57 @@ from shmserve.supervisor import FAILED, READY, WorkerHandle
 # A version's availability, derived from its workers (``ModelState.state``).
 MODEL_READY, MODEL_RESTARTING, MODEL_UNAVAILABLE = "ready", "restarting", "unavailable"
 
-# A version's lifecycle phase (the table is ``shmserve.frontend.lifecycle.PHASES``): what the
-# repository index shows.  Only a SERVING version takes requests that name no version.
-LOADING, SERVING, DRAINING, FAILED_LOAD, EVICTED, UNLOADED = (
-    "loading", "ready", "draining", "unavailable", "evicted", "unloaded")
+
+class Phase(enum.StrEnum):
+    """A version's lifecycle phase, as the repository index shows it (the values)."""
+    LOADING = "loading"
+    SERVING = "ready"
+    DRAINING = "draining"
+    FAILED_LOAD = "unavailable"
+    EVICTED = "evicted"
+    UNLOADED = "unloaded"
+
+
+class PhaseEvent(enum.StrEnum):
+    LOAD = "load"
+    READY = "ready"
+    FAIL = "fail"
+    NO_ROOM = "no room"
+    DRAIN = "drain"
+    UNLOAD = "unload"
+    EVICT = "evict"
+    RESET = "reset"
+
+
+class IllegalPhase(RuntimeError):
+    """A phase event the table does not allow in a version's phase: a bug in the lifecycle."""
+
+
+P, E = Phase, PhaseEvent
+TRANSITIONS: dict[tuple[Phase, PhaseEvent], Phase] = {
+    (P.UNLOADED, E.LOAD): P.LOADING,
+    (P.EVICTED, E.LOAD): P.LOADING,
+    (P.FAILED_LOAD, E.LOAD): P.LOADING,
+    (P.SERVING, E.LOAD): P.LOADING,
+    (P.LOADING, E.READY): P.SERVING,
+    (P.LOADING, E.FAIL): P.FAILED_LOAD,
+    (P.LOADING, E.NO_ROOM): P.UNLOADED,
+    (P.SERVING, E.DRAIN): P.DRAINING,
+    (P.DRAINING, E.UNLOAD): P.UNLOADED,
+    (P.DRAINING, E.EVICT): P.EVICTED,
+    (P.FAILED_LOAD, E.RESET): P.UNLOADED,
+}
+del P, E
+
+LOADING, SERVING, DRAINING, FAILED_LOAD, EVICTED, UNLOADED = Phase  # the names other modules use
+
+
+def next_phase(phase: Phase, event: PhaseEvent) -> Phase:
+    """The phase ``event`` leads to from ``phase``; IllegalPhase if the table has no such edge."""
+    try:
+        return TRANSITIONS[(phase, event)]
+    except KeyError:
+        raise IllegalPhase(f"phase event {event.name} is not allowed in phase {phase.name}") from None
 
 
 @dataclass(eq=False)
@@ -41,19 +123,28 @@ class ModelState:
     name: str
     config: ModelConfig
     workers: list[WorkerHandle] = field(default_factory=list)
-    phase: str = LOADING
+    phase: Phase = Phase.LOADING  # moved only by ``advance`` (the table above)
     reason: str = ""  # why it is in its phase (a failed load's error, "unloaded by uid 1000", ...)
     explicit: bool = False  # loaded by a control call naming this version (kept when the default moves)
+    degraded: bool = False  # serving since start-up without all its workers ready (``reason`` says why)
     last_used: float = 0.0  # time.monotonic() of its last request (residency)
     memory: dict = field(default_factory=dict)  # measured after load: {"host_bytes": n, "device_bytes": n}
     load_seconds: float | None = None  # how long its last load (start to all workers ready) took
     drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
-    observed: int = 0  # requests the dispatcher saw run since the last Lifecycle.note_lane_use
+    uses: int = 0  # requests counted as its use (residency): socket requests and lane calls, each once
+    progress_at: float = float("-inf")  # time.monotonic() when its workers were last seen finishing requests
 
     @property
     def version(self) -> int:
         return self.config.version
+
+    def advance(self, event: PhaseEvent, reason: str = "") -> Phase:
+        """Take phase ``event`` (the table above), now for ``reason``; returns the new phase.
+        IllegalPhase if the table forbids it: nothing changes then."""
+        self.phase = phase = next_phase(self.phase, event)
+        self.reason = reason
+        return phase
 
     @property
     def key(self) -> str:

@@ -151,7 +151,7 @@ class RegionTable:
         self.stopping = False
         self.diverted: set[str] = set()  # models whose Client.infer requests come over the socket (divert)
         self.divert_every = False  # shutting down: every lane's (``divert_all``)
-        self.pending_since: dict[tuple, float] = {}  # (region, slot entry) -> when lane_busy first saw it
+        self.pending_since: dict[int, float] = {}  # lane region -> since when every look saw a call pending
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -274,6 +274,7 @@ class RegionTable:
         that has it to drop it (after the requests of it in hand: a drop detaches a lane too).
         It is released once they all have (``worker_dropped``, ``worker_lost``)."""
         self.regions.pop(region.id, None)
+        self.pending_since.pop(region.id, None)
         owned = self.by_owner.get(region.owner)
         if owned is not None:
             owned.pop(region.id, None)
@@ -339,23 +340,23 @@ class RegionTable:
                 region.lane_model = version
                 self._attach(region)
 
-    def lane_busy(self, version: ModelState, now: float, stale_s: float) -> bool:
-        """Whether a lane of ``version`` holds a call queued or running (residency never evicts a
-        busy version).  The status words are the client's to write: a call seen pending for more
-        than ``stale_s`` (the request timeout) counts no more, so a client that leaves READY in a
-        slot nobody claims cannot pin its model for ever."""
-        seen, looked, busy = {}, set(), False
+    def lane_pending_since(self, version: ModelState, now: float) -> float | None:
+        """Since when a lane of ``version`` has held a call queued or running without a break, as
+        far as the looks (the calls of this method, at ``now``) saw: the latest such time among its
+        lanes with a call pending now; None if none has one.  Per lane, not per call: a client that
+        rewrites its slots (a new generation, another slot) does not start the time again; a look
+        that finds the lane idle does.  The status words are the client's to write, so this is only
+        what they say: the lifecycle decides how long to believe it (residency, ``lane_busy``)."""
+        latest = None
         for region in self.regions.values():
             if not region.is_lane or region.closed or region.lane_model is not version:
                 continue
-            looked.add(region.id)
-            for key in lanes.pending(region.lane_buf):
-                first = seen[(region.id, key)] = self.pending_since.get((region.id, key), now)
-                busy = busy or now - first <= stale_s
-        # What was pending in the lanes looked at is replaced by what is now; closed lanes are forgotten.
-        self.pending_since = {k: t for k, t in self.pending_since.items()
-                              if k[0] not in looked and k[0] in self.regions} | seen
-        return busy
+            if lanes.has_pending(region.lane_buf):
+                since = self.pending_since.setdefault(region.id, now)
+                latest = since if latest is None else max(latest, since)
+            else:
+                self.pending_since.pop(region.id, None)
+        return latest
 
     def divert(self, model: str, on: bool) -> None:
         """Tell the lanes of ``model`` whether ``Client.infer`` should send its requests over the
@@ -468,8 +469,11 @@ class RegionTable:
     def worker_lost(self, w: WorkerHandle, how: str) -> None:
         """Worker ``w`` died: it holds no region any more (closed ones it had may be released);
         fail the call its lanes had running (WORKER_CRASHED; SHUTTING_DOWN when the server stopped
-        it), and move them on (the calls it had not claimed run on the next worker)."""
+        it; its version's drain failure when a drain timed out and terminated it, as the socket's
+        calls get), and move them on (the calls it had not claimed run on the next worker)."""
+        version = self.models.version_of(w)
         code, why = ((ErrorCode.SHUTTING_DOWN, "the server is shutting down") if self.divert_every else
+                     version.drain_failure if version is not None and version.drain_failure else
                      (ErrorCode.WORKER_CRASHED,
                       f"worker {w.index} for model {w.model.name!r} {how} while running this request"))
         for region in list(self.closing.values()):

@@ -223,9 +223,11 @@ class Status:
 
     def repository_index(self, private: bool = False) -> dict:
         """The ``repository`` answer: every model and version with its state and reason, the
-        default, workers, measured memory and load time; canaries; the recent lifecycle events.
+        default, workers, measured memory and load time, the requests counted as its use and the
+        seconds since its last use (residency's order); canaries; the recent lifecycle events.
         Repository versions not loaded are listed as ``unloaded`` (or with why they cannot be)."""
         entries, seen = [], set()
+        now = time.monotonic()
         for v in self.models.versions():
             seen.add((v.name, v.version))
             entry = {"name": v.name, "version": v.version, "state": self.state_of(v), "reason": v.reason,
@@ -233,7 +235,8 @@ class Status:
                      "workers_ready": sum(w.state == READY and not w.retiring for w in v.workers),
                      "load": v.config.load, "pinned": v.config.pinned, "device": v.config.device,
                      "memory_bytes": v.memory.get("measured_bytes"), "load_seconds":
-                         None if v.load_seconds is None else round(v.load_seconds, 3)}
+                         None if v.load_seconds is None else round(v.load_seconds, 3),
+                     "uses": v.uses, "idle_s": round(now - v.last_used, 3) if v.last_used else None}
             if v.state != MODEL_READY and v.phase == SERVING:
                 entry["reason"] = v.unavailable_reason()
             if private:

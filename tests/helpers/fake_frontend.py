@@ -5,7 +5,7 @@ Owns: ``FakeClock`` (a ``dispatcher.Clock`` whose time moves only when a test sa
 ``FakeDoor`` (a ``dispatcher.Door`` that records every call, receives inline payloads into the
 sinks it is given and writes answers when told), ``FakeWorker`` (a real ``WorkerHandle`` over
 the arena's real rings, and an in-process stand-in for ``workers.main`` that claims, runs and
-completes slots through them, arena and lane alike), ``LaneClient`` (a lane region driven
+completes slots through them, arena and lane alike, counting each in the worker table), ``LaneClient`` (a lane region driven
 through ``lanes.ClientLane``) and ``build``, which wires them together the way
 ``shmserve.server`` does and takes them apart again.  For test modules: the fixtures ``make``
 (import ``make_fixture``), ``no_processes`` and ``no_children_left`` (autouse where imported).
@@ -431,7 +431,7 @@ class FakeWorker:
     (``handle.control`` is the front-end's end), taken when a region id is not known yet.
     """
 
-    def __init__(self, arena: Arena, index: int, model: FakeModel, efd: int):
+    def __init__(self, arena: Arena, index: int, model: FakeModel, efd: int, *, ready: bool = True):
         self.arena, self.model, self.index = arena, model, index
         sub, comp = Ring.of_worker(arena, index, False), Ring.of_worker(arena, index, True)
         self.handle = WorkerHandle(index, model.config(), sub, comp, FutexDoorbell(sub), EventfdDoorbell(comp, efd))
@@ -447,7 +447,8 @@ class FakeWorker:
         self.skipped: list[tuple[int, int]] = []  # (index, generation) whose claim failed: taken back
         self._backlog: list[tuple[_Space, int]] = []
         self.dead = False
-        self.report_ready()
+        if ready:
+            self.report_ready()
 
     def __repr__(self) -> str:
         return f"<FakeWorker {self.index} {self.model.name} {self.handle.state}>"
@@ -603,6 +604,10 @@ class FakeWorker:
         layout.stamp(space.buf, space.geometry, job.index, "t_done", 2)
         # Order matters here (as in the worker): outputs and descriptors before DONE.
         transition_slot(space.buf, space.geometry, job.index, job.generation, SlotState.RUNNING, state, Actor.WORKER)
+        entry = self.arena.geometry.worker_off(self.index)  # counted after DONE, as the worker does
+        atomics.fetch_add64(self.arena.buf, entry + layout.WORKER.offset("requests"), 1)
+        if state is SlotState.ERROR:
+            atomics.fetch_add64(self.arena.buf, entry + layout.WORKER.offset("errors"), 1)
         if push:
             space.completions.push(job.entry)
             space.outbox.notify()
@@ -738,26 +743,36 @@ class FakeFrontend:
         """Let everything run its course: payloads received, submissions run, completions
         collected, answers written, until nothing moves.  Jobs a test claimed stay with it."""
         for _ in range(rounds):
-            progress = False
-            for door in self.doors:
-                for req in list(door.sinks):
-                    door.receive(req)
-                    progress = True
-                for req in list(door.answers):
-                    if door.holds_views(req):
-                        door.write(req)
-                        progress = True
+            progress = self.pump_doors()
             for w in self.workers:
                 if not w.dead and w.step():
                     progress = True
             answers = sum(len(door.answers) for door in self.doors)
-            if not self.deliver():
-                self.dispatcher.on_completions()  # polling may have disarmed the doorbells
+            self.collect()
             if sum(len(door.answers) for door in self.doors) != answers:
                 progress = True
             if not progress:
                 return
         raise AssertionError(f"the front-end did not settle in {rounds} rounds")
+
+    def pump_doors(self) -> bool:
+        """Every door receives the payloads it was given sinks for and writes the answers whose views
+        it holds; whether any did."""
+        moved = False
+        for door in self.doors:
+            for req in list(door.sinks):
+                door.receive(req)
+                moved = True
+            for req in list(door.answers):
+                if door.holds_views(req):
+                    door.write(req)
+                    moved = True
+        return moved
+
+    def collect(self) -> None:
+        """Collect every completion (the eventfd's wake-up, or a look if polling disarmed it)."""
+        if not self.deliver():
+            self.dispatcher.on_completions()
 
     def problems(self) -> list[str]:
         """Everything a quiet front-end must not hold: slots and extents (by the arena's counters, the
@@ -807,12 +822,14 @@ class FakeFrontend:
 
 
 def build(instance: str, *, models: tuple[FakeModel, ...] = (ADD,), slot_count: int = 4,
-          size_classes=SMALL_CLASSES, limits: Limits = DEFAULT_LIMITS, **limit_changes) -> FakeFrontend:
+          size_classes=SMALL_CLASSES, limits: Limits = DEFAULT_LIMITS, max_workers: int = 0,
+          **limit_changes) -> FakeFrontend:
     """A front-end of ``models`` (each with ``instances`` fake workers, all READY) over a small new
-    arena of ``instance``; ``limit_changes`` replace fields of ``limits``.  Close it when done."""
+    arena of ``instance`` with room for ``max_workers`` workers (at least those); ``limit_changes``
+    replace fields of ``limits``.  Close it when done."""
     n_workers = sum(m.instances for m in models)
-    arena = Arena.create(instance, slot_count=slot_count, max_workers=n_workers, size_classes=size_classes,
-                         prefault=False)
+    arena = Arena.create(instance, slot_count=slot_count, max_workers=max(n_workers, max_workers, 1),
+                         size_classes=size_classes, prefault=False)
     efd = None
     try:
         efd = new_eventfd()
