@@ -54,7 +54,7 @@ from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import Kind, TensorMeta
 from shmserve.session import (FIXED_DTYPES, NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted,
                               RequestFailed, check_server, check_tensor, check_timeout)
-from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
+from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes, output_shapes
 
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
 DEFAULT_REGION_BYTES = 64 * 1024 * 1024
@@ -277,6 +277,18 @@ class LaneWatcher:
 
 # -- zero-copy calls ------------------------------------------------------------------------
 
+_LIST_MODELS = object()  # a zero-copy call's step: the answer of models(), to read the spec afresh
+
+
+class _LaneWait(NamedTuple):
+    """A zero-copy call's step: wait until its lane call (slot ``index`` of ``generation``) has
+    finished, by ``deadline`` (monotonic)."""
+
+    index: int
+    generation: int
+    deadline: float
+
+
 class ZeroCopyCall:
     """One zero-copy request: write ``inputs`` (numpy views into the region), call ``run``,
     read the returned views; ``release`` (or leaving the ``with`` block) returns the space."""
@@ -289,38 +301,94 @@ class ZeroCopyCall:
         self.out_offset, self.out_capacity = out_offset, out_capacity
         self.outputs: dict[str, np.ndarray] | None = None
         self._released = False
+        self._plan: _CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
+        self._refused: ShmserveError | None = None  # the version serving now refuses this call: said once, kept
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
-        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's)."""
+        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's).
+
+        A lane call that a worker of another version refuses (the model's default version
+        changed under the spec it was planned from) is planned again from the spec the client
+        reads afresh, and sent again: the caller sees nothing of the swap.  If the new version
+        does not take this call's inputs (names, dtypes, shapes) or its outputs would not fit the
+        space reserved for them, the call fails with the new version's own code (BAD_INPUT,
+        BAD_DTYPE, BAD_SHAPE, OUTPUT_TOO_LARGE) and a message naming both versions and what the
+        new one refuses, and keeps failing so (make a new ``zero_copy`` call)."""
+        steps, answer = self._steps(timeout), None
+        try:
+            while True:
+                step = steps.send(answer)
+                if step is _LIST_MODELS:
+                    answer = self.client.models()
+                elif type(step) is _LaneWait:
+                    self.region.lane.wait(step.index, step.generation, step.deadline, self.client._lane_spin_s,
+                                          self.client._check_alive)
+                else:
+                    answer = self.client._exchange(*step)
+        except StopIteration as done:
+            return done.value
+
+    def _steps(self, timeout: float | None):
+        """The call, as steps both clients carry out (a generator: it yields ``_LIST_MODELS``
+        for the answer of ``models()``, a ``_LaneWait`` to wait for, or the (request, timeout) to
+        exchange over the socket for its event; it returns the outputs)."""
         client = self.client
-        seconds = client._timeout(timeout)  # checked before anything is submitted
-        if self._lane_usable():
-            index, generation = self._lane_submit()
-            self.region.lane.wait(index, generation, time.monotonic() + seconds,
-                                  client._lane_spin_s, client._check_alive)
-            return self._lane_collect(index, generation)
-        return self._views(client._exchange(self._request(timeout), timeout).outputs)
+        deadline = time.monotonic() + client._timeout(timeout)  # checked before anything is submitted
+        for attempt in range(SPEC_RETRIES + 1):
+            if not self._lane_usable():
+                break
+            if self._plan is None and client._specs.get(self.model) is None:
+                client._spec_read(self.model, (yield _LIST_MODELS))  # infer forgot it (a swap): read it again
+            plan = self._lane_plan()
+            if plan is None:
+                break  # the model lists no spec now: the socket says why
+            index, generation = self._lane_submit(plan)
+            yield _LaneWait(index, generation, deadline)
+            try:
+                return self._lane_collect(index, generation)
+            except ShmserveError as exc:
+                if not self._stale(exc, attempt) or client._spec_read(self.model, (yield _LIST_MODELS)) is None:
+                    raise
+        left = _left(deadline)
+        return self._views((yield (self._request(left), left)).outputs)
 
     def _lane_usable(self) -> bool:
         """Through the region's own queue if it has one with a free slot (all 16 busy: this call
         goes over the socket instead, as a descriptor naming the same region)."""
         return self.region.lane is not None and self.region.lane.has_free_slot()
 
-    def _lane_submit(self) -> tuple[int, int]:
-        names = [t.name for t in self.client._specs[self.model].inputs]
-        try:
-            inputs = [(names.index(n), off, v) for n, (off, v) in self._inputs.items()]
-        except ValueError:
-            raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
-                                                     f"got {list(self._inputs)}") from None
-        return self.region.lane.submit(self.client._session.reserve_id(), _version_of(self.client._specs[self.model]),
-                                       inputs, self.out_offset, self.out_capacity)
+    def _lane_plan(self) -> "_CallPlan | None":
+        """How this call names its tensors to a lane worker: planned from the client's spec of the
+        model, again whenever that spec is of another version than the plan (a swap); None if the
+        client has no spec of it.  Raises the clear error if the version the spec is of refuses
+        the call (and keeps raising it)."""
+        if self._refused is not None:
+            raise self._refused
+        spec, plan = self.client._specs.get(self.model), self._plan
+        if spec is not None and (plan is None or _version_of(spec) != plan.version):
+            try:
+                plan = self._plan = _call_plan(self.model, spec, self._inputs, self.out_capacity, plan)
+            except ShmserveError as exc:
+                if plan is not None:  # it was planned from another version's spec: say what changed
+                    self._refused = exc
+                raise
+        return plan
+
+    def _lane_submit(self, plan: "_CallPlan") -> tuple[int, int]:
+        return self.region.lane.submit(self.client._session.reserve_id(), plan.version, plan.described,
+                                       self.out_offset, self.out_capacity)
+
+    def _stale(self, exc: ShmserveError, attempt: int) -> bool:
+        """Whether a lane call that failed with ``exc`` should be planned again from a spec read
+        afresh and sent again: a worker of another version refused it (MODEL_UNAVAILABLE), and
+        fewer than SPEC_RETRIES attempts were made."""
+        return exc.code is ErrorCode.MODEL_UNAVAILABLE and attempt < SPEC_RETRIES and self._plan is not None
 
     def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
-        outputs = self.client._specs[self.model].outputs
+        outputs = self._plan.outputs
         placed = self.region.lane.read(index, generation, self.out_offset, self.out_capacity)
-        return self._views([(outputs[name_index].name, dtype, shape, offset)
+        return self._views([(outputs[name_index], dtype, shape, offset)
                             for name_index, (dtype, shape, offset) in sorted(placed.items())])
 
     def _request(self, timeout: float | None) -> tuple[int, list]:
@@ -363,12 +431,20 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        seconds = self.client._timeout(timeout)  # checked before anything is submitted
-        if self._lane_usable():
-            index, generation = self._lane_submit()
-            await self.client._lane_watcher(self.region).wait(index, generation, seconds)
-            return self._lane_collect(index, generation)
-        return self._views((await self.client._exchange(self._request(timeout), timeout)).outputs)
+        """As ``ZeroCopyCall.run`` (a swap under it included)."""
+        steps, answer = self._steps(timeout), None
+        try:
+            while True:
+                step = steps.send(answer)
+                if step is _LIST_MODELS:
+                    answer = await self.client.models()
+                elif type(step) is _LaneWait:
+                    await self.client._lane_watcher(self.region).wait(step.index, step.generation,
+                                                                       max(0.0, step.deadline - time.monotonic()))
+                else:
+                    answer = await self.client._exchange(*step)
+        except StopIteration as done:
+            return done.value
 
     async def __aenter__(self) -> "AsyncZeroCopyCall":
         return self
@@ -466,6 +542,58 @@ def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
         return ModelSpec.from_dict(entry)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ShmserveError(ErrorCode.INTERNAL, f"the server's listing of {model!r} is unreadable: {exc!r}") from None
+
+
+SPEC_RETRIES = 3  # a zero-copy lane call refused for its version: planned again from a fresh spec this often
+
+
+class _CallPlan(NamedTuple):
+    """How one zero-copy call names its tensors to a lane worker of one version (from its spec)."""
+
+    version: int  # the version whose spec planned it (a worker of another refuses the call)
+    described: list  # (input index in that spec, offset in the region, view), in the call's order
+    outputs: tuple[str, ...]  # the output names by index, as that spec lists them
+
+
+def _call_plan(model: str, spec: ModelSpec, inputs: dict[str, tuple[int, np.ndarray]], out_capacity: int,
+               before: _CallPlan | None) -> _CallPlan:
+    """Plan a zero-copy call of ``model`` (``inputs``: name -> (offset, view)) from ``spec``.
+    BAD_INPUT for an input the model does not have.  Planned again (``before``: the plan of
+    another version) the call is checked as that version's workers will check it, and refused
+    with their code (BAD_INPUT, BAD_DTYPE, BAD_SHAPE; OUTPUT_TOO_LARGE if outputs whose sizes the
+    inputs fix would not fit ``out_capacity``; BAD_DTYPE for a bytes output), in a message that
+    names both versions."""
+    names = [t.name for t in spec.inputs]
+    version = _version_of(spec)
+    try:
+        if before is not None:
+            _check_fixed_outputs(spec)
+            symbols = bind_inputs(spec, [TensorMeta(n, v.dtype.name, v.shape) for n, (_, v) in inputs.items()])
+            need = _outputs_need(spec, symbols)
+            if need is not None and need > out_capacity:
+                raise ShmserveError(ErrorCode.OUTPUT_TOO_LARGE, f"its outputs take {need} bytes for these inputs, "
+                                                                f"more than the {out_capacity} this call reserved")
+        elif any(n not in names for n in inputs):
+            raise ShmserveError(ErrorCode.BAD_INPUT, f"model {model!r} inputs are {names}, got {list(inputs)}")
+    except ShmserveError as exc:
+        if before is None:
+            raise
+        raise ShmserveError(exc.code, f"model {model!r} changed from version {before.version} to version "
+                                      f"{version}, which refuses this call: {exc.message}; make a new zero_copy "
+                                      f"call for it") from None
+    return _CallPlan(version, [(names.index(n), offset, view) for n, (offset, view) in inputs.items()],
+                     tuple(t.name for t in spec.outputs))
+
+
+def _outputs_need(spec: ModelSpec, symbols: dict[str, int]) -> int | None:
+    """The bytes a worker lays ``spec``'s outputs out in (each 64-byte aligned, in order) when the
+    inputs' ``symbols`` fix every output's shape; None if they do not."""
+    pos = 0
+    for t, shape in zip(spec.outputs, output_shapes(spec.outputs, symbols)):
+        if shape is None:
+            return None
+        pos = layout.align_tensor(pos) + protocol.tensor_nbytes(t.dtype, shape)
+    return pos
 
 
 class _ZeroCopyPlan:
@@ -700,6 +828,15 @@ class _ClientBase:
                 self._lane_forms.clear()
             form = self._lane_forms[signature] = _lane_form(spec, arrays)
         return None if form is None else (arrays, form, signature)
+
+    def _spec_read(self, model: str, listing: list[dict]) -> ModelSpec | None:
+        """Keep the spec ``listing`` (``models()``) gives ``model``; if it is of another version than
+        the one kept, what was planned from the old one goes first (``_forget_spec``)."""
+        spec = _spec_of(listing, model)
+        if model in self._specs and _version_of(self._specs[model]) != _version_of(spec):
+            self._forget_spec(model)
+        self._specs[model] = spec
+        return spec
 
     def _forget_spec(self, model: str) -> None:
         """Drop what was planned from ``model``'s spec (its spec, its lane forms, the space kept in
