@@ -7,6 +7,10 @@
   and a zero-copy call made in the old connection's region says to make a new one.
 * A worker SIGSTOPped: it is declared wedged at ``worker_timeout_s`` and killed then (it cannot
   act on SIGTERM), and its calls on the socket and in lanes are answered.
+* A kill storm: clients calling ``infer`` through lanes while workers are SIGKILLed, every call
+  answered (its result, or worker_crashed for the one running) — CI-sized, and as issue 23 filed
+  it behind the ``slow`` marker; and a lane call no ring entry points at, answered once the
+  front-end's lane watchdog tells its worker to look again.
 * /dev/shm too small for the arena at start-up: one line naming /dev/shm's size and the fixes, no
   traceback, no SIGBUS; /dev/shm filled once the server runs: nothing it serves needs more of it
   (the arena's pages were allocated at start, regions are memfds).  These run the server in a
@@ -300,3 +304,132 @@ def _answers(path: str) -> bool:
         return True
     except ConnectionClosed:
         return False
+
+
+# -- a kill storm --------------------------------------------------------------------------------
+
+STORM_MODEL = """
+[[models]]
+name = "slow"
+backend = "python"
+path = "serving_models:slow"
+instances = 2
+"""
+STORM_SLEEP_S = 0.005  # each call runs 5 ms: a kill finds one running more often than not
+
+
+def storm(srv, *, clients: int, kills: int, every_s: float, seed: int, timeout_s: float) -> dict:
+    """``clients`` threads, each with its own Client, call ``infer`` through lanes in a loop while a
+    ready worker of the model is SIGKILLed every ``every_s`` seconds, ``kills`` times; returns
+    what the calls got: answers (each checked), WORKER_CRASHED, and anything else."""
+    import random
+
+    rng = random.Random(seed)
+    stop = threading.Event()
+    got = {"answers": 0, "crashed": 0, "other": []}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        with srv.client(timeout=timeout_s) as c:
+            n = 0
+            while not stop.is_set():
+                x = np.array([STORM_SLEEP_S, i, n], np.float32)
+                n += 1
+                try:
+                    y = c.infer("slow", {"x": x})["y"]
+                    assert y.tolist() == (2 * x).tolist(), (x, y)
+                    outcome = "answers"
+                except ShmserveError as exc:
+                    outcome = "crashed" if exc.code is ErrorCode.WORKER_CRASHED else exc
+                with lock:
+                    if isinstance(outcome, str):
+                        got[outcome] += 1
+                    else:
+                        got["other"].append(repr(outcome))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        with srv.client() as admin:
+            for _ in range(kills):
+                time.sleep(every_s)
+                ready = [w["pid"] for w in admin.info()["workers"] if w["model"] == "slow" and w["state"] == "ready"]
+                if ready:
+                    os.kill(rng.choice(ready), signal.SIGKILL)
+            wait_for(lambda: all(w["state"] == "ready" for w in admin.info()["workers"]), "the workers to be back",
+                     timeout=90)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout_s + 30)
+    assert not any(t.is_alive() for t in threads), "a client never got an answer"
+    return got
+
+
+def test_every_lane_call_is_answered_through_a_kill_storm(tmp_path):
+    """Issue 23, item 9, CI-sized: 8 clients calling infer through lanes while a worker of their
+    model is SIGKILLed every second, 6 times.  Every call is answered: its result, or WORKER_CRASHED
+    for the one a killed worker was running; the calls it had queued run on the other worker or
+    its own restart (restart_healthy_s = 1 keeps each restart's delay at 0.5 s).  None waits out
+    its timeout (60 s, far longer than a restart)."""
+    seed = int(os.environ.get("SHMSERVE_STORM_SEED", time.time_ns() % 10_000))
+    print(f"storm seed {seed}")
+    section = "restart_healthy_s = 1\nrequest_timeout_s = 60"
+    with serving(tmp_path, STORM_MODEL, server_section=section) as srv:
+        got = storm(srv, clients=8, kills=6, every_s=1.0, seed=seed, timeout_s=60.0)
+    assert not got["other"], (seed, got["other"][:5])
+    assert got["answers"] > 0 and got["crashed"] <= 6, (seed, got)
+
+
+@pytest.mark.slow
+def test_every_lane_call_is_answered_through_the_issues_kill_storm(tmp_path):
+    """Issue 23, item 9, as filed: 8 clients, a kill every 5 s for 40 s, default restart settings
+    (back-off doubling from 0.5 s while a worker dies again within restart_healthy_s = 10 s)."""
+    seed = int(os.environ.get("SHMSERVE_STORM_SEED", time.time_ns() % 10_000))
+    print(f"storm seed {seed}")
+    with serving(tmp_path, STORM_MODEL, server_section="request_timeout_s = 120") as srv:
+        got = storm(srv, clients=8, kills=8, every_s=5.0, seed=seed, timeout_s=120.0)
+    assert not got["other"], (seed, got["other"][:5])
+    assert got["answers"] > 0 and got["crashed"] <= 8, (seed, got)
+
+
+def publish_without_entry(call) -> tuple[int, int]:
+    """Publish the zero-copy ``call`` READY in its lane as ``ClientLane.submit`` does, but push no
+    ring entry for it: the worker is never handed it (an entry lost on its way, whatever lost it)."""
+    from shmserve.arena import transition_slot
+    from shmserve.slotstate import Actor
+
+    lane, buf = call.region.lane, call.region.buf
+    index = lane.free.pop()
+    generation, _ = layout.unpack_status(atomics.load64(buf, layout.LANE.slot_off(index)))
+    generation = transition_slot(buf, layout.LANE, index, generation, SlotState.FREE, SlotState.WRITING,
+                                 Actor.CLIENT)
+    plan = call._lane_plan()
+    for t, (name_index, offset, view) in enumerate(plan.described):
+        layout.encode_tensor(buf, layout.LANE, index, t, role=layout.ROLE_INPUT, name_index=name_index,
+                             dtype=view.dtype, shape=view.shape, offset=offset, region=call.region.id)
+    layout.encode_slot_request(buf, layout.LANE, index, request_id=1, model_id=plan.version, worker=0,
+                               n_inputs=len(plan.described), out_region=call.region.id, out_off=call.out_offset,
+                               out_capacity=call.out_capacity)
+    now = time.monotonic_ns()
+    layout.reset_stages(buf, layout.LANE, index, now, now)
+    transition_slot(buf, layout.LANE, index, generation, SlotState.WRITING, SlotState.READY, Actor.CLIENT)
+    return index, generation
+
+
+def test_a_lane_call_no_ring_entry_points_at_is_answered_long_before_its_timeout(tmp_path):
+    """A call READY in a lane with no entry on the lane's ring (lost between client and worker):
+    the front-end's lane watchdog sees it wait and tells the lane's worker to serve the lane's
+    queue again; it is answered, with the right values (before: it waited out its timeout)."""
+    with serving(tmp_path, CONFIG) as srv, srv.client(timeout=CALL_TIMEOUT_S) as c:
+        x = np.arange(16, dtype=np.uint8)
+        call = c.zero_copy("identity", {"x": (x.shape, x.dtype)})
+        call.inputs["x"][...] = 0
+        assert call.run()["y"].tolist() == [0] * 16  # the lane is attached and served
+        call.inputs["x"][...] = x
+        index, generation = publish_without_entry(call)
+        call.region.lane.wait(index, generation, time.monotonic() + CALL_TIMEOUT_S / 2, 0.0, c._check_alive)
+        assert call._lane_collect(index, generation)["y"].tolist() == x.tolist()
+        assert "told to serve its queue again" in srv.log()
+        call.release()
