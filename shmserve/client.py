@@ -317,6 +317,7 @@ class ZeroCopyCall:
         self._released = False
         self._plan: _CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
         self._refused: ShmserveError | None = None  # the version serving now refuses this call: said once, kept
+        self._looked_at: ModelSpec | None = None  # the client's spec the plan was last checked against
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
@@ -329,30 +330,61 @@ class ZeroCopyCall:
         space reserved for them, the call fails with the new version's own code (BAD_INPUT,
         BAD_DTYPE, BAD_SHAPE, OUTPUT_TOO_LARGE) and a message naming both versions and what the
         new one refuses, and keeps failing so (make a new ``zero_copy`` call)."""
-        steps, answer = self._steps(timeout), None
+        client = self.client
+        deadline, started = self._start(timeout)
+        refused = None
+        if started is not None:
+            self.region.lane.wait(started[0], started[1], deadline, client._lane_spin_s, client._check_alive)
+            outputs, refused = self._collected(started)
+            if outputs is not None:
+                return outputs
+        steps, answer = self._steps(deadline, refused), None
         try:
             while True:
                 step = steps.send(answer)
                 if step is _LIST_MODELS:
-                    answer = self.client.models()
+                    answer = client.models()
                 elif type(step) is _LaneWait:
-                    self.region.lane.wait(step.index, step.generation, step.deadline, self.client._lane_spin_s,
-                                          self.client._check_alive)
+                    self.region.lane.wait(step.index, step.generation, step.deadline, client._lane_spin_s,
+                                          client._check_alive)
                 else:
-                    answer = self.client._exchange(*step)
+                    answer = client._exchange(*step)
         except StopIteration as done:
             return done.value
 
-    def _steps(self, timeout: float | None):
-        """The call, as steps both clients carry out (a generator: it yields ``_LIST_MODELS``
-        for the answer of ``models()``, a ``_LaneWait`` to wait for, or the (request, timeout) to
-        exchange over the socket for its event; it returns the outputs)."""
+    def _start(self, timeout: float | None) -> tuple[float, tuple[int, int] | None]:
+        """The call's common case, without I/O: (its deadline, the lane slot it was submitted in, or
+        None when the rest needs the steps: its first run, or no lane slot free)."""
         client = self.client
         deadline = time.monotonic() + client._timeout(timeout)  # checked before anything is submitted
         client._look_if_due()
         if self.region.gone or client._session.failure is not None:
             raise self._gone()
-        for attempt in range(SPEC_RETRIES + 1):
+        if self._plan is None or not self._lane_usable():
+            return deadline, None
+        return deadline, self._lane_submit(self._lane_plan())
+
+    def _collected(self, started: tuple[int, int]) -> tuple[dict | None, ShmserveError | None]:
+        """(the outputs of the lane call ``_start`` submitted, None), or (None, why) if a worker of
+        another version refused it (``_steps`` plans it again); any other error is raised."""
+        try:
+            return self._lane_collect(*started), None
+        except ShmserveError as exc:
+            if not self._stale(exc, 0):
+                raise
+            return None, exc
+
+    def _steps(self, deadline: float, refused: ShmserveError | None):
+        """The rest of the call (``_start`` did not submit it, or a worker of another version refused
+        it: ``refused``), as steps both clients carry out: a generator that yields
+        ``_LIST_MODELS`` for the answer of ``models()``, a ``_LaneWait`` to wait for, or the
+        (request, timeout) to exchange over the socket for its event; it returns the outputs."""
+        client, first = self.client, 0
+        if refused is not None:
+            if client._spec_read(self.model, (yield _LIST_MODELS)) is None:
+                raise refused
+            first = 1
+        for attempt in range(first, SPEC_RETRIES + 1):
             if not self._lane_usable():
                 break
             if self._plan is None and client._specs.get(self.model) is None:
@@ -383,13 +415,15 @@ class ZeroCopyCall:
         if self._refused is not None:
             raise self._refused
         spec, plan = self.client._specs.get(self.model), self._plan
-        if spec is not None and (plan is None or _version_of(spec) != plan.version):
-            try:
-                plan = self._plan = _call_plan(self.model, spec, self._inputs, self.out_capacity, plan)
-            except ShmserveError as exc:
-                if plan is not None:  # it was planned from another version's spec: say what changed
-                    self._refused = exc
-                raise
+        if spec is not None and spec is not self._looked_at:  # (the same spec object: nothing to do)
+            if plan is None or _version_of(spec) != plan.version:
+                try:
+                    plan = self._plan = _call_plan(self.model, spec, self._inputs, self.out_capacity, plan)
+                except ShmserveError as exc:
+                    if plan is not None:  # it was planned from another version's spec: say what changed
+                        self._refused = exc
+                    raise
+            self._looked_at = spec
         return plan
 
     def _lane_submit(self, plan: "_CallPlan") -> tuple[int, int]:
@@ -461,17 +495,25 @@ class AsyncZeroCopyCall(ZeroCopyCall):
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """As ``ZeroCopyCall.run`` (a swap under it included)."""
-        steps, answer = self._steps(timeout), None
+        client = self.client
+        deadline, started = self._start(timeout)
+        refused = None
+        if started is not None:
+            await client._lane_watcher(self.region).wait(started[0], started[1], max(0.0, deadline - time.monotonic()))
+            outputs, refused = self._collected(started)
+            if outputs is not None:
+                return outputs
+        steps, answer = self._steps(deadline, refused), None
         try:
             while True:
                 step = steps.send(answer)
                 if step is _LIST_MODELS:
-                    answer = await self.client.models()
+                    answer = await client.models()
                 elif type(step) is _LaneWait:
-                    await self.client._lane_watcher(self.region).wait(step.index, step.generation,
-                                                                       max(0.0, step.deadline - time.monotonic()))
+                    await client._lane_watcher(self.region).wait(step.index, step.generation,
+                                                                 max(0.0, step.deadline - time.monotonic()))
                 else:
-                    answer = await self.client._exchange(*step)
+                    answer = await client._exchange(*step)
         except StopIteration as done:
             return done.value
 
