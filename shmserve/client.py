@@ -265,6 +265,9 @@ class LaneWatcher:
             self.waiting.pop(index, None)
 
     def fail(self, exc: Exception) -> None:
+        """The connection is over: every call waited for fails with ``exc``, but one that has
+        finished (answered just before the server went) is settled with its answer."""
+        self._settle()
         for _, future in self.waiting.values():
             if not future.done():
                 future.set_exception(exc)

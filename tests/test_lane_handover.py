@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -200,6 +201,36 @@ def test_a_lane_no_worker_could_take_is_attached_once_one_can(make, monkeypatch)
         [job] = w1.step()
         assert (job.index, job.generation) == queued
         np.testing.assert_array_equal(lane.read(*queued)[0], floats(4) + 1)
+    finally:
+        lane.close()
+        fe.regions.close_all()
+
+
+def test_a_lane_call_answered_as_the_server_goes_is_read_not_failed(make):
+    """A shutdown fails the lane calls left, then closes the connections: a client that notices
+    the close while it waits must still read the answer its call got (the status word is the
+    answer), not report the connection lost."""
+    from shmserve import ConnectionClosed
+
+    fe = make()
+    w = fe.workers[0]
+    lane = LaneClient(fe.regions, "c", "add")
+    try:
+        w.read_commands()
+        call = lane.submit(floats(4))
+        [job] = w.claim()
+
+        def server_goes():  # the call is answered, then the connection closes
+            w.complete(job)
+            raise ConnectionClosed("the server closed the connection")
+
+        lane.lane.wait(*call, time.monotonic() + 10, 0.0, server_goes)
+        np.testing.assert_array_equal(lane.read(*call)[0], floats(4) + 1)
+        second = lane.submit(floats(4))
+        with pytest.raises(ConnectionClosed):  # not answered: the close is the answer
+            lane.lane.wait(*second, time.monotonic() + 10, 0.0, lambda: (_ for _ in ()).throw(ConnectionClosed("x")))
+        w.step()
+        lane.read(*second)
     finally:
         lane.close()
         fe.regions.close_all()
