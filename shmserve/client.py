@@ -460,9 +460,13 @@ class ZeroCopyCall:
 
     def _gone(self) -> ConnectionClosed:
         """The error of a call whose region belonged to a connection that ended."""
-        return ConnectionClosed(f"this zero-copy call's space was in a region of a connection to {self.client.path} "
-                                f"that ended (the server went away); the client connects again by itself: make a "
-                                f"new zero_copy call")
+        client = self.client
+        if client._closed:
+            return ConnectionClosed("client closed")
+        failure = client._session.failure
+        why = f" ({failure.message})" if failure is not None else ""
+        return ConnectionClosed(f"this zero-copy call's space was in a region of a connection to {client.path} "
+                                f"that ended{why}; the client connects again by itself: make a new zero_copy call")
 
     def _views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:
         """Read-only views of the region where the outputs were placed (checked to lie in the
