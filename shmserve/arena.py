@@ -275,8 +275,7 @@ class Arena:
                 # instead of a SIGBUS on first touch in the middle of a request.
                 os.posix_fallocate(fd, 0, geometry.total_size)
             except OSError as exc:
-                raise ArenaError(f"cannot allocate {geometry.total_size} bytes in {SHM_DIR} ({exc.strerror}); "
-                                 f"make it larger or configure a smaller arena") from None
+                raise ArenaError(no_room(geometry.total_size, exc)) from None
             buf = _map(fd, geometry.total_size, read_only=False, prefault=prefault)
             pid = os.getpid()
             layout.encode_header(buf, geometry, instance=instance, boot_id=boot_id(),
@@ -462,6 +461,23 @@ def _taken(name: str) -> ArenaError:
     if problem:
         return squatted(name, problem)
     return ArenaExists(f"arena {name} already exists; if its server is gone, run 'shmserve cleanup'")
+
+
+def no_room(size: int, exc: OSError) -> str:
+    """The one-line error for an arena of ``size`` bytes that /dev/shm cannot hold (``exc`` from
+    allocating it): the size asked, /dev/shm's own size and what is free there, and the fixes."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        room = f"{SHM_DIR} has {_mib(st.f_bavail * st.f_frsize)} free of its {_mib(st.f_blocks * st.f_frsize)}"
+    except OSError:
+        room = f"{SHM_DIR}'s size is unknown"
+    return (f"cannot allocate the {_mib(size)} arena in {SHM_DIR}: {room} ({exc.strerror}); raise its size "
+            f"(mount -o remount,size=<bytes> {SHM_DIR}; a container's --shm-size) or make the arena smaller "
+            f"([server] max_request_bytes, [arena] size_classes and slots)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _map(fd: int, size: int, *, read_only: bool, prefault: bool) -> mmap.mmap:

@@ -24,8 +24,13 @@ Before either client sends anything it checks who serves the socket
 (``session.check_server``).
 
 Errors raise ``ShmserveError`` (``.code`` is the server's stable code);
-``ConnectionClosed`` when no server answers or the connection ended.  Neither
-client is thread-safe; use one per thread (they are cheap).
+``ConnectionClosed`` when no server answers or the connection ended.  A
+connection that ended is replaced by a new one on the next call
+(``_ensure_connected``; a server restarted on the same socket serves it), and
+a request not a byte of which reached the socket is sent once more on it;
+one that may have reached the server is never sent again (docs/protocol.md,
+"When the server goes away").  Neither client is thread-safe; use one per
+thread (they are cheap).
 
 Must not: parse or build frames (the session does), or trust what the server
 sends (the session checks frames; ``Region`` checks the memory it is given).
@@ -54,7 +59,7 @@ from shmserve.lanes import WAIT_SLICE_S, ClientLane
 from shmserve.protocol import Kind, TensorMeta
 from shmserve.session import (FIXED_DTYPES, NEED_DATA, ClientSession, ConnectionFailed, Placement, RegionGranted,
                               RequestFailed, check_server, check_tensor, check_timeout)
-from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes
+from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes, output_shapes
 
 ANSWER_GRACE_S = 5.0  # wait this much longer than the request's timeout for the server's own answer
 DEFAULT_REGION_BYTES = 64 * 1024 * 1024
@@ -62,6 +67,7 @@ DEFAULT_OUTPUT_CAPACITY = 16 * 1024 * 1024
 SOCKET_BUFFER = 4 * 1024 * 1024  # fewer, larger transfers for big inline tensors (capped by net.core.*mem_max)
 MAX_IOV = 512  # buffers per sendmsg (the kernel takes up to IOV_MAX, 1024)
 LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
+LOOK_S = WAIT_SLICE_S  # a call through a lane first looks whether the server is still there, if not seen since
 _FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -99,6 +105,13 @@ def _passed_fds(ancdata) -> list[int]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
     return list(fds)
+
+
+def _closed_message(path: str) -> str:
+    """Why calls in flight fail when the server closes the connection: it went away (or stopped
+    serving this client) with them unanswered.  They may have run: they are not sent again."""
+    return (f"the server at {path} closed the connection (a call in flight may have run: it is not sent "
+            f"again; the next call connects again)")
 
 
 def _sent(parts: list, n: int) -> None:
@@ -166,6 +179,7 @@ class Region:
         self.lane = ClientLane(self.buf, region_id, lane["model"]) if lane else None
         self.allocator = RegionAllocator(size, layout.LANE_BYTES if lane else 0)
         self.abandoned: list[tuple[int, int, "ZeroCopyCall | _Seat"]] = []  # timed out: space held until done
+        self.gone = False  # its connection ended: unmapped (once no view holds it), never named again
         self.seats: dict[tuple, _Seat] = {}  # Client.infer's space per input signature, kept between calls
 
     def seat(self, signature: tuple, arrays: dict[str, np.ndarray], form: "_LaneForm") -> "_Seat | None":
@@ -213,7 +227,7 @@ class Region:
         self.abandoned = still
 
     def close(self) -> None:
-        self.lane = None
+        self.lane, self.gone = None, True
         try:
             self.buf.close()
         except BufferError:
@@ -251,6 +265,9 @@ class LaneWatcher:
             self.waiting.pop(index, None)
 
     def fail(self, exc: Exception) -> None:
+        """The connection is over: every call waited for fails with ``exc``, but one that has
+        finished (answered just before the server went) is settled with its answer."""
+        self._settle()
         for _, future in self.waiting.values():
             if not future.done():
                 future.set_exception(exc)
@@ -277,6 +294,18 @@ class LaneWatcher:
 
 # -- zero-copy calls ------------------------------------------------------------------------
 
+_LIST_MODELS = object()  # a zero-copy call's step: the answer of models(), to read the spec afresh
+
+
+class _LaneWait(NamedTuple):
+    """A zero-copy call's step: wait until its lane call (slot ``index`` of ``generation``) has
+    finished, by ``deadline`` (monotonic)."""
+
+    index: int
+    generation: int
+    deadline: float
+
+
 class ZeroCopyCall:
     """One zero-copy request: write ``inputs`` (numpy views into the region), call ``run``,
     read the returned views; ``release`` (or leaving the ``with`` block) returns the space."""
@@ -289,46 +318,155 @@ class ZeroCopyCall:
         self.out_offset, self.out_capacity = out_offset, out_capacity
         self.outputs: dict[str, np.ndarray] | None = None
         self._released = False
+        self._plan: _CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
+        self._refused: ShmserveError | None = None  # the version serving now refuses this call: said once, kept
+        self._looked_at: ModelSpec | None = None  # the client's spec the plan was last checked against
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
-        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's)."""
+        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's).
+
+        A lane call that a worker of another version refuses (the model's default version
+        changed under the spec it was planned from) is planned again from the spec the client
+        reads afresh, and sent again: the caller sees nothing of the swap.  If the new version
+        does not take this call's inputs (names, dtypes, shapes) or its outputs would not fit the
+        space reserved for them, the call fails with the new version's own code (BAD_INPUT,
+        BAD_DTYPE, BAD_SHAPE, OUTPUT_TOO_LARGE) and a message naming both versions and what the
+        new one refuses, and keeps failing so (make a new ``zero_copy`` call)."""
         client = self.client
-        seconds = client._timeout(timeout)  # checked before anything is submitted
-        if self._lane_usable():
-            index, generation = self._lane_submit()
-            self.region.lane.wait(index, generation, time.monotonic() + seconds,
-                                  client._lane_spin_s, client._check_alive)
-            return self._lane_collect(index, generation)
-        return self._views(client._exchange(self._request(timeout), timeout).outputs)
+        deadline, started = self._start(timeout)
+        refused = None
+        if started is not None:
+            self.region.lane.wait(started[0], started[1], deadline, client._lane_spin_s, client._check_alive)
+            outputs, refused = self._collected(started)
+            if outputs is not None:
+                return outputs
+        steps, answer = self._steps(deadline, refused), None
+        try:
+            while True:
+                step = steps.send(answer)
+                if step is _LIST_MODELS:
+                    answer = client.models()
+                elif type(step) is _LaneWait:
+                    self.region.lane.wait(step.index, step.generation, step.deadline, client._lane_spin_s,
+                                          client._check_alive)
+                else:
+                    answer = client._exchange(*step)
+        except StopIteration as done:
+            return done.value
+
+    def _start(self, timeout: float | None) -> tuple[float, tuple[int, int] | None]:
+        """The call's common case, without I/O: (its deadline, the lane slot it was submitted in, or
+        None when the rest needs the steps: its first run, or no lane slot free)."""
+        client = self.client
+        deadline = time.monotonic() + client._timeout(timeout)  # checked before anything is submitted
+        client._look_if_due()
+        if self.region.gone or client._session.failure is not None:
+            raise self._gone()
+        if self._plan is None or not self._lane_usable():
+            return deadline, None
+        return deadline, self._lane_submit(self._lane_plan())
+
+    def _collected(self, started: tuple[int, int]) -> tuple[dict | None, ShmserveError | None]:
+        """(the outputs of the lane call ``_start`` submitted, None), or (None, why) if a worker of
+        another version refused it (``_steps`` plans it again); any other error is raised."""
+        try:
+            return self._lane_collect(*started), None
+        except ShmserveError as exc:
+            if not self._stale(exc, 0):
+                raise
+            return None, exc
+
+    def _steps(self, deadline: float, refused: ShmserveError | None):
+        """The rest of the call (``_start`` did not submit it, or a worker of another version refused
+        it: ``refused``), as steps both clients carry out: a generator that yields
+        ``_LIST_MODELS`` for the answer of ``models()``, a ``_LaneWait`` to wait for, or the
+        (request, timeout) to exchange over the socket for its event; it returns the outputs."""
+        client, first = self.client, 0
+        if refused is not None:
+            if client._spec_read(self.model, (yield _LIST_MODELS)) is None:
+                raise refused
+            first = 1
+        for attempt in range(first, SPEC_RETRIES + 1):
+            if not self._lane_usable():
+                break
+            if self._plan is None and client._specs.get(self.model) is None:
+                client._spec_read(self.model, (yield _LIST_MODELS))  # infer forgot it (a swap): read it again
+            plan = self._lane_plan()
+            if plan is None:
+                break  # the model lists no spec now: the socket says why
+            index, generation = self._lane_submit(plan)
+            yield _LaneWait(index, generation, deadline)
+            try:
+                return self._lane_collect(index, generation)
+            except ShmserveError as exc:
+                if not self._stale(exc, attempt) or client._spec_read(self.model, (yield _LIST_MODELS)) is None:
+                    raise
+        left = _left(deadline)
+        return self._views((yield (self._request(left), left)).outputs)
 
     def _lane_usable(self) -> bool:
         """Through the region's own queue if it has one with a free slot (all 16 busy: this call
         goes over the socket instead, as a descriptor naming the same region)."""
         return self.region.lane is not None and self.region.lane.has_free_slot()
 
-    def _lane_submit(self) -> tuple[int, int]:
-        names = [t.name for t in self.client._specs[self.model].inputs]
-        try:
-            inputs = [(names.index(n), off, v) for n, (off, v) in self._inputs.items()]
-        except ValueError:
-            raise ShmserveError(ErrorCode.BAD_INPUT, f"model {self.model!r} inputs are {names}, "
-                                                     f"got {list(self._inputs)}") from None
-        return self.region.lane.submit(self.client._session.reserve_id(), _version_of(self.client._specs[self.model]),
-                                       inputs, self.out_offset, self.out_capacity)
+    def _lane_plan(self) -> "_CallPlan | None":
+        """How this call names its tensors to a lane worker: planned from the client's spec of the
+        model, again whenever that spec is of another version than the plan (a swap); None if the
+        client has no spec of it.  Raises the clear error if the version the spec is of refuses
+        the call (and keeps raising it)."""
+        if self._refused is not None:
+            raise self._refused
+        spec, plan = self.client._specs.get(self.model), self._plan
+        if spec is not None and spec is not self._looked_at:  # (the same spec object: nothing to do)
+            if plan is None or _version_of(spec) != plan.version:
+                try:
+                    plan = self._plan = _call_plan(self.model, spec, self._inputs, self.out_capacity, plan)
+                except ShmserveError as exc:
+                    if plan is not None:  # it was planned from another version's spec: say what changed
+                        self._refused = exc
+                    raise
+            self._looked_at = spec
+        return plan
+
+    def _lane_submit(self, plan: "_CallPlan") -> tuple[int, int]:
+        return self.region.lane.submit(self.client._session.reserve_id(), plan.version, plan.described,
+                                       self.out_offset, self.out_capacity)
+
+    def _stale(self, exc: ShmserveError, attempt: int) -> bool:
+        """Whether a lane call that failed with ``exc`` should be planned again from a spec read
+        afresh and sent again: a worker of another version refused it (MODEL_UNAVAILABLE), and
+        fewer than SPEC_RETRIES attempts were made."""
+        return exc.code is ErrorCode.MODEL_UNAVAILABLE and attempt < SPEC_RETRIES and self._plan is not None
 
     def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
-        outputs = self.client._specs[self.model].outputs
+        outputs = self._plan.outputs
         placed = self.region.lane.read(index, generation, self.out_offset, self.out_capacity)
-        return self._views([(outputs[name_index].name, dtype, shape, offset)
+        return self._views([(outputs[name_index], dtype, shape, offset)
                             for name_index, (dtype, shape, offset) in sorted(placed.items())])
 
-    def _request(self, timeout: float | None) -> tuple[int, list]:
-        """The INFER_REGION frame naming this call's space (no lane, or its slots all busy)."""
+    def _request(self, timeout: float):
+        """What builds the INFER_REGION frame naming this call's space (no lane, or its slots all
+        busy) on a session: ConnectionClosed (``_gone``) if its region is of a connection that ended."""
         tensors = [TensorMeta(name, view.dtype.name, view.shape, offset)
                    for name, (offset, view) in self._inputs.items()]
-        return self.client._session.infer_region(self.model, tensors, self.region.id, self.out_offset,
-                                                 self.out_capacity, self.client._timeout(timeout))
+
+        def build(session: ClientSession) -> tuple[int, list]:
+            if self.region.gone:  # (a new connection since: the id may name another region of ours there)
+                raise self._gone()
+            return session.infer_region(self.model, tensors, self.region.id, self.out_offset, self.out_capacity,
+                                        timeout)
+        return build
+
+    def _gone(self) -> ConnectionClosed:
+        """The error of a call whose region belonged to a connection that ended."""
+        client = self.client
+        if client._closed:
+            return ConnectionClosed("client closed")
+        failure = client._session.failure
+        why = f" ({failure.message})" if failure is not None else ""
+        return ConnectionClosed(f"this zero-copy call's space was in a region of a connection to {client.path} "
+                                f"that ended{why}; the client connects again by itself: make a new zero_copy call")
 
     def _views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:
         """Read-only views of the region where the outputs were placed (checked to lie in the
@@ -363,12 +501,28 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        seconds = self.client._timeout(timeout)  # checked before anything is submitted
-        if self._lane_usable():
-            index, generation = self._lane_submit()
-            await self.client._lane_watcher(self.region).wait(index, generation, seconds)
-            return self._lane_collect(index, generation)
-        return self._views((await self.client._exchange(self._request(timeout), timeout)).outputs)
+        """As ``ZeroCopyCall.run`` (a swap under it included)."""
+        client = self.client
+        deadline, started = self._start(timeout)
+        refused = None
+        if started is not None:
+            await client._lane_watcher(self.region).wait(started[0], started[1], max(0.0, deadline - time.monotonic()))
+            outputs, refused = self._collected(started)
+            if outputs is not None:
+                return outputs
+        steps, answer = self._steps(deadline, refused), None
+        try:
+            while True:
+                step = steps.send(answer)
+                if step is _LIST_MODELS:
+                    answer = await client.models()
+                elif type(step) is _LaneWait:
+                    await client._lane_watcher(self.region).wait(step.index, step.generation,
+                                                                 max(0.0, step.deadline - time.monotonic()))
+                else:
+                    answer = await client._exchange(*step)
+        except StopIteration as done:
+            return done.value
 
     async def __aenter__(self) -> "AsyncZeroCopyCall":
         return self
@@ -396,7 +550,7 @@ def _fits(region: Region, sizes: list[int]) -> bool:
 
 
 def _find_region(regions: list[Region], sizes: list[int]) -> Region | None:
-    return next((r for r in regions if _fits(r, sizes)), None)
+    return next((r for r in regions if not r.gone and _fits(r, sizes)), None)
 
 
 def _place(region: Region, specs: dict, sizes: dict, output_capacity: int) -> tuple[dict, int]:
@@ -466,6 +620,58 @@ def _spec_of(listing: list[dict], model: str) -> ModelSpec | None:
         return ModelSpec.from_dict(entry)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ShmserveError(ErrorCode.INTERNAL, f"the server's listing of {model!r} is unreadable: {exc!r}") from None
+
+
+SPEC_RETRIES = 3  # a zero-copy lane call refused for its version: planned again from a fresh spec this often
+
+
+class _CallPlan(NamedTuple):
+    """How one zero-copy call names its tensors to a lane worker of one version (from its spec)."""
+
+    version: int  # the version whose spec planned it (a worker of another refuses the call)
+    described: list  # (input index in that spec, offset in the region, view), in the call's order
+    outputs: tuple[str, ...]  # the output names by index, as that spec lists them
+
+
+def _call_plan(model: str, spec: ModelSpec, inputs: dict[str, tuple[int, np.ndarray]], out_capacity: int,
+               before: _CallPlan | None) -> _CallPlan:
+    """Plan a zero-copy call of ``model`` (``inputs``: name -> (offset, view)) from ``spec``.
+    BAD_INPUT for an input the model does not have.  Planned again (``before``: the plan of
+    another version) the call is checked as that version's workers will check it, and refused
+    with their code (BAD_INPUT, BAD_DTYPE, BAD_SHAPE; OUTPUT_TOO_LARGE if outputs whose sizes the
+    inputs fix would not fit ``out_capacity``; BAD_DTYPE for a bytes output), in a message that
+    names both versions."""
+    names = [t.name for t in spec.inputs]
+    version = _version_of(spec)
+    try:
+        if before is not None:
+            _check_fixed_outputs(spec)
+            symbols = bind_inputs(spec, [TensorMeta(n, v.dtype.name, v.shape) for n, (_, v) in inputs.items()])
+            need = _outputs_need(spec, symbols)
+            if need is not None and need > out_capacity:
+                raise ShmserveError(ErrorCode.OUTPUT_TOO_LARGE, f"its outputs take {need} bytes for these inputs, "
+                                                                f"more than the {out_capacity} this call reserved")
+        elif any(n not in names for n in inputs):
+            raise ShmserveError(ErrorCode.BAD_INPUT, f"model {model!r} inputs are {names}, got {list(inputs)}")
+    except ShmserveError as exc:
+        if before is None:
+            raise
+        raise ShmserveError(exc.code, f"model {model!r} changed from version {before.version} to version "
+                                      f"{version}, which refuses this call: {exc.message}; make a new zero_copy "
+                                      f"call for it") from None
+    return _CallPlan(version, [(names.index(n), offset, view) for n, (offset, view) in inputs.items()],
+                     tuple(t.name for t in spec.outputs))
+
+
+def _outputs_need(spec: ModelSpec, symbols: dict[str, int]) -> int | None:
+    """The bytes a worker lays ``spec``'s outputs out in (each 64-byte aligned, in order) when the
+    inputs' ``symbols`` fix every output's shape; None if they do not."""
+    pos = 0
+    for t, shape in zip(spec.outputs, output_shapes(spec.outputs, symbols)):
+        if shape is None:
+            return None
+        pos = layout.align_tensor(pos) + protocol.tensor_nbytes(t.dtype, shape)
+    return pos
 
 
 class _ZeroCopyPlan:
@@ -642,6 +848,8 @@ class _ClientBase:
         self._infer_lanes: dict[str, Region] = {}  # model -> the lane Client.infer uses
         self._lane_forms: dict[tuple, _LaneForm | None] = {}  # (model, signature) -> how it goes through a lane
         self._no_lane_until: dict[str, float] = {}  # model -> monotonic time: until then infer uses the socket
+        self._closed = False  # close() was called: no new connection is made
+        self._seen_at = 0.0  # when the connection was last seen open (monotonic): lane calls look every LOOK_S
 
     def _timeout(self, timeout: float | None) -> float:
         """A call's timeout: ``timeout``, else the client's.  BadArgument if out of range."""
@@ -664,6 +872,30 @@ class _ClientBase:
         self._regions.clear()
         self._infer_lanes.clear()
         self._session.close()
+
+    def _forget_connection(self) -> None:
+        """The connection is over: forget what was of it (its regions — zero-copy calls made in them
+        fail from now on —, the specs, lanes and limits it told) and start a new session."""
+        self._release()
+        self._specs.clear()
+        self._lane_forms.clear()
+        self._no_lane_until.clear()
+        self._region_limit = None
+        self._session = ClientSession()
+
+    def _reconnect_refused(self, exc: ShmserveError) -> ShmserveError:
+        """Connecting again failed with ``exc``: the new session is over too (the next call tries
+        again); the error to raise."""
+        self._session.fail(exc.message, None if isinstance(exc, ConnectionClosed) else exc.code)
+        return exc
+
+    def _retry_unsent(self, exc: OSError, attempt: int) -> bool:
+        """Whether a request whose send failed with ``exc`` is sent again on a new connection: not one
+        byte of it went (the connection was over before this call: it never reached the server),
+        the server left no reason (``ConnectionFailed.code``), and it is the first attempt."""
+        failure = self._session.failure
+        return not getattr(exc, "sent", True) and attempt == 0 and not self._closed and \
+            (failure is None or failure.code is None)
 
     # -- Client.infer through a lane: the steps both clients take, around their own I/O -------
 
@@ -700,6 +932,15 @@ class _ClientBase:
                 self._lane_forms.clear()
             form = self._lane_forms[signature] = _lane_form(spec, arrays)
         return None if form is None else (arrays, form, signature)
+
+    def _spec_read(self, model: str, listing: list[dict]) -> ModelSpec | None:
+        """Keep the spec ``listing`` (``models()``) gives ``model``; if it is of another version than
+        the one kept, what was planned from the old one goes first (``_forget_spec``)."""
+        spec = _spec_of(listing, model)
+        if model in self._specs and _version_of(self._specs[model]) != _version_of(spec):
+            self._forget_spec(model)
+        self._specs[model] = spec
+        return spec
 
     def _forget_spec(self, model: str) -> None:
         """Drop what was planned from ``model``'s spec (its spec, its lane forms, the space kept in
@@ -812,13 +1053,47 @@ class Client(_ClientBase):
         # Lane calls follow the server's hint instead unless spin_us is given.
         self.spin_s = (spin_default_us(client=True) if spin_us is None else spin_us) / 1e6
         self._lane_spin_s = None if spin_us is None else spin_us / 1e6
-        self._sock = _unix_socket()
+        self._sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        """A connected socket to a trusted server; ConnectionClosed if none listens,
+        PERMISSION_DENIED if another uid serves it."""
+        sock = _unix_socket()
         try:
-            self._sock.connect(self.path)
+            sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            self._sock.close()
+            sock.close()
             raise _no_server(self.path, exc) from None
-        _check_server(self._sock, self.path, self.trusted)
+        _check_server(sock, self.path, self.trusted)
+        self._seen_at = time.monotonic()
+        return sock
+
+    def _ensure_connected(self) -> None:
+        """Before a call: if the connection is over (the server closed it, went away — seen now if it
+        was not seen open within LOOK_S —, or a call gave up on it), a new one, with a new session;
+        ConnectionClosed if no server listens now (the next call tries again), or if this client
+        was closed."""
+        self._look_if_due()
+        if self._session.failure is None:
+            return
+        if self._closed:
+            self._session.ensure_open()
+        self._sock.close()
+        self._forget_connection()
+        try:
+            self._sock = self._connect()
+        except ShmserveError as exc:
+            raise self._reconnect_refused(exc) from None
+
+    def _look_if_due(self) -> None:
+        """If the connection was not seen open within LOOK_S, look (``_check_alive``) and mark it over
+        if the server closed it: a call through a lane touches no socket, so a server that went
+        away while this client was idle is noticed here, before the call is placed in a dead lane."""
+        if self._session.failure is None and time.monotonic() - self._seen_at > LOOK_S:
+            try:
+                self._check_alive()
+            except ShmserveError:
+                pass  # the session is over now: the caller connects again
 
     # -- public API -----------------------------------------------------------------------
 
@@ -835,6 +1110,7 @@ class Client(_ClientBase):
         than the lane, all its slots busy, a canary running, the lane refused by the server).
         Either way the same errors, with the same codes."""
         seconds = self._timeout(timeout)
+        self._ensure_connected()
         wanted = self._lane_wanted(model, inputs, version, key)
         if wanted is _NEED_SPEC:
             self._specs[model] = _spec_of(self.models(), model)
@@ -845,7 +1121,7 @@ class Client(_ClientBase):
             if outputs is not None:
                 return outputs
             seconds = _left(deadline)  # the socket gets what the lane left of the timeout
-        return self._exchange(self._session.infer(model, inputs, seconds, version, key), seconds).outputs
+        return self._exchange(lambda session: session.infer(model, inputs, seconds, version, key), seconds).outputs
 
     def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
                     seconds: float) -> dict | None:
@@ -882,22 +1158,22 @@ class Client(_ClientBase):
 
     def models(self) -> list[dict]:
         """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
-        return self._exchange(self._session.models()).value
+        return self._exchange(lambda session: session.models()).value
 
     def health(self) -> dict:
         """The server's health: ``status`` (ok, degraded, shutting_down) and each model's workers."""
-        return self._exchange(self._session.health()).value
+        return self._exchange(lambda session: session.health()).value
 
     def info(self) -> dict:
         """What the server runs: version, instance, arena, limits, statistics, lanes and workers."""
-        return self._exchange(self._session.info()).value
+        return self._exchange(lambda session: session.info()).value
 
     # -- the model lifecycle (docs/models.md); all but ``repository`` need an admin uid --
 
     def repository(self) -> dict:
         """Every model and version with its state (loading, ready, draining, unavailable, evicted,
         unloaded) and reason, the defaults, canaries and recent lifecycle events."""
-        return self._exchange(self._session.repository()).value
+        return self._exchange(lambda session: session.repository()).value
 
     def load(self, model: str, *, version: int | None = None, instances: int | None = None, keep: bool = False,
              timeout: float | None = None) -> dict:
@@ -923,14 +1199,14 @@ class Client(_ClientBase):
 
     def _control(self, kind: Kind, model: str, timeout: float | None, **fields) -> dict:
         timeout = LIFECYCLE_TIMEOUT_S if timeout is None else timeout
-        return self._exchange(self._session.lifecycle(kind, model, **fields), timeout).value
+        return self._exchange(lambda session: session.lifecycle(kind, model, **fields), timeout).value
 
     def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """Ask the server for ``size`` bytes of shared memory for zero-copy calls on this connection.
 
         ``lane``: a model name; the region then also carries a queue to one of that model's
         workers, and zero-copy calls placed in it do not touch the socket."""
-        return self._add_region(self._exchange(self._session.open_region(size, lane)))
+        return self._add_region(self._exchange(lambda session: session.open_region(size, lane)))
 
     def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None) -> ZeroCopyCall:
         """Reserve region space for one call of ``model``.
@@ -941,6 +1217,7 @@ class Client(_ClientBase):
         where its output shapes follow from the inputs, else 16 MiB).  With
         ``lanes`` (the default) the space is in a lane of ``model``.
         """
+        self._ensure_connected()
         if model not in self._specs:
             self._specs[model] = _spec_of(self.models(), model)
         plan = self._plan(model, inputs, output_capacity)
@@ -953,6 +1230,7 @@ class Client(_ClientBase):
         return ZeroCopyCall(self, model, *plan.place())
 
     def close(self) -> None:
+        self._closed = True
         self._release()
         self._sock.close()
 
@@ -964,21 +1242,38 @@ class Client(_ClientBase):
 
     # -- the pump -------------------------------------------------------------------------
 
-    def _exchange(self, request: tuple[int, list], timeout: float | None = None):
-        """Send one request (the session's id and parts) and return the event answering it;
-        raises the request's error, or the connection's."""
-        rid, parts = request
-        try:
-            self._send(parts)
-        except OSError as exc:
-            # The server may have said why before it closed (e.g. permission_denied): report that.
-            self._receive(rid, time.monotonic() + 1.0)
-            raise self._fail(f"connection to {self.path} lost while sending: {exc}") from None
+    def _exchange(self, build, timeout: float | None = None):
+        """Send the request ``build(session)`` makes (its id and parts) and return the event answering
+        it; raises the request's error, or the connection's.  On a connection that is over it
+        is made on a new one first (``_ensure_connected``), and so is one not a byte of which
+        could be sent (``_retry_unsent``): either way it never reached the server."""
+        self._ensure_connected()
+        for attempt in (0, 1):
+            rid, parts = build(self._session)
+            try:
+                self._send(parts)
+                break
+            except OSError as exc:
+                try:  # the server may have said why before it closed (e.g. permission_denied): report that
+                    self._receive(rid, time.monotonic() + 1.0)
+                except ConnectionClosed:
+                    if not self._retry_unsent(exc, attempt):
+                        raise
+                else:
+                    raise self._fail(f"connection to {self.path} lost while sending: {exc}") from None
+                self._ensure_connected()
         return self._receive(rid, time.monotonic() + self._timeout(timeout) + ANSWER_GRACE_S)
 
     def _send(self, parts: list) -> None:
-        while parts:
-            _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
+        """Send every part; OSError if the socket refuses, its ``sent`` saying whether any byte went."""
+        sent = False
+        try:
+            while parts:
+                _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
+                sent = True
+        except OSError as exc:
+            exc.sent = sent
+            raise
 
     def _receive(self, rid: int, deadline: float):
         session = self._session
@@ -1013,7 +1308,8 @@ class Client(_ClientBase):
         if ancdata:
             self._session.receive_fds(_passed_fds(ancdata))
         if n == 0:
-            raise self._fail(f"the server at {self.path} closed the connection")
+            raise self._fail(_closed_message(self.path))
+        self._seen_at = time.monotonic()
         self._session.read_done(n)
 
     def _poll_read(self, buffers):
@@ -1029,12 +1325,14 @@ class Client(_ClientBase):
     def _check_alive(self) -> None:
         """ConnectionClosed if the server closed this connection (lane calls wait off the socket).
         Never blocks: the socket's own timeout would make a peek wait (CPython polls first)."""
+        self._session.ensure_open()
         try:
             readable, _, _ = select.select([self._sock], [], [], 0)
             if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
-                raise self._fail(f"the server at {self.path} closed the connection")
+                raise self._fail(_closed_message(self.path))
         except OSError as exc:
             raise self._fail(f"connection to {self.path} lost: {exc}") from None
+        self._seen_at = time.monotonic()
 
     def _fail(self, message: str, code: ErrorCode | None = None) -> ShmserveError:
         """The connection is over (the first reason stands): the error to raise."""
@@ -1058,6 +1356,7 @@ class AsyncClient(_ClientBase):
         self._reader_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
         self._opening: set[str] = set()  # models whose infer lane is being opened
+        self._connecting: asyncio.Lock | None = None  # one new connection at a time (made in the loop)
 
     async def connect(self) -> "AsyncClient":
         """Connect and start reading answers; ConnectionClosed if no server listens."""
@@ -1071,8 +1370,60 @@ class AsyncClient(_ClientBase):
             raise _no_server(self.path, exc) from None
         _check_server(sock, self.path, self.trusted)
         self._sock = sock
+        self._seen_at = time.monotonic()
         self._reader_task = loop.create_task(self._reader())
         return self
+
+    async def _ensure_connected(self) -> None:
+        """As ``Client._ensure_connected`` (the reader task sees most closes first; concurrent callers
+        share one new connection)."""
+        self._look_if_due()
+        if self._session.failure is None:
+            return
+        if self._closed:
+            self._session.ensure_open()
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._session.failure is None:
+                return  # another call connected again meanwhile
+            await self._stop_reading()
+            for watcher in self._watchers.values():
+                watcher.stop()  # before the lanes' memory is unmapped
+            self._watchers.clear()
+            self._forget_connection()
+            try:
+                await self.connect()
+            except ShmserveError as exc:
+                raise self._reconnect_refused(exc) from None
+
+    def _look_if_due(self) -> None:
+        """As ``Client._look_if_due``: a peek at the socket if it was not seen open within LOOK_S."""
+        sock = self._sock
+        if sock is None or self._session.failure is not None or time.monotonic() - self._seen_at <= LOOK_S:
+            return
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable and sock.recv(1, socket.MSG_PEEK) == b"":
+                self._fail_all(self._session.fail(_closed_message(self.path)))
+                return
+        except OSError as exc:
+            self._fail_all(self._session.fail(f"connection to {self.path} lost: {exc}"))
+            return
+        self._seen_at = time.monotonic()
+
+    async def _stop_reading(self) -> None:
+        """Stop the reader task and close the socket (idempotent)."""
+        task, self._reader_task = self._reader_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -1081,15 +1432,8 @@ class AsyncClient(_ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._closed = True
+        await self._stop_reading()
         self._fail_all(self._session.fail("client closed"))
         for watcher in self._watchers.values():
             watcher.stop()  # before the lanes' memory is unmapped
@@ -1103,6 +1447,7 @@ class AsyncClient(_ClientBase):
         """As ``Client.infer``: through a lane of ``model`` when it can take the call (several
         calls may be in it at once), else over the socket."""
         seconds = self._timeout(timeout)
+        await self._ensure_connected()
         wanted = self._lane_wanted(model, inputs, version, key)
         if wanted is _NEED_SPEC:
             spec = _spec_of(await self.models(), model)
@@ -1114,7 +1459,7 @@ class AsyncClient(_ClientBase):
             if outputs is not None:
                 return outputs
             seconds = _left(deadline)  # the socket gets what the lane left of the timeout
-        return (await self._exchange(self._session.infer(model, inputs, seconds, version, key), seconds)).outputs
+        return (await self._exchange(lambda session: session.infer(model, inputs, seconds, version, key), seconds)).outputs
 
     async def _lane_infer(self, model: str, arrays: dict, form: _LaneForm, signature: tuple,
                           seconds: float) -> dict | None:
@@ -1156,16 +1501,16 @@ class AsyncClient(_ClientBase):
         return None
 
     async def models(self) -> list[dict]:
-        return (await self._exchange(self._session.models())).value
+        return (await self._exchange(lambda session: session.models())).value
 
     async def health(self) -> dict:
-        return (await self._exchange(self._session.health())).value
+        return (await self._exchange(lambda session: session.health())).value
 
     async def info(self) -> dict:
-        return (await self._exchange(self._session.info())).value
+        return (await self._exchange(lambda session: session.info())).value
 
     async def repository(self) -> dict:
-        return (await self._exchange(self._session.repository())).value
+        return (await self._exchange(lambda session: session.repository())).value
 
     async def load(self, model: str, *, version: int | None = None, instances: int | None = None, keep: bool = False,
                    timeout: float | None = None) -> dict:
@@ -1184,16 +1529,17 @@ class AsyncClient(_ClientBase):
 
     async def _control(self, kind: Kind, model: str, timeout: float | None, **fields) -> dict:
         timeout = LIFECYCLE_TIMEOUT_S if timeout is None else timeout
-        return (await self._exchange(self._session.lifecycle(kind, model, **fields), timeout)).value
+        return (await self._exchange(lambda session: session.lifecycle(kind, model, **fields), timeout)).value
 
     async def open_region(self, size: int, *, lane: str | None = None) -> Region:
         """As ``Client.open_region``."""
-        return self._add_region(await self._exchange(self._session.open_region(size, lane)))
+        return self._add_region(await self._exchange(lambda session: session.open_region(size, lane)))
 
     async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *,
                         output_capacity: int | None = None) -> AsyncZeroCopyCall:
         """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``.
         Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
+        await self._ensure_connected()
         if model not in self._specs:
             self._specs[model] = _spec_of(await self.models(), model)
         plan = self._plan(model, inputs, output_capacity)
@@ -1214,32 +1560,48 @@ class AsyncClient(_ClientBase):
             watcher = self._watchers[region.id] = LaneWatcher(region.lane, asyncio.get_running_loop())
         return watcher
 
-    async def _exchange(self, request: tuple[int, list], timeout: float | None = None):
-        """As ``Client._exchange``; the reader task settles the future by request id.  TIMEOUT
+    async def _exchange(self, build, timeout: float | None = None):
+        """As ``Client._exchange`` (a new connection first if this one is over, or if not a byte of
+        the request could be sent); the reader task settles the future by request id.  TIMEOUT
         after the timeout and grace (the connection goes on; a late answer is dropped)."""
-        rid, parts = request
-        future = asyncio.get_running_loop().create_future()
-        self._waiters[rid] = future
-        try:
-            async with self._send_lock:
-                try:
-                    await self._send(parts)
-                except OSError as exc:
-                    self._fail_all(self._session.fail(f"connection lost while sending: {exc}"))
+        await self._ensure_connected()
+        for attempt in (0, 1):
+            rid, parts = build(self._session)
+            future = asyncio.get_running_loop().create_future()
+            self._waiters[rid] = future
+            unsent = False
             try:
-                return await asyncio.wait_for(future, self._timeout(timeout) + ANSWER_GRACE_S)
-            except asyncio.TimeoutError:
-                raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
-        finally:
-            self._waiters.pop(rid, None)
+                async with self._send_lock:
+                    try:
+                        await self._send(parts)
+                    except OSError as exc:
+                        if self._retry_unsent(exc, attempt):
+                            unsent = self._waiters.pop(rid, None) is not None  # sent again below, not failed
+                        self._fail_all(self._session.fail(f"connection to {self.path} lost while sending: {exc}"))
+                if not unsent:
+                    try:
+                        return await asyncio.wait_for(future, self._timeout(timeout) + ANSWER_GRACE_S)
+                    except asyncio.TimeoutError:
+                        raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
+            finally:
+                self._waiters.pop(rid, None)
+            await self._ensure_connected()  # it never reached the server: again, on a new connection
 
     async def _send(self, parts: list) -> None:
-        loop = asyncio.get_running_loop()
-        while parts:
-            try:
-                _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
-            except BlockingIOError:
-                await self._ready(loop.add_writer, loop.remove_writer)
+        """Send every part; OSError if the socket refuses, its ``sent`` saying whether any byte went."""
+        loop, sent = asyncio.get_running_loop(), False
+        try:
+            while parts:
+                if self._sock is None:
+                    raise ConnectionResetError("the connection is closed")
+                try:
+                    _sent(parts, self._sock.sendmsg(parts[:MAX_IOV]))
+                    sent = True
+                except BlockingIOError:
+                    await self._ready(loop.add_writer, loop.remove_writer)
+        except OSError as exc:
+            exc.sent = sent
+            raise
 
     async def _reader(self) -> None:
         """Read answers until the connection ends; settle each caller's future."""
@@ -1250,7 +1612,8 @@ class AsyncClient(_ClientBase):
                 if event is NEED_DATA:
                     n = await self._recv_into(session.read_buffer())
                     if n == 0:
-                        raise ConnectionError("the server closed the connection")
+                        raise ConnectionError(_closed_message(self.path))
+                    self._seen_at = time.monotonic()
                     session.read_done(n)
                     continue
                 if type(event) is ConnectionFailed:

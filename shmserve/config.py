@@ -201,7 +201,7 @@ class ServerConfig:
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest delay between restarts
     socket_mode: int = 0o600
     socket_group: str | None = None
-    worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog); killed at twice that
+    worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog) and killed
     # Client regions (sealed memfds, charged to the server's memory): what clients may make it hold.
     max_regions: int = 1024  # all connections together (the arena's region table)
     max_regions_per_connection: int = 16

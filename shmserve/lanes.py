@@ -216,7 +216,8 @@ class ClientLane:
              alive: Callable[[], None]) -> None:
         """Block until slot ``index`` finished, spinning ``spin_s`` first (None: the front-end's
         hint); ``alive()`` is asked every WAIT_SLICE_S whether the server is still there (it
-        raises if not).  TIMEOUT at ``deadline`` (monotonic), after which the slot is abandoned."""
+        raises if not, unless the call has finished meanwhile).  TIMEOUT at ``deadline``
+        (monotonic), after which the slot is abandoned."""
         if spin_s is None:
             spin_s = self.spin_hint()
         buf, wait_slice = self.buf, _HOT.wait_slice
@@ -227,7 +228,12 @@ class ClientLane:
             if remaining <= 0:
                 self.abandon(index, generation)
                 raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
-            alive()
+            try:
+                alive()
+            except ShmserveError:
+                if _HOT.finished(buf, index, generation):
+                    return  # answered just before the server went (a shutdown fails calls, then closes)
+                raise
             spin_s = 0.0
 
     def wait_for_wakeup(self, timeout: float) -> bool:

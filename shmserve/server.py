@@ -305,6 +305,10 @@ class Frontend:
     async def _heartbeat(self) -> None:
         while True:
             self.arena.beat()
+            try:
+                self.regions.watch_lanes(time.monotonic())
+            except Exception:  # a bug there must not stop the heartbeat
+                log.exception("watching the lanes failed")
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
             now = time.monotonic()

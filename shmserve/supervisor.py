@@ -7,7 +7,10 @@ rings.  Learns of a worker's death through a pidfd watched by the event loop
 with exponential back-off unless its exit code says a restart cannot help
 (``workerlink.NO_RESTART``: the model cannot be loaded).  A ready worker
 whose heartbeat (a thread in every worker) stops for ``worker_timeout_s`` is
-*wedged*; at twice that it is terminated (TERM, then KILL) and so restarted.
+*wedged*, and terminated then and so restarted: SIGKILL at once if the
+kernel says it is stopped (SIGSTOP: it could not act on SIGTERM), else
+SIGTERM and SIGKILL ``TERM_GRACE_S`` later.  Its replacement starts after the
+restart delay, as for any other death.
 
 Back-off: the delay before a restart doubles with the worker's *crash
 streak* — its deaths in a row, each before it had served
@@ -171,6 +174,17 @@ class WorkerHandle:
         self.state = state
 
 
+def process_stopped(pid: int | None) -> bool:
+    """Whether the kernel says process ``pid`` is stopped (state T: SIGSTOP, SIGTSTP) or traced
+    (t); False if it cannot tell (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (OSError, TypeError):
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")  # the state follows the (comm) field
+
+
 class Supervisor:
     def __init__(self, arena: Arena, config: ServerConfig, completion_fd: int,
                  on_ready: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle, str], None]):
@@ -183,6 +197,7 @@ class Supervisor:
         self.free_entries = list(range(arena.geometry.max_workers - 1, -1, -1))
         self.stopping = False
         self.local_cpus: Callable[[str], tuple] = placement.gpu_local_cpus  # a GPU's local CPUs (sysfs)
+        self.stopped: Callable[[int | None], bool] = process_stopped  # whether a pid is stopped (/proc)
         self._local: dict[str, tuple] = {}  # device -> local_cpus(device), looked up once
 
     # -- coming and going -----------------------------------------------------------------
@@ -390,22 +405,31 @@ class Supervisor:
         return [w for w in self.workers if w.state == READY and self.silent_for(w) > self.config.worker_timeout_s]
 
     async def watch_health(self) -> None:
-        """Run until cancelled: terminate workers wedged for twice worker_timeout_s (TERM, then KILL);
-        their exits are handled like any other death, so they are restarted."""
+        """Run until cancelled: terminate workers wedged (silent for worker_timeout_s); their exits
+        are handled like any other death, so they are restarted."""
         while True:
             await asyncio.sleep(min(HEALTH_CHECK_S, self.config.worker_timeout_s / 4))
-            for w in self.wedged():
-                if not w.terminating and self.silent_for(w) > 2 * self.config.worker_timeout_s:
-                    log.error("worker %d (%s, pid %s) silent for %.1f s: terminating it", w.index, w.model.name,
-                              w.pid, self.silent_for(w))
-                    self.terminate(w)
+            self.check_health()
+
+    def check_health(self) -> None:
+        """Terminate every wedged worker not being terminated already."""
+        for w in self.wedged():
+            if not w.terminating:
+                log.error("worker %d (%s, pid %s) silent for %.1f s (worker_timeout_s = %g): terminating it",
+                          w.index, w.model.name, w.pid, self.silent_for(w), self.config.worker_timeout_s)
+                self.terminate(w)
 
     def terminate(self, w: WorkerHandle) -> None:
-        """SIGTERM now and SIGKILL after TERM_GRACE_S unless it has exited (a stopped or hung
-        process ignores TERM); its exit is then handled like any other death."""
+        """SIGTERM now and SIGKILL after TERM_GRACE_S unless it has exited (a hung process may not
+        act on TERM); SIGKILL at once to a stopped process (it cannot act on TERM until it is
+        continued).  Its exit is then handled like any other death."""
         if not w.alive:
             return
         w.terminating = True
+        if self.stopped(w.pid):
+            log.error("worker %d (pid %d) is stopped (SIGSTOP?): killing it", w.index, w.pid)
+            self._signal(w, signal.SIGKILL)
+            return
         self._send_term(w)
         proc = w.proc
         self.loop.call_later(TERM_GRACE_S, self._kill_if_still, w, proc)

@@ -225,3 +225,15 @@ def test_rings_hold_every_slot_twice_by_default(instance_name):
     with Arena.create(instance_name(), slot_count=100, max_workers=1, size_classes=[(4096, 1)],
                       prefault=False) as arena:
         assert arena.geometry.ring_capacity == 256
+
+
+def test_a_dev_shm_too_small_is_said_in_one_line_naming_its_size_and_the_fixes():
+    import errno
+
+    from shmserve.arena import SHM_DIR, no_room
+
+    message = no_room(200 << 20, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    assert "\n" not in message and message.startswith("cannot allocate the 200.0 MiB arena in /dev/shm: ")
+    st = os.statvfs(SHM_DIR)
+    assert f"of its {st.f_blocks * st.f_frsize / (1 << 20):.1f} MiB" in message
+    assert "No space left on device" in message and "--shm-size" in message and "max_request_bytes" in message

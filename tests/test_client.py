@@ -144,13 +144,14 @@ def short_payload(p: Peer, kind, meta) -> None:
 
 
 def test_a_malformed_answer_closes_the_blocking_client_with_the_reason(peer):
-    _, path = peer(short_payload)
+    p, path = peer(short_payload)
     with Client(path, timeout=WAIT_S, lanes=False) as c:
         t0 = time.monotonic()
         with pytest.raises(ConnectionClosed, match="payload does not match its outputs"):
             c.infer("m", {"x": np.ones(4, np.uint8)})
-        with pytest.raises(ConnectionClosed, match="payload does not match its outputs"):
-            c.health()  # the connection is over, at once
+        p.listener.close()
+        with pytest.raises(ConnectionClosed, match="no shmserve server"):
+            c.health()  # the connection is over: the next call connects again, and nobody listens
         assert time.monotonic() - t0 < WAIT_S / 2
 
 
@@ -160,15 +161,16 @@ def test_a_malformed_answer_fails_every_async_call_in_flight(peer):
         if len(p.held) == 3:
             short_payload(p, kind, p.held[1])
 
-    _, path = peer(answer)
+    p, path = peer(answer)
 
     async def main():
         async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
             outcomes = await asyncio.gather(*(c.infer("m", {"x": np.ones(4, np.uint8)}) for _ in range(3)),
                                             return_exceptions=True)
             assert all(type(o) is ConnectionClosed and "does not match" in o.message for o in outcomes), outcomes
-            with pytest.raises(ConnectionClosed, match="does not match"):
-                await c.health()
+            p.listener.close()
+            with pytest.raises(ConnectionClosed, match="no shmserve server"):
+                await c.health()  # the next call connects again, and nobody listens
 
     asyncio.run(asyncio.wait_for(main(), WAIT_S))
 
@@ -179,21 +181,23 @@ def test_the_servers_own_reason_is_reported_to_both_clients(peer):
         p.close()
 
     for make in range(2):
-        _, path = peer(answer)
+        p, path = peer(answer)
         if make == 0:
             with Client(path, timeout=WAIT_S, lanes=False) as c:
                 with pytest.raises(ShmserveError) as info:
                     c.models()
                 assert info.value.code is ErrorCode.SHUTTING_DOWN and info.value.message == "going away"
-                with pytest.raises(ConnectionClosed, match="going away"):
-                    c.models()
+                p.listener.close()
+                with pytest.raises(ConnectionClosed, match="no shmserve server"):
+                    c.models()  # a new connection is tried, and nobody listens
         else:
             async def main():
                 async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
                     with pytest.raises(ShmserveError) as info:
                         await c.models()
                     assert info.value.code is ErrorCode.SHUTTING_DOWN
-                    with pytest.raises(ConnectionClosed, match="going away"):
+                    p.listener.close()
+                    with pytest.raises(ConnectionClosed, match="no shmserve server"):
                         await c.models()
 
             asyncio.run(main())
@@ -313,3 +317,113 @@ def test_a_refused_zero_copy_region_is_asked_again_smaller_then_without_a_lane()
     assert info.value is too_large
     plan = _ZeroCopyPlan(spec, "m", {"x": ((4 << 20,), np.uint8)}, None, [], region_limit=1 << 20)
     assert plan.region_size == plan.needed > 4 << 20  # never less than the call needs: the server says why
+
+
+def test_a_zero_copy_call_is_planned_again_from_another_versions_spec_or_says_what_changed():
+    """A zero-copy call's plan (the version it names, its input indices, the output names) is made
+    again from a new version's spec: tensors listed in another order get their new indices; inputs
+    the new version refuses, or outputs that would not fit the call's space, fail with the code the
+    new version's workers would give and a message naming both versions."""
+    from shmserve.client import _call_plan
+    from shmserve.spec import ModelSpec
+
+    def spec(version, inputs, outputs, shape=("n",)):
+        return ModelSpec.from_dict({"name": "m", "backend": "python", "version": version,
+                                    "inputs": [{"name": n, "dtype": "float32", "shape": list(shape)} for n in inputs],
+                                    "outputs": [{"name": n, "dtype": "float32", "shape": list(shape)}
+                                                for n in outputs]})
+
+    buf = bytearray(4096)
+    a, b = np.ndarray((5,), np.float32, buf, 0), np.ndarray((5,), np.float32, buf, 64)
+    inputs = {"a": (0, a), "b": (64, b)}
+    first = _call_plan("m", spec(1, "ab", "ds"), inputs, 128, None)
+    assert first.version == 1 and [d[:2] for d in first.described] == [(0, 0), (1, 64)] and first.outputs == ("d", "s")
+    again = _call_plan("m", spec(2, "ba", "sd"), inputs, 128, first)
+    assert again.version == 2 and [d[:2] for d in again.described] == [(1, 0), (0, 64)] and again.outputs == ("s", "d")
+    with pytest.raises(ShmserveError) as info:
+        _call_plan("m", spec(3, "ab", "ds", shape=(8,)), inputs, 128, again)
+    assert info.value.code is ErrorCode.BAD_SHAPE
+    assert "from version 2 to version 3" in info.value.message and "make a new zero_copy call" in info.value.message
+    with pytest.raises(ShmserveError) as info:  # 2 outputs of 20 bytes: the second at 64, ending at 84
+        _call_plan("m", spec(4, "ab", "ds"), inputs, 83, again)
+    assert info.value.code is ErrorCode.OUTPUT_TOO_LARGE and "84 bytes" in info.value.message
+    assert _call_plan("m", spec(4, "ab", "ds"), inputs, 84, again).version == 4
+    with pytest.raises(ShmserveError) as info:  # planned the first time: the server's own check follows
+        _call_plan("m", spec(1, "ac", "ds"), inputs, 128, None)
+    assert info.value.code is ErrorCode.BAD_INPUT and "version" not in info.value.message
+
+
+# -- a server that goes away, and the next one ------------------------------------------------
+
+def models_reply(name: str):
+    """An answer to every MODELS request: one model named ``name``; every other request is held."""
+    def answer(p, kind, meta):
+        if kind is Kind.MODELS:
+            p.send(frame(Kind.REPLY, {"id": meta["id"], "models": [{"name": name}]}))
+        else:
+            p.held.append((kind, meta))
+    return answer
+
+
+def gone(p: Peer, path: str) -> None:
+    """The server dies: its connection and listener closed, its socket file left behind (as a
+    killed server leaves it; the next one replaces it)."""
+    p.listener.close()
+    os.unlink(path)
+    p.close()
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_a_call_after_the_server_went_away_goes_to_the_next_one_and_one_in_flight_fails_once(tmp_path, kind):
+    """A call that found its connection over never reached a server: it is made on a new connection
+    to whoever serves the socket now.  A call in flight when the server went away may have run:
+    it fails with ConnectionClosed (saying so) and is never sent again."""
+    path = str(tmp_path / "s.sock")
+    first = Peer(path, models_reply("first"))
+    peers = [first]
+    try:
+        async def calls(c, call):
+            assert (await call(c.models()))[0]["name"] == "first"
+            gone(first, path)
+            second = Peer(path, models_reply("second"))
+            peers.append(second)
+            assert (await call(c.models()))[0]["name"] == "second"  # never reached the first: made again
+            held = asyncio.ensure_future(call(c.info())) if kind == "async" else None
+            if held is None:
+                threading.Timer(0.2, gone, (second, path)).start()
+                with pytest.raises(ConnectionClosed, match="may have run"):
+                    c.info()
+            else:
+                while not second.held:
+                    await asyncio.sleep(0.01)
+                gone(second, path)
+                with pytest.raises(ConnectionClosed, match="may have run"):
+                    await held
+            assert [k for k, _ in second.held] == [Kind.INFO]
+            third = Peer(path, models_reply("third"))
+            peers.append(third)
+            assert (await call(c.models()))[0]["name"] == "third"
+            assert third.held == []  # the info call in flight was not sent again
+
+        async def same(value):
+            return await value if asyncio.iscoroutine(value) else value
+
+        if kind == "blocking":
+            with Client(path, timeout=WAIT_S, lanes=False) as c:
+                asyncio.run(calls(c, same))
+        else:
+            async def main():
+                async with AsyncClient(path, timeout=WAIT_S, lanes=False) as c:
+                    await calls(c, same)
+            asyncio.run(asyncio.wait_for(main(), 3 * WAIT_S))
+    finally:
+        for p in peers:
+            p.stop()
+
+
+def test_a_closed_client_does_not_connect_again(peer):
+    p, path = peer(models_reply("m"))
+    c = Client(path, timeout=WAIT_S, lanes=False)
+    c.close()
+    with pytest.raises(ConnectionClosed, match="client closed"):
+        c.models()

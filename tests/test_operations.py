@@ -214,15 +214,16 @@ def test_notify_ready_watchdog_wedged_worker_and_stopping(tmp_path, monkeypatch)
         (worker,) = srv.info()["workers"]
         stopped_pid = worker["pid"]
         os.kill(stopped_pid, signal.SIGSTOP)  # wedged: alive, but its heartbeat stops
+        # Silent for worker_timeout_s, it is wedged and killed at once (stopped, it cannot act on
+        # SIGTERM); the watchdog is not fed while it is wedged (that lasts at most one health check
+        # now: its "not responding" status may or may not be seen), and is fed again once the
+        # worker is back.
+        info = wait_for(lambda: (i := srv.info())["workers"][0]["pid"] not in (stopped_pid, None)
+                        and i["workers"][0]["state"] == "ready" and i, what="the restart")
+        assert info["workers"][0]["restarts"] == 1 and info["workers"][0]["last_exit"] == "killed by SIGKILL"
+        assert "is stopped (SIGSTOP?): killing it" in srv.log()
         mark = len(listener.messages)
-        wait_for(lambda: any("not responding" in m for m in listener.lines()[mark:]), what="the wedged status")
-        first_bad = next(i for i, m in enumerate(listener.lines()) if i >= mark and "not responding" in m)
-        # The front-end kills the wedged worker, restarts it, and feeds the watchdog again.
-        wait_for(lambda: "WATCHDOG=1" in listener.lines()[first_bad:], timeout=30, what="feeding to resume")
-        resumed = first_bad + listener.lines()[first_bad:].index("WATCHDOG=1")
-        assert all("WATCHDOG=1" != m for m in listener.lines()[first_bad:resumed])
-        info = wait_for(lambda: (i := srv.info())["workers"][0]["state"] == "ready" and i, what="the restart")
-        assert info["workers"][0]["pid"] != stopped_pid and info["workers"][0]["restarts"] == 1
+        wait_for(lambda: "WATCHDOG=1" in listener.lines()[mark:], timeout=30, what="feeding after the restart")
         with srv.client() as c:
             assert c.infer("identity", {"x": np.ones(3, np.uint8)})["y"].sum() == 3
     finally:

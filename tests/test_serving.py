@@ -168,8 +168,8 @@ def infer_region(c: Client, region: int, inputs=(("x", 100, 0),), output_offset:
     """One INFER_REGION with hand-written descriptors (as a buggy or hostile client could send):
     ``inputs`` are (name, uint8 count, offset); returns the session's RegionResult."""
     tensors = [protocol.TensorMeta(name, "uint8", (n,), offset) for name, n, offset in inputs]
-    return c._exchange(c._session.infer_region("identity", tensors, region, output_offset, output_capacity,
-                                               c.timeout))
+    return c._exchange(lambda session: session.infer_region("identity", tensors, region, output_offset,
+                                                            output_capacity, c.timeout))
 
 
 def test_zero_copy_descriptors_are_bounds_checked(server):

@@ -326,3 +326,38 @@ def test_a_front_end_that_fails_to_recover_a_dead_worker_does_not_stop_its_resta
 
     state, scheduled, respawn = parts.with_supervisor(die)
     assert state is RESTARTING and scheduled == [respawn]
+
+
+def test_a_wedged_worker_is_terminated_at_worker_timeout_s_and_a_stopped_one_killed_at_once(parts):
+    """Silent for worker_timeout_s (not twice that): terminated.  A stopped process (SIGSTOP) cannot
+    act on SIGTERM: it is killed at once; a running one gets SIGTERM, SIGKILL following later."""
+    class SignalledProc(FakeProc):
+        def __init__(self, pid):
+            super().__init__()
+            self.pid, self.signals = pid, []
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+    def check(sup, events):
+        stopped, hung = sup.workers
+        for w, pid in ((stopped, 1001), (hung, 1002)):
+            w.state, w.proc, w.pidfd = READY, SignalledProc(pid), -1
+            layout.WORKER.write(sup.arena.buf, sup.arena.geometry.worker_off(w.index),
+                                heartbeat_ns=time.monotonic_ns() - int(11.0 * 1e9))  # > 10 s, < 20 s
+        sup.stopped = lambda pid: pid == 1001
+        sup.check_health()
+        sup.check_health()  # once terminating, not again
+        return ([(w.terminating, w.proc.signals) for w in sup.workers],
+                [(callback, args[1].pid) for _, callback, args in sup.loop.later], sup._kill_if_still)
+
+    workers, later, kill_if_still = parts.with_supervisor(check, instances=2, worker_timeout_s=10.0)
+    assert workers == [(True, [signal.SIGKILL]), (True, [signal.SIGTERM])]
+    assert later == [(kill_if_still, 1002)]  # the one that was not stopped: SIGKILL if TERM did not do
+
+
+def test_a_process_stopped_is_told_from_a_running_one_by_proc():
+    from shmserve.supervisor import process_stopped
+
+    assert process_stopped(os.getpid()) is False
+    assert process_stopped(None) is False and process_stopped(2**22 + 12345) is False

@@ -10,11 +10,12 @@ so regions go first, then the backend closes, the heartbeat stops, the
 arena is unregistered and only then unmapped.  And the serve loop
 (``Worker``): the worker's state in the worker table, waiting on its own
 submission ring and its lanes' at once, the front-end's commands on its
-ring (stop, attach a lane, drop a region: unmapped as soon as no request in
-hand uses it, busy or idle), orphan detection, handing requests to
-``workers.step`` one by one or to ``workers.batching``, and when to tell the
-front-end the step's input-signature counts (at most once a second while
-busy, at once when idle: ``tell_signatures_now``).
+ring (stop, attach a lane — again: look at its queue again —, drop a region:
+unmapped as soon as no request in hand uses it, busy or idle), orphan
+detection, handing requests to ``workers.step`` one by one or to
+``workers.batching``, and when to tell the front-end the step's
+input-signature counts (at most once a second while busy, at once when
+idle: ``tell_signatures_now``).
 
 Must not: parse arguments, handle signals or talk on the control socket
 (``workers.main`` hands it the callables that do), or look inside a request
@@ -248,9 +249,12 @@ class Worker:
     def _attach_lane(self, region: int) -> list[tuple[Space, int]]:
         """Serve the queue at the start of client region ``region`` (front-end command); the calls
         already queued in it (a worker before this one may have taken them off the ring and died
-        or retired before claiming them: ``lanes.queued_entries``)."""
-        if region in self.lanes:
-            return []
+        or retired before claiming them: ``lanes.queued_entries``).  A lane served already is
+        looked at again: the front-end says a call has waited READY in it too long
+        (``RegionTable.watch_lanes``); a claim of one in hand already fails, harmlessly."""
+        space = self.lanes.get(region)
+        if space is not None:
+            return [(space, entry) for entry in lanes.queued_entries(space.buf)]
         try:
             self.regions.ensure(region)
         except RequestFailed as exc:  # not mapped (no memory, no descriptor left) or not page-locked

@@ -15,8 +15,11 @@ again is its own), its record freed and its bytes no longer counted against
 its owner and uid.  Also the bounds check of a
 zero-copy request against its region, and the lanes among them: which
 worker serves each lane (``shmserve.lanes`` header and the worker's
-attach/detach commands), moving a lane when its worker dies (failing what
-it had queued or running), and the spin and divert hints in every lane header.
+attach/detach commands), moving a lane when its worker dies (failing the
+call it was running; what it had queued runs on the next worker), the lanes'
+watchdog (``watch_lanes``: a lane no worker could take attached once one can,
+a call left READY told to its worker again), and the spin and divert hints in
+every lane header.
 
 Must not: hold requests (``shmserve.frontend.dispatcher``), talk to a
 client's socket (a front door passes on ``Region.fd``), or read a client's
@@ -46,6 +49,10 @@ from shmserve.supervisor import READY, WorkerHandle
 log = logging.getLogger("shmserve.regions")
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# A lane call READY this long in a lane whose worker is ready: that worker is told to serve the
+# lane's queue again (``watch_lanes``).  Longer than a healthy worker takes to claim a call it was
+# handed (microseconds, milliseconds behind a batch), short against any request timeout.
+LANE_NUDGE_S = 1.0
 
 
 class RegionLimits(NamedTuple):
@@ -152,6 +159,8 @@ class RegionTable:
         self.diverted: set[str] = set()  # models whose Client.infer requests come over the socket (divert)
         self.divert_every = False  # shutting down: every lane's (``divert_all``)
         self.pending_since: dict[int, float] = {}  # lane region -> since when every look saw a call pending
+        self.ready_since: dict[tuple, float] = {}  # (region, slot entry) -> when watch_lanes first saw it READY
+        self.nudged_at: dict[int, float] = {}  # lane region -> when watch_lanes last told its worker to look
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -451,6 +460,42 @@ class RegionTable:
         for region in list(self.regions.values()):
             if region.lane_model is model and region.lane_worker is None and region.is_lane:
                 self._attach(region)
+
+    def watch_lanes(self, now: float) -> int:
+        """The lanes' watchdog, run every heartbeat (``now``: monotonic seconds).  A lane left
+        without a worker while a ready worker of its version could take it (none could when it
+        lost its last one: a full ring or control socket) is attached now.  A lane whose worker
+        is ready and has a call READY for LANE_NUDGE_S or more gets that worker told, again, to
+        serve the lane's queue (an attach command: the worker claims whatever is still READY in
+        it, ``lanes.queued_entries``), at most once per LANE_NUDGE_S: a call whose ring entry was
+        lost on its way (a worker that died with it in hand, whatever took it) is answered
+        within LANE_NUDGE_S and a heartbeat, not at its timeout.  Returns how many lanes it acted on."""
+        acted, seen = 0, {}
+        for region in list(self.regions.values()):
+            if not region.is_lane or region.closed or region.moving_from is not None or self.stopping:
+                continue
+            w = region.lane_worker
+            if w is None:
+                version = region.lane_model
+                if version.taking and any(x.state == READY and not x.retiring for x in version.workers):
+                    self._attach(region)
+                    acted += region.lane_worker is not None
+                continue
+            if w.state != READY:
+                continue
+            stuck = False
+            for entry in lanes.queued_entries(region.lane_buf):
+                first = seen[(region.id, entry)] = self.ready_since.get((region.id, entry), now)
+                stuck = stuck or now - first >= LANE_NUDGE_S
+            if stuck and now - self.nudged_at.get(region.id, -LANE_NUDGE_S) >= LANE_NUDGE_S and self.ring_has_room(w):
+                self.nudged_at[region.id] = now
+                log.warning("lane %d: a call READY for %.1f s or more; worker %d told to serve its queue again",
+                            region.id, LANE_NUDGE_S, w.index)
+                self.command(w, layout.command_entry(layout.CMD_ATTACH_LANE, region.id))
+                acted += 1
+        self.ready_since = seen
+        self.nudged_at = {k: t for k, t in self.nudged_at.items() if k in self.regions}
+        return acted
 
     def lane_failed(self, w: WorkerHandle, region_id, why: str) -> None:
         """Worker ``w`` cannot serve the lane of region ``region_id`` it was told to attach (it

@@ -176,7 +176,7 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 def open_region_keeping_fd(client: Client, size: int, lane: str | None) -> int:
     """Open a region the client's calls will use, keeping a descriptor of it (the client closes
     the one it is passed once mapped); returns that descriptor."""
-    grant = client._exchange(client._session.open_region(size, lane))
+    grant = client._exchange(lambda session: session.open_region(size, lane))
     fd = os.dup(grant.fd)
     client._add_region(grant)
     return fd
