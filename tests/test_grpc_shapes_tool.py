@@ -18,6 +18,7 @@ _spec = importlib.util.spec_from_file_location("grpc_shapes", ROOT / "tools" / "
 grpc_shapes = importlib.util.module_from_spec(_spec)
 sys.modules["grpc_shapes"] = grpc_shapes
 _spec.loader.exec_module(grpc_shapes)
+DEADLINE_S = 60.0  # a call to a broken server fails instead of hanging the suite (generous: a busy machine)
 
 
 def test_shape_names_parse_into_their_parts():
@@ -30,6 +31,7 @@ def test_shape_names_parse_into_their_parts():
     assert grpc_shapes.parse_shape("aio-uvloop").handlers == ("unary", "stream")
     assert "hop" in grpc_shapes.parse_shape("sync-t1").handlers
     assert grpc_shapes.parse_shape("grpclib-uvloop").handlers == ("stream",)
+    assert grpc_shapes.parse_shape("h2lean-uvloop-p2").procs == 2
 
 
 def test_the_door_options_stay_unless_a_shape_changes_one():
@@ -41,7 +43,7 @@ def test_the_door_options_stay_unless_a_shape_changes_one():
 
 @pytest.mark.parametrize("name, word", [("tornado", "kind"), ("aio-t4", "unknown token"),
                                         ("sync-uvloop", "unknown token"), ("sync-t0", "at least 1"),
-                                        ("grpclib-iomgr", "unknown token")])
+                                        ("grpclib-iomgr", "unknown token"), ("h2lean-bdp", "unknown token")])
 def test_a_wrong_shape_name_says_what_is_wrong(name, word):
     with pytest.raises(ValueError, match=word):
         grpc_shapes.parse_shape(name)
@@ -93,7 +95,7 @@ def test_the_processes_of_a_shape_share_one_port():
     try:
         assert len(server.pids) == 2
         assert all(p.poll() is None for p in server.procs)  # both bound the same port and serve
-        call = grpc_shapes.StubCaller(server.address, 1000)
+        call = grpc_shapes.StubCaller(server.address, 1000, timeout=DEADLINE_S)
         try:
             assert call() == grpc_shapes._payload(1000)
         finally:
@@ -101,3 +103,22 @@ def test_the_processes_of_a_shape_share_one_port():
     finally:
         server.stop()
     assert all(p.poll() is not None for p in server.procs)
+
+
+@pytest.mark.parametrize("shape", ["h2lean-uvloop", "h2-uvloop"])
+def test_the_own_http2_prototypes_answer_grpcio_clients_small_and_large(shape):
+    """The prototypes speak HTTP/2 to grpc core's client: a message over several frames and windows
+    (1 MiB, both ways) and one in a single frame, over one connection, with tritonclient too."""
+    pytest.importorskip("hpack" if shape.startswith("h2lean") else "h2")
+    server = grpc_shapes.Server(grpc_shapes.parse_shape(shape), "stream")
+    try:
+        for size in (4096, 1 << 20):
+            for caller in (grpc_shapes.StubCaller, grpc_shapes.TritonCaller):
+                call = caller(server.address, size, timeout=DEADLINE_S)
+                try:
+                    for _ in range(3):
+                        assert call() == grpc_shapes._payload(size)
+                finally:
+                    call.close()
+    finally:
+        server.stop()
