@@ -130,7 +130,11 @@ def default_shapes(procs: int) -> list[str]:
 
 
 def quick_shapes(procs: int) -> list[str]:
-    return ["aio-uvloop", "sync-t4"] + ([f"aio-uvloop-p{procs}", f"sync-t4-p{procs}"] if procs > 1 else [])
+    """The door's shape, the sync server and the h2lean prototype (where hpack is installed), and their -pN."""
+    import importlib.util
+
+    bases = ["aio-uvloop", "sync-t4"] + (["h2lean-uvloop"] if importlib.util.find_spec("hpack") else [])
+    return bases + ([f"{b}-p{procs}" for b in bases] if procs > 1 else [])
 
 
 # -- shapes --------------------------------------------------------------------------------------
@@ -1329,8 +1333,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a bounded run (under a minute on 2 vCPUs): the door's shape, sync-t4 and their "
-                         "-pN forms, stream handler, 4 KiB, stub, 1 and N clients, 3 rounds")
+                    help="a bounded run (under a minute on 2 vCPUs): the door's shape, sync-t4, h2lean and "
+                         "their -pN forms, stream handler, 4 KiB, stub, 1 and N clients, 3 rounds")
     ap.add_argument("--shapes", type=lambda s: s.split(","), help="comma-separated shapes (default: --list)")
     ap.add_argument("--handlers", type=lambda s: s.split(","), default=["unary", "stream"])
     ap.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=[4096, 1 << 20],
