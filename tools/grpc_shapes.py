@@ -1379,6 +1379,8 @@ def main(argv=None) -> int:
         args.rounds = min(args.rounds, 3)
     args.shapes = args.shapes or default_shapes(args.procs)
     args.concurrency = args.concurrency or [1, max(4, cpus)]
+    for name in ("shapes", "handlers", "sizes", "clients", "concurrency"):  # each once, in the order given
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     try:
         for s in args.shapes:
             parse_shape(s)

@@ -21,7 +21,7 @@ for pair in hpack:h2lean-uvloop h2:h2-uvloop grpclib:grpclib-uvloop; do
     if python3 -c "import ${pair%%:*}" 2>/dev/null; then OWN="$OWN,${pair#*:}"; else echo "no ${pair%%:*}: ${pair#*:} left out"; fi
 done
 P=$(nproc)
-H=$((P / 2))
+H=$((P / 2 > 2 ? P / 2 : 2))
 LEAN=""; case "$OWN" in *h2lean*) LEAN=",h2lean-uvloop-p$H,h2lean-uvloop-p$P";; esac
 echo "== breakdown: where the server's CPU goes (1 client, stub, 4 KiB, stream handler)"
 PERF=""; command -v perf >/dev/null && PERF=--perf
