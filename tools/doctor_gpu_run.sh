@@ -9,12 +9,7 @@
 #   3. nvidia-smi's raw answer to doctor's query (which fields this driver refused), and doctor's tests.
 set -u
 OUT=${OUT:-/tmp/doctor-gpu}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+. tools/device_env.sh || exit 1
 nproc; nvidia-smi --query-gpu=name,pci.bus_id,driver_version --format=csv,noheader; date -u
 export COLUMNS=120
 

@@ -6,12 +6,7 @@
 # CPU identity model (one client, a client sweep, a fairness mix), CUDA graphs, gpu_check.
 set -u
 OUT=${OUT:-/tmp/gpu-perf}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+. tools/device_env.sh || exit 1
 nproc; nvidia-smi --query-gpu=name,pci.bus_id --format=csv,noheader; date -u
 echo "== gpu tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_v2.py \
