@@ -52,7 +52,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from shmserve import layout, protocol
+from shmserve import lanes, layout, protocol
 from shmserve.config import DEFAULT_INSTANCE, resolve_socket, spin_default_us, trusted_server_uids
 from shmserve.errors import BadArgument, ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S, ClientLane
@@ -435,9 +435,10 @@ class ZeroCopyCall:
 
     def _stale(self, exc: ShmserveError, attempt: int) -> bool:
         """Whether a lane call that failed with ``exc`` should be planned again from a spec read
-        afresh and sent again: a worker of another version refused it (MODEL_UNAVAILABLE), and
-        fewer than SPEC_RETRIES attempts were made."""
-        return exc.code is ErrorCode.MODEL_UNAVAILABLE and attempt < SPEC_RETRIES and self._plan is not None
+        afresh and sent again: a worker of another version refused it before running it
+        (``lanes.version_moved``; a call that failed MODEL_UNAVAILABLE otherwise, a drain that timed
+        out, ran, and is never sent again), and fewer than SPEC_RETRIES attempts were made."""
+        return lanes.version_moved(exc) and attempt < SPEC_RETRIES and self._plan is not None
 
     def _lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
         outputs = self._plan.outputs
@@ -1018,11 +1019,13 @@ class _ClientBase:
         except ShmserveError as exc:
             if exc is failure:
                 raise
-            if exc.code is ErrorCode.MODEL_UNAVAILABLE:
-                # The lane's version went away or changed under the spec this call was planned from:
-                # the socket answers this one, the next asks for the spec again.
+            if lanes.version_moved(exc):
+                # The lane's version changed under the spec this call was planned from, and nothing
+                # of it ran: the socket answers this one, the next asks for the spec again.
                 self._forget_spec(model)
                 return None
+            if exc.code is ErrorCode.MODEL_UNAVAILABLE:
+                self._forget_spec(model)  # (it ran: its error is the answer; the next call asks again)
             if exc.code is ErrorCode.OUTPUT_TOO_LARGE and not form.exact:
                 return None
             raise

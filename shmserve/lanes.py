@@ -58,6 +58,16 @@ from shmserve.slotstate import FINISHED, Actor, SlotState
 
 LANE = layout.LANE
 DATA_FLOOR = layout.LANE.data_off  # a lane's tensors lie at this offset of its region or above
+# How a worker's refusal of a call planned from another version's spec begins (MODEL_UNAVAILABLE,
+# before anything ran: a swap handed the lane over).  Only such a refusal may be planned again and
+# sent again by a client: a call that failed MODEL_UNAVAILABLE otherwise (a drain timed out) ran.
+VERSION_MOVED = "this lane serves version"
+
+
+def version_moved(exc) -> bool:
+    """Whether ``exc`` (a ShmserveError) is a worker's refusal of a call planned from another
+    version's spec (``VERSION_MOVED``): nothing of it ran."""
+    return exc.code is ErrorCode.MODEL_UNAVAILABLE and exc.message.startswith(VERSION_MOVED)
 WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
 
 _READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from shmserve import hotpath, layout
+from shmserve import hotpath, lanes, layout
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
@@ -363,7 +363,7 @@ class Step:
         if failure is not None:
             raise RequestFailed(*failure)
         if slot.model_id and slot.model_id != self.version:  # its client planned it from another version's spec
-            raise RequestFailed(ErrorCode.MODEL_UNAVAILABLE, f"this lane serves version {self.version} of the model "
+            raise RequestFailed(ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} {self.version} of the model "
                                                              f"now, not version {slot.model_id}: ask for its spec again")
         if signature not in self._checked_lane_inputs:
             try:
