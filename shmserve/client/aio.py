@@ -29,7 +29,7 @@ from shmserve.client.infer import InferOperation
 from shmserve.client.memory import Region
 from shmserve.client.pump import ANSWER_GRACE_S, FD_SPACE, LOOK_S, MAX_IOV, Pump, check_server_socket, \
     closed_message, no_server, passed_fds, sent, unix_socket
-from shmserve.client.steps import CONNECT, Exchange
+from shmserve.client.steps import Exchange
 from shmserve.client.zerocopy import AsyncZeroCopyCall
 from shmserve.config import DEFAULT_INSTANCE
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
@@ -118,7 +118,7 @@ class AsyncPump(Pump):
         call = op.begin(args)
         kind = type(call)
         if kind is tuple:
-            try:
+            try:  # (wait_lane, written out: a call fewer on the hot path)
                 await self.lane_watcher(call[0]).wait(call[1], call[2], max(0.0, call[3] - _monotonic()))
             except BaseException as exc:
                 call = op.answer(call, exc)
@@ -142,16 +142,13 @@ class AsyncPump(Pump):
                 return done.value
             send = steps.send
             try:
-                if type(step) is Exchange:
-                    build, timeout = step
-                    answer = await self.exchange(build, timeout)
-                elif step is CONNECT:
-                    answer = await self.ensure_connected()
-                else:  # a lane call
-                    answer = await self.lane_watcher(step[0]).wait(step[1], step[2],
-                                                                   max(0.0, step[3] - _monotonic()))
+                answer = await self.carry_out(step)
             except BaseException as exc:
                 answer, send = exc, steps.throw
+
+    async def wait_lane(self, call: tuple) -> None:
+        """As ``BlockingPump.wait_lane`` (its watcher wakes the loop)."""
+        await self.lane_watcher(call[0]).wait(call[1], call[2], max(0.0, call[3] - _monotonic()))
 
     def lane_watcher(self, region: Region) -> LaneWatcher:
         self.core.session.ensure_open()

@@ -29,7 +29,7 @@ from shmserve.client.infer import InferOperation
 from shmserve.client.memory import Region
 from shmserve.client.pump import ANSWER_GRACE_S, FD_SPACE, LOOK_S, MAX_IOV, Pump, check_server_socket, closed_message, \
     no_server, passed_fds, peer_gone, sent, unix_socket
-from shmserve.client.steps import CONNECT, Exchange
+from shmserve.client.steps import Exchange
 from shmserve.client.zerocopy import ZeroCopyCall
 from shmserve.config import DEFAULT_INSTANCE, spin_default_us
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
@@ -62,7 +62,7 @@ class BlockingPump(Pump):
         call = op.begin(args)
         kind = type(call)
         if kind is tuple:
-            try:
+            try:  # (wait_lane, written out: a call fewer on the hot path)
                 call[0].lane.wait(call[1], call[2], call[3], self.lane_spin_s, self.check_alive)
             except BaseException as exc:
                 call = op.answer(call, exc)
@@ -87,15 +87,13 @@ class BlockingPump(Pump):
                 return done.value
             send = steps.send
             try:
-                if type(step) is Exchange:
-                    build, timeout = step
-                    answer = self.exchange(build, timeout)
-                elif step is CONNECT:
-                    answer = self.ensure_connected()
-                else:  # a lane call
-                    answer = step[0].lane.wait(step[1], step[2], step[3], self.lane_spin_s, self.check_alive)
+                answer = self.carry_out(step)
             except BaseException as exc:
                 answer, send = exc, steps.throw
+
+    def wait_lane(self, call: tuple) -> None:
+        """Until the lane call ``call`` has finished (``ClientLane.wait``: TIMEOUT at its deadline)."""
+        call[0].lane.wait(call[1], call[2], call[3], self.lane_spin_s, self.check_alive)
 
     # -- the connection ---------------------------------------------------------------------
 

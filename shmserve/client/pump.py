@@ -24,6 +24,7 @@ import struct
 import time
 
 from shmserve.client.core import ClientCore
+from shmserve.client.steps import CONNECT, Exchange
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import WAIT_SLICE_S
 from shmserve.session import check_server
@@ -120,3 +121,14 @@ class Pump:
     def fail(self, message: str, code: ErrorCode | None = None) -> ShmserveError:
         """The connection is over (the first reason stands): the error to raise."""
         return self.core.session.fail(message, code).error
+
+    def carry_out(self, step):
+        """The I/O of one step (``shmserve.client.steps``): its answer from ``BlockingPump``, an
+        awaitable of it from ``AsyncPump`` (each pump's ``exchange``, ``ensure_connected`` and
+        ``wait_lane`` are its own)."""
+        if type(step) is Exchange:
+            build, timeout = step
+            return self.exchange(build, timeout)
+        if step is CONNECT:
+            return self.ensure_connected()
+        return self.wait_lane(step)
