@@ -71,7 +71,7 @@ def slot_running(buf) -> bool:
 
 def lane_holds_a_call(client, model: str) -> bool:
     """Whether the lane ``client.infer`` uses for ``model`` has a call queued or running in it."""
-    region = client._infer_lanes.get(model)
+    region = client._core.infer_lanes.get(model)
     return region is not None and region.lane is not None and bool(lanes.pending(region.buf))
 
 
@@ -98,7 +98,7 @@ class InFlight:
                 AsyncClient(path, timeout=CALL_TIMEOUT_S, lanes=False) as socket_client:
             calls = asyncio.gather(lane_client.infer("slow", {"x": x}), socket_client.infer("slow", {"x": x}),
                                    return_exceptions=True)
-            while not (lane_holds_a_call(lane_client, "slow") and socket_client._waiters) and not calls.done():
+            while not (lane_holds_a_call(lane_client, "slow") and socket_client._pump.waiters) and not calls.done():
                 await asyncio.sleep(0.01)
             self.async_in_flight.set()
             return await calls
@@ -405,7 +405,7 @@ def publish_without_entry(call) -> tuple[int, int]:
     generation, _ = layout.unpack_status(atomics.load64(buf, layout.LANE.slot_off(index)))
     generation = transition_slot(buf, layout.LANE, index, generation, SlotState.FREE, SlotState.WRITING,
                                  Actor.CLIENT)
-    plan = call._lane_plan()
+    plan = call._op.lane_plan()
     for t, (name_index, offset, view) in enumerate(plan.described):
         layout.encode_tensor(buf, layout.LANE, index, t, role=layout.ROLE_INPUT, name_index=name_index,
                              dtype=view.dtype, shape=view.shape, offset=offset, region=call.region.id)
@@ -429,7 +429,7 @@ def test_a_lane_call_no_ring_entry_points_at_is_answered_long_before_its_timeout
         assert call.run()["y"].tolist() == [0] * 16  # the lane is attached and served
         call.inputs["x"][...] = x
         index, generation = publish_without_entry(call)
-        call.region.lane.wait(index, generation, time.monotonic() + CALL_TIMEOUT_S / 2, 0.0, c._check_alive)
-        assert call._lane_collect(index, generation)["y"].tolist() == x.tolist()
+        call.region.lane.wait(index, generation, time.monotonic() + CALL_TIMEOUT_S / 2, 0.0, c._pump.check_alive)
+        assert call._op.lane_collect(index, generation)["y"].tolist() == x.tolist()
         assert "told to serve its queue again" in srv.log()
         call.release()

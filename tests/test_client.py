@@ -292,14 +292,14 @@ def test_a_refused_zero_copy_region_is_asked_again_smaller_then_without_a_lane()
     """A region limit (overloaded) refuses the default 64 MiB region: the plan asks next for only
     what the call needs, then for a region without a lane, then gives up with the server's
     answer; any other refusal is raised at once."""
-    from shmserve.client import DEFAULT_REGION_BYTES, _ZeroCopyPlan
+    from shmserve.client.planning import DEFAULT_REGION_BYTES, ZeroCopyPlan
     from shmserve.spec import ModelSpec
 
     spec = ModelSpec.from_dict({"name": "m", "backend": "python",
                                 "inputs": [{"name": "x", "dtype": "uint8", "shape": ["n"]}],
                                 "outputs": [{"name": "y", "dtype": "uint8", "shape": ["n"]}]})
     overloaded = ShmserveError(ErrorCode.OVERLOADED, "limit (max_region_bytes_per_uid)")
-    plan = _ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
+    plan = ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
     assert plan.region_size == DEFAULT_REGION_BYTES and plan.lane == "m"
     plan.refused(overloaded)
     assert plan.region_size == plan.needed < 4096 and plan.lane == "m"
@@ -308,14 +308,14 @@ def test_a_refused_zero_copy_region_is_asked_again_smaller_then_without_a_lane()
     with pytest.raises(ShmserveError) as info:
         plan.refused(overloaded)
     assert info.value is overloaded
-    plan = _ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
+    plan = ZeroCopyPlan(spec, "m", {"x": ((100,), np.uint8)}, None, [])
     too_large = ShmserveError(ErrorCode.TOO_LARGE, "too large")
     assert plan.refused(too_large) is True  # the server's limit is unknown: learn it and ask again
     assert plan.limited(1 << 20) == 1 << 20 and plan.region_size == 1 << 20
     with pytest.raises(ShmserveError) as info:  # known now: the server's answer stands
         plan.refused(too_large)
     assert info.value is too_large
-    plan = _ZeroCopyPlan(spec, "m", {"x": ((4 << 20,), np.uint8)}, None, [], region_limit=1 << 20)
+    plan = ZeroCopyPlan(spec, "m", {"x": ((4 << 20,), np.uint8)}, None, [], region_limit=1 << 20)
     assert plan.region_size == plan.needed > 4 << 20  # never less than the call needs: the server says why
 
 
@@ -324,7 +324,7 @@ def test_a_zero_copy_call_is_planned_again_from_another_versions_spec_or_says_wh
     again from a new version's spec: tensors listed in another order get their new indices; inputs
     the new version refuses, or outputs that would not fit the call's space, fail with the code the
     new version's workers would give and a message naming both versions."""
-    from shmserve.client import _call_plan
+    from shmserve.client.planning import call_plan
     from shmserve.spec import ModelSpec
 
     def spec(version, inputs, outputs, shape=("n",)):
@@ -336,20 +336,20 @@ def test_a_zero_copy_call_is_planned_again_from_another_versions_spec_or_says_wh
     buf = bytearray(4096)
     a, b = np.ndarray((5,), np.float32, buf, 0), np.ndarray((5,), np.float32, buf, 64)
     inputs = {"a": (0, a), "b": (64, b)}
-    first = _call_plan("m", spec(1, "ab", "ds"), inputs, 128, None)
+    first = call_plan("m", spec(1, "ab", "ds"), inputs, 128, None)
     assert first.version == 1 and [d[:2] for d in first.described] == [(0, 0), (1, 64)] and first.outputs == ("d", "s")
-    again = _call_plan("m", spec(2, "ba", "sd"), inputs, 128, first)
+    again = call_plan("m", spec(2, "ba", "sd"), inputs, 128, first)
     assert again.version == 2 and [d[:2] for d in again.described] == [(1, 0), (0, 64)] and again.outputs == ("s", "d")
     with pytest.raises(ShmserveError) as info:
-        _call_plan("m", spec(3, "ab", "ds", shape=(8,)), inputs, 128, again)
+        call_plan("m", spec(3, "ab", "ds", shape=(8,)), inputs, 128, again)
     assert info.value.code is ErrorCode.BAD_SHAPE
     assert "from version 2 to version 3" in info.value.message and "make a new zero_copy call" in info.value.message
     with pytest.raises(ShmserveError) as info:  # 2 outputs of 20 bytes: the second at 64, ending at 84
-        _call_plan("m", spec(4, "ab", "ds"), inputs, 83, again)
+        call_plan("m", spec(4, "ab", "ds"), inputs, 83, again)
     assert info.value.code is ErrorCode.OUTPUT_TOO_LARGE and "84 bytes" in info.value.message
-    assert _call_plan("m", spec(4, "ab", "ds"), inputs, 84, again).version == 4
+    assert call_plan("m", spec(4, "ab", "ds"), inputs, 84, again).version == 4
     with pytest.raises(ShmserveError) as info:  # planned the first time: the server's own check follows
-        _call_plan("m", spec(1, "ac", "ds"), inputs, 128, None)
+        call_plan("m", spec(1, "ac", "ds"), inputs, 128, None)
     assert info.value.code is ErrorCode.BAD_INPUT and "version" not in info.value.message
 
 

@@ -165,7 +165,7 @@ def test_the_server_records_every_region_for_inspect_and_forgets_it_on_close(ser
         table = shown.stdout[shown.stdout.index("client regions and lanes"):]
         assert re.search(rf"\b{a.id}\b.*\bregion\b.*{a.size:,}", table)
         assert re.search(rf"\b{b.id}\b.*\blane\b.*{b.size:,}.*identity", table)
-        c._exchange(lambda session: session.close_region(a.id))  # the protocol's CLOSE_REGION (the client has no call for it)
+        c._pump.exchange(lambda session: session.close_region(a.id))  # the protocol's CLOSE_REGION (the client has no call for it)
         wait_for(lambda: a.id not in server.recorded_regions(), "the closed region's record to go")
     nothing_left(server)
 
@@ -248,7 +248,7 @@ def test_a_closed_region_is_emptied_even_if_its_client_kept_the_descriptor(serve
             lane_id = call.region.id
         fds = {plain.id: kept_descriptors[plain.id], lane_id: kept_descriptors[lane_id]}
         assert os.fstat(fds[plain.id]).st_blocks * 512 >= 8 << 20
-        c._exchange(lambda session: session.close_region(plain.id))
+        c._pump.exchange(lambda session: session.close_region(plain.id))
     nothing_left(server)  # the lane closed with its connection; both released
     for region_id, fd in fds.items():  # the pages are freed off the server's event loop: soon after
         wait_for(lambda: os.fstat(fd).st_blocks == 0, f"region {region_id}'s memory to be freed")

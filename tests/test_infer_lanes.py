@@ -130,7 +130,7 @@ def test_a_timed_out_call_keeps_its_space_until_the_worker_is_done(server):
         with pytest.raises(ShmserveError) as info:
             c.infer("slow", {"x": np.array([1.0], np.float32)}, timeout=0.2)
         assert info.value.code is ErrorCode.TIMEOUT
-        (region,) = c._infer_lanes.values()
+        (region,) = c._core.infer_lanes.values()
         assert len(region.abandoned) == 1  # the worker may still write its outputs there
         (held,) = region.seats.values()
         assert held.busy
@@ -153,7 +153,7 @@ def test_a_canary_sends_infer_over_the_socket_so_it_can_route(tmp_path):
         x = np.ones(2, np.float32)
         with srv.client() as c:
             assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
-            (region,) = c._infer_lanes.values()
+            (region,) = c._core.infer_lanes.values()
             assert region.lane.routable()
             c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 100000,
                                                       "max_p99_ratio": 1e6})
@@ -227,7 +227,7 @@ def test_many_signatures_share_the_lane_without_running_out_of_space(server):
         for n in list(range(1, 40)) + [8 << 20, 3, 20 << 20, 5]:
             x = np.full(n, n % 251, np.uint8)
             np.testing.assert_array_equal(c.infer("identity", {"x": x})["y"], x)
-        (region,) = c._infer_lanes.values()
+        (region,) = c._core.infer_lanes.values()
         assert 0 < len(region.seats) <= 8 and not any(seat.busy for seat in region.seats.values())
         assert lanes_of(server, "identity") == 1
 
@@ -258,7 +258,7 @@ def test_a_new_version_with_its_tensors_in_another_order_is_not_read_by_the_old_
             add_version(repo, "m", 2, SUM_DIFF.replace("{inputs}", f"{B}, {A}").replace("{outputs}", f"{S}, {D}"))
             assert c.load("m", version=2)["version"] == 2
             assert all(right() for _ in range(5))
-            wait_for(lambda: right() and c._specs.get("m") is not None and c._specs["m"].extra["version"] == 2,
+            wait_for(lambda: right() and c._core.specs.get("m") is not None and c._core.specs["m"].extra["version"] == 2,
                      "the client to plan from version 2's spec", timeout=10)
             assert right() and lanes_of(srv, "m") == 1
 
@@ -275,7 +275,7 @@ def test_cancelled_async_calls_give_their_slot_and_space_back_only_once_the_work
                 x = np.arange(n, dtype=np.float32)
                 y = (await c.infer("slow", {"x": np.concatenate([[0], x[1:]]).astype(np.float32)}))["y"]
                 np.testing.assert_array_equal(y, 2 * np.concatenate([[0], x[1:]]))
-            (region,) = c._infer_lanes.values()
+            (region,) = c._core.infer_lanes.values()
             lane = region.lane
             wait_for(lambda: (lane._reclaim(), region.reclaim(), len(lane.free) == 16 and not region.abandoned)[2],
                      "the cancelled calls' slots and space to come back", timeout=20)

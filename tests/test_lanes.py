@@ -50,12 +50,12 @@ def submit_raw(call, *, offset=None, view=None, out_offset=None, out_capacity=No
     """Publish one lane request the way ``ClientLane.submit`` does, with any field overridden
     (a misbehaving client); returns what the worker answered (outputs or the ShmserveError)."""
     lane = call.region.lane
-    off, good_view = next(iter(call._inputs.values()))
+    off, good_view = next(iter(call._op.inputs.values()))
     index, generation = lane.submit(1, 0, [(name_index, off if offset is None else offset,
                                             good_view if view is None else view)],
                                     call.out_offset if out_offset is None else out_offset,
                                     call.out_capacity if out_capacity is None else out_capacity)
-    lane.wait(index, generation, time.monotonic() + 20, 0.0, call.client._check_alive)
+    lane.wait(index, generation, time.monotonic() + 20, 0.0, call.client._pump.check_alive)
     try:
         return lane.read(index, generation, call.out_offset if out_offset is None else out_offset,
                          call.out_capacity if out_capacity is None else out_capacity)
@@ -157,7 +157,7 @@ def test_a_lane_cannot_reach_outside_its_own_data_space(server):
             region.lane.region_id = real_id
         assert isinstance(got, ShmserveError) and got.code is ErrorCode.BAD_REGION, got
         # Inputs the model does not take.
-        wrong = np.ndarray((16,), np.float32, buffer=region.buf, offset=next(iter(call._inputs.values()))[0])
+        wrong = np.ndarray((16,), np.float32, buffer=region.buf, offset=next(iter(call._op.inputs.values()))[0])
         got = submit_raw(call, view=wrong)
         assert isinstance(got, ShmserveError) and got.code is ErrorCode.BAD_DTYPE, got
         got = submit_raw(call, name_index=5)
@@ -312,7 +312,7 @@ def test_a_worker_serves_at_most_max_lanes_then_calls_use_the_socket(server):
     try:
         lanes = []
         for c in clients:
-            while len(lanes) < workerlink.MAX_LANES and len(c._regions) < 16:
+            while len(lanes) < workerlink.MAX_LANES and len(c._core.regions) < 16:
                 lanes.append(c.open_region(4096, lane="identity"))
         assert len(lanes) == workerlink.MAX_LANES
         with pytest.raises(ShmserveError) as info:
@@ -326,7 +326,7 @@ def test_a_worker_serves_at_most_max_lanes_then_calls_use_the_socket(server):
                 assert call.region.lane is None
                 call.inputs["x"][...] = x
                 assert call.run()["y"].tolist() == x.tolist()
-        owner = next(c for c in clients if lanes[-1] in c._regions)  # the last lane still answers
+        owner = next(c for c in clients if lanes[-1] in c._core.regions)  # the last lane still answers
         with owner.zero_copy("identity", {"x": (x.shape, x.dtype)}) as call:
             assert call.region.lane is not None
             call.inputs["x"][...] = x

@@ -230,8 +230,8 @@ def test_a_batch_across_lanes_gives_each_request_its_rows(tmp_path):
 
 
 def _lane_args(call):
-    (offset, view), = call._inputs.values()
-    return (call.client._session.reserve_id(), 0, [(0, offset, view)], call.out_offset, call.out_capacity)
+    (offset, view), = call._op.inputs.values()
+    return (call.client._core.session.reserve_id(), 0, [(0, offset, view)], call.out_offset, call.out_capacity)
 
 
 @pytest.mark.parametrize("shape, capacity, code", [

@@ -151,7 +151,7 @@ def test_bad_zero_copy_inputs_are_refused_by_the_client(server, shape, dtype, co
         with pytest.raises(BadArgument) as info:
             c.zero_copy("identity", {"x": (shape, dtype)})
         assert info.value.code is code and "input 'x'" in info.value.message, info.value
-        assert not c._regions  # refused before any region was asked for
+        assert not c._core.regions  # refused before any region was asked for
 
 
 def test_timeout(server):
@@ -168,7 +168,7 @@ def infer_region(c: Client, region: int, inputs=(("x", 100, 0),), output_offset:
     """One INFER_REGION with hand-written descriptors (as a buggy or hostile client could send):
     ``inputs`` are (name, uint8 count, offset); returns the session's RegionResult."""
     tensors = [protocol.TensorMeta(name, "uint8", (n,), offset) for name, n, offset in inputs]
-    return c._exchange(lambda session: session.infer_region("identity", tensors, region, output_offset,
+    return c._pump.exchange(lambda session: session.infer_region("identity", tensors, region, output_offset,
                                                             output_capacity, c.timeout))
 
 
@@ -210,8 +210,8 @@ def test_zero_copy_fits_its_regions_to_a_small_max_request_bytes(tmp_path):
                     with c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
                         call.inputs["x"][...] = x
                         np.testing.assert_array_equal(call.run()["y"], x)
-                assert c._region_limit == limit
-                assert all(r.size - (layout.LANE_BYTES if r.lane else 0) <= limit for r in c._regions)
+                assert c._core.region_limit == limit
+                assert all(r.size - (layout.LANE_BYTES if r.lane else 0) <= limit for r in c._core.regions)
                 with pytest.raises(ShmserveError) as info:
                     c.zero_copy("identity", {"x": ((2 << 20,), np.uint8)})
                 assert info.value.code is ErrorCode.TOO_LARGE
@@ -227,7 +227,7 @@ def test_zero_copy_fits_its_regions_to_a_small_max_request_bytes(tmp_path):
                 async with await c.zero_copy("identity", {"x": (x.shape, np.uint8)}) as call:
                     call.inputs["x"][...] = x
                     np.testing.assert_array_equal((await call.run())["y"], x)
-                return c._region_limit
+                return c._core.region_limit
 
         assert asyncio.run(main()) == limit
         srv.wait_idle()

@@ -262,7 +262,7 @@ def stage_breakdown(server: Server, model: str, n: int) -> dict:
                 t0 = time.monotonic_ns()
                 c.infer(model, {"x": x})
                 t1 = time.monotonic_ns()
-                rid = c._session.last_request_id
+                rid = c._core.session.last_request_id
                 slot = next(s for s in (layout.SLOT.read(arena.buf, g.slot_off(k)) for k in range(g.slot_count))
                             if s.request_id == rid)
                 if i >= 100:

@@ -124,7 +124,7 @@ def good_client(kind: str, args: dict) -> dict:
         counts["slowest_s"] = max(counts["slowest_s"], round(time.monotonic() - start, 3))
         if problem and len(counts["problems"]) < 5:
             counts["problems"].append(problem)
-    counts["regions"] = len(client._regions)  # all made before the attacks: none opened since
+    counts["regions"] = len(client._core.regions)  # all made before the attacks: none opened since
     client.close()
     return counts
 
@@ -176,9 +176,9 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 def open_region_keeping_fd(client: Client, size: int, lane: str | None) -> int:
     """Open a region the client's calls will use, keeping a descriptor of it (the client closes
     the one it is passed once mapped); returns that descriptor."""
-    grant = client._exchange(lambda session: session.open_region(size, lane))
+    grant = client._pump.exchange(lambda session: session.open_region(size, lane))
     fd = os.dup(grant.fd)
-    client._add_region(grant)
+    client._core.add_region(grant)
     return fd
 
 
@@ -297,7 +297,7 @@ def region_limits(args: dict, rng: np.random.Generator) -> dict:
             return {"opened": opened, "code": None, "key": None}
         finally:
             for c in clients:
-                c._sock.close()  # no CLOSE_REGION: the server must free them when it sees the socket go
+                c._pump.sock.close()  # no CLOSE_REGION: the server must free them when it sees the socket go
             wait_regions_below(args["instance"], args["regions_before"] + 1)
 
     return {

@@ -1,0 +1,222 @@
+"""What both client faces keep, and what they decide, without I/O: ``ClientCore``.
+
+Owns: the client's state besides its socket (the ``ClientSession`` of the
+connection, the regions it granted, the model specs and the server's region
+limit it told, ``infer``'s lanes, lane forms and back-offs), what makes a
+connection over and what a new one forgets (``connection_over``,
+``forget_connection``), whether a request is sent again (``retry_unsent``),
+which spec a model's calls are planned from (``spec_read``, ``forget_spec``),
+and, as steps (``shmserve.client.steps``), the operations that are one
+request or a few: ``models``, ``health``, ``info``, ``repository``, the
+lifecycle calls, ``open_region`` and opening a ``zero_copy`` call.
+``infer``'s logic is ``InferOperation``'s (``shmserve.client.infer``) and a
+zero-copy call's is ``ZeroCopyOperation``'s, over this state.
+
+The clock is passed in (``time.monotonic`` in production: the pumps' waits
+read the same one); tests pass a fake (tests/test_client_core.py).
+
+Must not: touch a socket, an event loop, or block (the pumps do); parse or
+build frames (the session does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+from shmserve.client.memory import Region
+from shmserve.client.planning import ZeroCopyPlan, region_limit, spec_of, version_of
+from shmserve.client.steps import CONNECT, Exchange
+from shmserve.client.zerocopy import ZeroCopyOperation
+from shmserve.config import resolve_socket, trusted_server_uids
+from shmserve.errors import ConnectionClosed, ShmserveError
+from shmserve.protocol import Kind
+from shmserve.session import ClientSession, RegionGranted, check_timeout
+from shmserve.spec import ModelSpec
+
+LIFECYCLE_TIMEOUT_S = 900.0  # a control call's default wait: a load of large engines plus a drain
+
+
+def _core_attribute(name: str, doc: str) -> property:
+    return property(lambda face: getattr(face._core, name), lambda face, value: setattr(face._core, name, value),
+                    doc=doc)
+
+
+class ClientFace:
+    """What both faces show of their core, as attributes (settable, as they always were)."""
+
+    _core: ClientCore
+
+    path = _core_attribute("path", "The server's socket path.")
+    trusted = _core_attribute("trusted", "The uids trusted to serve the socket (checked before anything is sent).")
+    timeout = _core_attribute("timeout", "Seconds a call waits by default.")
+    lanes = _core_attribute("lanes", "Whether calls go through lanes where they can.")
+
+
+class ClientCore:
+    """The state of one client, and the decisions both its faces share (see the module).
+
+    ``path``, ``trusted``, ``timeout`` and ``lanes`` are the face's arguments, checked;
+    ``session`` the current connection's ``ClientSession`` (a new one per connection).
+    """
+
+    def __init__(self, socket_path: str | None, timeout: float, instance: str, lanes: bool,
+                 server_uid: int | str | None, clock: Callable[[], float] = time.monotonic):
+        self.path = resolve_socket(socket_path, None, instance)
+        self.trusted = trusted_server_uids(server_uid)  # who may serve us: the pumps check before sending
+        self.timeout = check_timeout(timeout)
+        # Zero-copy calls and infer go through lanes (a region with its own queue to a worker: no
+        # socket round trip) unless this is False (then each is a request over the socket).
+        self.lanes = lanes
+        self.clock = clock
+        self.session = ClientSession()
+        self.regions: list[Region] = []
+        self.specs: dict[str, ModelSpec | None] = {}
+        self.region_limit: int | None = None  # the server's largest region, learned when one is refused
+        self.infer_lanes: dict[str, Region] = {}  # model -> the lane Client.infer uses
+        self.lane_forms: dict = {}  # (model, signature) -> how it goes through a lane (planning.LaneForm)
+        self.no_lane_until: dict[str, float] = {}  # model -> clock time: until then infer uses the socket
+        self.opening: set[str] = set()  # models whose infer lane is being opened (by another call)
+        self.closed = False  # close() was called: no new connection is made
+
+    def timeout_of(self, timeout: float | None) -> float:
+        """A call's timeout: ``timeout``, else the client's.  BadArgument if out of range."""
+        return self.timeout if timeout is None else check_timeout(timeout)
+
+    # -- regions --------------------------------------------------------------------------
+
+    def add_region(self, grant: RegionGranted) -> Region:
+        """Map the region the server granted (its descriptor is the region's now)."""
+        region = Region(grant.region, grant.size, grant.fd, grant.lane)
+        self.regions.append(region)
+        return region
+
+    def plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> ZeroCopyPlan:
+        """Where a zero-copy call of ``model`` goes, in the regions of zero-copy calls (infer's own
+        lanes stay out of it: a zero-copy call's misuse of its space cannot reach them)."""
+        infer_lanes = set(map(id, self.infer_lanes.values()))
+        return ZeroCopyPlan(self.specs[model], model if self.lanes else None, inputs, output_capacity,
+                            [r for r in self.regions if id(r) not in infer_lanes], self.region_limit)
+
+    def release(self) -> None:
+        """Unmap the regions; the session closes the descriptors it still holds."""
+        for region in self.regions:
+            region.close()
+        self.regions.clear()
+        self.infer_lanes.clear()
+        self.session.close()
+
+    def close(self) -> None:
+        """The face was closed: release everything, and make no new connection from now on."""
+        self.closed = True
+        self.release()
+
+    # -- the connection -------------------------------------------------------------------
+
+    def connection_over(self) -> bool:
+        """Whether the connection is over (the server closed it, went away, or a call gave up on
+        it), so that the next call needs a new one; ConnectionClosed if this client was closed."""
+        if self.session.failure is None:
+            return False
+        if self.closed:
+            self.session.ensure_open()
+        return True
+
+    def forget_connection(self) -> None:
+        """The connection is over: forget what was of it (its regions — zero-copy calls made in them
+        fail from now on —, the specs, lanes and limits it told) and start a new session."""
+        self.release()
+        self.specs.clear()
+        self.lane_forms.clear()
+        self.no_lane_until.clear()
+        self.region_limit = None
+        self.session = ClientSession()
+
+    def reconnect_refused(self, exc: ShmserveError) -> ShmserveError:
+        """Connecting again failed with ``exc``: the new session is over too (the next call tries
+        again); the error to raise."""
+        self.session.fail(exc.message, None if isinstance(exc, ConnectionClosed) else exc.code)
+        return exc
+
+    def retry_unsent(self, exc: OSError, attempt: int) -> bool:
+        """Whether a request whose send failed with ``exc`` is sent again on a new connection: not one
+        byte of it went (the connection was over before this call: it never reached the server),
+        the server left no reason (``ConnectionFailed.code``), and it is the first attempt."""
+        failure = self.session.failure
+        return not getattr(exc, "sent", True) and attempt == 0 and not self.closed and \
+            (failure is None or failure.code is None)
+
+    def region_gone(self) -> ConnectionClosed:
+        """The error of a zero-copy call whose region belonged to a connection that ended."""
+        if self.closed:
+            return ConnectionClosed("client closed")
+        failure = self.session.failure
+        why = f" ({failure.message})" if failure is not None else ""
+        return ConnectionClosed(f"this zero-copy call's space was in a region of a connection to {self.path} "
+                                f"that ended{why}; the client connects again by itself: make a new zero_copy call")
+
+    # -- specs ----------------------------------------------------------------------------
+
+    def spec_read(self, model: str, listing: list[dict]) -> ModelSpec | None:
+        """Keep the spec ``listing`` (``models()``) gives ``model``; if it is of another version than
+        the one kept, what was planned from the old one goes first (``forget_spec``)."""
+        spec = spec_of(listing, model)
+        if model in self.specs and version_of(self.specs[model]) != version_of(spec):
+            self.forget_spec(model)
+        self.specs[model] = spec
+        return spec
+
+    def forget_spec(self, model: str) -> None:
+        """Drop what was planned from ``model``'s spec (its spec, its lane forms, the space kept in
+        its infer lane for them): the next call asks the server for the spec again."""
+        self.specs.pop(model, None)
+        for signature in [sig for sig in self.lane_forms if sig[0] == model]:
+            del self.lane_forms[signature]
+        region = self.infer_lanes.get(model)
+        if region is not None:
+            region.drop_seats()
+
+    # -- operations of a request or a few, as steps -------------------------------------------
+
+    def reply(self, build: Callable[[ClientSession], tuple[int, list]], timeout: float | None = None):
+        """Steps: the request ``build`` makes; returns its answer's value."""
+        return (yield Exchange((build, timeout))).value
+
+    def models(self):
+        """Steps: the served models (``Client.models``)."""
+        return self.reply(ClientSession.models)
+
+    def health(self):
+        return self.reply(ClientSession.health)
+
+    def info(self):
+        return self.reply(ClientSession.info)
+
+    def repository(self):
+        return self.reply(ClientSession.repository)
+
+    def control(self, kind: Kind, model: str, timeout: float | None, **fields):
+        """Steps: a lifecycle call (LOAD, UNLOAD, SCALE, CANARY), waited for ``timeout`` s
+        (default LIFECYCLE_TIMEOUT_S)."""
+        return self.reply(lambda session: session.lifecycle(kind, model, **fields),
+                          LIFECYCLE_TIMEOUT_S if timeout is None else timeout)
+
+    def open_region(self, size: int, lane: str | None):
+        """Steps: a region of ``size`` bytes for this connection (with a lane of model ``lane``)."""
+        return self.add_region((yield Exchange((lambda session: session.open_region(size, lane), None))))
+
+    def zero_copy(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None):
+        """Steps: space for one zero-copy call of ``model`` (``Client.zero_copy``): its spec read
+        first if not known, then a region with room found or opened — through ``ZeroCopyPlan``'s
+        answers to the server's refusals —, then placed; returns its ``ZeroCopyOperation``."""
+        yield CONNECT
+        if model not in self.specs:
+            self.specs[model] = spec_of((yield from self.models()), model)
+        plan = self.plan(model, inputs, output_capacity)
+        while plan.region is None:
+            try:
+                plan.opened((yield from self.open_region(plan.region_size, plan.lane)))
+            except ShmserveError as exc:
+                if plan.refused(exc):
+                    self.region_limit = plan.limited(region_limit((yield from self.info())))
+        return ZeroCopyOperation(self, model, *plan.place())

@@ -1,0 +1,264 @@
+"""``infer``, written once for both faces: through a lane of the model when it can take the call, else the socket.
+
+Owns: the decision which way an ``infer`` call goes (``lane_wanted``: lanes
+on, no version or routing key, the model's spec known, every input a
+fixed-size array the model has; the lane routable, a slot and space free),
+opening a model's infer lane (and backing off to the socket for
+LANE_RETRY_S when the server refuses one), copying the inputs into the lane
+and submitting the call, reading its outputs into new arrays, and falling
+back to the socket when the lane cannot answer (its version went away: the
+spec is read again next time; outputs larger than a guessed capacity).
+
+Its state is the ``ClientCore``'s (``infer_lanes``, ``lane_forms``,
+``no_lane_until``, ``opening``): a new connection or a new spec forgets it with
+the rest.
+
+``InferOperation`` is an ``Operation`` (``shmserve.client.steps``): its
+common case — a lane open, the form of this input signature known, a slot
+free — is ``begin`` and ``answer`` around the pump's wait, without a
+generator; everything else is ``steps``.
+
+Must not: touch a socket or wait (the pumps do); decide how a lane call is
+written (``lanes.ClientLane`` and ``shmserve.hotpath`` do).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from shmserve import lanes
+from shmserve.client.core import ClientCore
+from shmserve.client.memory import Region
+from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, region_limit, \
+    spec_of
+from shmserve.client.steps import CONNECT, Exchange, left
+from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.session import FIXED_DTYPES, check_timeout
+
+LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
+NEED_SPEC = object()  # lane_wanted: ask the server for the model's spec first
+
+
+class InferOperation:
+    """``Client.infer`` and ``AsyncClient.infer`` over ``core`` (an ``Operation`` of ``(model,
+    inputs, timeout, version, key)``): see the module."""
+
+    __slots__ = ("core",)
+
+    def __init__(self, core: ClientCore):
+        self.core = core
+
+    # -- the operation ----------------------------------------------------------------------
+
+    def begin(self, args: tuple):
+        """The lane call the common case submitted — ``(region, slot, generation, deadline, seat,
+        form, model, inputs)`` —, the call's request over the socket (no lane wanted, or it
+        cannot take the call now), or the steps of the call.  BadArgument for a timeout out of
+        range.  ``args``: ``(model, inputs, timeout, version, key)``."""
+        model, inputs, timeout, version, key = args
+        core = self.core
+        seconds = core.timeout if timeout is None else check_timeout(timeout)
+        if core.session.failure is not None:
+            return self.steps(model, inputs, seconds, version, key, None)  # it connects again first
+        wanted = self.lane_wanted(model, inputs, version, key)
+        if wanted is None:
+            return self.request(model, inputs, seconds, version, key)
+        if wanted is NEED_SPEC:
+            return self.steps(model, inputs, seconds, version, key, wanted)
+        region = core.infer_lanes.get(model)
+        if region is None:
+            return self.steps(model, inputs, seconds, version, key, wanted)
+        deadline = core.clock() + seconds
+        arrays, form, signature = wanted
+        call = self.lane_start(region, arrays, form, signature, deadline, model, inputs)
+        if call is None:
+            return self.request(model, inputs, left(deadline, core.clock()), None, None)
+        return call
+
+    def answer(self, call: tuple, failure: BaseException | None):
+        """The outputs of a lane call that finished (new arrays), or the request that carries the
+        call over the socket after all, with what is left of its timeout: the lane lost its
+        version before the call ran (``lanes.version_moved``: the socket path loads it again or says
+        why; the next call reads the spec again) or the outputs outgrew a guessed capacity.  ``failure``: waiting
+        for it failed (a timeout keeps its space until the worker is done with it); raised."""
+        region, index, generation, deadline, seat, form, model, inputs = call
+        lane = region.lane
+        if failure is not None:
+            if lane is not None and not lane.finished(index, generation):
+                # Timed out, interrupted or cancelled: the worker may still write its outputs there.
+                lane.abandon(index, generation)
+                region.defer_release(seat, index, generation)
+                raise failure
+            if lane is None:
+                seat.release()
+                raise failure
+            # (it finished as the wait was interrupted: read it, so that its slot is freed)
+        try:
+            placed = lane.read(index, generation, seat.out_offset, seat.out_capacity)
+            if failure is not None:
+                raise failure
+            buf, names = region.buf, form.outputs
+            # New arrays the caller owns, copied out of the lane (as the socket path's are new).
+            return {names[name_index]: np.ndarray(shape, dtype, buffer=buf, offset=offset).copy()
+                    for name_index, (dtype, shape, offset) in sorted(placed.items())}
+        except ShmserveError as exc:
+            if exc is failure:
+                raise
+            if lanes.version_moved(exc):
+                # The lane's version changed under the spec this call was planned from, and nothing
+                # of it ran: the socket answers this one, the next asks for the spec again.
+                self.core.forget_spec(model)
+            elif exc.code is ErrorCode.MODEL_UNAVAILABLE:
+                self.core.forget_spec(model)  # (it ran: its error is the answer; the next call asks again)
+                raise
+            elif exc.code is not ErrorCode.OUTPUT_TOO_LARGE or form.exact:
+                raise
+        finally:
+            seat.release()
+        return self.request(model, inputs, left(deadline, self.core.clock()), None, None)
+
+    @staticmethod
+    def answered(event) -> dict[str, np.ndarray]:
+        """The outputs of the INFER request (``request``) that ended the call: new arrays."""
+        return event.outputs
+
+    def steps(self, model: str, inputs: Mapping[str, np.ndarray], seconds: float, version: int | None,
+              key: str | None, wanted):
+        """The call when ``begin`` could not submit it: a new connection first if this one is over,
+        the model's spec if not known (``wanted``: ``NEED_SPEC``), its infer lane opened if not
+        open; through the lane if it takes the call, else (or after) over the socket."""
+        core = self.core
+        if core.session.failure is not None:
+            yield CONNECT
+            wanted = self.lane_wanted(model, inputs, version, key)
+        if wanted is NEED_SPEC:
+            spec = spec_of((yield from core.models()), model)
+            core.specs.setdefault(model, spec)  # (another call may have read it meanwhile)
+            wanted = self.lane_wanted(model, inputs, version, key)
+        if wanted is not None and wanted is not NEED_SPEC:
+            deadline = core.clock() + seconds
+            region = core.infer_lanes.get(model)
+            if region is None:
+                region = yield from self.open_lane(model, wanted[1])
+            arrays, form, signature = wanted
+            call = self.lane_start(region, arrays, form, signature, deadline, model, inputs) if region else None
+            if call is not None:
+                try:
+                    yield call
+                except BaseException as exc:
+                    outputs = self.answer(call, exc)
+                else:
+                    outputs = self.answer(call, None)
+                if type(outputs) is not Exchange:
+                    return outputs
+                return self.answered((yield outputs))  # over the socket after all
+            seconds = left(deadline, core.clock())  # the socket gets what the lane left of the timeout
+        return self.answered((yield self.request(model, inputs, seconds, version, key)))
+
+    @staticmethod
+    def request(model: str, inputs: Mapping[str, np.ndarray], seconds: float, version: int | None,
+                key: str | None) -> Exchange:
+        """The call as an INFER request over the socket, waited for ``seconds``."""
+        return Exchange((lambda session: session.infer(model, inputs, seconds, version, key), seconds))
+
+    # -- the lane -----------------------------------------------------------------------------
+
+    def lane_wanted(self, model: str, inputs: Mapping[str, np.ndarray], version, key):
+        """(arrays, form, signature) for a call that may go through a lane, ``NEED_SPEC`` if the
+        model's spec must be fetched first, or None: the socket carries it (lanes off, a version
+        or routing key given, the lane refused lately, a bytes or unsupported tensor, an input
+        the model does not have).  The lane serves the model's default version, as the socket
+        does; while a canary or shadow runs the front-end asks for the socket (``routable``)."""
+        core = self.core
+        if not core.lanes or version is not None or key is not None:
+            return None
+        until = core.no_lane_until.get(model)
+        if until is not None:
+            if core.clock() < until:
+                return None
+            del core.no_lane_until[model]
+            core.forget_spec(model)  # ask again: a model loaded meanwhile has a spec now, a new version another
+        if model not in core.specs:
+            return NEED_SPEC
+        spec = core.specs[model]
+        if spec is None:
+            core.no_lane_until[model] = core.clock() + LANE_RETRY_S
+            return None
+        arrays = {}
+        for name, value in inputs.items():
+            a = np.ascontiguousarray(value)
+            if a.dtype not in FIXED_DTYPES:
+                return None  # bytes or unsupported: the socket path serializes or refuses it
+            arrays[name] = a
+        signature = (model, tuple((n, a.dtype, a.shape) for n, a in arrays.items()))
+        forms = core.lane_forms
+        form = forms.get(signature, NEED_SPEC)
+        if form is NEED_SPEC:
+            if len(forms) >= LANE_FORMS_MAX:
+                forms.clear()
+            form = forms[signature] = lane_form(spec, arrays)
+        return None if form is None else (arrays, form, signature)
+
+    def open_lane(self, model: str, form: LaneForm):
+        """Steps: open ``model``'s infer lane, sized for many calls within the server's largest
+        region (learned from its ``info`` when a region is refused as too large); returns it, or
+        None — the socket carries the call — if another call is opening it, if even this call
+        is larger than the server's largest region, or if the server refuses it (no lane for
+        LANE_RETRY_S then; a lost connection is raised)."""
+        core = self.core
+        if model in core.opening:
+            return None  # another call (AsyncClient) is opening it: this one goes over the socket
+        core.opening.add(model)
+        try:
+            size = self.lane_size(form)
+            while size is not None:
+                try:
+                    region = core.infer_lanes[model] = yield from core.open_region(size, model)
+                    return region
+                except ShmserveError as exc:
+                    if exc.code is not ErrorCode.TOO_LARGE or core.region_limit is not None:
+                        raise
+                    core.region_limit = region_limit((yield from core.info()))
+                    size = self.lane_size(form)
+        except ShmserveError as exc:
+            if isinstance(exc, ConnectionClosed):
+                raise
+            core.no_lane_until[model] = core.clock() + LANE_RETRY_S
+        finally:
+            core.opening.discard(model)
+        return None
+
+    def lane_size(self, form: LaneForm) -> int | None:
+        """The size to open a model's infer lane with: room for many calls, within the server's
+        largest region; None if even this call is larger than that (the socket says TOO_LARGE)."""
+        limit = self.core.region_limit
+        if limit is not None and form.needed > limit:
+            return None
+        return max(form.needed, DEFAULT_REGION_BYTES if limit is None else min(DEFAULT_REGION_BYTES, limit))
+
+    def lane_start(self, region: Region, arrays: dict[str, np.ndarray], form: LaneForm, signature: tuple,
+                   deadline: float, model: str, inputs: Mapping[str, np.ndarray]) -> tuple | None:
+        """Copy ``arrays`` into the lane and submit the call: ``(region, slot, generation,
+        deadline, seat, form, model, inputs)``, or None if the lane cannot take it now (no worker serves it, the
+        front-end diverts its model, all its slots or its space are taken): then the socket
+        carries it."""
+        if region.abandoned:
+            region.reclaim()
+        lane = region.lane
+        if lane is None or not lane.routable() or not lane.has_free_slot():
+            return None
+        seat = region.seat(signature, arrays, form)
+        if seat is None:
+            return None
+        seat.busy = True
+        try:
+            for view, a in zip(seat.views, arrays.values()):
+                view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
+            index, generation = lane.submit(self.core.session.reserve_id(), form.version, seat.described,
+                                            seat.out_offset, seat.out_capacity)
+        except BaseException:
+            seat.release()
+            raise
+        return region, index, generation, deadline, seat, form, model, inputs

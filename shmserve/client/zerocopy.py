@@ -1,0 +1,251 @@
+"""Zero-copy calls: ``ZeroCopyCall`` and ``AsyncZeroCopyCall`` (the faces) over one ``ZeroCopyOperation``.
+
+A zero-copy call works in a region of shared memory the server created for
+the connection: the caller writes the inputs into it (``inputs``, numpy views),
+``run`` has the model read them there and write its outputs there, and only
+small descriptors cross the socket, or nothing at all: a lane region carries
+its own queue to a worker.
+
+Owns: one call's run, written once (``ZeroCopyOperation``, an ``Operation`` of
+``(timeout,)``): through the lane when it has a free slot, planned from the
+spec of the version the client knows (``planning.call_plan``) and planned
+again, from the spec read afresh, when a worker of another version refuses
+it (a swap: the caller sees nothing of it, or a clear error naming both
+versions if the new one refuses the call); over the socket as a descriptor
+naming the same region otherwise; read-only views of the outputs; giving its
+space back.
+
+The faces hold the operation and their client's pump, and ask the pump only
+to ``perform`` it: the pump's one method a call uses.
+
+Must not: touch a socket or wait (the pumps do), or keep a region of a
+connection that ended (its calls fail with ConnectionClosed, saying why).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from shmserve import lanes
+from shmserve.client.memory import Region
+from shmserve.client.planning import SPEC_RETRIES, CallPlan, call_plan, version_of
+from shmserve.client.steps import Exchange, left
+from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.protocol import TensorMeta
+from shmserve.session import ClientSession, Placement
+from shmserve.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from shmserve.client.core import ClientCore
+
+
+class ZeroCopyOperation:
+    """One zero-copy call of ``model`` in ``region``: ``inputs`` (name -> (offset, view)) and
+    the output area ``out_offset`` .. + ``out_capacity`` (see the module); an ``Operation`` of
+    ``(timeout,)``."""
+
+    def __init__(self, core: ClientCore, model: str, region: Region, inputs: dict[str, tuple[int, np.ndarray]],
+                 out_offset: int, out_capacity: int):
+        self.core, self.model, self.region = core, model, region
+        self.inputs = inputs
+        self.out_offset, self.out_capacity = out_offset, out_capacity
+        self.plan: CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
+        self.refused: ShmserveError | None = None  # the version serving now refuses this call: said once, kept
+        self.looked_at: ModelSpec | None = None  # the client's spec the plan was last checked against
+
+    # -- the operation ----------------------------------------------------------------------
+
+    def begin(self, args: tuple[float | None]):
+        """The common case, without I/O: the lane call it submitted — ``(region, slot, generation,
+        deadline)`` —; the request over the socket (no lane, or no lane slot free); or the steps
+        of the call (its first run).  ConnectionClosed if its region was of a connection that
+        ended."""
+        core, (timeout,) = self.core, args
+        seconds = core.timeout_of(timeout)  # checked before anything is submitted
+        if self.region.gone or core.session.failure is not None:
+            raise core.region_gone()
+        if not self.lane_usable():
+            return Exchange((self.request(seconds), seconds))
+        deadline = core.clock() + seconds
+        if self.plan is None:
+            return self.steps(deadline, None)
+        index, generation = self.lane_submit(self.lane_plan())
+        return self.region, index, generation, deadline
+
+    def answer(self, call: tuple, failure: BaseException | None):
+        """The outputs of the lane call ``begin`` submitted, or, if a worker of another version
+        refused it, the steps that plan it again; any other error is raised."""
+        if failure is not None:
+            raise failure  # (the lane abandoned the slot of a call that timed out)
+        try:
+            return self.lane_collect(call[1], call[2])
+        except ShmserveError as exc:
+            if not self.stale(exc, 0):
+                raise
+            return self.steps(call[3], exc)
+
+    def answered(self, event) -> dict[str, np.ndarray]:
+        """The outputs of the INFER_REGION request that ended the call: read-only views."""
+        return self.views(event.outputs)
+
+    def steps(self, deadline: float, refused: ShmserveError | None):
+        """The rest of the call (``begin`` did not submit it, or a worker of another version refused
+        it: ``refused``): through the lane, its spec read again (``models``) where a swap calls for
+        it, else over the socket; returns the outputs."""
+        core, first = self.core, 0
+        if refused is not None:
+            if core.spec_read(self.model, (yield from core.models())) is None:
+                raise refused
+            first = 1
+        for attempt in range(first, SPEC_RETRIES + 1):
+            if not self.lane_usable():
+                break
+            if self.plan is None and core.specs.get(self.model) is None:
+                core.spec_read(self.model, (yield from core.models()))  # infer forgot it (a swap): read it again
+            plan = self.lane_plan()
+            if plan is None:
+                break  # the model lists no spec now: the socket says why
+            index, generation = self.lane_submit(plan)
+            yield self.region, index, generation, deadline
+            try:
+                return self.lane_collect(index, generation)
+            except ShmserveError as exc:
+                if not self.stale(exc, attempt) or core.spec_read(self.model, (yield from core.models())) is None:
+                    raise
+        seconds = left(deadline, core.clock())
+        return self.answered((yield Exchange((self.request(seconds), seconds))))
+
+    # -- the lane -----------------------------------------------------------------------------
+
+    def lane_usable(self) -> bool:
+        """Through the region's own queue if it has one with a free slot (all 16 busy: this call
+        goes over the socket instead, as a descriptor naming the same region)."""
+        return self.region.lane is not None and self.region.lane.has_free_slot()
+
+    def lane_plan(self) -> CallPlan | None:
+        """How this call names its tensors to a lane worker: planned from the client's spec of the
+        model, again whenever that spec is of another version than the plan (a swap); None if the
+        client has no spec of it.  Raises the clear error if the version the spec is of refuses
+        the call (and keeps raising it)."""
+        if self.refused is not None:
+            raise self.refused
+        spec, plan = self.core.specs.get(self.model), self.plan
+        if spec is not None and spec is not self.looked_at:  # (the same spec object: nothing to do)
+            if plan is None or version_of(spec) != plan.version:
+                try:
+                    plan = self.plan = call_plan(self.model, spec, self.inputs, self.out_capacity, plan)
+                except ShmserveError as exc:
+                    if plan is not None:  # it was planned from another version's spec: say what changed
+                        self.refused = exc
+                    raise
+            self.looked_at = spec
+        return plan
+
+    def lane_submit(self, plan: CallPlan) -> tuple[int, int]:
+        return self.region.lane.submit(self.core.session.reserve_id(), plan.version, plan.described,
+                                       self.out_offset, self.out_capacity)
+
+    def stale(self, exc: ShmserveError, attempt: int) -> bool:
+        """Whether a lane call that failed with ``exc`` should be planned again from a spec read
+        afresh and sent again: a worker of another version refused it before running it
+        (``lanes.version_moved``; a call that failed MODEL_UNAVAILABLE otherwise, a drain that timed
+        out, ran, and is never sent again), and fewer than SPEC_RETRIES attempts were made."""
+        return lanes.version_moved(exc) and attempt < SPEC_RETRIES and self.plan is not None
+
+    def lane_collect(self, index: int, generation: int) -> dict[str, np.ndarray]:
+        """The outputs of the finished lane call in slot ``index`` (its error raised); frees the slot."""
+        outputs = self.plan.outputs
+        placed = self.region.lane.read(index, generation, self.out_offset, self.out_capacity)
+        return self.views([(outputs[name_index], dtype, shape, offset)
+                           for name_index, (dtype, shape, offset) in sorted(placed.items())])
+
+    # -- the socket, the outputs, the space ---------------------------------------------------
+
+    def request(self, timeout: float):
+        """What builds the INFER_REGION frame naming this call's space (no lane, or its slots all
+        busy) on a session: ConnectionClosed (``region_gone``) if its region is of a connection
+        that ended."""
+        tensors = [TensorMeta(name, view.dtype.name, view.shape, offset)
+                   for name, (offset, view) in self.inputs.items()]
+
+        def build(session: ClientSession) -> tuple[int, list]:
+            if self.region.gone:  # (a new connection since: the id may name another region of ours there)
+                raise self.core.region_gone()
+            return session.infer_region(self.model, tensors, self.region.id, self.out_offset, self.out_capacity,
+                                        timeout)
+        return build
+
+    def views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:
+        """Read-only views of the region where the outputs were placed (checked to lie in the
+        output area: by the session, or by ``ClientLane.read``)."""
+        outputs = {}
+        for name, dtype, shape, offset in placements:
+            view = np.ndarray(shape, dtype, buffer=self.region.buf, offset=offset)
+            view.flags.writeable = False
+            outputs[name] = view
+        return outputs
+
+    def release(self) -> None:
+        """Give the call's space back to its region (once)."""
+        for offset, view in self.inputs.values():
+            self.region.allocator.release(offset, view.nbytes)
+        self.inputs = {}
+        self.region.allocator.release(self.out_offset, self.out_capacity)
+
+
+class ZeroCopyCall:
+    """One zero-copy request: write ``inputs`` (numpy views into the region), call ``run``,
+    read the returned views; ``release`` (or leaving the ``with`` block) returns the space."""
+
+    def __init__(self, client, pump, operation: ZeroCopyOperation):
+        self.client, self.model, self.region = client, operation.model, operation.region
+        self._pump, self._op = pump, operation
+        self.inputs = {name: view for name, (_, view) in operation.inputs.items()}
+        self.out_offset, self.out_capacity = operation.out_offset, operation.out_capacity
+        self.outputs: dict[str, np.ndarray] | None = None
+        self._released = False
+
+    def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run the model on what is in ``inputs`` now; returns read-only views valid until release.
+        Raises the request's ShmserveError; TIMEOUT after ``timeout`` (default: the client's).
+
+        A lane call that a worker of another version refuses (the model's default version
+        changed under the spec it was planned from) is planned again from the spec the client
+        reads afresh, and sent again: the caller sees nothing of the swap.  If the new version
+        does not take this call's inputs (names, dtypes, shapes) or its outputs would not fit the
+        space reserved for them, the call fails with the new version's own code (BAD_INPUT,
+        BAD_DTYPE, BAD_SHAPE, OUTPUT_TOO_LARGE) and a message naming both versions and what the
+        new one refuses, and keeps failing so (make a new ``zero_copy`` call)."""
+        self.outputs = outputs = self._pump.perform(self._op, (timeout,))
+        return outputs
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.inputs = {}
+        self.outputs = None
+        self._op.release()
+
+    def __enter__(self) -> ZeroCopyCall:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class AsyncZeroCopyCall(ZeroCopyCall):
+    """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
+
+    async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """As ``ZeroCopyCall.run`` (a swap under it included)."""
+        self.outputs = outputs = await self._pump.perform(self._op, (timeout,))
+        return outputs
+
+    async def __aenter__(self) -> AsyncZeroCopyCall:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
