@@ -1,15 +1,17 @@
 """The `shmserve` command line: one subcommand per user-facing action.
 
-Owns: argument parsing, output formatting and exit codes.  Each subcommand
-delegates to the module that owns the work (server, client, stale).
+Owns: argument parsing, what each command prints, and which exit code each
+outcome is.  Each subcommand delegates to the module that owns the work
+(server, client, stale); the exit codes, help format, tables and progress are
+``shmserve.console``'s.
 
-Exit codes (``EXIT_CODES``, printed by ``--help``): 0 success; 1 the
+Exit codes (``console.EXIT_CODES``, printed by ``--help``): 0 success; 1 the
 operation failed or the instance is unhealthy; 2 usage, input or configuration
-error; 3 no server answers at the socket; 4 permission denied; 130
-interrupted (Ctrl-C); 141 the reader of the output left (``| head``), as for a
-process SIGPIPE stopped, with nothing on stderr: a closed stdout is never
-taken for a server's fault.  A user's mistake gets one line on stderr, never a
-traceback.
+error (the server's ``bad_argument`` too); 3 no server answers at the socket;
+4 permission denied; 130 interrupted (Ctrl-C); 141 the reader of the output
+left (``| head``), as for a process SIGPIPE stopped, with nothing on stderr: a
+closed stdout is never taken for a server's fault.  A user's mistake gets one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,40 +24,14 @@ import sys
 import zlib
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-EXIT_OUTPUT_CLOSED = 128 + 13  # the shell's status for a process SIGPIPE stopped
+from shmserve.console import (EXIT_CODES, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_NO_SERVER, EXIT_OK,  # noqa: F401
+                              EXIT_OUTPUT_CLOSED, EXIT_PERMISSION, EXIT_USAGE, HelpFormatter, instance_name)
+from shmserve.console import row as _row
+from shmserve.console import show as _print
+from shmserve.console import stdout_console as _console
+from shmserve.console import table as _table
+
 PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at each edge
-EXIT_CODES = """exit codes:
-  0    success
-  1    the operation failed (the server answered with an error), or the instance is unhealthy
-       (doctor: a critical finding, or one at --fail-on)
-  2    usage, input or configuration error
-  3    no server answers at the socket
-  4    permission denied (the socket's group gives access)
-  130  interrupted (Ctrl-C)
-  141  the reader of the output left (`| head`)"""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's default in its help (unless the help already says it); epilogs as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        if action.default is None:
-            return text + " (default: none)"
-        return text + " (default: %(default)s)"
-
-
-def instance_name(text: str) -> str:
-    """argparse type: an instance name (``layout.validate_instance``)."""
-    from shmserve.layout import validate_instance
-
-    try:
-        return validate_instance(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> float:
@@ -97,40 +73,6 @@ def _counting(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
     return value
-
-
-def _table(*columns: str, title: str | None = None):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col)
-    return table
-
-
-def _row(table, *cells) -> None:
-    """Add a row of plain text (names come from the server: never rich markup)."""
-    from rich.text import Text
-
-    table.add_row(*(Text(str(c)) for c in cells))
-
-
-def _console():
-    """A rich Console on stdout that lets a reader's leaving (``| head``) reach ``main`` as the
-    BrokenPipeError it is (rich's own turns it into exit status 1)."""
-    from rich.console import Console
-
-    class PipedConsole(Console):
-        def on_broken_pipe(self) -> None:
-            raise BrokenPipeError
-
-    return PipedConsole()
-
-
-def _print(*renderables) -> None:
-    console = _console()
-    for r in renderables:
-        console.print(r)
 
 
 def _socket_arg(parser: argparse.ArgumentParser, timeout: float = 60.0) -> None:

@@ -1,9 +1,12 @@
 """The contract between the front-end and a worker process.
 
 Owns: how a worker is started (its argv and inherited descriptors), the
-messages it sends on its control socket, the ring entry that stops it, and
-the meaning of its exit codes.  Both sides import this module; it imports
-nothing heavy.
+messages it sends on its control socket, the ring entry that stops it, the
+meaning of its exit codes, and which backends a worker can be asked to run
+(their names and where each loader is, ``BUILTIN`` and the
+``shmserve.backends`` entry points: ``backend_names``; the worker's registry,
+``workers.backends``, loads them).  Both sides import this module; it imports
+nothing heavy, and no backend.
 
 Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message.
 Worker -> front-end:
@@ -69,6 +72,25 @@ CRASH_LOOP_DEATHS = 3
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone",
               EXIT_TERMINATED: "terminated", EXIT_PLACEMENT_FAILED: "could not pin to its CPUs"}
+
+# The backends a worker can run, by name: "module:loader" (imported only by the worker that runs one,
+# ``workers.backends.find``), then any installed package's entry points of this group.
+BACKEND_ENTRY_POINTS = "shmserve.backends"
+BUILTIN_BACKENDS = {
+    "onnxruntime": "workers.backends.onnxruntime:load",
+    "python": "workers.backends.python:load",
+    "torch": "workers.backends.torch:load",
+    "tensorrt": "workers.backends.tensorrt:load",
+}
+
+
+def backend_names() -> list[str]:
+    """Every backend name a worker can be asked to run, sorted; imports no backend or runtime
+    (the configuration checks ``backend`` keys against it when a file is read)."""
+    from importlib.metadata import entry_points
+
+    return sorted(set(BUILTIN_BACKENDS) | {ep.name for ep in entry_points(group=BACKEND_ENTRY_POINTS)})
+
 
 # Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
 # CMD_ATTACH_LANE and CMD_DROP_REGION with a region id, and ``layout.STOP_ENTRY``.
