@@ -378,3 +378,81 @@ def test_the_models_doc_config_snippets_are_valid_config(tmp_path):
             text += "\n" + model
         (tmp_path / f"snippet{i}.toml").write_text(text)
         config.load(tmp_path / f"snippet{i}.toml")
+
+
+# -- make serve: never a silent wait ------------------------------------------------------------
+
+PIP_STAND_IN = """#!/bin/sh
+# The venv's python for this test: the suite's own, with pip asked for a dry run (it resolves,
+# prepares and says so, installs nothing); with PIP_FAILS set, a pip that fails after a line.
+if [ "$1 $2 $3" = "-m pip install" ]; then
+    shift 3
+    if [ -n "$PIP_FAILS" ]; then echo "Collecting no-such-package"; echo "ERROR: no such package" >&2; exit 1; fi
+    exec "{python}" -m pip install --dry-run "$@"
+fi
+exec "{python}" "$@"
+"""
+
+
+def _venv_stand_in(tmp_path) -> str:
+    """A VENV for ``make`` whose bin/python and bin/shmserve are this suite's (no new venv is made)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(PIP_STAND_IN.replace("{python}", sys.executable))
+    (venv / "bin" / "shmserve").write_text('#!/bin/sh\nif [ -n "$PIP_FAILS" ]; then echo "the service ran"; exit 0; fi\n'
+                                           f'exec "{sys.executable}" -m shmserve.cli "$@"\n')
+    for name in ("python", "shmserve"):
+        (venv / "bin" / name).chmod(0o755)
+    return str(venv)
+
+
+def test_make_serve_says_each_step_before_it_and_shows_pips(tmp_path):
+    """Issue 28 item 1: ``make serve`` was silent for about 45 s on a fresh clone (pip --quiet)
+    before ``ready``.  Each step is now announced with its expected time, pip's own steps show as
+    they happen (not its 'already satisfied' chatter), then the server's start-up; Ctrl-C stops it."""
+    from conftest import new_instance
+
+    venv = _venv_stand_in(tmp_path)
+    args = f"--instance {new_instance('make')} --socket {tmp_path / 'make.sock'}"
+    proc = subprocess.Popen(["make", "--no-print-directory", "-C", str(ROOT), "serve", f"VENV={venv}",
+                             f"SERVE_ARGS={args}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any("ready: listening on" in line for line in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        rest, _ = proc.communicate(timeout=60)
+        lines += rest.splitlines(keepends=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(lines)
+
+    def first(words: str) -> int:
+        return next((i for i, line in enumerate(lines) if words in line), len(lines))
+
+    install, starting, ready = first("make: installing shmserve"), first("make: starting the service"), \
+        first("ready: listening on")
+    pip = [i for i, line in enumerate(lines) if line.startswith(("Obtaining", "  Installing build dependencies",
+                                                                 "  Preparing editable metadata"))]
+    assert install < len(lines) and ready < len(lines), text
+    assert "about a minute the first time" in lines[install], text
+    assert pip and install < min(pip) and max(pip) < starting < ready, text
+    assert "Requirement already satisfied" not in text and "Traceback" not in text, text
+
+
+def test_make_serve_stops_when_pip_fails_whatever_its_filter_says(tmp_path):
+    """pip's output goes through a filter (sed), whose status is not pip's: a failed install must
+    still stop ``make serve`` before it starts the service (the Makefile's pipefail)."""
+    venv = _venv_stand_in(tmp_path)
+    r = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "serve", f"VENV={venv}"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PIP_FAILS="1"))
+    assert r.returncode != 0, r
+    assert "Collecting no-such-package" in r.stdout and "ERROR: no such package" in r.stderr, r
+    assert "make: starting the service" not in r.stdout and "the service ran" not in r.stdout, r
