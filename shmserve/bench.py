@@ -203,7 +203,7 @@ def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, m
 def run_clients(path: str, modes: list[str], size: int, requests: int, duration: float, model: str,
                 rate_each: float, protocol: str) -> list[dict]:
     """One client process per entry of ``modes``, released together; their reports (client_main)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
                                str(rate_each), protocol],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -292,7 +292,7 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
     from shmserve import Client
     from shmserve.errors import ShmserveError
 
-    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
                                str(duration), model, "check" if check else "-"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
@@ -530,7 +530,7 @@ def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
 
     workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -116,7 +116,9 @@ def worker_argv(*, instance: str, index: int, model_json: bytes, control_fd: int
                 spin_us: int, cpus: str | None = None) -> list[str]:
     """``cpus``: the cpulist the worker pins itself to before anything else (None: not pinned);
     ``model_json`` names the one device it runs on."""
-    return [sys.executable, "-m", "workers.main", "--instance", instance, "--index", str(index),
+    # -P: the front-end's current directory is not on the worker's sys.path (a module planted there,
+    # or a checkout named shmserve beside it, is never imported in its place)
+    return [sys.executable, "-P", "-m", "workers.main", "--instance", instance, "--index", str(index),
             "--model", model_json.decode(), "--control-fd", str(control_fd),
             "--completion-fd", str(completion_fd), "--spin-us", str(spin_us),
             *(("--cpus", cpus) if cpus is not None else ())]

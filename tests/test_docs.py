@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -456,3 +457,55 @@ def test_make_serve_stops_when_pip_fails_whatever_its_filter_says(tmp_path):
     assert r.returncode != 0, r
     assert "Collecting no-such-package" in r.stdout and "ERROR: no such package" in r.stderr, r
     assert "make: starting the service" not in r.stdout and "the service ran" not in r.stdout, r
+
+
+# -- a checkout named shmserve beside the caller ---------------------------------------------
+
+def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_breaks_a_server(tmp_path):
+    """Issue 28 item 5: with the clone in ``./shmserve`` and Python run from the directory that holds
+    it, ``from shmserve import Client`` failed with "cannot import name 'Client' from 'shmserve'
+    (unknown location)": the clone hid the installed package.  It now says what it is and what to
+    do; and a server started there (the console script) still runs its workers, which start with
+    ``python -P`` (the current directory not on their path)."""
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / "shmserve").symlink_to(ROOT, target_is_directory=True)  # the clone, as named by git clone
+    r = subprocess.run([sys.executable, "-c", "from shmserve import Client"], capture_output=True, text=True,
+                       timeout=60, cwd=holder)
+    assert r.returncode == 1 and "unknown location" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ImportError: {holder / 'shmserve'} is a shmserve checkout"), last
+    assert "Run Python from another directory" in last and "mv shmserve shmserve-src" in last, last
+
+    from conftest import new_instance
+
+    instance = new_instance("beside")
+    config = holder / "beside.toml"
+    config.write_text(f'[server]\ninstance = "{instance}"\n\n[[models]]\nname = "identity"\nbackend = "python"\n'
+                      f'path = "shmserve.models:identity"\n')
+    sock = str(tmp_path / "beside.sock")
+    script = Path(sys.executable).parent / "shmserve"  # what `make serve` runs: the console script
+    proc = subprocess.Popen([str(script), "serve", "--config", str(config), "--socket", sock], cwd=holder,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from shmserve import Client
+        from shmserve.errors import ConnectionClosed
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "late"
+            try:
+                with Client(sock, timeout=30) as c:
+                    if c.health()["status"] == "ok":
+                        break
+            except ConnectionClosed:
+                pass
+            time.sleep(0.1)
+        with Client(sock, timeout=30) as c:
+            import numpy as np
+
+            assert (c.infer("identity", {"x": np.arange(5, dtype=np.uint8)})["y"] == np.arange(5)).all()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in out, out
