@@ -3,9 +3,9 @@
 Owns: the exit codes (``EXIT_CODES``, printed by every ``--help``), the help
 format (every option's default shown), the ``--instance`` argument type, tables
 (rich) that fit the terminal's width and, piped, print whole (no cell cut or
-wrapped: a reader of a pipe has no width), and progress (``Steps``): on a
-terminal a line that says what is happening now, each finished step kept above
-it; piped, plain lines only.  ``shmserve.cli`` and ``shmserve.bench`` both use
+wrapped: a reader of a pipe has no width), and progress (``Steps``): a line per
+step with the seconds so far and, on a terminal, a live line with the step in
+hand below them; piped, the plain lines only.  ``shmserve.cli`` and ``shmserve.bench`` both use
 it, so neither imports the other for these.
 
 Must not: talk to a server or decide what a command does; write markup that
@@ -96,9 +96,9 @@ def show(*renderables) -> None:
 
 
 class Steps:
-    """What a long operation is doing, on ``stream`` (stderr): on a terminal, a line that says
-    the step in hand with its time so far, each finished step kept above it; elsewhere one plain
-    line per step as it begins (logs and pipes stay readable).  ``step`` may be called from any
+    """What a long operation is doing, on ``stream`` (stderr): each step a line with the seconds
+    since the start, as it begins; on a terminal also a live line below them (a spinner and the
+    step in hand) until ``close``; elsewhere only the plain lines (logs and pipes stay readable).  ``step`` may be called from any
     thread; ``close`` ends it (idempotent)."""
 
     def __init__(self, stream=None, clock=time.monotonic):
