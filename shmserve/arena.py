@@ -71,6 +71,10 @@ class ArenaNotFound(ArenaError):
     """No arena of that instance name exists."""
 
 
+class ArenaPermission(ArenaError):
+    """The arena exists and the kernel will not let us open it (another user's, mode 0600)."""
+
+
 class ArenaSquatted(ArenaError):
     """Something that is not an arena we may use holds the instance's name in /dev/shm."""
 
@@ -144,8 +148,9 @@ def open_segment(name: str, flags: int, *, owners: Collection[int] | None) -> tu
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # replaced by a symlink or socket since the lstat
             raise ArenaSquatted(f"{path} was replaced while it was opened; run the command again") from None
-        raise ArenaError(f"cannot open {path} ({uid_words(listed.st_uid)}, mode "
-                         f"{stat.S_IMODE(listed.st_mode):04o}): {exc.strerror}") from None
+        kind = ArenaPermission if exc.errno in (errno.EACCES, errno.EPERM) else ArenaError
+        raise kind(f"cannot open {path} ({uid_words(listed.st_uid)}, mode "
+                   f"{stat.S_IMODE(listed.st_mode):04o}): {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         before = os.lstat(path)

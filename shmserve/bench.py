@@ -203,7 +203,7 @@ def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, m
 def run_clients(path: str, modes: list[str], size: int, requests: int, duration: float, model: str,
                 rate_each: float, protocol: str) -> list[dict]:
     """One client process per entry of ``modes``, released together; their reports (client_main)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--client", path, mode, str(size),
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
                                str(rate_each), protocol],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -292,7 +292,7 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
     from shmserve import Client
     from shmserve.errors import ShmserveError
 
-    procs = [subprocess.Popen([sys.executable, "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
                                str(duration), model, "check" if check else "-"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
@@ -530,7 +530,7 @@ def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
 
     workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -617,7 +617,7 @@ def parse_mix(text: str) -> list[tuple[str, int]]:
 def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, str] | None]:
     """(model, None): ``wanted``, or a model the server at ``path`` lists that bench can drive
     (``identity`` if it has one, else its first one-input model); or (None, (exit code, why))."""
-    from shmserve.cli import EXIT_FAILURE, EXIT_NO_SERVER
+    from shmserve.console import EXIT_FAILURE, EXIT_NO_SERVER
     from shmserve.client import Client
     from shmserve.errors import ConnectionClosed, ShmserveError
 
@@ -639,7 +639,7 @@ def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, st
 
 def missing_doors(path: str, protocols: list[str]) -> tuple[int, str] | None:
     """(exit code, why) if the server at ``path`` does not serve one of the v2 ``protocols``."""
-    from shmserve.cli import EXIT_FAILURE
+    from shmserve.console import EXIT_FAILURE
     from shmserve.client import Client
 
     wanted = [p for p in protocols if p != "unix"]
@@ -657,7 +657,7 @@ def missing_doors(path: str, protocols: list[str]) -> tuple[int, str] | None:
 def swap_versions(path: str, model: str) -> tuple[tuple[int, int] | None, tuple[int, str] | None]:
     """((other, default), None): the versions ``--during-swap`` alternates for ``model`` at
     ``path`` — its default and its newest other version; or (None, (exit code, why))."""
-    from shmserve.cli import EXIT_FAILURE
+    from shmserve.console import EXIT_FAILURE
     from shmserve.client import Client
     from shmserve.errors import ShmserveError
 
@@ -724,7 +724,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shmserve.cli import EXIT_CODES, HelpFormatter, instance_name
+    from shmserve.console import EXIT_CODES, HelpFormatter, instance_name
     from shmserve.inspection import plural
 
     p = argparse.ArgumentParser(prog="shmserve bench", description="Latency and throughput against floors "
@@ -928,7 +928,7 @@ def main_mix(args: argparse.Namespace, size: int, path: str, model: str) -> int:
 
 def main_swap(args: argparse.Namespace, size: int) -> int:
     """``shmserve bench --during-swap``: exit 0, or 1 when a request or a swap failed (said loudly)."""
-    from shmserve.cli import EXIT_FAILURE
+    from shmserve.console import EXIT_FAILURE
 
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None

@@ -1,15 +1,17 @@
 """The `shmserve` command line: one subcommand per user-facing action.
 
-Owns: argument parsing, output formatting and exit codes.  Each subcommand
-delegates to the module that owns the work (server, client, stale).
+Owns: argument parsing, what each command prints, and which exit code each
+outcome is.  Each subcommand delegates to the module that owns the work
+(server, client, stale); the exit codes, help format, tables and progress are
+``shmserve.console``'s.
 
-Exit codes (``EXIT_CODES``, printed by ``--help``): 0 success; 1 the
+Exit codes (``console.EXIT_CODES``, printed by ``--help``): 0 success; 1 the
 operation failed or the instance is unhealthy; 2 usage, input or configuration
-error; 3 no server answers at the socket; 4 permission denied; 130
-interrupted (Ctrl-C); 141 the reader of the output left (``| head``), as for a
-process SIGPIPE stopped, with nothing on stderr: a closed stdout is never
-taken for a server's fault.  A user's mistake gets one line on stderr, never a
-traceback.
+error (the server's ``bad_argument`` too); 3 no server answers at the socket;
+4 permission denied; 130 interrupted (Ctrl-C); 141 the reader of the output
+left (``| head``), as for a process SIGPIPE stopped, with nothing on stderr: a
+closed stdout is never taken for a server's fault.  A user's mistake gets one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,40 +24,14 @@ import sys
 import zlib
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SERVER, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-EXIT_OUTPUT_CLOSED = 128 + 13  # the shell's status for a process SIGPIPE stopped
+from shmserve.console import (EXIT_CODES, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_NO_SERVER, EXIT_OK,  # noqa: F401
+                              EXIT_OUTPUT_CLOSED, EXIT_PERMISSION, EXIT_USAGE, HelpFormatter, instance_name)
+from shmserve.console import row as _row
+from shmserve.console import show as _print
+from shmserve.console import stdout_console as _console
+from shmserve.console import table as _table
+
 PRINT_THRESHOLD = 100  # infer --print: arrays with more elements show only 3 at each edge
-EXIT_CODES = """exit codes:
-  0    success
-  1    the operation failed (the server answered with an error), or the instance is unhealthy
-       (doctor: a critical finding, or one at --fail-on)
-  2    usage, input or configuration error
-  3    no server answers at the socket
-  4    permission denied (the socket's group gives access)
-  130  interrupted (Ctrl-C)
-  141  the reader of the output left (`| head`)"""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's default in its help (unless the help already says it); epilogs as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        if action.default is None:
-            return text + " (default: none)"
-        return text + " (default: %(default)s)"
-
-
-def instance_name(text: str) -> str:
-    """argparse type: an instance name (``layout.validate_instance``)."""
-    from shmserve.layout import validate_instance
-
-    try:
-        return validate_instance(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> float:
@@ -91,46 +67,22 @@ def _sample(text: str) -> float:
     return value
 
 
+def _instances(text: str) -> int:
+    """argparse type: a number of workers of one version, 1 to ``protocol.MAX_INSTANCES``."""
+    from shmserve.protocol import MAX_INSTANCES
+
+    value = _counting(text)
+    if value > MAX_INSTANCES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_INSTANCES} (workers of one version), got {text!r}")
+    return value
+
+
 def _counting(text: str) -> int:
     """argparse type: an integer of 1 or more (a version, a worker count)."""
     value = _natural(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
     return value
-
-
-def _table(*columns: str, title: str | None = None):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col)
-    return table
-
-
-def _row(table, *cells) -> None:
-    """Add a row of plain text (names come from the server: never rich markup)."""
-    from rich.text import Text
-
-    table.add_row(*(Text(str(c)) for c in cells))
-
-
-def _console():
-    """A rich Console on stdout that lets a reader's leaving (``| head``) reach ``main`` as the
-    BrokenPipeError it is (rich's own turns it into exit status 1)."""
-    from rich.console import Console
-
-    class PipedConsole(Console):
-        def on_broken_pipe(self) -> None:
-            raise BrokenPipeError
-
-    return PipedConsole()
-
-
-def _print(*renderables) -> None:
-    console = _console()
-    for r in renderables:
-        console.print(r)
 
 
 def _socket_arg(parser: argparse.ArgumentParser, timeout: float = 60.0) -> None:
@@ -147,13 +99,14 @@ def _client(args):
 
     try:
         return Client(args.socket, timeout=args.timeout, instance=args.instance or DEFAULT_INSTANCE)
-    except ValueError as exc:  # $SHMSERVE_SERVER_UID names no user
-        raise SystemExit(f"shmserve {args.command}: {exc}") from None
+    except ValueError as exc:  # $SHMSERVE_SERVER_UID names no user: a configuration error
+        raise SystemExit(_usage(args.command, str(exc))) from None
 
 
 def _talks_to_server(func):
     """Turn client errors of a subcommand into messages and exit codes (3: no server, 4: the
-    socket or its directory refuses us, 1: an error)."""
+    socket or its directory refuses us, or the server does; 2: the server refused a value we sent,
+    bad_argument; 1: any other error)."""
     import functools
 
     @functools.wraps(func)
@@ -179,7 +132,8 @@ def _talks_to_server(func):
             return EXIT_NO_SERVER
         except ShmserveError as exc:
             print(f"shmserve {args.command}: {exc}", file=sys.stderr)
-            return EXIT_PERMISSION if exc.code == ErrorCode.PERMISSION_DENIED else EXIT_FAILURE
+            return {ErrorCode.PERMISSION_DENIED: EXIT_PERMISSION, ErrorCode.BAD_ARGUMENT: EXIT_USAGE}.get(
+                exc.code, EXIT_FAILURE)
 
     return wrapper
 
@@ -306,6 +260,22 @@ def _usage(command: str, message: str) -> int:
     return EXIT_USAGE
 
 
+def _inputs_known(client, args: argparse.Namespace) -> dict | None:
+    """The ``models`` entry of a model whose inputs were unknown (not loaded), once the server has
+    been asked to run it with none: it answers why it cannot (raised: a ShmserveError with its code
+    and reason, as ``unloaded by uid 0``), or loads it on demand and refuses the missing inputs,
+    after which they are known.  None if they still are not."""
+    from shmserve.errors import ErrorCode, ShmserveError
+
+    try:
+        client.infer(args.model, {}, timeout=args.timeout, version=args.version, key=args.key)
+    except ShmserveError as exc:
+        if exc.code is not ErrorCode.BAD_INPUT:
+            raise
+    spec = next((m for m in client.models() if m["name"] == args.model), None)
+    return spec if spec is not None and spec["inputs"] else None
+
+
 @_talks_to_server
 def _cmd_infer(args: argparse.Namespace) -> int:
     import time
@@ -326,9 +296,12 @@ def _cmd_infer(args: argparse.Namespace) -> int:
                 print(f"shmserve infer: the server has no model {args.model!r} (see 'shmserve models')",
                       file=sys.stderr)
                 return EXIT_FAILURE
-            if spec["state"] != "ready" and not spec["inputs"]:  # never loaded: its inputs are unknown
-                print(f"shmserve infer: {spec.get('error') or f'model {args.model!r} is not ready'}", file=sys.stderr)
-                return EXIT_FAILURE
+            if spec["state"] != "ready" and not spec["inputs"]:  # not loaded: its inputs are unknown
+                state, spec = spec["state"], _inputs_known(client, args)
+                if spec is None:
+                    print(f"shmserve infer: model {args.model!r} is {state}: its inputs are unknown",
+                          file=sys.stderr)
+                    return EXIT_FAILURE
             rng = np.random.default_rng(args.seed)
             for t in spec["inputs"]:
                 if t["name"] not in inputs:
@@ -413,18 +386,26 @@ def _cmd_models(args: argparse.Namespace) -> int:
     models = _ask(args, "models")
     if args.json:
         return EXIT_OK
-    table = _table("model", "backend", "device", "state", "tensor", "dtype", "shape")
+    table = _table("model", "version", "backend", "device", "state", "tensor", "dtype", "shape")
     for m in models:
         tensors = [(f"{role[:-1]} {t['name']}", t["dtype"],
                     "[" + ", ".join("?" if d is None else str(d) for d in t["shape"]) + "]")
                    for role in ("inputs", "outputs") for t in m[role]] or [("-", "-", "-")]
         for i, tensor in enumerate(tensors):
-            head = (m["name"], m["backend"], m["device"], m["state"]) if i == 0 else ("", "", "", "")
+            head = (m["name"], _versions(m), m["backend"], m["device"], m["state"]) if i == 0 else ("",) * 5
             _row(table, *head, *tensor)
     _print(table)
     for m in models:
         print(f"{m['name']}: {m['path']}" + (f"\n  error: {m['error']}" if m.get("error") else ""))
     return EXIT_OK
+
+
+def _versions(m: dict) -> str:
+    """A ``models`` entry's version for people: the default one, and the others serving beside it."""
+    if m.get("version") is None:
+        return "-"
+    others = [str(v) for v in m.get("versions", []) if v != m["version"]]
+    return str(m["version"]) + (f" (also serving: {', '.join(others)})" if others else "")
 
 
 @_talks_to_server
@@ -493,8 +474,19 @@ def _cmd_repository(args: argparse.Namespace) -> int:
 
 
 def _lifecycle_call(args: argparse.Namespace, method: str, **fields) -> int:
-    with _client(args) as client:
-        answer = getattr(client, method)(args.model, timeout=args.timeout, **fields)
+    """Make the call and print its answer (stdout); while it runs, what happens to the model's
+    versions on stderr (``watch.Watch``: a line per change, a live line on a terminal)."""
+    from shmserve.client import Client
+    from shmserve.console import Steps
+    from shmserve.watch import Watch
+
+    steps = Steps()
+    try:
+        with _client(args) as client, Watch(lambda: Client(args.socket, timeout=5.0, instance=args.instance),
+                                            args.model, steps.step):
+            answer = getattr(client, method)(args.model, timeout=args.timeout, **fields)
+    finally:
+        steps.close()
     print(json.dumps(answer) if args.json else _describe(method, answer))
     return EXIT_OK
 
@@ -604,7 +596,7 @@ def _with_lifecycle(snap: dict) -> dict:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from shmserve import inspection, stale
-    from shmserve.arena import ArenaError, ArenaNotFound
+    from shmserve.arena import ArenaError, ArenaNotFound, ArenaPermission
     from shmserve.inspection import plural
 
     def instances() -> list[str]:
@@ -620,7 +612,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 snaps.append(_with_lifecycle(inspection.snapshot(name, stuck_after_s=args.stuck_after)))
             except ArenaNotFound as exc:
                 errors.append((EXIT_NO_SERVER, str(exc)))
-            except ArenaError as exc:
+            except ArenaPermission as exc:
+                errors.append((EXIT_PERMISSION, str(exc)))
+            except ArenaError as exc:  # not an arena, still being created, corrupt
                 errors.append((EXIT_USAGE, str(exc)))
         return {"instances": snaps, "leftovers": inspection.leftovers(), "errors": errors}
 
@@ -766,6 +760,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from shmserve import __version__
+    from shmserve.protocol import MAX_INSTANCES
 
     parser = argparse.ArgumentParser(
         prog="shmserve", description="Local inference over shared memory.", formatter_class=HelpFormatter,
@@ -842,7 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("model")
     load.add_argument("--version", type=_counting, default=None,
                       help="the version (default: the newest its version_policy selects)")
-    load.add_argument("--instances", type=_counting, default=None, help="workers (default: its config's instances)")
+    load.add_argument("--instances", type=_instances, default=None,
+                      help=f"workers, 1 to {MAX_INSTANCES} (default: its config's instances)")
     load.add_argument("--keep", action="store_true", help="keep the version serving before loaded (not the default)")
     load.add_argument("--json", action="store_true", help="one line of JSON")
     _socket_arg(load, timeout=900.0)
@@ -859,7 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale = command("scale", "run N workers for a model's default version; removed ones finish their queue "
                              "first (admins only)", "shmserve scale resnet 3")
     scale.add_argument("model")
-    scale.add_argument("instances", type=_counting, help="workers")
+    scale.add_argument("instances", type=_instances, help=f"workers, 1 to {MAX_INSTANCES}")
     scale.add_argument("--version", type=_counting, default=None, help="the version (default: the default one)")
     scale.add_argument("--json", action="store_true", help="one line of JSON")
     _socket_arg(scale, timeout=900.0)

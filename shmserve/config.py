@@ -4,7 +4,7 @@ Owns: every configurable knob with its default and the reason for it, and
 validation that names the key that is wrong (``models[1].device: …``).
 
 Must not: import backends or start anything (backend names are checked
-against the registry, ``workers.backends.names``, which imports no backend).
+against ``workerlink.backend_names``, which imports no backend).
 
 File format::
 
@@ -90,7 +90,7 @@ from pathlib import Path
 from shmserve import placement
 from shmserve.layout import validate_instance
 from shmserve.spec import PLACEHOLDER_DIMS, TensorSpec
-from workers.backends import names as backend_names
+from shmserve.workerlink import backend_names
 
 MiB = 1024 * 1024
 DEFAULT_INSTANCE = "default"

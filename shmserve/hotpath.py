@@ -216,7 +216,7 @@ def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring
     ``ring``; a lane's client is woken here (its futex doorbell), the arena's collector by the
     caller.  Whether it was published: a lane slot its client rewrote meanwhile is not (False);
     an arena slot raises SlotConflict."""
-    generation = entry >> 32
+    _, generation = layout.split_entry(entry)
     if failure is not None:
         layout.encode_error(buf, geometry, index, *failure)
         n_outputs = 0

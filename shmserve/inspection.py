@@ -125,7 +125,7 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
     out["stats"] = {name: arena.stat(name) for name in layout.STAT_NAMES}
     out["regions"] = [{
         "id": r.id, "kind": layout.REGION_KIND_NAMES[r.kind], "size": r.size, "owner_pid": r.owner_pid,
-        "owner_uid": r.owner_uid, "worker": None if r.worker == layout.NO_WORKER else r.worker,
+        "owner_uid": None if r.owner_uid == layout.NO_UID else r.owner_uid, "worker": None if r.worker == layout.NO_WORKER else r.worker,
         "model": names.get(r.worker, f"#{r.model_id}") if r.kind == layout.REGION_LANE else None,
         "age_s": round((now_wall - r.created_unix_ns) / 1e9, 1)} for r in layout.read_regions(buf, g)]
     out["problems"] = problems(out)

@@ -376,12 +376,18 @@ REGION = Record("Region", REGION_RECORD_SIZE, [
     ("id", "I"),
     ("size", "Q"),
     ("owner_pid", "I"),
-    ("owner_uid", "I"),
+    ("owner_uid", "I"),  # region_uid(): NO_UID when the owner's uid is not known
     ("worker", "I"),  # a lane's worker, NO_WORKER while it has none (and for a plain region)
     ("model_id", "I"),  # a lane's model (index in the front-end's model list)
     ("created_unix_ns", "Q"),
 ])
 REGION_FREE, REGION_PLAIN, REGION_LANE = 0, 1, 2
+NO_UID = 0xFFFFFFFF  # a region record's ``owner_uid`` when its owner's uid is not known (-1 in the front-end)
+
+
+def region_uid(uid: int) -> int:
+    """``uid`` as a region record's ``owner_uid`` (u32): NO_UID for an unknown one (below 0)."""
+    return NO_UID if uid < 0 else uid
 REGION_KIND_NAMES = {REGION_FREE: "free", REGION_PLAIN: "region", REGION_LANE: "lane"}
 
 

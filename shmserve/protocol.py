@@ -501,21 +501,25 @@ CANARY_ACTIONS = ("start", "promote", "abort", "status")
 
 
 def parse_control(kind: Kind, meta: dict) -> ControlCall:
-    """Validate a LOAD, UNLOAD, SCALE or CANARY message.  Raises ProtocolViolation (BAD_FRAME)
-    naming the field."""
+    """Validate a LOAD, UNLOAD, SCALE or CANARY message.  Raises ProtocolViolation naming the
+    field: BAD_ARGUMENT for a value the caller chose that is not allowed (a version, a number of
+    instances, a canary action), BAD_FRAME for the rest of the schema."""
     model = parse_name(meta.get("model"), "'model'")
-    version = _int(meta, "version", 1, MAX_VERSION) if meta.get("version") is not None else None
+    version = _int(meta, "version", 1, MAX_VERSION, ErrorCode.BAD_ARGUMENT) if meta.get("version") is not None \
+        else None
     instances = None
     if kind is Kind.SCALE or meta.get("instances") is not None:
-        _require(kind in (Kind.LOAD, Kind.SCALE), "'instances' is for load and scale")
-        instances = _int(meta, "instances", 1, MAX_INSTANCES)
+        _require(kind in (Kind.LOAD, Kind.SCALE), "'instances' is for load and scale", ErrorCode.BAD_ARGUMENT)
+        instances = _int(meta, "instances", 1, MAX_INSTANCES, ErrorCode.BAD_ARGUMENT)
     keep = meta.get("keep", False)
     _require(type(keep) is bool and (not keep or kind is Kind.LOAD), "'keep' must be true or false (load only)")
     action = plan = None
     if kind is Kind.CANARY:
         action = meta.get("action")
-        _require(action in CANARY_ACTIONS, f"'action' must be one of {', '.join(CANARY_ACTIONS)}")
+        _require(action in CANARY_ACTIONS, f"'action' must be one of {', '.join(CANARY_ACTIONS)}",
+                 ErrorCode.BAD_ARGUMENT)
         plan = meta.get("plan", {})
         _require(isinstance(plan, dict), "'plan' must be an object")
-        _require(action != "start" or version is not None, "starting a canary needs the candidate's 'version'")
+        _require(action != "start" or version is not None, "starting a canary needs the candidate's 'version'",
+                 ErrorCode.BAD_ARGUMENT)
     return ControlCall(kind, model, version, instances, keep, action, plan)

@@ -26,8 +26,10 @@ and at most ``MAX_CONFIG_BYTES``.  Checks are made when the repository is read: 
 replaces files afterwards races the worker's own open, as with any config.
 
 Errors: ``RepositoryError`` carries UNKNOWN_MODEL (no such model or version), PERMISSION_DENIED
-(a path leaves the repository), BAD_ARGUMENT (a malformed model name or version number) or
-MODEL_UNAVAILABLE (the model's config.toml or the version is broken: the reason in the message).
+(a path leaves the repository), BAD_ARGUMENT (a malformed model name or version number, or a
+config.toml whose content is wrong: not UTF-8 TOML, an unknown key or a bad value, named in the
+message) or MODEL_UNAVAILABLE (the files are not there to be used: config.toml missing, not a
+regular file or too large, a version that is not a directory or lacks its model file).
 ``scan`` records them per model and per version and never raises for one bad model.
 
 Must not: start processes, import asyncio or a backend, or keep state: every call reads the
@@ -168,19 +170,20 @@ def _read_model(real_root: str, name: str) -> RepoModel:
 def _template(real_root: str, name: str) -> tuple[str, dict, ModelConfig]:
     """The model directory's real path, config.toml's table (with ``name``) and its parse.
     RepositoryError: PERMISSION_DENIED (the directory, config.toml, ``path`` or a warm-up file
-    leaves the repository), MODEL_UNAVAILABLE (config.toml missing, too large or invalid)."""
+    leaves the repository), BAD_ARGUMENT (config.toml's content is wrong), MODEL_UNAVAILABLE
+    (config.toml missing, not a regular file or too large)."""
     model_dir = _inside(real_root, os.path.join(real_root, name), f"model {name!r}")
     where = f"{name}/{CONFIG_FILE}"
     config_path = _inside(real_root, os.path.join(model_dir, CONFIG_FILE), f"model {name!r}: {CONFIG_FILE}")
     raw = _read_config(config_path, where)
     if "name" in raw and raw["name"] != name:
-        raise RepositoryError(ErrorCode.MODEL_UNAVAILABLE,
+        raise RepositoryError(ErrorCode.BAD_ARGUMENT,
                               f"{where}.name: {raw['name']!r} differs from the directory's name {name!r}")
     raw = {**raw, "name": name}
     try:
         template = _model(raw, where, None)
     except ConfigError as exc:
-        raise RepositoryError(ErrorCode.MODEL_UNAVAILABLE, str(exc)) from None
+        raise RepositoryError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
     if template.backend != "python":
         _relative(template.path, f"{where}.path")
     for input_name, file in template.warmup_inputs:
@@ -190,9 +193,10 @@ def _template(real_root: str, name: str) -> tuple[str, dict, ModelConfig]:
 
 def _read_config(path: str, where: str) -> dict:
     """config.toml's table: a regular file of at most MAX_CONFIG_BYTES, opened without following
-    a final symlink or blocking (a FIFO).  RepositoryError MODEL_UNAVAILABLE otherwise."""
-    def bad(why: str) -> RepositoryError:
-        return RepositoryError(ErrorCode.MODEL_UNAVAILABLE, f"{where}: {why}")
+    a final symlink or blocking (a FIFO).  RepositoryError MODEL_UNAVAILABLE otherwise, BAD_ARGUMENT
+    for content that is not UTF-8 TOML."""
+    def bad(why: str, code: ErrorCode = ErrorCode.MODEL_UNAVAILABLE) -> RepositoryError:
+        return RepositoryError(code, f"{where}: {why}")
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -214,9 +218,9 @@ def _read_config(path: str, where: str) -> dict:
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise bad("not UTF-8 text") from None
+        raise bad("not UTF-8 text", ErrorCode.BAD_ARGUMENT) from None
     except tomllib.TOMLDecodeError as exc:
-        raise bad(f"not valid TOML: {exc}") from None
+        raise bad(f"not valid TOML: {exc}", ErrorCode.BAD_ARGUMENT) from None
 
 
 def _versions(model_dir: str) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -1,9 +1,12 @@
 """The contract between the front-end and a worker process.
 
 Owns: how a worker is started (its argv and inherited descriptors), the
-messages it sends on its control socket, the ring entry that stops it, and
-the meaning of its exit codes.  Both sides import this module; it imports
-nothing heavy.
+messages it sends on its control socket, the ring entry that stops it, the
+meaning of its exit codes, and which backends a worker can be asked to run
+(their names and where each loader is, ``BUILTIN`` and the
+``shmserve.backends`` entry points: ``backend_names``; the worker's registry,
+``workers.backends``, loads them).  Both sides import this module; it imports
+nothing heavy, and no backend.
 
 Control socket: a SOCK_SEQPACKET socketpair, one JSON object per message.
 Worker -> front-end:
@@ -70,6 +73,25 @@ EXIT_NAMES = {EXIT_OK: "stopped", EXIT_LOAD_FAILED: "model failed to load",
               EXIT_ARENA_FAILED: "could not use the arena", EXIT_ORPHANED: "front-end gone",
               EXIT_TERMINATED: "terminated", EXIT_PLACEMENT_FAILED: "could not pin to its CPUs"}
 
+# The backends a worker can run, by name: "module:loader" (imported only by the worker that runs one,
+# ``workers.backends.find``), then any installed package's entry points of this group.
+BACKEND_ENTRY_POINTS = "shmserve.backends"
+BUILTIN_BACKENDS = {
+    "onnxruntime": "workers.backends.onnxruntime:load",
+    "python": "workers.backends.python:load",
+    "torch": "workers.backends.torch:load",
+    "tensorrt": "workers.backends.tensorrt:load",
+}
+
+
+def backend_names() -> list[str]:
+    """Every backend name a worker can be asked to run, sorted; imports no backend or runtime
+    (the configuration checks ``backend`` keys against it when a file is read)."""
+    from importlib.metadata import entry_points
+
+    return sorted(set(BUILTIN_BACKENDS) | {ep.name for ep in entry_points(group=BACKEND_ENTRY_POINTS)})
+
+
 # Commands on a worker's submission ring (encoded by ``layout.command_entry``): CMD_STOP,
 # CMD_ATTACH_LANE and CMD_DROP_REGION with a region id, and ``layout.STOP_ENTRY``.
 MAX_LANES = 127  # per worker: it sleeps on its own ring and its lanes' in one futex_waitv (128 words)
@@ -94,7 +116,9 @@ def worker_argv(*, instance: str, index: int, model_json: bytes, control_fd: int
                 spin_us: int, cpus: str | None = None) -> list[str]:
     """``cpus``: the cpulist the worker pins itself to before anything else (None: not pinned);
     ``model_json`` names the one device it runs on."""
-    return [sys.executable, "-m", "workers.main", "--instance", instance, "--index", str(index),
+    # -P: the front-end's current directory is not on the worker's sys.path (a module planted there,
+    # or a checkout named shmserve beside it, is never imported in its place)
+    return [sys.executable, "-P", "-m", "workers.main", "--instance", instance, "--index", str(index),
             "--model", model_json.decode(), "--control-fd", str(control_fd),
             "--completion-fd", str(completion_fd), "--spin-us", str(spin_us),
             *(("--cpus", cpus) if cpus is not None else ())]

@@ -13,15 +13,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shmserve import cli as shmserve_cli
+from shmserve import errors as shmserve_errors
 
 from conftest import new_instance
-from helpers.server import TESTS_DIR, ServerProcess, wait_for
+from helpers.server import TESTS_DIR, ServerProcess, serving, wait_for
 
 COMMANDS = ("serve", "infer", "models", "health", "info", "inspect", "bench", "cleanup")
 
@@ -375,3 +378,194 @@ def test_a_closed_stdout_is_not_a_server_problem(tmp_path):
             assert (r.returncode, r.stderr) == (shmserve_cli.EXIT_OUTPUT_CLOSED, ""), (args, r.stderr)
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+# -- issue 28: long calls say what they do, tables that pipe, codes that fit ---------------
+
+HELD = """\
+import os, time
+import numpy as np
+VERSION = {version}
+GATE = {gate!r}
+{load_gate}
+def model(inputs):
+    x = inputs["x"]
+    if x.size and x[0] > 0:  # held until the test opens GATE
+        open(GATE + ".running", "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(GATE) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return {{"y": x + np.float32(1000 * VERSION)}}
+model.inputs = [{{"name": "x", "dtype": "float32", "shape": ["n"]}}]
+model.outputs = [{{"name": "y", "dtype": "float32", "shape": ["n"]}}]
+"""
+LOAD_GATE = """\
+_until = time.monotonic() + 120  # its import (the worker's load) waits for the test too
+while not os.path.exists({path!r}) and time.monotonic() < _until:
+    time.sleep(0.02)
+"""
+
+
+def _held_version(repo, version: int, gate, load_gate=None) -> None:
+    from test_model_lifecycle import add_version
+
+    add_version(repo, "m", version, HELD.replace("{gate!r}", repr(str(gate))).replace(
+        "{load_gate}", LOAD_GATE.format(path=str(load_gate)) if load_gate else ""))
+
+
+class Lines:
+    """A child's stream read line by line on a thread, for waiting on what it has said so far."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
+        self.thread.start()
+
+    def index(self, words: str) -> int:
+        return next(i for i, line in enumerate(self.lines) if words in line)
+
+    def has(self, words: str) -> bool:
+        return any(words in line for line in self.lines)
+
+
+def test_load_says_what_it_is_doing_loading_draining_and_done(tmp_path):
+    """Issue 28 item 2: ``shmserve load`` waited (up to the drain timeout) with no output.  Piped,
+    it now says each step on stderr as it happens — the new version loading, ready, the old one
+    draining with the requests it still runs, unloaded — and the answer alone on stdout."""
+    from test_model_lifecycle import repo_server_section
+
+    repo = tmp_path / "repo"
+    release, loaded = tmp_path / "release", tmp_path / "loaded"
+    _held_version(repo, 1, release)
+    with serving(tmp_path, "", server_section=repo_server_section(repo, drain_s=120)) as srv:
+        held: list = []
+        caller = threading.Thread(target=lambda: held.append(
+            srv.client(timeout=120, lanes=False).infer("m", {"x": np.ones(2, np.float32)})["y"]))
+        caller.start()
+        proc = None
+        try:
+            wait_for(lambda: Path(str(release) + ".running").exists(), "a request running on version 1")
+            _held_version(repo, 2, release, load_gate=loaded)
+            proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "load", "m", "--version", "2",
+                                     "--socket", srv.socket], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=TESTS_DIR.parent)
+            err = Lines(proc.stderr)
+            wait_for(lambda: err.has("version 2: loading: 0 of 1 worker ready"), "load to say version 2 loads",
+                     timeout=90)
+            loaded.touch()
+            wait_for(lambda: err.has("version 1: draining: 1 request in flight"), "load to say what drains",
+                     timeout=90)
+            assert proc.poll() is None  # the call waits for the drain, and says so
+            release.touch()
+            out, _ = proc.communicate(timeout=120)
+            err.thread.join(10)
+        finally:
+            release.touch(), loaded.touch()
+            caller.join(120)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err.lines
+        assert out.startswith("model m version 2: ready, 1 worker(s)") and out.count("\n") == 1, out
+        assert "Traceback" not in "".join(err.lines)
+        loading, ready, draining, unloaded = (err.index(words) for words in (
+            "version 2: loading", "version 2: ready, 1 of 1 worker ready", "version 1: draining: 1 request in flight",
+            "version 1: unloaded: replaced by version 2"))
+        assert loading < min(ready, draining) and max(ready, draining) < unloaded, err.lines
+        assert all(line.startswith("[") and " s] version " in line for line in err.lines), err.lines  # plain lines
+        assert held and held[0][0] == 1001  # the request version 1 held was answered
+
+        r = cli("unload", "m", "--json", "--socket", srv.socket)  # --json: stdout stays one JSON line
+        assert r.returncode == 0 and json.loads(r.stdout)["unloaded"] == [2], r
+        assert "version 2: unloaded: unloaded by uid" in r.stderr, r.stderr
+
+
+def test_tables_print_whole_when_piped_and_show_versions(tmp_path):
+    """Issue 28 item 3: piped (80 columns), ``repository`` wrapped a reason a word per line and
+    ``info`` cut its headers to ``vers…``; ``models`` showed no version.  Piped, every table is
+    printed whole, whatever $COLUMNS says; ``--json`` is unchanged."""
+    from test_model_lifecycle import add_version, repo_server_section
+
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        with srv.client() as c:
+            c.load("m", version=1, keep=True)
+            c.load("m", version=2, keep=True)  # both serve, 2 is the default
+            c.unload("m", version=1)
+        env = dict(os.environ, COLUMNS="80")
+        run = [sys.executable, "-m", "shmserve.cli"]
+        outs = {}
+        for command in ("repository", "info", "models"):
+            r = subprocess.run([*run, command, "--socket", srv.socket], capture_output=True, text=True,
+                               timeout=60, env=env, cwd=TESTS_DIR.parent)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, r
+            assert "…" not in r.stdout, r.stdout
+            outs[command] = r.stdout
+        rows = [line for line in outs["repository"].splitlines() if line.startswith("│ m ")]
+        assert any(line.rstrip("│ ").endswith(f"unloaded by uid {os.getuid()}") for line in rows), outs["repository"]
+        assert max(map(len, outs["repository"].splitlines())) > 80  # wider than $COLUMNS: nothing wrapped
+        header = next(line for line in outs["info"].splitlines() if "in flight" in line)
+        assert "version" in header and "state" in header and "restarts" in header, outs["info"]
+        row = next(line for line in outs["models"].splitlines() if line.startswith("│ m "))
+        assert [c.strip() for c in row.split("│")[1:3]] == ["m", "2"], outs["models"]
+        with srv.client() as c:
+            c.load("m", version=1, keep=True)
+        r = cli("models", "--socket", srv.socket)
+        row = next(line for line in r.stdout.splitlines() if line.startswith("│ m "))
+        assert "1 (also serving: 2)" in row or "2 (also serving: 1)" in row, r.stdout
+
+
+def test_codes_fit_user_mistakes_and_refusals_name_their_reason(tmp_path):
+    """Issue 28 item 4, through the real CLI and server: a number of workers out of range is the
+    CLI's usage error (was the server's [bad_frame]) and the server's bad_argument for a client
+    that sends it; a bad canary plan says 'canary plan' once; a repository config.toml with an
+    unknown key is bad_argument (exit 2), naming the key; ``infer --random`` after an unload
+    says the server's code and reason; a bad $SHMSERVE_SERVER_UID exits 2."""
+    from test_model_lifecycle import add_version, repo_server_section
+
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        add_version(repo, "m", v)
+    add_version(repo, "typo", 1, config="colour = 'blue'\n")
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        sock = ("--socket", srv.socket)
+        r = cli("scale", "m", "100", *sock)
+        assert r.returncode == 2 and "at most 64" in r.stderr and "bad_frame" not in r.stderr, r
+        with srv.client() as c:
+            with pytest.raises(shmserve_errors.ShmserveError) as err:
+                c.scale("m", 100)
+            assert err.value.code is shmserve_errors.ErrorCode.BAD_ARGUMENT, err.value
+            assert "'instances' must be an integer in [1, 64]" in err.value.message
+        r = cli("canary", "m", "start", "--version", "2", "--steps", "50,60", *sock)
+        assert r.returncode == 2 and "[bad_argument] canary plan: steps" in r.stderr, r
+        assert r.stderr.count("canary plan") == 1, r.stderr
+        r = cli("load", "typo", *sock)
+        assert r.returncode == 2 and "[bad_argument]" in r.stderr and "colour: unknown key" in r.stderr, r
+        assert cli("unload", "m", *sock).returncode == 0
+        r = cli("infer", "m", "--random", *sock)
+        assert r.returncode == 1, r
+        assert f"[model_unavailable] version 2 of model 'm' is unloaded: unloaded by uid {os.getuid()}" in r.stderr, r
+        r = cli("health", *sock, prefix=("env", "SHMSERVE_SERVER_UID=no-such-user-zz"))
+        assert r.returncode == 2 and "SHMSERVE_SERVER_UID" in r.stderr and r.stderr.count("\n") == 1, r
+
+
+def test_inspect_of_an_arena_it_may_not_open_exits_4(tmp_path):
+    """Issue 28 item 4: ``inspect`` on an arena the kernel will not let it open (another user's,
+    mode 0600) exited 2 (usage); it is a permission refusal (4), naming the owner."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv: another user's arena, read without CAP_DAC_OVERRIDE")
+    from shmserve.layout import arena_name
+
+    instance = new_instance("theirs")
+    path = f"/dev/shm/{arena_name(instance)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        os.fchown(fd, 65534, 65534)
+        os.close(fd)
+        r = cli("inspect", "--instance", instance, prefix=("setpriv", "--bounding-set=-dac_override,-dac_read_search"))
+    finally:
+        os.unlink(path)
+    assert r.returncode == 4, r
+    assert "cannot open" in r.stderr and "Permission denied" in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -378,3 +379,133 @@ def test_the_models_doc_config_snippets_are_valid_config(tmp_path):
             text += "\n" + model
         (tmp_path / f"snippet{i}.toml").write_text(text)
         config.load(tmp_path / f"snippet{i}.toml")
+
+
+# -- make serve: never a silent wait ------------------------------------------------------------
+
+PIP_STAND_IN = """#!/bin/sh
+# The venv's python for this test: the suite's own, with pip asked for a dry run (it resolves,
+# prepares and says so, installs nothing); with PIP_FAILS set, a pip that fails after a line.
+if [ "$1 $2 $3" = "-m pip install" ]; then
+    shift 3
+    if [ -n "$PIP_FAILS" ]; then echo "Collecting no-such-package"; echo "ERROR: no such package" >&2; exit 1; fi
+    exec "{python}" -m pip install --dry-run "$@"
+fi
+exec "{python}" "$@"
+"""
+
+
+def _venv_stand_in(tmp_path) -> str:
+    """A VENV for ``make`` whose bin/python and bin/shmserve are this suite's (no new venv is made)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(PIP_STAND_IN.replace("{python}", sys.executable))
+    (venv / "bin" / "shmserve").write_text('#!/bin/sh\nif [ -n "$PIP_FAILS" ]; then echo "the service ran"; exit 0; fi\n'
+                                           f'exec "{sys.executable}" -m shmserve.cli "$@"\n')
+    for name in ("python", "shmserve"):
+        (venv / "bin" / name).chmod(0o755)
+    return str(venv)
+
+
+def test_make_serve_says_each_step_before_it_and_shows_pips(tmp_path):
+    """Issue 28 item 1: ``make serve`` was silent for about 45 s on a fresh clone (pip --quiet)
+    before ``ready``.  Each step is now announced with its expected time, pip's own steps show as
+    they happen (not its 'already satisfied' chatter), then the server's start-up; Ctrl-C stops it."""
+    from conftest import new_instance
+
+    venv = _venv_stand_in(tmp_path)
+    args = f"--instance {new_instance('make')} --socket {tmp_path / 'make.sock'}"
+    proc = subprocess.Popen(["make", "--no-print-directory", "-C", str(ROOT), "serve", f"VENV={venv}",
+                             f"SERVE_ARGS={args}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any("ready: listening on" in line for line in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        rest, _ = proc.communicate(timeout=60)
+        lines += rest.splitlines(keepends=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(lines)
+
+    def first(words: str) -> int:
+        return next((i for i, line in enumerate(lines) if words in line), len(lines))
+
+    install, starting, ready = first("make: installing shmserve"), first("make: starting the service"), \
+        first("ready: listening on")
+    pip = [i for i, line in enumerate(lines) if line.startswith(("Obtaining", "  Installing build dependencies",
+                                                                 "  Preparing editable metadata"))]
+    assert install < len(lines) and ready < len(lines), text
+    assert "about a minute the first time" in lines[install], text
+    assert pip and install < min(pip) and max(pip) < starting < ready, text
+    assert "Requirement already satisfied" not in text and "Traceback" not in text, text
+
+
+def test_make_serve_stops_when_pip_fails_whatever_its_filter_says(tmp_path):
+    """pip's output goes through a filter (sed), whose status is not pip's: a failed install must
+    still stop ``make serve`` before it starts the service (the Makefile's pipefail)."""
+    venv = _venv_stand_in(tmp_path)
+    r = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "serve", f"VENV={venv}"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PIP_FAILS="1"))
+    assert r.returncode != 0, r
+    assert "Collecting no-such-package" in r.stdout and "ERROR: no such package" in r.stderr, r
+    assert "make: starting the service" not in r.stdout and "the service ran" not in r.stdout, r
+
+
+# -- a checkout named shmserve beside the caller ---------------------------------------------
+
+def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_breaks_a_server(tmp_path):
+    """Issue 28 item 5: with the clone in ``./shmserve`` and Python run from the directory that holds
+    it, ``from shmserve import Client`` failed with "cannot import name 'Client' from 'shmserve'
+    (unknown location)": the clone hid the installed package.  It now says what it is and what to
+    do; and a server started there (the console script) still runs its workers, which start with
+    ``python -P`` (the current directory not on their path)."""
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / "shmserve").symlink_to(ROOT, target_is_directory=True)  # the clone, as named by git clone
+    r = subprocess.run([sys.executable, "-c", "from shmserve import Client"], capture_output=True, text=True,
+                       timeout=60, cwd=holder)
+    assert r.returncode == 1 and "unknown location" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ImportError: {holder / 'shmserve'} is a shmserve checkout"), last
+    assert "Run Python from another directory" in last and "mv shmserve shmserve-src" in last, last
+
+    from conftest import new_instance
+
+    instance = new_instance("beside")
+    config = holder / "beside.toml"
+    config.write_text(f'[server]\ninstance = "{instance}"\n\n[[models]]\nname = "identity"\nbackend = "python"\n'
+                      f'path = "shmserve.models:identity"\n')
+    sock = str(tmp_path / "beside.sock")
+    script = Path(sys.executable).parent / "shmserve"  # what `make serve` runs: the console script
+    proc = subprocess.Popen([str(script), "serve", "--config", str(config), "--socket", sock], cwd=holder,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from shmserve import Client
+        from shmserve.errors import ConnectionClosed
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "late"
+            try:
+                with Client(sock, timeout=30) as c:
+                    if c.health()["status"] == "ok":
+                        break
+            except ConnectionClosed:
+                pass
+            time.sleep(0.1)
+        with Client(sock, timeout=30) as c:
+            import numpy as np
+
+            assert (c.infer("identity", {"x": np.arange(5, dtype=np.uint8)})["y"] == np.arange(5)).all()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in out, out

@@ -398,3 +398,58 @@ def test_metrics_refuses_non_loopback(tmp_path):
     cfg.write_text(IDENTITY)
     r = cli("serve", "--config", str(cfg), "--metrics", "0.0.0.0:9464", "--socket", str(tmp_path / "s.sock"))
     assert r.returncode == 2 and "loopback" in r.stderr
+
+
+def test_the_config_directory_is_roots_and_only_the_service_reads_it(clients_group_and_two_users):
+    """Issue 28 item 7: docs/systemd.md made /etc/shmserve owned by the service user, so the service
+    could rewrite its own configuration.  The doc's install lines for it, run as written (only the
+    root directory and the group's name changed), leave it root's: the service (a member of the
+    group the unit adds, ``SupplementaryGroups=``) reads the config and can neither change it nor add
+    a file beside it; a user outside the group cannot read it."""
+    import grp
+    import re
+    import tempfile
+
+    from helpers.other_user import as_user
+
+    group, service, client = clients_group_and_two_users  # the group stands for 'shmserve'
+    unit = (ROOT / "systemd" / "shmserve.service").read_text().splitlines()
+    assert "SupplementaryGroups=shmserve" in unit and "User=shmserve" in unit
+    block = re.search(r"```sh\n(.*?)```", (ROOT / "docs" / "systemd.md").read_text(), re.S).group(1)
+    lines = [line for line in block.splitlines() if line.startswith("sudo install") and "/etc/shmserve" in line]
+    assert lines, "docs/systemd.md installs nothing into /etc/shmserve"
+    top = Path(tempfile.mkdtemp(prefix="shmserve-etc-"))
+    try:
+        os.chmod(top, 0o755)
+        (top / "etc").mkdir(mode=0o755)
+        (top / "var" / "lib" / "shmserve").mkdir(parents=True, mode=0o755)
+        for line in lines:
+            command = line.split("#")[0].removeprefix("sudo ").replace(" -g shmserve ", f" -g {group} ")
+            command = command.replace("/etc/shmserve", f"{top}/etc/shmserve").replace(
+                "/var/lib/shmserve", f"{top}/var/lib/shmserve")
+            r = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, (command, r.stderr)
+        etc, config = top / "etc" / "shmserve", top / "etc" / "shmserve" / "shmserve.toml"
+        gid = grp.getgrnam(group).gr_gid
+        for path, mode in ((etc, 0o750), (config, 0o640)):
+            st = os.stat(path)
+            assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, gid, mode), path
+
+        def attempts() -> str:
+            out = []
+            for what, act in (("read", lambda: config.read_text()), ("write", lambda: config.open("a")),
+                              ("add", lambda: (etc / "new.toml").write_text(""))):
+                try:
+                    act()
+                    out.append(f"{what}:yes")
+                except PermissionError:
+                    out.append(f"{what}:no")
+            return " ".join(out)
+
+        def groups(pw) -> tuple[int, ...]:
+            return tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
+
+        assert as_user(service.pw_uid, service.pw_gid, groups(service), attempts) == "read:yes write:no add:no"
+        assert as_user(client.pw_uid, client.pw_gid, groups(client), attempts) == "read:no write:no add:no"
+    finally:
+        shutil.rmtree(top)

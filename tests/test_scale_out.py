@@ -472,3 +472,62 @@ def test_scale_out_doc_names_every_manifest_and_its_commands_parse():
             build_parser().parse_args(words)
         except SystemExit as exc:
             pytest.fail(f"docs/scale-out.md: {command!r} is refused by shmserve's parser (exit {exc.code})")
+
+
+# -- the image the runtimes run (issue 28 item 6) -----------------------------------------------
+
+def dockerfile() -> dict:
+    """The Dockerfile's final stage as tools/check_image.py reads it (its parser: the same one that
+    runs the RUN steps)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_image", ROOT / "tools" / "check_image.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stages, args = module.stages((ROOT / "Dockerfile").read_text(), {})
+    return {"final": stages[-1], "stages": stages, "args": args}
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIMES))
+def test_the_runtimes_run_the_image_the_dockerfile_builds(name):
+    """The manifests name an image the Dockerfile makes: its tag (the package's version, as the doc's
+    build command tags it), its user (non-root, the runtime's securityContext), its command on the
+    PATH it sets (the probes' python3 too), /dev/shm as the doc says; and the section they point to."""
+    from shmserve import __version__
+
+    image = dockerfile()
+    final = image["final"]
+    box = container(RUNTIMES[name], KSERVE_CONTAINER)
+    doc = (ROOT / "docs" / "scale-out.md").read_text()
+    assert box["image"] == f"shmserve:{__version__}"
+    assert f"docker build -t {box['image']} ." in doc
+    assert '"The image"' in (DEPLOY / f"servingruntime-{'knative' if name == 'shmserve' else 'standard'}.yaml"
+                             ).read_text() and "\n## The image\n" in doc
+    uid, _, gid = final["user"].partition(":")
+    security = box["securityContext"]
+    assert (int(uid), int(gid)) == (security["runAsUser"], security["runAsGroup"]) and int(uid) != 0
+    assert box["command"] == final["entrypoint"] == ["shmserve"]
+    assert final["env"]["PATH"].startswith("/opt/shmserve/bin:") and final["env"]["PYTHONDONTWRITEBYTECODE"] == "1"
+    for probe in ("startupProbe", "livenessProbe"):
+        assert box[probe]["exec"]["command"][0] == "python3"  # the environment's, first on PATH
+    dshm = next(v for v in RUNTIMES[name]["spec"]["volumes"] if v["name"] == "dshm")
+    assert f"sizeLimit: {dshm['emptyDir']['sizeLimit']}" in doc and "--shm-size=512m" in doc
+    assert quantity(dshm["emptyDir"]["sizeLimit"]) >= quantity("512Mi")
+    assert image["args"]["VARIANT"] == "cpu"  # CPU by default; VARIANT=cuda the other
+    assert {s["name"] for s in image["stages"]} >= {"base-cpu", "base-cuda", "build"}
+
+
+def test_no_page_points_outside_the_repository():
+    """docs/scale-out.md linked a file outside the repository (a dead end for whoever has only
+    the clone): no page of docs/ or the README names a path above the repository's root."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)]+)\)", text) + re.findall(r"`([^`\s]+)`", text):
+            path = target.split("#")[0]
+            if path.startswith(("../", "/")) and "/" in path[1:] and not path.startswith(("/dev/", "/etc/", "/run/",
+                                                                                         "/tmp/", "/opt/", "/var/",
+                                                                                         "/usr/", "/proc/", "/sys/",
+                                                                                         "/mnt/", "/v2/", "/home/")):
+                resolved = (page.parent / path).resolve()
+                assert resolved.is_relative_to(ROOT) and resolved.exists(), \
+                    f"{page.name} points outside the repository: {target}"

@@ -11,10 +11,12 @@ is taken as the latest one seen) and randomness as ``draw`` (a float in
 [0, 1) per call), so every decision is a function of its inputs and tests
 replay them exactly.  Its callers: ``Models.resolve`` calls ``route`` for a
 request that names no version, ``shmserve.frontend.shadow`` calls ``shadow``
-and ``record_shadow``, and the lifecycle ``record`` for each outcome (the
-dispatcher's ``observe``) and ``tick`` periodically, and acts on what a
-rollout's state says (makes the candidate the default on COMPLETE, drops the
-rollout on any terminal state).
+and ``record_shadow``, and the lifecycle ``record`` for each request a
+worker finished, DONE or ERROR (the dispatcher's ``observe``; a request that
+timed out, or was refused before a worker took it, is no outcome of a version),
+``tick`` periodically, and acts on what a rollout's state says (on COMPLETE
+the candidate becomes the default; on ROLLED_BACK or ABORTED the candidate is
+unloaded; on any of them the rollout is dropped, its last snapshot kept).
 
 Split mode: the candidate answers a share of the traffic that follows the
 plan's ``steps`` (percent).  A step is promoted to the next when it has been

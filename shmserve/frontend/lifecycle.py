@@ -144,7 +144,8 @@ class Lifecycle:
         """The configuration of ``name``'s ``version`` (None: the newest its policy selects).
 
         Raises ShmserveError: UNKNOWN_MODEL (no such model or version), PERMISSION_DENIED (a
-        path leaves the repository), MODEL_UNAVAILABLE (its files are broken)."""
+        path leaves the repository), BAD_ARGUMENT (its config.toml is written wrong, the key
+        named), MODEL_UNAVAILABLE (its files are not there to use)."""
         file_model = self.file_models().get(name)
         if file_model is not None:
             if version not in (None, file_model.version):
@@ -351,7 +352,7 @@ class Lifecycle:
         try:
             checked = canary.CanaryPlan.from_dict(plan or {})
         except ValueError as exc:
-            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"canary plan: {exc}") from None
+            raise ShmserveError(ErrorCode.BAD_ARGUMENT, str(exc)) from None  # it names the plan and the field
         async with self.locks[name]:
             if model.rollout is not None:
                 raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"model {name!r} already has a canary running "

@@ -127,13 +127,13 @@ class ModelState:
     reason: str = ""  # why it is in its phase (a failed load's error, "unloaded by uid 1000", ...)
     explicit: bool = False  # loaded by a control call naming this version (kept when the default moves)
     degraded: bool = False  # serving since start-up without all its workers ready (``reason`` says why)
-    last_used: float = 0.0  # time.monotonic() of its last request (residency)
+    last_used: float = 0.0  # the clock's time of its last use: a request submitted, lane calls seen, its load (residency)
     memory: dict = field(default_factory=dict)  # measured after load: {"host_bytes": n, "device_bytes": n}
     load_seconds: float | None = None  # how long its last load (start to all workers ready) took
     drain_failure: tuple | None = None  # (ErrorCode, message) its unfinished requests get once the drain timed out
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
     uses: int = 0  # requests counted as its use (residency): socket requests and lane calls, each once
-    progress_at: float = float("-inf")  # time.monotonic() when its workers were last seen finishing requests
+    progress_at: float = float("-inf")  # the lifecycle clock's time its workers were last seen finishing requests
 
     @property
     def version(self) -> int:

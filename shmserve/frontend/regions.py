@@ -213,7 +213,7 @@ class RegionTable:
         self.count_of_uid[uid] += 1
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record),
                             kind=layout.REGION_LANE if lane_model is not None else layout.REGION_PLAIN,
-                            id=region_id, size=size, owner_pid=max(pid, 0), owner_uid=uid & 0xFFFFFFFF,
+                            id=region_id, size=size, owner_pid=max(pid, 0), owner_uid=layout.region_uid(uid),
                             worker=layout.NO_WORKER, model_id=lane_model.index if lane_model is not None else 0,
                             created_unix_ns=time.time_ns())
         if lane_model is not None:

@@ -147,7 +147,7 @@ class Request:
     state: RequestState = RequestState.NEW
     named_version: bool = False  # the client named the version: it is never moved to another one
     started: float = 0.0  # the clock's time at submission (latency for canary analysis)
-    unchecked: "Any" = None  # (parsed, payload_bytes): inputs to check once its version has loaded (on demand)
+    unchecked: "Any" = None  # (parsed, payload_bytes, region): inputs to check once its version has loaded (on demand)
     shadow: "Any" = None  # a shadow copy's comparison (canary shadow mode), set on the copy only
 
     @property

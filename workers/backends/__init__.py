@@ -2,16 +2,17 @@
 
 Owns: what a backend must provide (``Backend``; ``RowSplit``, the
 destination of a batch's output), and name -> loader resolution: the
-built-ins below, then any installed package's ``shmserve.backends`` entry
-point (``name = "pkg.module:load"``).  Adding a backend touches neither the
-front-end nor the protocol.
+built-ins, then any installed package's ``shmserve.backends`` entry point
+(``name = "pkg.module:load"``); which names exist is the worker contract's
+(``shmserve.workerlink.BUILTIN_BACKENDS``, ``backend_names``), so the
+configuration checks names without importing this package.  Adding a backend
+touches neither the front-end nor the protocol.
 
 A loader is ``load(config: ModelConfig) -> Backend``; it raises on failure
 (the worker reports the message and exits with EXIT_LOAD_FAILED).
 
 Must not: import a backend's module or its runtime until ``find`` is asked
-for it: the front-end imports this registry (``names``) to check config
-files, and backends import model runtimes.
+for it: backends import model runtimes.
 """
 
 from __future__ import annotations
@@ -22,16 +23,11 @@ from typing import Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
-from shmserve import layout
+from shmserve import layout, workerlink
 from shmserve.spec import TensorSpec
 
-ENTRY_POINT_GROUP = "shmserve.backends"
-BUILTIN = {
-    "onnxruntime": "workers.backends.onnxruntime:load",
-    "python": "workers.backends.python:load",
-    "torch": "workers.backends.torch:load",
-    "tensorrt": "workers.backends.tensorrt:load",
-}
+ENTRY_POINT_GROUP = workerlink.BACKEND_ENTRY_POINTS
+BUILTIN = workerlink.BUILTIN_BACKENDS
 
 
 class Backend(Protocol):
@@ -117,10 +113,7 @@ def refuse_bytes(backend: str, inputs, outputs) -> None:
                          f"cannot take or return: serve it with the python or onnxruntime backend")
 
 
-def names() -> list[str]:
-    """Every backend name that ``find`` resolves, sorted; imports no backend or runtime
-    (config checks ``backend`` keys against it when the file is read)."""
-    return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+names = workerlink.backend_names
 
 
 def find(name: str) -> Callable:

@@ -15,6 +15,7 @@ An optional ``load(config) -> callable`` factory is supported too: set
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from shmserve.config import ModelConfig
@@ -49,10 +50,11 @@ class PythonBackend:
 
 def _import(module_name: str, base_dir: str):
     """Import ``module_name`` looking in ``base_dir`` (the config file's directory) first, then
-    the worker's current directory and the Python path (``python -m`` put the current directory
-    first on it)."""
-    if base_dir and base_dir not in sys.path:
-        sys.path.insert(0, base_dir)
+    the worker's current directory, then the Python path.  (The worker starts with ``python -P``,
+    so the current directory is put here, for its model, once shmserve itself is imported.)"""
+    for directory in reversed([d for d in (base_dir, os.getcwd()) if d]):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
     return importlib.import_module(module_name)
 
 
