@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -464,17 +465,28 @@ def test_make_serve_stops_when_pip_fails_whatever_its_filter_says(tmp_path):
 def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_breaks_a_server(tmp_path):
     """Issue 28 item 5: with the clone in ``./shmserve`` and Python run from the directory that holds
     it, ``from shmserve import Client`` failed with "cannot import name 'Client' from 'shmserve'
-    (unknown location)": the clone hid the installed package.  It now says what it is and what to
-    do; and a server started there (the console script) still runs its workers, which start with
-    ``python -P`` (the current directory not on their path)."""
+    (unknown location)": the clone hid the installed package.  Now the checkout's own package is
+    used, with a warning that says so and what to do; a checkout whose package cannot be used
+    there (its extensions not built) says what it is and what to do.  A server started there (the
+    console script) still runs its workers, which start with ``python -P`` (the current directory
+    not on their path)."""
     holder = tmp_path / "holder"
     holder.mkdir()
     (holder / "shmserve").symlink_to(ROOT, target_is_directory=True)  # the clone, as named by git clone
+    r = subprocess.run([sys.executable, "-c", "from shmserve import Client; print(Client.__name__)"],
+                       capture_output=True, text=True, timeout=60, cwd=holder)
+    assert r.returncode == 0 and r.stdout.strip() == "Client", r.stderr
+    assert f"the checkout at {holder / 'shmserve'} is used, not the installed package" in r.stderr, r.stderr
+    assert "Run Python from another directory" in r.stderr and "mv shmserve shmserve-src" in r.stderr, r.stderr
+
+    bare = tmp_path / "bare"  # a clone never built: its package has no compiled extensions
+    shutil.copytree(ROOT / "shmserve", bare / "shmserve" / "shmserve", ignore=shutil.ignore_patterns("*.so"))
+    shutil.copy(ROOT / "__init__.py", bare / "shmserve" / "__init__.py")
     r = subprocess.run([sys.executable, "-c", "from shmserve import Client"], capture_output=True, text=True,
-                       timeout=60, cwd=holder)
+                       timeout=60, cwd=bare)
     assert r.returncode == 1 and "unknown location" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ImportError: {holder / 'shmserve'} is a shmserve checkout"), last
+    assert last.startswith(f"ImportError: {bare / 'shmserve'} is a shmserve checkout"), last
     assert "Run Python from another directory" in last and "mv shmserve shmserve-src" in last, last
 
     from conftest import new_instance
