@@ -235,7 +235,7 @@ def test_a_lane_call_refused_for_its_version_goes_over_the_socket_and_the_next_r
     x = np.ones(8, np.uint8)
     infer(op, server, x)
     began = op.begin(("m", {"x": x}, None, None, None))
-    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, "version 2 serves this lane"))
+    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 2 of the model now"))
     rest = op.answer(began, None)
     assert type(rest) is Exchange and op.answered(server(rest))["y"].tolist() == [7] * 8  # the socket's answer
     assert server.kinds()[2:] == [Kind.INFER] and "m" not in core.specs
@@ -275,7 +275,7 @@ def test_the_socket_gets_what_the_lane_left_of_the_timeout(core):
     for waited, left in ((2.0, 3.0), (6.0, None)):
         infer(op, server, x)  # (the spec is read again after the version went away)
         began = op.begin(("m", {"x": x}, 5.0, None, None))
-        play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, "gone"))
+        play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 2 of the model now"))
         core.clock.now += waited
         if left is None:
             with pytest.raises(ShmserveError) as raised:
@@ -378,13 +378,13 @@ def test_a_zero_copy_call_refused_for_its_version_is_planned_again_from_the_spec
     operation, _ = drive(core.zero_copy("m", {"x": ((16,), np.uint8)}, None), server)
     drive(operation.begin((None,)), server)
     began = operation.begin((None,))
-    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, "version 2 serves this lane"))
+    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 2 of the model now"))
     server.listing = [{**SPEC, "version": 2}]
     outputs, steps = drive(operation.answer(began, None), server)
     assert server.kinds()[-1] is Kind.MODELS and operation.plan.version == 2 and outputs["y"].shape == (16,)
     server.listing = [{**SPEC, "version": 3, "inputs": [{"name": "z", "dtype": "uint8", "shape": ["n"]}]}]
     began = operation.begin((None,))
-    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, "version 3 serves this lane"))
+    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 3 of the model now"))
     with pytest.raises(ShmserveError, match="changed from version 2 to version 3") as raised:
         drive(operation.answer(began, None), server)
     assert raised.value.code is ErrorCode.BAD_INPUT

@@ -259,8 +259,8 @@ def test_trusted_server_uids_take_ids_and_names_and_name_a_bad_setting(monkeypat
     with pytest.raises(ValueError, match="server_uid: -1 is not a uid"):
         trusted_server_uids(-1)
     r = subprocess.run([sys.executable, "-m", "shmserve.cli", "health", "--socket", "/nonexistent/s.sock"],
-                       capture_output=True, text=True, timeout=60)  # the command says so in one line
-    assert r.returncode == 1 and r.stderr.strip() == (f"shmserve health: {SERVER_UID_ENV}: no user "
+                       capture_output=True, text=True, timeout=60)  # the command says so in one line (a usage error: 2)
+    assert r.returncode == 2 and r.stderr.strip() == (f"shmserve health: {SERVER_UID_ENV}: no user "
                                                       f"'no-such-user-here' on this machine"), r.stderr
 
 
