@@ -636,6 +636,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                          *[inspection.render_lifecycle(s["lifecycle"]) for s in state["instances"] if s["lifecycle"]],
                          *errors)
 
+        if not sys.stdout.isatty():  # piped: each view printed whole as it is taken, not one at the end
+            console = _console()
+            while True:
+                console.print(view(state))
+                sys.stdout.flush()
+                time.sleep(args.watch)
+                state = take()
         with Live(view(state), refresh_per_second=4) as live:
             while True:
                 time.sleep(args.watch)
