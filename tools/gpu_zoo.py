@@ -186,7 +186,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
-    from shmserve.bench import interleaved, serve_config
+    from shmserve.bench import interleaved, serve_config, wait_models_ready
 
     dev = torch.device(args.device)
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -212,9 +212,7 @@ def main() -> int:
         proc = serve_config(cfg, sock)
         try:
             with Client(sock) as c:
-                deadline = time.monotonic() + 300
-                while not all(m.get("state") == "ready" for m in c.models()) and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                wait_models_ready(c, 300)
                 print(f"server ready in {time.monotonic() - t0:.1f} s: "
                       f"{', '.join(m['name'] + ' ' + str(m.get('state')) for m in c.models())}")
                 for z in zoos:
