@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 

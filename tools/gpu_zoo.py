@@ -289,7 +289,6 @@ def main() -> int:
                         p50, p90 = statistics.median(values) * 1e6, float(np.percentile(values, 90)) * 1e6
                         row["latency"].append({"case": key, "p50_us": p50, "p90_us": p90, "n": len(values)})
                         print(f"| {key} | {p50:.1f} | {p90:.1f} | {p50 - base:+.1f} |")
-                    del module
                     # throughput: 16 clients on the batched configuration against the bare model
                     served = throughput(sock, z, args.seconds)
                     bare = {b: bare_throughput(z, args.device, b) for b in (8, 16)}
