@@ -354,10 +354,14 @@ def test_metrics_json_logs_and_reload(tmp_path):
         assert total(m2, "shmserve_worker_requests_total", outcome="ok") - \
             total(m1, "shmserve_worker_requests_total", outcome="ok") == 5
         assert total(m2, "shmserve_lanes", model="identity") == 1
-        # Triton's families count lane calls at once (the workers' counters, read at scrape time)
+        # Triton's families count lane calls at once (the workers' counters, read at scrape time; a
+        # worker counts a call just after publishing its answer: wait, bounded, for the last one)
+        m3 = wait_for(lambda: (lambda m: m if total(m, "nv_inference_request_success_total", model="identity") -
+                               total(m1, "nv_inference_request_success_total", model="identity") >= 5 else None)(
+            scrape(metrics)), what="the lane calls in nv_inference_request_success")
         for family in ("nv_inference_request_success_total", "nv_inference_count_total"):
-            assert total(m2, family, model="identity", version="1") - total(m1, family, model="identity") == 5, family
-        runs = total(m2, "nv_inference_exec_count_total", model="identity") - \
+            assert total(m3, family, model="identity", version="1") - total(m1, family, model="identity") == 5, family
+        runs = total(m3, "nv_inference_exec_count_total", model="identity") - \
             total(m1, "nv_inference_exec_count_total", model="identity")
         assert 1 <= runs <= 5, runs  # calls that met in the worker's queue ran as one batch
         # and the request totals once the front-end has read those counters (its heartbeat)

@@ -44,6 +44,7 @@ DEMO = str(resources.files("shmserve.models") / "demo.onnx")
 MODELS = "".join([
     python_model("f32", "shmserve.models:identity_f32", max_batch_size=8),
     python_model("two_inputs", "serving_models:two_inputs"),
+    python_model("fails", "serving_models:fails"),
     textwrap.dedent(f"""
         [[models]]
         name = "demo"
@@ -307,7 +308,12 @@ def test_statistics_count_batch_items_executions_and_lane_calls(srv, hc):
     with srv.client() as c:
         for _ in range(3):
             c.infer("f32", {"x": np.ones((1, 3), np.float32)})
-    lanes = stats()
+    # a worker counts a call just after publishing its answer: wait (bounded) for the last one
+    def counted(s):
+        return s["execution_count"] >= after["execution_count"] + 3 and \
+            s["inference_stats"]["success"]["count"] >= after["inference_stats"]["success"]["count"] + 3
+
+    lanes = wait_for(lambda: (lambda s: s if counted(s) else None)(stats()), what="the lane calls in the statistics")
     assert lanes["inference_stats"]["success"]["count"] == after["inference_stats"]["success"]["count"] + 3
     assert lanes["execution_count"] == after["execution_count"] + 3
 
@@ -337,17 +343,41 @@ def test_tritons_metric_families_beside_shmserves_count_lane_calls(srv, hc):
     with srv.client() as c:
         for _ in range(5):
             c.infer("f32", {"x": np.ones((1, 3), np.float32)})
-    after = scrape_text(srv.metrics)
-
-    def grew(name, text=after, **extra):
+    def grew(name, text, **extra):
         labels = {"model": "f32", "version": "1", **extra}
         return sample(text, name, **labels) - sample(before, name, **labels)
 
-    assert grew("nv_inference_request_success") == 6 and grew("nv_inference_exec_count") == 6
-    assert grew("nv_inference_count") == 9  # the batch of 4 counts 4
-    assert grew("nv_inference_request_duration_us") > 0
+    # a worker counts a call just after publishing its answer: wait (bounded) for the last one
+    after = wait_for(lambda: (lambda t: t if grew("nv_inference_exec_count", t) >= 6 and
+                              grew("nv_inference_request_success", t) >= 6 else None)(scrape_text(srv.metrics)),
+                     what="the calls in Triton's families")
+
+    assert grew("nv_inference_request_success", after) == 6 and grew("nv_inference_exec_count", after) == 6
+    assert grew("nv_inference_count", after) == 9  # the batch of 4 counts 4
+    assert grew("nv_inference_request_duration_us", after) > 0
     assert grew("shmserve_requests_total", wait_for(settled, what="the lane calls in shmserve_requests_total"),
                 outcome="ok") == 6
+
+
+def test_lane_calls_that_fail_are_counted_as_failures(srv, hc):
+    """A lane call never passes the dispatcher: its failure is seen in the worker's counters, and
+    counted in Triton's failure counter, the statistics and shmserve_requests_total."""
+    def counts():
+        text = scrape_text(srv.metrics)
+        stats = hc.get_inference_statistics("fails")["model_stats"][0]["inference_stats"]
+        return (sample(text, "nv_inference_request_failure", model="fails", version="1"),
+                sample(text, "shmserve_requests_total", model="fails", version="1", outcome="error"),
+                stats["fail"]["count"], stats["success"]["count"])
+
+    before = counts()
+    with srv.client() as c:
+        assert np.array_equal(c.infer("fails", {"x": np.ones(3, np.float32)})["y"], np.ones(3, np.float32))
+        for _ in range(2):
+            with pytest.raises(Exception, match="negative input"):
+                c.infer("fails", {"x": -np.ones(3, np.float32)})
+    after = wait_for(lambda: (lambda now: now if now[0] == before[0] + 2 else None)(counts()),
+                     what="the failed lane calls in the failure counts")
+    assert after == (before[0] + 2, before[1] + 2, before[2] + 2, before[3] + 1)
 
 
 def test_cuda_shared_memory_is_not_advertised_and_classification_is(hc, gc):

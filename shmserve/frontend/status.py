@@ -98,7 +98,7 @@ class TritonCounts:
     metrics), from one snapshot."""
 
     success: int  # answered ok by its workers: socket and lane calls alike (the workers' own counters)
-    failure: int  # answered with an error through the dispatcher (a lane call that fails is not seen here)
+    failure: int  # answered with an error: through the dispatcher, and lane calls (a heartbeat late)
     items: int  # success, with a batch of N counted N where a v2 door saw it (Triton's inference_count)
     executions: int  # model runs: a dynamic batch is one (Triton's execution_count)
 
@@ -109,6 +109,7 @@ def triton_counts(snap: Snapshot, m: ModelStatus) -> TritonCounts:
     success = sum(w.requests - w.errors for w in m.workers)
     failure = sum(n for (model, version, code), n in snap.outcomes.items()
                   if model == m.name and version == m.version and code != "ok")
+    failure += (snap.lane_calls or {}).get((m.name, m.version), (0, 0))[1]
     items = success + (snap.batch_items or {}).get((m.name, m.version), 0)
     return TritonCounts(success, failure, items, sum(m.histograms["batch_size"][0]))
 
