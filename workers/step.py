@@ -4,7 +4,8 @@ Owns: the slot tables a worker serves (``Space``: the arena's, or a lane's),
 and the request step (``Step``): claim a READY slot (READY -> RUNNING),
 decode and validate its inputs into numpy views (a bytes input unpacked into
 an object array, its elements checked), lay its outputs out in its output
-area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
+area (``OutputPlacer``; a bytes output serialized; outputs that outgrow the area: the short answer
+of ``shmserve.reservations``, counted in ``short_answers``), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
 the worker's latency histograms; and the count of requests that brought an
 input signature the worker had not met (``new_signatures``, for ``shmserve
@@ -34,7 +35,7 @@ import time
 
 import numpy as np
 
-from shmserve import hotpath, lanes, layout
+from shmserve import hotpath, lanes, layout, reservations
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
@@ -96,7 +97,12 @@ class Space:
 
 class OutputPlacer:
     """Lays a request's outputs out in its output area, 64-byte aligned, in the order they come,
-    and writes their descriptors once the backend is done (after its stream is synchronized)."""
+    and writes their descriptors once the backend is done (after its stream is synchronized).
+
+    Outputs that outgrow the area are not an error while the model runs: each one that does not
+    fit gets a throwaway array, the layout goes on counting, and ``finish`` answers the short
+    answer (``shmserve.reservations``: OUTPUT_TOO_LARGE saying how many bytes they need), so
+    the call can be run again once with exactly that much."""
 
     __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed")
 
@@ -113,7 +119,8 @@ class OutputPlacer:
         RequestFailed: MODEL_ERROR for an undeclared output, a dtype other than
         the declared one, a bytes output (its size is known only once it is
         made: ``put`` it), or an output produced twice; OUTPUT_TOO_LARGE if it
-        does not fit in what is left of the area.
+        is larger than the model's ``max_output_bytes``.  An output that does not
+        fit in what is left of the area gets a throwaway array (``finish`` says so).
         """
         declared = self._declared(name)
         dtype = np.dtype(dtype)
@@ -127,6 +134,8 @@ class OutputPlacer:
         nbytes = dtype.itemsize * math.prod(shape)
         offset = self._reserve(name, nbytes)
         self.placed[name] = (offset, shape, dtype, nbytes)
+        if offset < 0:
+            return np.empty(shape, dtype)  # outgrew the area: finish() gives the short answer
         return np.ndarray(shape, dtype, buffer=self.target, offset=offset)
 
     def put(self, name: str, value) -> None:
@@ -145,7 +154,8 @@ class OutputPlacer:
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r}: {exc}") from None
         offset = self._reserve(name, len(data))
-        self.target[offset:offset + len(data)] = data
+        if offset >= 0:
+            self.target[offset:offset + len(data)] = data
         self.placed[name] = (offset, arr.shape, _BYTES, len(data))
 
     def _declared(self, name: str) -> np.dtype:
@@ -159,23 +169,29 @@ class OutputPlacer:
         return declared
 
     def _reserve(self, name: str, nbytes: int) -> int:
-        """The offset of ``nbytes`` for output ``name``, next in the area; OUTPUT_TOO_LARGE if they
-        do not fit."""
-        pos = layout.align_tensor(self.pos)
-        if pos + nbytes > self.capacity:
+        """The offset of ``nbytes`` for output ``name``, next in the area, or -1 if they do not fit
+        there (counted on: ``finish`` answers short).  OUTPUT_TOO_LARGE if they are more than the
+        model's ``max_output_bytes`` (a limit: never run again)."""
+        limit = self.step.max_output_bytes
+        if limit and nbytes > limit:
             raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
-                                f"outputs need more than the {self.capacity} bytes reserved for them "
-                                f"(output {name!r} is {nbytes} bytes); raise max_output_bytes")
+                                f"output {name!r} is {nbytes} bytes, more than the model's max_output_bytes "
+                                f"({limit}): raise it in the model's config, or set 0 (no limit of its own)")
+        pos = layout.align_tensor(self.pos)
         self.pos = pos + nbytes
-        return self.base + pos
+        return self.base + pos if pos + nbytes <= self.capacity else -1
 
     def finish(self) -> int:
         """Write the output descriptors (the backend's writes have landed); how many.
-        RequestFailed(MODEL_ERROR) if an output was not produced."""
+        RequestFailed: MODEL_ERROR if an output was not produced; OUTPUT_TOO_LARGE, the short
+        answer (``reservations.short_message``), if the outputs outgrew the area."""
         outputs, placed = self.step.spec.outputs, self.placed
         if len(placed) != len(outputs):
             missing = [t.name for t in outputs if t.name not in placed]
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
+        if self.pos > self.capacity:
+            self.step.short_answers += 1
+            raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(self.pos, self.capacity))
         _HOT.encode_outputs(self.space.buf, self.space.geometry, self.index, self.first, self.region,
                             [placed[t.name] for t in outputs])
         return len(outputs)
@@ -200,8 +216,11 @@ class Step:
     (``workers.adapter.BackendAdapter``); ``spec`` its final specs.
     """
 
-    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec, version: int = 0):
+    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec, version: int = 0,
+                 max_output_bytes: int = 0):
         self.arena_buf, self.geometry, self.index = arena.buf, arena.geometry, index
+        self.max_output_bytes = max_output_bytes  # the most one output may take (0: no limit of its own)
+        self.short_answers = 0  # runs whose outputs outgrew their area (each is run again once: reservations)
         self.version = version  # the model version served: a lane call naming another is refused
         self.regions, self.adapter, self.spec = regions, adapter, spec
         self.input_names = tuple(t.name for t in spec.inputs)
