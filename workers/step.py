@@ -104,7 +104,8 @@ class OutputPlacer:
     answer (``shmserve.reservations``: OUTPUT_TOO_LARGE saying how many bytes they need), so
     the call can be run again once with exactly that much."""
 
-    __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed")
+    __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed",
+                 "scratch")
 
     def __init__(self, step: "Step", space: Space, index: int, first_tensor: int, region: int, base: int,
                  capacity: int, target):
@@ -112,6 +113,8 @@ class OutputPlacer:
         self.region, self.base, self.capacity, self.target = region, base, capacity, target
         self.pos = 0
         self.placed: dict[str, tuple[int, tuple, np.dtype, int]] = {}  # name -> (offset, shape, dtype, nbytes)
+        self.scratch: list[np.ndarray] | None = None  # outputs that outgrew the area: kept until finish (a GPU
+        # may write them)
 
     def allocate(self, name: str, shape, dtype) -> np.ndarray:
         """A writable view of the output area for output ``name``.
@@ -134,8 +137,10 @@ class OutputPlacer:
         nbytes = dtype.itemsize * math.prod(shape)
         offset = self._reserve(name, nbytes)
         self.placed[name] = (offset, shape, dtype, nbytes)
-        if offset < 0:
-            return np.empty(shape, dtype)  # outgrew the area: finish() gives the short answer
+        if offset < 0:  # outgrew the area: finish() gives the short answer
+            scratch = np.empty(shape, dtype)
+            self.scratch = (self.scratch or []) + [scratch]
+            return scratch
         return np.ndarray(shape, dtype, buffer=self.target, offset=offset)
 
     def put(self, name: str, value) -> None:
