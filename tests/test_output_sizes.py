@@ -11,10 +11,12 @@ shows it).  The reservation logic itself is tested in-process at the end.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
-from shmserve import Client, ErrorCode, ShmserveError, reservations
+from shmserve import AsyncClient, Client, ErrorCode, ShmserveError, reservations
 from shmserve.spec import ModelSpec, TensorSpec
 
 from helpers.server import wait_for
@@ -118,6 +120,25 @@ def test_data_dependent_outputs_larger_than_any_before_answer_on_every_path(serv
                 np.testing.assert_array_equal(call.run()["y"], np.arange(n, dtype=np.float32))
             assert call.out_capacity >= 4 * 4_700_000
     server.wait_idle()
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_async_clients_get_the_same_outputs_of_any_size(server, lanes):
+    """``AsyncClient``'s faces (its own ``zero_copy`` call object) take the same steps."""
+    x = np.random.default_rng(1).standard_normal((1, 1, 640, 484)).astype(np.float32)
+
+    async def calls():
+        async with AsyncClient(server.socket, timeout=30, lanes=lanes) as c:
+            y = (await c.infer("relu", {"x": x}))["y"]
+            n = 4_800_000 + lanes  # 19.2 MB: more than the zero-copy call's 16 MiB guess
+            async with await c.zero_copy("counted", {"n": ((1,), np.int64)}) as call:
+                call.inputs["n"][0] = n
+                counted = (await call.run())["y"].copy()
+            return y, n, counted
+
+    y, n, counted = asyncio.run(calls())
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+    np.testing.assert_array_equal(counted, np.arange(n, dtype=np.float32))
 
 
 @pytest.mark.parametrize("lanes", [True, False])
