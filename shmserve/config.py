@@ -365,8 +365,10 @@ def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
     return ServerConfig(models=(ModelConfig(name="demo", backend="onnxruntime", path=path),), instance=instance)
 
 
-def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfig:
-    """Parse and validate a TOML config file.  Raises ConfigError naming the bad key."""
+def load(path: str | os.PathLike, *, instance: str | None = None, repository_given: bool = False) -> ServerConfig:
+    """Parse and validate a TOML config file.  Raises ConfigError naming the bad key.
+    ``repository_given``: a model repository comes from elsewhere (``serve --model-repository``), so
+    a file with no ``[[models]]`` and no ``model_repository`` (server settings only) is valid."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -375,14 +377,15 @@ def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfi
         raise ConfigError(f"{path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse(raw, base_dir=path.parent, instance=instance)
+    return parse(raw, base_dir=path.parent, instance=instance, repository_given=repository_given)
 
 
 REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_regions_per_uid", "max_region_bytes_per_connection",
                "max_region_bytes_per_uid"}
 
 
-def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None) -> ServerConfig:
+def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
+          repository_given: bool = False) -> ServerConfig:
     _keys(raw, "", {"server", "arena", "models"})
     server = _table(raw, "server")
     arena = _table(raw, "arena")
@@ -442,7 +445,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             if isinstance(c, list) and len(c) == 2 else _bad(f"arena.size_classes[{i}]: expected [extent_bytes, count]")
             for i, c in enumerate(classes))
     models = raw.get("models", [])
-    if not isinstance(models, list) or (not models and "model_repository" not in kw):
+    if not isinstance(models, list) or (not models and "model_repository" not in kw and not repository_given):
         raise ConfigError("models: at least one [[models]] table is required (or server.model_repository)")
     parsed, names = [], set()
     for i, m in enumerate(models):

@@ -367,7 +367,8 @@ class Frontend:
 
         systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
         try:
-            new = cfgmod.load(self.config_path, instance=self.config.instance)
+            new = cfgmod.load(self.config_path, instance=self.config.instance,
+                              repository_given=self.repository_override is not None)
         except cfgmod.ConfigError as exc:
             log.error("reload: %s; keeping the running configuration", exc)
             systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")

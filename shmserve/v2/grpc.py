@@ -399,7 +399,11 @@ class GrpcDoor:
             reserved = held = 0
             try:
                 deadline = self.door_limits.upload_timeout_s
-                need = 2 * self.limits.max_message_bytes  # a message and its parsed form, at most
+                # The message, at most.  Its parsed form is made on the loop (FromString), so no
+                # other call reads or parses meanwhile: at any instant one message at most is held
+                # twice, across all callers.  (Reserving both here, twice the largest message, took
+                # more than the default budget, so one caller's calls never overlapped.)
+                need = self.limits.max_message_bytes
                 try:
                     await ledger.reserve_bytes(identity, need, deadline)
                 except V2Error as exc:
@@ -413,7 +417,7 @@ class GrpcDoor:
                                         "(server.upload_timeout_s)")
                 if raw is grpc.aio.EOF:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "[bad_frame] no request message")
-                held = 2 * len(raw)
+                held = len(raw)  # the message, then its parsed form
                 ledger.give_bytes(identity, reserved - held)
                 reserved = 0
                 try:
