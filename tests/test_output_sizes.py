@@ -23,6 +23,7 @@ from helpers.server import wait_for
 from helpers.v2_server import authed, python_model, v2_serving
 
 tritonhttp = pytest.importorskip("tritonclient.http")
+tritongrpc = pytest.importorskip("tritonclient.grpc")
 onnx = pytest.importorskip("onnx")
 
 MAX_REQUEST = 24 << 20  # max_request_bytes of this server: inputs plus outputs of one request
@@ -85,7 +86,8 @@ def short_answers(server, model: str) -> int:
 
 def test_an_exported_onnx_models_1_2_mb_output_answers_on_every_path(server, http):
     """The guess is 1 MiB per output no input sizes; the 1.2 MB map is run again with its own
-    size on the first call of its shape, on every path, and answers correctly."""
+    size on the first call of its shape, on every path (the native client's lane and socket,
+    zero-copy both ways, Triton's HTTP and gRPC clients), and answers correctly."""
     x = np.random.default_rng(0).standard_normal(BIG).astype(np.float32)
     want = np.maximum(x, 0)
     with server.client() as c, server.client(lanes=False) as s:
@@ -94,6 +96,13 @@ def test_an_exported_onnx_models_1_2_mb_output_answers_on_every_path(server, htt
         np.testing.assert_array_equal(zero_copy(c, "relu", "x", x)["y"], want)
         np.testing.assert_array_equal(zero_copy(s, "relu", "x", x)["y"], want)
     np.testing.assert_array_equal(v2_infer(http, "relu", "x", x, "FP32", "y"), want)
+    grpc = authed(tritongrpc.InferenceServerClient(server.grpc), "client")
+    try:  # (its messages hold 2 x max_request_bytes + 1 MiB)
+        given = tritongrpc.InferInput("x", list(x.shape), "FP32")
+        given.set_data_from_numpy(x)
+        np.testing.assert_array_equal(grpc.infer("relu", [given]).as_numpy("y"), want)
+    finally:
+        grpc.close()
     assert short_answers(server, "relu") >= 1
     server.wait_idle()
 
