@@ -690,8 +690,9 @@ class Dispatcher:
         model = req.model
         inputs = sum(layout.align_tensor(t.nbytes) for t in req.inputs)
         if inputs + needed > self.max_request:  # (not learned: the signature's smaller calls still fit)
+            why = self._too_large(inputs + needed, inputs)
             self._end(req, Failure(ErrorCode.OUTPUT_TOO_LARGE, f"the outputs took {_size(needed)}, the inputs "
-                                                               f"{_size(inputs)}: {self._too_large(inputs + needed, inputs)}"))
+                                                               f"{_size(inputs)}: {why}"))
             return True
         if req.signature is None:  # the spec predicted shapes the model did not make (exporters do that)
             req.signature = tuple((t.name, t.dtype, t.shape) for t in req.inputs)
