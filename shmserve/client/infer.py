@@ -5,9 +5,12 @@ on, no version or routing key, the model's spec known, every input a
 fixed-size array the model has; the lane routable, a slot and space free),
 opening a model's infer lane (and backing off to the socket for
 LANE_RETRY_S when the server refuses one), copying the inputs into the lane
-and submitting the call, reading its outputs into new arrays, and falling
-back to the socket when the lane cannot answer (its version went away: the
-spec is read again next time; outputs larger than a guessed capacity).
+and submitting the call, reading its outputs into new arrays, running it
+again once in the lane when the worker's short answer says its outputs
+outgrew a guessed capacity (``shmserve.reservations``: the signature's form
+keeps the size), and falling back to the socket when the lane cannot answer
+(its version went away: the spec is read again next time; outputs larger
+than the lane holds).
 
 Its state is the ``ClientCore``'s (``infer_lanes``, ``lane_forms``,
 ``no_lane_until``, ``opening``): a new connection or a new spec forgets it with
@@ -30,13 +33,13 @@ from typing import Mapping
 import numpy as np
 
 from shmserve import lanes, reservations
-from shmserve.lanes import DATA_FLOOR
 from shmserve.client.core import ClientCore
 from shmserve.client.memory import Region
 from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, needed_bytes, \
     region_limit, spec_of
 from shmserve.client.steps import CONNECT, Exchange, left
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.lanes import DATA_FLOOR
 from shmserve.session import FIXED_DTYPES, check_timeout
 
 LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after

@@ -12,8 +12,10 @@ spec of the version the client knows (``planning.call_plan``) and planned
 again, from the spec read afresh, when a worker of another version refuses
 it (a swap: the caller sees nothing of it, or a clear error naming both
 versions if the new one refuses the call); over the socket as a descriptor
-naming the same region otherwise; read-only views of the outputs; giving its
-space back.
+naming the same region otherwise; its output area moved to a larger one in
+its region when a worker's short answer says the outputs outgrew it
+(``grow``: the faces run the call once more; ``shmserve.reservations``);
+read-only views of the outputs; giving its space back.
 
 The faces hold the operation and their client's pump, and ask the pump only
 to ``perform`` it: the pump's one method a call uses.
