@@ -564,6 +564,7 @@ def test_outputs_larger_than_the_guess_are_run_again_once_with_what_they_need(ma
     np.testing.assert_array_equal(door.results[fits]["y"], np.arange(200, dtype=np.uint8)[::-1])
     np.testing.assert_array_equal(door.results[grown]["y"], x[::-1])
     assert fe.dispatcher.reruns == {"tail:1": 1} and fe.arena.stat("errors_total") == 0
+    assert fe.arena.stat("requests_total") == 2  # the short run is no answer: its second run is counted
     again = door.infer("tail", {"x": x + 1})  # the same signature: reserved as learned, run once
     fe.settle()
     np.testing.assert_array_equal(door.results[again]["y"], (x + 1)[::-1])

@@ -82,6 +82,12 @@ def short_answers(server, model: str) -> int:
     return sum((w.get("signatures") or {}).get("short", 0) for w in server.info()["workers"] if w["model"] == model)
 
 
+def worker_counts(server, model: str) -> tuple[int, int]:
+    """(requests, errors) the model's workers counted."""
+    workers = [w for w in server.info()["workers"] if w["model"] == model]
+    return sum(w["requests"] for w in workers), sum(w["errors"] for w in workers)
+
+
 # -- through the real server --------------------------------------------------------------------
 
 def test_an_exported_onnx_models_1_2_mb_output_answers_on_every_path(server, http):
@@ -182,7 +188,7 @@ def test_a_second_call_of_a_shape_runs_the_model_once_on_every_path(server, http
     def over_http(n):  # (a model of its own: the socket's calls taught "stateful" what they need)
         return {"calls": v2_infer(http, "stateful_v2", "n", np.array([n]), "INT64", "calls")}
 
-    short_before = short_answers(server, "stateful")
+    short_before, (requests_before, errors_before) = short_answers(server, "stateful"), worker_counts(server, "stateful")
     with server.client() as c:  # one client: its lane learns what the first call needed
         small = int(c.infer("stateful", {"n": np.array([1])})["calls"][0])
         first = c.infer("stateful", {"n": np.array([300_000])})
@@ -190,6 +196,8 @@ def test_a_second_call_of_a_shape_runs_the_model_once_on_every_path(server, http
     np.testing.assert_array_equal(second["y"], np.arange(300_000, dtype=np.float32))
     assert (int(first["calls"][0]), int(second["calls"][0])) == (small + 2, small + 3)
     wait_for(lambda: short_answers(server, "stateful") == short_before + 1, "the worker to count its short answer")
+    # three calls answered, no error: the short run is counted as neither (metrics read these counters)
+    assert worker_counts(server, "stateful") == (requests_before + 3, errors_before)
     for call, n in ((over_socket, 4_300_000), (over_http, 4_300_000)):  # the server learns, for every client
         before = int(call(1)["calls"][0])
         assert [int(call(n)["calls"][0]) for _ in range(3)] == [before + 2, before + 3, before + 4], call.__name__

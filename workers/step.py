@@ -235,6 +235,7 @@ class Step:
         self._requests_off = entry_off + layout.WORKER.offset("requests")
         self._errors_off = entry_off + layout.WORKER.offset("errors")
         self._hist_off = arena.geometry.hist_off(index, layout.HIST_STAGES[0])
+        self._uncounted = bytearray(64 + layout.HIST_WORKER_SIZE)  # where a short answer's counts go (finish)
         # Hot path: what the adapter states, bound once.
         self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
         self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
@@ -429,10 +430,19 @@ class Step:
     def finish(self, space: Space, entry: int, index: int, n_outputs: int,
                failure: tuple[ErrorCode, str] | None = None) -> None:
         """Publish DONE (``n_outputs`` described) or ERROR (``failure``: code and message), count it,
-        add its stage times to the histograms, and hand the slot back through the completion ring.
+        add its stage times to the histograms (not a short answer's: its call's second run is
+        counted), and hand the slot back through the completion ring.
         A lane slot its client rewrote meanwhile is left alone; an arena slot raises SlotConflict."""
-        if _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions, space.is_lane,
-                        self.arena_buf, self._requests_off, self._errors_off, self._hist_off) and not space.is_lane:
+        if failure is not None and reservations.needed(*failure) is not None:
+            # A short answer: its call runs again, and that run is the one the worker's counters and
+            # histograms count (a run whose outputs were thrown away is neither an answer nor an error).
+            published = _HOT.publish(space.buf, space.geometry, index, entry, 0, failure, space.completions,
+                                     space.is_lane, self._uncounted, 0, 8, 64)
+        else:
+            published = _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions,
+                                     space.is_lane, self.arena_buf, self._requests_off, self._errors_off,
+                                     self._hist_off)
+        if published and not space.is_lane:
             space.outbox.notify()  # a lane's client was woken by publish (its futex doorbell)
 
     def record_batch(self, size: int) -> None:

@@ -642,17 +642,18 @@ class Dispatcher:
         del self.pending[index]
         w.inflight.discard(index)
         self._cancel_timer(req)
+        if state == _ERROR and req.state is not RequestState.ABANDONED:
+            code, message = layout.decode_error(self.buf, self.geometry, index)
+            code = ErrorCode.from_number(code)
+            if code is ErrorCode.OUTPUT_TOO_LARGE and not req.zero_copy and not req.reran \
+                    and self._run_again(req, reservations.needed(code, message)):
+                return  # (counted once, when its second run is answered)
         self.arena.add_stat("requests_total", 1)
         if req.state is RequestState.ABANDONED:
             req.advance(Event.RELEASE)
             self._free(req)
             return
         if state == _ERROR:
-            code, message = layout.decode_error(self.buf, self.geometry, index)
-            code = ErrorCode.from_number(code)
-            if code is ErrorCode.OUTPUT_TOO_LARGE and not req.zero_copy and not req.reran \
-                    and self._run_again(req, reservations.needed(code, message)):
-                return
             self.arena.add_stat("errors_total", 1)
             if self.observe is not None:
                 self.observe(req, False)
