@@ -50,7 +50,11 @@ class Zoo:
         return {k: np.repeat(v, n, axis=0) for k, v in self.example.items()}
 
 
-def build(name: str, small: bool, directory: Path) -> Zoo:
+def build(name: str, small: bool, directory: Path, device: str) -> Zoo:
+    """The model (on the CPU: the reference), traced on ``device`` (a trace keeps the device of the
+    tensors it makes inside, as BERT's position ids: traced on the CPU it fails on a GPU)."""
+    import copy
+
     import torch
 
     torch.manual_seed(SEED)
@@ -63,7 +67,9 @@ def build(name: str, small: bool, directory: Path) -> Zoo:
         example = {"image": rng.standard_normal((1, 3, side, side), dtype=np.float32)}
         spec = (f'inputs = [{{name = "image", dtype = "float32", shape = ["batch", 3, {side}, {side}]}}]\n'
                 f'outputs = [{{name = "scores", dtype = "float32", shape = ["batch", 1000]}}]\n')
-        traced = torch.jit.trace(module, torch.from_numpy(np.repeat(example["image"], 2, 0)))
+        with torch.no_grad():
+            traced = torch.jit.trace(copy.deepcopy(module).to(device),
+                                     torch.from_numpy(np.repeat(example["image"], 2, 0)).to(device))
         output = "scores"
     elif name == "bert":
         from transformers import BertConfig, BertModel
@@ -89,8 +95,9 @@ def build(name: str, small: bool, directory: Path) -> Zoo:
                 f'{{name = "attention_mask", dtype = "int64", shape = ["batch", {seq}]}}]\n'
                 f'outputs = [{{name = "hidden", dtype = "float32", shape = ["batch", {seq}, {config.hidden_size}]}}]\n')
         with torch.no_grad():
-            traced = torch.jit.trace(module, (torch.from_numpy(np.repeat(ids, 2, 0)), torch.from_numpy(np.repeat(mask, 2, 0))),
-                                     strict=False)
+            traced = torch.jit.trace(copy.deepcopy(module).to(device),
+                                     (torch.from_numpy(np.repeat(ids, 2, 0)).to(device),
+                                      torch.from_numpy(np.repeat(mask, 2, 0)).to(device)), strict=False)
         output = "hidden"
     else:
         raise SystemExit(f"no model {name!r} (resnet50, bert)")
@@ -186,7 +193,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
-    from shmserve.bench import interleaved, serve_config, wait_models_ready
+    from shmserve.bench import interleaved, serve_config
 
     dev = torch.device(args.device)
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -198,7 +205,7 @@ def main() -> int:
         for name in args.models.split(","):
             t0 = time.monotonic()
             try:
-                zoos.append(build(name, args.small, workdir))
+                zoos.append(build(name, args.small, workdir, args.device))
                 print(f"built {name} in {time.monotonic() - t0:.1f} s")
             except Exception as exc:  # one model's failure does not stop the other's run
                 print(f"{name}: cannot build: {type(exc).__name__}: {exc}")
@@ -212,10 +219,23 @@ def main() -> int:
         proc = serve_config(cfg, sock)
         try:
             with Client(sock) as c:
-                wait_models_ready(c, 300)
-                print(f"server ready in {time.monotonic() - t0:.1f} s: "
+                deadline = time.monotonic() + 300  # every model ready, or one unavailable (its reason said)
+                while time.monotonic() < deadline:
+                    states = {m["name"]: m.get("state") for m in c.models()}
+                    if all(state in ("ready", "unavailable") for state in states.values()):
+                        break
+                    time.sleep(0.5)
+                print(f"server settled in {time.monotonic() - t0:.1f} s: "
                       f"{', '.join(m['name'] + ' ' + str(m.get('state')) for m in c.models())}")
+                for m in c.models():
+                    if m.get("state") != "ready":
+                        print(f"  {m['name']}: {m.get('reason')}")
+                        print("  server log:", (workdir / "server.log").read_text()[-1500:])
+                        break
                 for z in zoos:
+                    if not all(states.get(f"{z.name}_{kind}") == "ready" for kind in ("eager", "graphs", "batched")):
+                        report["models"][z.name] = {"error": "not served (above)"}
+                        continue
                     row: dict = {}
                     report["models"][z.name] = row
                     # correctness: batch 1 and batch 4 against the CPU reference
