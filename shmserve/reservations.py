@@ -25,11 +25,13 @@ an output is larger    the worker runs the model to its end anyway (an output
 than what is left      that does not fit goes to a throwaway array), answers
                        OUTPUT_TOO_LARGE with ``short_message(needed, reserved)``
                        and counts a short answer
-a short answer         the signature learns ``needed`` (the most seen: data-
-                       dependent outputs only grow it); the call is run again
-                       once with exactly ``needed`` bytes for its outputs, if
-                       that fits what the server can deliver
-                       (``max_request_bytes``; a zero-copy call: its region)
+a short answer         if ``needed`` fits what the server can deliver
+                       (``max_request_bytes``; a lane or zero-copy call: its
+                       region), the signature learns it (the most seen: data-
+                       dependent outputs only grow it) and the call is run
+                       again once with exactly ``needed`` bytes for its
+                       outputs; else the error names the limit (an ``infer``
+                       whose lane cannot hold it goes to the socket first)
 short again            (data-dependent outputs grew between the two runs) the
                        error is the answer: a call runs at most twice
 an output larger than  the worker's limit error (no ``needed``: never run
