@@ -67,7 +67,7 @@ File format::
     instances = 1
     max_batch_size = 0              # 0: no batching
     max_queue_delay_us = 0
-    max_output_bytes = 1048576      # reserved per output whose size the inputs do not determine
+    max_output_bytes = 0            # the most one output may take (0: no limit but what the server delivers)
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
     check_dims = ["batch"]          # named dimensions that must agree across a request's inputs;
                                     # default []: only rank and fixed sizes are checked (as runtimes do)
@@ -112,7 +112,7 @@ class ModelConfig:
     max_batch_size: int = 0
     max_queue_delay_us: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()  # run at once when a batch reaches one of these
-    max_output_bytes: int = MiB  # reserved per output whose size the inputs do not determine
+    max_output_bytes: int = 0  # the most one output may take; 0: no limit of its own (shmserve.reservations)
     io_mode: str = "copy"  # GPU: "copy" (DMA to device buffers) or "mapped" (kernels read shared memory); docs/gpu.md
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()

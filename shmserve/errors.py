@@ -36,7 +36,8 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 23
     MODEL_UNAVAILABLE = 24  # its workers could not load it
     MODEL_ERROR = 25  # the backend raised while running this request
-    OUTPUT_TOO_LARGE = 26  # outputs did not fit the space reserved for them
+    OUTPUT_TOO_LARGE = 26  # outputs larger than a limit or than the server delivers (or a worker's short
+    # answer, shmserve.reservations: its call is run again)
     INTERNAL = 27
     UNAVAILABLE = 28  # no server answers, or the connection to it was lost
 

@@ -85,6 +85,9 @@ class StatusCollector:
                                   "model and worker", labels=["model", "version", "worker"])
         restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts",
                                        labels=["model", "version", "worker"])
+        short = CounterMetricFamily("shmserve_worker_short_answers", "Runs whose outputs outgrew the space reserved "
+                                    "for them (each call run again once: docs/models.md, 'Outputs of any size'), "
+                                    "as the worker last told", labels=["model", "version", "worker"])
         workers = GaugeMetricFamily("shmserve_workers", "Workers by model, version and state",
                                     labels=["model", "version", "state"])
         states: dict = {}
@@ -95,12 +98,14 @@ class StatusCollector:
                 served.add_metric([w.model, v, str(w.index), "error"], w.errors)
                 lanes.add_metric([w.model, v, str(w.index)], w.lanes)
                 restarts.add_metric([w.model, v, str(w.index)], w.restarts)
+                short.add_metric([w.model, v, str(w.index)], (w.signatures or {}).get("short", 0))
                 states[(w.model, v, w.state)] = states.get((w.model, v, w.state), 0) + 1
         for (model, version, state), n in sorted(states.items()):
             workers.add_metric([model, version, state], n)
         yield served
         yield lanes
         yield restarts
+        yield short
         yield workers
 
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",

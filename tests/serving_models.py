@@ -182,3 +182,25 @@ def rendezvous(inputs):
 
 rendezvous.inputs = [{"name": "x", "dtype": "uint8", "shape": [1]}]
 rendezvous.outputs = [{"name": "y", "dtype": "uint8", "shape": [1]}]
+
+
+def counted(inputs):
+    """``n[0]`` float32s counting up from 0: an output whose length the data decides (a detector's
+    boxes after NMS), not the inputs' shapes."""
+    return {"y": np.arange(int(inputs["n"][0]), dtype=np.float32)}
+
+
+counted.inputs = [{"name": "n", "dtype": "int64", "shape": [1]}]
+counted.outputs = [{"name": "y", "dtype": "float32", "shape": ["count"]}]
+
+
+def counted_stateful(inputs):
+    """``counted``, and its calls so far as a second output ``calls`` (state a re-run shows)."""
+    counted_stateful.calls += 1
+    return {"y": np.arange(int(inputs["n"][0]), dtype=np.float32),
+            "calls": np.array([counted_stateful.calls], np.int64)}
+
+
+counted_stateful.calls = 0
+counted_stateful.inputs = counted.inputs
+counted_stateful.outputs = [counted.outputs[0], {"name": "calls", "dtype": "int64", "shape": [1]}]
