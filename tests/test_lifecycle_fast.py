@@ -305,6 +305,35 @@ def test_on_demand_versions_load_on_their_first_request_and_the_least_recently_u
     asyncio.run(main())
 
 
+def test_an_on_demand_model_unloaded_by_a_call_is_registered_again_by_a_reload(world):
+    """``unload`` of an on-demand model clears its default: a request naming no version is refused
+    (docs/models.md).  A reload brings it back to what its configuration says, as at start-up:
+    registered, loaded by its next request.  (It stayed refused until a ``load`` call, while a
+    model loaded at start-up was loaded again by the same reload.)"""
+    async def main():
+        w = world()
+        add_version(w.repo, "a", 1, 'load = "on_demand"\n')
+        await w.lifecycle.start()
+        door = w.fe.door()
+        req = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(req), "a answered")
+        assert served_by(door, req) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "its load done")
+        assert await w.done(asyncio.ensure_future(w.lifecycle.unload("a"))) == [1]
+        with pytest.raises(ShmserveError) as refused:
+            door.infer("a", {"x": ONES})
+        assert refused.value.code is ErrorCode.MODEL_UNAVAILABLE and "unloaded" in refused.value.message
+        await w.done(asyncio.ensure_future(w.lifecycle.apply()))
+        assert w.fe.models.get("a").default == 1 and w.version("a", 1).phase == UNLOADED
+        req = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(req), "a answered after the reload")
+        assert served_by(door, req) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "its load done")
+        await w.stop()
+
+    asyncio.run(main())
+
+
 def test_a_load_on_demand_without_room_waits_for_it_and_loads_when_it_appears(world):
     """Issue 23 item 6, in process: b needs a's memory while a runs a request (busy): b's request
     waits (its load is tried again every ROOM_RETRY_S), and b loads as soon as a is idle; a request

@@ -687,6 +687,26 @@ def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
             assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
 
 
+def test_sighup_registers_again_an_on_demand_model_unloaded_by_a_call(tmp_path):
+    """An on-demand model unloaded by ``unload`` refuses requests naming no version until a reload,
+    which registers it again as at start-up: its next request loads it (it stayed refused)."""
+    import signal
+
+    repo = tmp_path / "repo"
+    add_version(repo, "a", 1, config='load = "on_demand"\n')
+    x = np.ones(2, np.float32)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        with srv.client(lanes=False) as c:
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1
+            assert c.unload("a")["unloaded"] == [1]
+            with pytest.raises(ShmserveError) as err:
+                c.infer("a", {"x": x})
+            assert err.value.code is ErrorCode.MODEL_UNAVAILABLE, err.value
+            srv.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reload: repository read again" in srv.log() or "reload: done" in srv.log(), "the reload")
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1
+
+
 def test_a_version_fixed_by_a_reload_says_so(tmp_path):
     """Issue 24 item 3: a version that cannot load at start-up (its config.toml names a callable
     its module lacks), fixed in config.toml and reloaded (SIGHUP), serves, and the repository

@@ -528,6 +528,9 @@ class Lifecycle:
                              key=lambda v: v.version, default=None)
                 if newest is not None and model.default != newest.version and model.rollout is None:
                     await self._make_default(model, newest, keep=True, by="reload")
+                elif newest is None and model.default is None:  # an on_demand one unloaded by a call:
+                    registered = [n for n, cfg in want.items() if cfg.load == "on_demand"]  # as at start-up
+                    model.default = max(registered, default=None)
                 for v in gone:
                     await self._drain(v, UNLOADED, "no longer in the configuration (reload)")
                     done.append(f"unloaded {v.key}")
