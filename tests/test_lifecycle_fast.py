@@ -377,6 +377,38 @@ def test_a_load_on_demand_without_room_waits_for_it_and_loads_when_it_appears(wo
     asyncio.run(main())
 
 
+def test_a_request_for_a_version_being_evicted_waits_and_loads_it_again(world):
+    """Found by the lifecycle soak: a request for an on-demand version that comes while the version
+    drains for an eviction waits for the drain to end and loads it again (it was refused
+    ``model_unavailable ... is draining``).  a's worker is stuck, so its drain lasts
+    version_drain_timeout_s."""
+    async def main():
+        w = world(memory_budget={"cpu": 15 << 20}, version_drain_timeout_s=2.0)
+        for name in "ab":
+            add_version(w.repo, name, 1, 'load = "on_demand"\n')
+            w.supervisor.memory[name] = 10 << 20  # one fits, two do not
+        await w.lifecycle.start()
+        door = w.fe.door()
+        first = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(first) and not w.lifecycle.tasks, "a loaded and answered")
+        a = w.version("a", 1)
+        w.supervisor.stuck.add(a.workers[0])
+        for_b = door.infer("b", {"x": ONES}, timeout_s=120.0)
+        await w.until(lambda: a.phase == DRAINING, "a evicted for b")
+        during = door.infer("a", {"x": ONES}, timeout_s=120.0)
+        await w.settle()
+        assert door.answer_of(during) is None and a.phase == DRAINING
+        await w.advance(w.config.version_drain_timeout_s)
+        await w.until(lambda: door.answer_of(during) and door.answer_of(for_b), "both answered")
+        assert served_by(door, during) == 1 and served_by(door, for_b) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "the loads (and the evictions after them) done")
+        assert [(e["model"], e["event"]) for e in w.lifecycle.events if e["event"] in ("evicted", "load")][:3] == \
+            [("a", "load"), ("b", "load"), ("a", "evicted")], w.lifecycle.events
+        await w.stop()
+
+    asyncio.run(main())
+
+
 SPLIT = {"steps": [50, 100], "hold_s": 1.0, "window_s": 60.0, "min_samples": 10, "max_p99_ratio": None}
 
 
