@@ -315,6 +315,7 @@ class Frontend:
                 log.exception("watching the lanes failed")
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
+                self.lifecycle.load_for_lanes()
             now = time.monotonic()
             if self.history.due(now):  # a sample a minute: the baseline 'shmserve doctor' compares with
                 self.history.record(self.status.sample(now))

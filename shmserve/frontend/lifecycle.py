@@ -550,6 +550,9 @@ class Lifecycle:
                              key=lambda v: v.version, default=None)
                 if newest is not None and model.default != newest.version and model.rollout is None:
                     await self._make_default(model, newest, keep=True, by="reload")
+                elif newest is None and model.default is None:  # an on_demand one unloaded by a call:
+                    registered = [n for n, cfg in want.items() if cfg.load == "on_demand"]  # as at start-up
+                    model.default = max(registered, default=None)
                 for v in gone:
                     await self._drain(v, UNLOADED, "no longer in the configuration (reload)")
                     done.append(f"unloaded {v.key}")
@@ -591,7 +594,7 @@ class Lifecycle:
                     return
                 budget = self.budget(version.config.device)
                 fits_ever = budget is not None and version.memory.get("measured_bytes", 0) <= budget
-                if not (fits_ever and self.dispatcher.busy(version)) or self.stopping:
+                if not (fits_ever and self._wanted(version)) or self.stopping:
                     version.advance(PhaseEvent.NO_ROOM, f"no room to load it on demand: {refused}")
                     self.counts[("load_failed", version.name)] += 1
                     self._event(version, "load failed", version.reason)
@@ -642,6 +645,24 @@ class Lifecycle:
             started = self.clock.monotonic()
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
             self.seconds[("eviction", victim.name)] += self.clock.monotonic() - started
+
+    def _wanted(self, version: ModelState) -> bool:
+        """Whether a request waits for ``version`` (parked), or a lane of it holds a call that is
+        believable (pending for less than ``server.request_timeout_s``, every call's deadline)."""
+        if self.dispatcher.busy(version):
+            return True
+        now = self.clock.monotonic()
+        since = self.regions.lane_pending_since(version, now)
+        return since is not None and now - since <= self.config().request_timeout_s
+
+    def load_for_lanes(self) -> None:
+        """Load again each evicted on_demand version that is its model's default and has a lane
+        call pending (a lane call never passes the dispatcher, so the server's heartbeat looks:
+        its calls wait in the lane, and the version's new worker takes the lane)."""
+        for version in self.models.versions():
+            if version.phase == EVICTED and version.config.load == "on_demand" and not self.stopping \
+                    and self.models.by_name[version.name].default == version.version and self._wanted(version):
+                self.load_on_demand(version)
 
     def lane_busy(self, version: ModelState, now: float) -> bool:
         """Whether ``version``'s lanes keep it from being evicted: one holds a call queued or running,
@@ -793,6 +814,7 @@ class Lifecycle:
 
     async def _drain_now(self, version: ModelState, end: PhaseEvent, why: str) -> None:
         version.advance(PhaseEvent.DRAIN, why)
+        version.evicting = end is PhaseEvent.EVICT  # an on_demand one: requests for it wait meanwhile
         self._event(version, "drain", why)
         model = self.models.by_name[version.name]
         if model.default == version.version:
@@ -810,10 +832,13 @@ class Lifecycle:
         self.dispatcher.settle(version)
         await asyncio.gather(*(self._retire(w, target, timeout) for w in list(version.workers)))
         version.workers.clear()
+        version.evicting = False
         version.advance(end, why)
         self._event(version, version.phase.value, why)
+        if end is PhaseEvent.EVICT and self._wanted(version):
+            self.load_on_demand(version)  # asked for while it was evicted: loaded again, the requests wait
         self.dispatcher.settle(version)
-        if target is None:
+        if target is None and end is not PhaseEvent.EVICT:  # an evicted one's lane calls load it again
             self.regions.fail_lanes(version, f"model {version.name!r} has no version serving now ({why})")
 
     def _retire(self, w: WorkerHandle, to: ModelState | None, drain_s: float) -> asyncio.Future:
