@@ -36,7 +36,8 @@ class StatusCollector:
         snap = self.status.snapshot()
         requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model, "
                                        "version (empty: refused before one was chosen) and outcome (ok or the "
-                                       "error code); lane calls are in shmserve_worker_requests",
+                                       "error code), door processes' own answers included; lane calls are in "
+                                       "shmserve_worker_requests",
                                        labels=["model", "version", "outcome"])
         for (model, version, outcome), n in sorted(snap.outcomes.items(), key=lambda kv: str(kv[0])):
             requests.add_metric([model, str(version), outcome], n)
@@ -92,6 +93,20 @@ class StatusCollector:
         yield lanes
         yield restarts
         yield workers
+
+        if snap.doors:
+            up = GaugeMetricFamily("shmserve_door_up", "Whether a door process (docs/doors.md) is up",
+                                   labels=["door"])
+            conns = GaugeMetricFamily("shmserve_door_connections", "Client connections a door process serves",
+                                      labels=["door"])
+            door_restarts = CounterMetricFamily("shmserve_door_restarts", "Door process restarts", labels=["door"])
+            for d in snap.doors:
+                up.add_metric([str(d["index"])], int(d["up"]))
+                conns.add_metric([str(d["index"])], d["connections"])
+                door_restarts.add_metric([str(d["index"])], d["restarts"])
+            yield up
+            yield conns
+            yield door_restarts
 
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",
                                 value=snap.stats["extent_bytes_in_use"])

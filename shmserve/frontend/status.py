@@ -87,6 +87,7 @@ class Snapshot:
     lanes: int
     slots: int
     data_bytes: int
+    doors: tuple = ()  # each door process's state (``DoorHouse.describe``)
 
 
 class Status:
@@ -102,6 +103,8 @@ class Status:
         self.dispatcher, self.regions, self.socket_path = dispatcher, regions, socket_path
         self.started = time.monotonic()
         self.front_doors: dict[str, str] = {}  # "http"/"grpc" -> the address it listens on (the server sets it)
+        self.doors = lambda: []  # the door processes' state (frontend/doorhouse.py DoorHouse.describe), if any
+        self.door_outcomes = lambda: {}  # what the doors answered themselves: (model, version, outcome) -> n
 
     @property
     def config(self) -> ServerConfig:
@@ -131,9 +134,12 @@ class Status:
                        for v in self.models.versions())
         lifecycle = {"counts": dict(self.lifecycle.counts), "seconds": dict(self.lifecycle.seconds),
                      "canaries": self.canaries()} if self.lifecycle is not None else {}
-        return Snapshot(models=models, outcomes=dict(self.dispatcher.outcomes), lifecycle=lifecycle,
+        outcomes = dict(self.dispatcher.outcomes)
+        for key, n in self.door_outcomes().items():  # a door's own answers count as the socket's
+            outcomes[key] = outcomes.get(key, 0) + n
+        return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
-                        slots=g.slot_count, data_bytes=g.data_size)
+                        slots=g.slot_count, data_bytes=g.data_size, doors=tuple(self.doors()))
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
@@ -279,5 +285,6 @@ class Status:
                 "max_request_bytes": self.dispatcher.max_request, "request_timeout_s": config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
                 "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors),
+                "doors": [d if private else {**d, "pid": None} for d in self.doors()],
                 "limits": self.limits(),
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}
