@@ -11,9 +11,10 @@ import socket
 
 import pytest
 
-from shmserve import protocol
+from shmserve import lanes, layout, protocol
 from shmserve.doors.directory import Directory
 from shmserve.doors.dispatcher import LaneDispatcher
+from shmserve.doors.lanepool import LanePool
 from shmserve.doors.link import Link
 from shmserve.protocol import Kind
 
@@ -116,3 +117,40 @@ def test_the_link_carries_messages_data_and_descriptors_in_order():
             right.close()
 
     asyncio.run(run())
+
+
+def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
+    """Two connections' calls begun on one lane before either's payload has arrived: each has its
+    own slot (and part of the lane); one abandoned before it was submitted gives its slot back."""
+    directory = Directory()
+    directory.update(models_message())
+    asked = []
+    pool = LanePool(asked.append, lambda region: None)
+    lanes_made = []
+
+    def ask(view):
+        asked.append(view)
+        size = 1 << 20
+        fd = os.memfd_create("door-test", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        lane = pool.opened(view, 1, fd, size)
+        lanes.init_header(lane.buf, view.model_id)
+        lanes.assign_worker(lane.buf, 0)
+        lanes_made.append(lane)
+
+    pool.ask = ask
+    d = LaneDispatcher(directory, pool, count=lambda *a: None, limits=lambda: (30.0, 1 << 20))
+    parsed = infer(n=8)
+    plan = d.carries(parsed, 32)
+    assert d.begin("conn", "entry", parsed, plan) is None and len(asked) == 1  # no lane yet: relayed, one asked
+    a = d.begin("conn-a", "a", parsed, plan)
+    b = d.begin("conn-b", "b", parsed, plan)
+    assert a is not None and b is not None and a.slot != b.slot and a.base != b.base
+    lane = lanes_made[0]
+    free = len(lane.lane.free)
+    d.abandon(a)
+    assert len(lane.lane.free) == free + 1 and a.slot in lane.lane.free and lane.calls == {b.slot: b}
+    del a, b  # their input views of the lane, before it is unmapped
+    d.calls.clear()
+    lane.calls.clear()
+    pool.close_all()

@@ -125,6 +125,9 @@ class LaneDispatcher:
         timeout_limit, _ = self.limits()
         timeout = min(parsed.timeout_s or timeout_limit, timeout_limit)
         call = Call(conn, entry, parsed, plan, lane, slot, self.clock() + timeout)
+        # Reserved while its payload arrives (other connections' calls begin meanwhile): out of the
+        # lane's free list until ``submit`` hands it back to ``ClientLane.submit``, which takes it.
+        lane.lane.free.remove(slot)
         lane.calls[slot] = call
         self.calls.add(call)
         return call
@@ -136,6 +139,7 @@ class LaneDispatcher:
         inputs = [(i, call.base + o, a) for i, o, a in zip(plan.name_indices, plan.offsets, call.arrays)]
         request_id, self.next_id = self.next_id, self.next_id + 1
         lane.arm()  # before it is published: its worker rings the door's eventfd when it is done
+        lane.lane.free.append(call.slot)  # the slot it reserved: the one ClientLane.submit takes next
         try:
             slot, call.generation = lane.lane.submit(request_id, plan.view.version, inputs,
                                                      call.base + plan.out_offset, plan.out_capacity)
@@ -151,8 +155,8 @@ class LaneDispatcher:
         if call in self.calls:
             if call.generation >= 0:
                 call.lane.lane.abandon(call.slot, call.generation)
-            else:
-                pass  # never submitted: the slot is still free in the lane
+            else:  # never submitted: the slot it reserved is free again
+                call.lane.lane.free.append(call.slot)
             self._forget(call)
 
     # -- completions ------------------------------------------------------------------------

@@ -68,8 +68,8 @@ class DoorLane:
         atomics.exchange32(self.buf, self.waiters_off, 1)
 
     def close(self) -> None:
-        self.mem.release()
         try:
+            self.mem.release()
             self.buf.close()
         except BufferError:  # a view of it is still alive: the kernel unmaps it at exit
             log.warning("lane %d still has views; left mapped", self.region)
