@@ -1246,8 +1246,14 @@ publish(PyObject *self, PyObject *const *args, Py_ssize_t n)
     Py_ssize_t index, requests_off, errors_off, hist_off, ring_off, capacity;
     uint64_t entry, n_outputs, now, code = 0;
     PyObject *fail = args[5], *message = NULL;
-    int lane = PyObject_IsTrue(args[7]);
-    if (lane < 0 || table_of(args[1], &t) < 0 || slot_index(&t, args[2], &index) < 0 ||
+    /* hotpath.ARENA, LANE_FUTEX, LANE_EVENTFD (True and False are 1 and 0) */
+    long lane = PyLong_AsLong(args[7]);
+    if (lane == -1 && PyErr_Occurred()) return NULL;
+    if (lane < 0 || lane > 2) {
+        PyErr_SetString(PyExc_ValueError, "lane must be 0, 1 or 2 (hotpath.ARENA, LANE_FUTEX, LANE_EVENTFD)");
+        return NULL;
+    }
+    if (table_of(args[1], &t) < 0 || slot_index(&t, args[2], &index) < 0 ||
         u64_arg(args[3], UINT64_MAX, &entry) < 0 || u64_arg(args[4], UINT16_MAX, &n_outputs) < 0 ||
         ssize_arg(args[9], &requests_off) < 0 || ssize_arg(args[10], &errors_off) < 0 ||
         ssize_arg(args[11], &hist_off) < 0 || now_arg(args, n, 12, &now) < 0)
@@ -1324,7 +1330,7 @@ publish(PyObject *self, PyObject *const *args, Py_ssize_t n)
     }
     char *ring = base + ring_off;
     ring_push(ring, capacity, entry); /* a lane's ring may be full if its client does not drain it: the */
-    if (lane) ring_notify(ring);      /* entry is only a wake-up there, the status word is the answer */
+    if (lane == 1) ring_notify(ring); /* entry is only a wake-up there, the status word is the answer */
     result = Py_NewRef(Py_True);
 done:
     PyBuffer_Release(&arena);

@@ -455,9 +455,10 @@ def swap_repository(workdir: Path) -> Path:
     return root
 
 
-def spawn_server(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
+def spawn_server(workdir: Path, swap: bool = False, doors: int | str | None = None) -> tuple[subprocess.Popen, str]:
     """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
-    ``swap`` only the model repository of ``swap_repository``."""
+    ``swap`` only the model repository of ``swap_repository``; ``doors``: its ``[server] doors``
+    (None: the default)."""
     import secrets
 
     from shmserve.bench_v2 import TOKEN_ENV
@@ -478,7 +479,7 @@ http = "127.0.0.1:0"
 grpc = "127.0.0.1:0"
 v2_system_shared_memory = true
 v2_tokens = "tokens.toml"
-"""
+""" + (f"doors = {json.dumps(doors)}\n" if doors is not None else "")
     cfg.write_text(server + f"model_repository = {json.dumps(str(swap_repository(workdir)))}\n" if swap else
                    server + f"""[[models]]
 name = "identity"
@@ -777,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="one run with clients of several unix modes at once (e.g. inline:4,zero-copy:4,socket:2), "
                         "each back to back for --duration s (default 10): every client's share of requests/s "
                         "and the fairness, the most any client got over the fewest")
+    p.add_argument("--doors", metavar="N|auto", help="--spawn-server: its door processes ([server] doors; "
+                                                      "docs/doors.md; default: the server's default)")
     p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="write the results here too, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw every case's latency percentiles (needs matplotlib)")
@@ -787,6 +790,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[TOKEN_ENV] = args.token  # the client processes inherit it
     if args.rate < 0:
         p.error("--rate must be 0 or more")
+    if args.doors is not None:
+        from shmserve.config import MAX_DOORS
+
+        if not args.spawn_server:
+            p.error("--doors is for --spawn-server (a running server has its own: [server] doors)")
+        if args.doors != "auto":
+            if not args.doors.isascii() or not args.doors.isdigit() or int(args.doors) > MAX_DOORS:
+                p.error(f"--doors: expected a number in [0, {MAX_DOORS}] or 'auto', got {args.doors!r}")
+            args.doors = int(args.doors)
     swapping = args.during_swap is not None
     if swapping:
         if args.during_swap < 1:
@@ -828,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
-        proc, path = spawn_server(Path(tmp.name))
+        proc, path = spawn_server(Path(tmp.name), doors=args.doors)
         model = args.model or MODEL
     else:
         from shmserve.config import resolve_socket

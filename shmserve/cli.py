@@ -180,6 +180,18 @@ def _listen_address_problem(address: str) -> str | None:
     return None
 
 
+def _doors_arg(value: str):
+    """--doors: a number of door processes in [0, MAX_DOORS], or 'auto'."""
+    from shmserve.config import MAX_DOORS
+
+    if value == "auto":
+        return value
+    if not value.isascii() or not value.isdigit() or int(value) > MAX_DOORS:
+        raise argparse.ArgumentTypeError(f"expected a number of door processes in [0, {MAX_DOORS}] or 'auto', "
+                                         f"got {value!r}")
+    return int(value)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from shmserve import config as cfg
     from shmserve import logs, systemd
@@ -198,6 +210,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.strict:
         config = replace(config, strict=True)
+    if args.doors is not None:
+        config = replace(config, doors=None if args.doors == "auto" else args.doors)
     config = replace(config, http=args.http or config.http, grpc=args.grpc or config.grpc,
                      v2_system_shared_memory=args.v2_system_shared_memory or config.v2_system_shared_memory)
     for flag, address in (("--metrics", args.metrics), ("--http", config.http), ("--grpc", config.grpc)):
@@ -450,7 +464,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     stats = _table("statistic", "value", title="arena statistics")
     for key, value in answer.get("stats", {}).items():
         _row(stats, key, value)
-    _print(facts, workers, stats)
+    tables = [facts, workers, stats]
+    if answer.get("doors"):  # door processes (docs/doors.md); this connection's is door_process
+        doors = _table("door", "pid", "up", "connections", "lanes", "restarts", title="door processes")
+        for d in answer["doors"]:
+            _row(doors, d["index"], "-" if d.get("pid") is None else d["pid"], "yes" if d.get("up") else "no",
+                 d.get("connections", 0), d.get("lanes", 0), d.get("restarts", 0))
+        tables.append(doors)
+    _print(*tables)
     return EXIT_OK
 
 
@@ -816,6 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let v2 clients register their own /dev/shm objects ([server] v2_system_shared_memory)")
     serve.add_argument("--strict", action="store_true", help="a model that cannot load stops the start "
                                                              "(exit 1) instead of serving the others ([server] strict)")
+    serve.add_argument("--doors", type=_doors_arg, metavar="N|auto",
+                       help="door processes serving the Unix socket beside the main one (default: the config's "
+                            "[server] doors, else 0; auto: a quarter of the CPUs from 4, at most 8; docs/doors.md)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (one line per request)")
     serve.set_defaults(func=_cmd_serve)

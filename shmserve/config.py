@@ -204,6 +204,10 @@ class ServerConfig:
     worker_timeout_s: float = 10.0  # a ready worker silent this long is wedged (watchdog) and killed
     # Client regions (sealed memfds, charged to the server's memory): what clients may make it hold.
     max_regions: int = 1024  # all connections together (the arena's region table)
+    # Door processes serving the Unix socket beside the main one (docs/doors.md); None: auto
+    # (``doors_default``); 0: the main process serves it alone.
+    doors: int | None = 0
+    door_lane_bytes: int = 64 * MiB  # each door lane's region (its data space is cut in one part per lane slot)
     max_regions_per_connection: int = 16
     max_regions_per_uid: int = 256  # a quarter of max_regions: one uid cannot take every record
     max_region_bytes_per_connection: int = 1 << 30
@@ -275,6 +279,10 @@ class ServerConfig:
     # 'overloaded' before it is read (one at a time is always let through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
 
+    def effective_doors(self) -> int:
+        """How many door processes to start: ``doors``, or ``doors_default()`` when it is None (auto)."""
+        return doors_default() if self.doors is None else self.doors
+
     def effective_spin_us(self) -> int:
         return spin_default_us() if self.spin_us is None else self.spin_us
 
@@ -304,6 +312,17 @@ class ServerConfig:
         classes = [(4096, 256), (64 * 1024, 128), (MiB, 16), (16 * MiB, 2)]
         classes = [c for c in classes if c[0] < big]
         return tuple(classes + [(big, 2)])
+
+
+MAX_DOORS = 64  # door processes (each holds a lane per worker of each version it serves)
+DOOR_LANE_MIN = 128 * 1024  # the least door_lane_bytes: a lane's 64 KiB queue and 4 KiB per lane slot
+
+
+def doors_default(cpus: int | None = None) -> int:
+    """Door processes by default: none below 4 CPUs (a door process there only takes CPU from the
+    workers and the main process: docs/performance.md), else a quarter of the CPUs, at most 8."""
+    cpus = cpus or os.cpu_count() or 1
+    return 0 if cpus < 4 else min(8, cpus // 4)
 
 
 def spin_default_us(client: bool = False) -> int:
@@ -392,7 +411,8 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
                               "allow_gids", "drain_timeout_s", "spin_us", "max_waiting",
                               "max_inflight_per_connection", "socket_mode", "socket_group", "worker_timeout_s",
-                              "allow_groups", "restart_healthy_s", "strict", *CLIENT_LIMIT_KEYS} | REGION_KEYS
+                              "allow_groups", "restart_healthy_s", "strict", "doors", "door_lane_bytes",
+                              *CLIENT_LIMIT_KEYS} | REGION_KEYS
           | LIFECYCLE_KEYS | V2_KEYS)
     _keys(arena, "arena.", {"slots", "size_classes"})
     kw: dict = {}
@@ -416,6 +436,10 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
     kw.update(_bounded(server, "server.", _int, (
         ("max_request_bytes", 1, 1 << 36), ("spin_us", 0, 10_000_000), ("max_waiting", 0, 1 << 20))))
     kw.update(_client_limits(server))
+    if "doors" in server:
+        kw["doors"] = None if server["doors"] == "auto" else _int(server["doors"], "server.doors (or 'auto')", 0,
+                                                                   MAX_DOORS)
+    kw.update(_bounded(server, "server.", _int, (("door_lane_bytes", DOOR_LANE_MIN, 1 << 34),)))
     kw.update(_bounded(server, "server.", _int, (
         ("max_regions", 1, 1 << 16), ("max_regions_per_connection", 0, 1 << 16), ("max_regions_per_uid", 0, 1 << 16),
         ("max_region_bytes_per_connection", 0, 1 << 40), ("max_region_bytes_per_uid", 0, 1 << 44))))

@@ -45,6 +45,11 @@ if IMPL not in IMPLS:
     raise ImportError(f"SHMSERVE_HOTPATH={IMPL!r}: use one of {', '.join(IMPLS)}")
 
 LANE = layout.LANE
+# ``publish``'s ``lane``: whose slot table it is and who wakes the collector.  ARENA: the arena's (the
+# caller rings the front-end's eventfd; a conflict raises); LANE_FUTEX: a lane whose client sleeps on its
+# futex doorbell (rung here); LANE_EVENTFD: a door process's lane (``shmserve.doors``), whose eventfd the
+# caller rings (``rings.EventfdDoorbell``: only when the door armed it).  True and False are LANE_FUTEX and ARENA.
+ARENA, LANE_FUTEX, LANE_EVENTFD = 0, 1, 2
 _FREE, _WRITING, _READY, _RUNNING, _DONE, _ERROR = SlotState
 _CLIENT, _WORKER = Actor.CLIENT, Actor.WORKER
 _BYTES = layout.BYTES_DTYPE
@@ -208,14 +213,17 @@ def encode_outputs(buf, geometry, index: int, first: int, region: int, outputs) 
                              shape=shape, offset=offset, region=region, nbytes=nbytes)
 
 
-def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring: Ring, lane: bool,
+def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring: Ring, lane: int,
             arena_buf, requests_off: int, errors_off: int, hist_off: int, now: int = 0) -> bool:
     """Publish DONE (``n_outputs`` described) or ERROR (``failure``: code and message) for claimed
     slot ``index`` (ring ``entry``), count it (u64s at ``requests_off``/``errors_off`` of
     ``arena_buf``), add its stage times to the histograms at ``hist_off``, and push ``entry`` on
-    ``ring``; a lane's client is woken here (its futex doorbell), the arena's collector by the
-    caller.  Whether it was published: a lane slot its client rewrote meanwhile is not (False);
-    an arena slot raises SlotConflict."""
+    ``ring``; ``lane`` (ARENA, LANE_FUTEX or LANE_EVENTFD): a LANE_FUTEX lane's client is woken
+    here (its futex doorbell), the arena's collector and a LANE_EVENTFD lane's door by the caller.
+    Whether it was published: a lane slot its client rewrote meanwhile is not (False); an arena
+    slot raises SlotConflict.  ValueError for a ``lane`` that is none of the three."""
+    if lane not in (ARENA, LANE_FUTEX, LANE_EVENTFD):
+        raise ValueError("lane must be 0, 1 or 2 (hotpath.ARENA, LANE_FUTEX, LANE_EVENTFD)")
     _, generation = layout.split_entry(entry)
     if failure is not None:
         layout.encode_error(buf, geometry, index, *failure)
@@ -233,8 +241,8 @@ def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring
     if failure is not None:
         atomics.fetch_add64(arena_buf, errors_off, 1)
     layout.record_stages_at(arena_buf, hist_off, buf, geometry.slot_off(index))
-    ring.push(entry)  # a lane's ring may be full if its client does not drain it: the entry
-    if lane:          # is only a wake-up there, the status word is the answer
+    ring.push(entry)      # a lane's ring may be full if its client does not drain it: the entry
+    if lane == LANE_FUTEX:  # is only a wake-up there, the status word is the answer
         FutexDoorbell(ring).notify()
     return True
 

@@ -40,8 +40,9 @@ class StatusCollector:
     def collect(self):
         snap = self.status.snapshot()
         requests = CounterMetricFamily("shmserve_requests", "Requests answered, by model, version (empty: refused "
-                                       "before one was chosen) and outcome (ok, or the error code; lane calls, "
-                                       "counted from the workers' counters each heartbeat: ok or error)",
+                                       "before one was chosen) and outcome (ok, or the error code; door "
+                                       "processes' own answers included; lane calls, counted from the workers' "
+                                       "counters each heartbeat: ok or error)",
                                        labels=["model", "version", "outcome"])
         outcomes = collections.Counter(snap.outcomes)
         for (model, version), (ok, failed) in (snap.lane_calls or {}).items():
@@ -107,6 +108,20 @@ class StatusCollector:
         yield restarts
         yield short
         yield workers
+
+        if snap.doors:
+            up = GaugeMetricFamily("shmserve_door_up", "Whether a door process (docs/doors.md) is up",
+                                   labels=["door"])
+            conns = GaugeMetricFamily("shmserve_door_connections", "Client connections a door process serves",
+                                      labels=["door"])
+            door_restarts = CounterMetricFamily("shmserve_door_restarts", "Door process restarts", labels=["door"])
+            for d in snap.doors:
+                up.add_metric([str(d["index"])], int(d["up"]))
+                conns.add_metric([str(d["index"])], d["connections"])
+                door_restarts.add_metric([str(d["index"])], d["restarts"])
+            yield up
+            yield conns
+            yield door_restarts
 
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",
                                 value=snap.stats["extent_bytes_in_use"])

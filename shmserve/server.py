@@ -51,6 +51,7 @@ HEARTBEAT_S = 0.5  # the owner's heartbeat in the arena header (inspect reads it
 STARTUP_TIMEOUT_S = 300.0  # loading large engines takes a while; a hung worker must not hang start-up
 FLUSH_AT_EXIT_S = 1.0  # how long answers already given may take to reach their clients at shutdown
 DRAIN_POLL_S = 0.01
+DOORS_UP_TIMEOUT_S = 30.0  # at start: the door processes' hello (connections wait in the backlog meanwhile)
 
 
 def limits_of(config: ServerConfig) -> Limits:
@@ -160,6 +161,7 @@ class Frontend:
         self.efd: int | None = None
         self.v2 = None  # the KServe v2 service (shmserve.v2.service), when http or grpc is on
         self.v2_doors: list = []  # its HTTP and gRPC doors
+        self.doors = None  # the door processes (frontend/doorhouse.py), when [server] doors > 0
 
     # -- life -----------------------------------------------------------------------------
 
@@ -194,7 +196,14 @@ class Frontend:
             await self._start_v2()  # first: once the native socket answers, every door does
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
-            server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
+            n_doors = self.config.effective_doors()
+            if n_doors:  # the door processes accept on the listener; main serves what they relay
+                self._start_doors(loop, n_doors)
+                if not await self.doors.wait_up(DOORS_UP_TIMEOUT_S):
+                    log.warning("doors: not every door process is up after %.0f s; serving with those that are",
+                                DOORS_UP_TIMEOUT_S)
+            else:
+                server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
             tasks.append(loop.create_task(self._heartbeat()))
             if self.metrics_address:
                 from shmserve.metrics import MetricsServer
@@ -250,6 +259,24 @@ class Frontend:
                              allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
                              admin=(self.config.admin_uids, self.config.admin_gids))
         loop.add_reader(self.efd, self._on_completions)
+
+    def _start_doors(self, loop, n: int) -> None:
+        """Start ``n`` door processes on the Unix listener (docs/doors.md); every lifecycle step waits
+        until each door routes by its outcome before it answers (``Lifecycle.announce``)."""
+        from shmserve import logs
+        from shmserve.frontend.doorhouse import DoorHouse
+
+        root = logging.getLogger()
+        fmt = "json" if any(isinstance(h.formatter, logs.JsonFormatter) for h in root.handlers) else "text"
+        self.doors = DoorHouse(n, unix=self.door, regions=self.regions, models=self.models,
+                               dispatcher=self.dispatcher, config=lambda: self.config, listen_sock=self.listener.sock,
+                               loop=loop, log_format=fmt, verbose=root.level <= logging.DEBUG)
+        self.lifecycle.announce = self.doors.sync
+        self.lifecycle.on_change = self.doors.changed
+        self.status.doors = self.doors.describe
+        self.status.door_outcomes = self.doors.counts
+        self.doors.start()
+        log.info("doors: %d door processes serve %s", n, self.socket_path)
 
     async def _start_v2(self) -> None:
         """Open the KServe v2 doors the config asks for (HTTP, gRPC), over one v2 service."""
@@ -316,6 +343,8 @@ class Frontend:
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
                 self.lifecycle.load_for_lanes()
+            if self.doors is not None:
+                self.doors.changed()  # a worker's readiness changes what the doors serve themselves
             now = time.monotonic()
             if self.history.due(now):  # a sample a minute: the baseline 'shmserve doctor' compares with
                 self.history.record(self.status.sample(now))
@@ -444,9 +473,13 @@ class Frontend:
             self.listener.remove()
         for door in self.v2_doors:  # stop taking new v2 requests; those in flight drain below
             await door.stop_listening()
+        if self.doors is not None:  # the doors accept no more; their lane calls in flight are answered
+            await self.doors.drain(self.config.drain_timeout_s)
         if self.dispatcher is not None:
             self.dispatcher.stop_admitting()
             self.regions.divert_all()  # Client.infer over the socket now: answered SHUTTING_DOWN
+            if self.doors is not None:
+                self.doors.changed()  # the doors relay everything now: main answers SHUTTING_DOWN
             deadline = time.monotonic() + self.config.drain_timeout_s
             while (self.dispatcher.in_flight or self.regions.lanes_pending()) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
@@ -455,6 +488,7 @@ class Frontend:
             deadline = time.monotonic() + FLUSH_AT_EXIT_S
             while time.monotonic() < deadline and self.door.unflushed():
                 await asyncio.sleep(DRAIN_POLL_S)
+
         for door in self.v2_doors:
             await door.close()
         if self.v2 is not None:
@@ -467,6 +501,8 @@ class Frontend:
         if self.regions is not None and self.regions.fail_pending_lanes(ErrorCode.SHUTTING_DOWN,
                                                                         "the server is shutting down"):
             await asyncio.sleep(2 * WAIT_SLICE_S)  # (their clients look at the status word that often)
+        if self.doors is not None:  # after the lane calls' SHUTTING_DOWN: their clients' connections end with them
+            await self.doors.stop()
         if self.door is not None:
             self.door.close_all()
             await asyncio.sleep(0)

@@ -32,6 +32,9 @@ Worker -> front-end:
 Front-end -> worker, only client regions (``send_region``):
 
     {"event": "region", "region": id, "size": n} + the region's sealed memfd (SCM_RIGHTS)
+    {"event": "region", "region": id, "size": n, "bell": true} + the memfd and an eventfd: a
+                                                               door process's lane (``shmserve.doors``),
+                                                               whose completions ring that eventfd
 
 sent before the first ring entry that names the region reaches that worker;
 the worker takes them off the socket when it meets a region it does not
@@ -136,13 +139,17 @@ def decode(data: bytes) -> dict:
     return message
 
 
-def send_region(sock: socket.socket, region: int, size: int, fd: int) -> bool:
+def send_region(sock: socket.socket, region: int, size: int, fd: int, bell: int = -1) -> bool:
     """Front-end: pass region ``region`` (``size`` bytes, descriptor ``fd``) to a worker over its
-    control socket without blocking.  False if it cannot take it now (its socket is full: the
-    worker is busy or wedged) or is gone."""
+    control socket without blocking; ``bell``: the eventfd a door process's lane is woken by (-1:
+    none).  False if it cannot take it now (its socket is full: the worker is busy or wedged) or
+    is gone."""
+    message, fds = {"event": "region", "region": region, "size": size}, [fd]
+    if bell >= 0:
+        message["bell"], fds = True, [fd, bell]
     try:  # not socket.send_fds: before Python 3.12 it drops its flags (and could block here)
-        sock.sendmsg([encode({"event": "region", "region": region, "size": size})],
-                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], socket.MSG_DONTWAIT)
+        sock.sendmsg([encode(message)],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], socket.MSG_DONTWAIT)
     except OSError:
         return False
     return True
@@ -174,10 +181,11 @@ def tell_dropped(sock: socket.socket, region: int) -> None:
         pass  # the front-end is gone
 
 
-def receive_regions(sock: socket.socket) -> list[tuple[int, int, int]]:
-    """Worker: every region descriptor waiting on the control socket, as (region, size, fd), the
-    caller owning each fd.  Never blocks; anything that is not a region message is discarded
-    (its descriptors closed)."""
+def receive_regions(sock: socket.socket) -> list[tuple]:
+    """Worker: every region descriptor waiting on the control socket, as (region, size, fd), or
+    (region, size, fd, bell) for a door process's lane (``bell``: its eventfd), the caller owning
+    each fd.  Never blocks; anything that is not a region message is discarded (its descriptors
+    closed)."""
     received = []
     while True:
         try:  # not socket.recv_fds: before Python 3.12 it drops its flags (and would block here)
@@ -193,11 +201,12 @@ def receive_regions(sock: socket.socket) -> list[tuple[int, int, int]]:
         try:
             message = decode(data)
             region, size = message["region"], message["size"]
-            ok = message["event"] == "region" and len(fds) == 1 and type(region) is int and type(size) is int
+            bell = message.get("bell") is True
+            ok = message["event"] == "region" and len(fds) == 1 + bell and type(region) is int and type(size) is int
         except (ValueError, KeyError):
             ok = False
         if ok:
-            received.append((region, size, fds[0]))
+            received.append((region, size, *fds))
         else:
             for fd in fds:
                 os.close(fd)

@@ -261,6 +261,28 @@ def test_an_arena_slot_is_claimed_and_published_alike(twin):
         assert raised[:2] == ("raised", "SlotConflict")
 
 
+@pytest.mark.parametrize("wake, rung", [(hotpath.LANE_FUTEX, 1), (True, 1), (hotpath.LANE_EVENTFD, 0)])
+def test_publish_wakes_a_lanes_futex_only_when_told_to(twin, wake, rung):
+    """``lane``: LANE_FUTEX (True) rings the client's futex doorbell (its ring's sequence word
+    moves); LANE_EVENTFD (a door process's lane) leaves the waking to the caller, and a slot its
+    client rewrote is passed over quietly, as for any lane.  Anything else is refused alike."""
+    ring = Ring(twin.bufs["c"], layout.LANE.completion_off, layout.LANE.ring_capacity)
+    seq_before = int.from_bytes(twin.bufs["c"][ring.seq_offset:ring.seq_offset + 4], "little")
+    entry = layout.slot_entry(1, 4)
+    twin.scribble([(layout.LANE.slot_off(1), layout.pack_status(4, SlotState.READY).to_bytes(8, "little"))])
+    assert twin.call("claim", "buf", layout.LANE, entry, NOW) == ("returned", 1)
+    assert twin.call("publish", "buf", layout.LANE, 1, entry, 0, None, "ring", wake, "arena", REQUESTS_OFF,
+                     ERRORS_OFF, HIST_OFF, NOW + 10) == ("returned", True)
+    seq = int.from_bytes(twin.bufs["c"][ring.seq_offset:ring.seq_offset + 4], "little")
+    assert seq == seq_before + rung
+    assert twin.call("publish", "buf", layout.LANE, 1, entry, 0, None, "ring", wake, "arena", REQUESTS_OFF,
+                     ERRORS_OFF, HIST_OFF, NOW + 10) == ("returned", False)  # not RUNNING any more
+    for bad in (3, -1):
+        kind, name, _, _ = twin.call("publish", "buf", layout.LANE, 1, entry, 0, None, "ring", bad, "arena",
+                                     REQUESTS_OFF, ERRORS_OFF, HIST_OFF, NOW)
+        assert (kind, name) == ("raised", "ValueError")
+
+
 def test_a_real_round_trip_returns_the_outputs_and_frees_the_slot(twin):
     """The ordinary call, spelled out: what read returns, and that the slot is FREE in a new
     generation with its index back in the free list."""

@@ -503,7 +503,8 @@ def test_worker_killed_mid_request(tmp_path, lanes):
 
 def test_overloaded_when_arena_and_queue_are_full(tmp_path):
     """The arena's slots and the wait queue are the socket path's (a lane queues in its own slots)."""
-    srv = ServerProcess(tmp_path, "[arena]\nslots = 2\n" + SLOW_MODEL, server_section="max_waiting = 0").start()
+    srv = ServerProcess(tmp_path, "[arena]\nslots = 2\n" + SLOW_MODEL,
+                        server_section="max_waiting = 0\ndoors = 0").start()  # main serves the socket: its arena
     try:
         done = []
 

@@ -77,8 +77,10 @@ class RegionCache:
     front-end says (``forget``).
 
     ``fetch()`` returns the descriptors that arrived since it was last
-    called, as (region, size, fd) (``workerlink.receive_regions`` on the
-    control socket); they are taken only when a region id is not known yet.
+    called, as (region, size, fd), or (region, size, fd, bell) for a door
+    process's lane (``workerlink.receive_regions`` on the control socket;
+    ``bells[id]`` keeps its eventfd until the region is forgotten); they are
+    taken only when a region id is not known yet.
     ``maps[id]`` is a mapped region's mmap and ``sizes[id]`` its size; region
     0 is the arena itself and never in them.  With ``gpu`` (a ``GpuMemory``)
     each region is page-locked while mapped.  A context manager: leaving it
@@ -92,14 +94,18 @@ class RegionCache:
         self.maps: dict[int, mmap.mmap] = {}
         self.sizes: dict[int, int] = {}
         self._held: dict[int, contextlib.ExitStack] = {}  # region -> its unregister, then unmap
+        self.bells: dict[int, int] = {}  # region -> the eventfd its lane's door sleeps on (door lanes only)
 
     def take_arrived(self) -> None:
         """Take every descriptor that has arrived (a second one for the same region is closed)."""
-        for region, size, fd in self.fetch():
+        for region, size, fd, *bell in self.fetch():
             if region in self.given or region in self.maps or size <= 0:
-                os.close(fd)
+                for each in (fd, *bell):
+                    os.close(each)
             else:
                 self.given[region] = (fd, size)
+                if bell:
+                    self.bells[region] = bell[0]
 
     def ensure(self, region: int) -> None:
         """Map ``region`` (and page-lock it on a GPU) unless it is the arena or mapped already.
@@ -144,6 +150,9 @@ class RegionCache:
         entry = self.given.pop(region, None)
         if entry is not None:
             os.close(entry[0])
+        bell = self.bells.pop(region, None)
+        if bell is not None:
+            os.close(bell)
         self.drop(region)
 
     def drop(self, region: int) -> None:
@@ -161,6 +170,9 @@ class RegionCache:
         for fd, _ in self.given.values():
             os.close(fd)
         self.given.clear()
+        for bell in self.bells.values():
+            os.close(bell)
+        self.bells.clear()
 
     def __enter__(self) -> "RegionCache":
         return self

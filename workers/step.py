@@ -45,6 +45,7 @@ LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as va
 # the arena's requests' signatures are remembered as many (for doctor's count of new ones)
 
 _BYTES = layout.BYTES_DTYPE
+_LANE_FUTEX = hotpath.LANE_FUTEX
 _HOT = hotpath.active  # claim, decode_lane, encode_outputs, publish: compiled, or the reference
 
 
@@ -81,14 +82,18 @@ class Space:
     queue (``data_floor``): the client wrote every byte of it and is trusted with none.
     """
 
-    __slots__ = ("buf", "geometry", "submissions", "completions", "outbox", "region", "data_floor", "is_lane")
+    __slots__ = ("buf", "geometry", "submissions", "completions", "outbox", "region", "data_floor", "is_lane",
+                 "wake")
 
     def __init__(self, buf, geometry, submissions: Ring, completions: Ring, outbox, *, region: int = 0,
-                 data_floor: int = 0):
+                 data_floor: int = 0, eventfd: bool = False):
+        """``eventfd``: a door process's lane (``outbox`` rings its eventfd), not a client's futex."""
         self.buf, self.geometry = buf, geometry
         self.submissions, self.completions, self.outbox = submissions, completions, outbox
         self.region, self.data_floor = region, data_floor
         self.is_lane = region != 0
+        # who wakes the collector (hotpath.publish's ``lane``): publish itself only for a client's futex
+        self.wake = hotpath.ARENA if not self.is_lane else hotpath.LANE_EVENTFD if eventfd else hotpath.LANE_FUTEX
 
     def outside(self, what: str) -> RequestFailed:
         """The error for a lane tensor (``what``) outside the lane's own data space."""
@@ -437,13 +442,14 @@ class Step:
             # A short answer: its call runs again, and that run is the one the worker's counters and
             # histograms count (a run whose outputs were thrown away is neither an answer nor an error).
             published = _HOT.publish(space.buf, space.geometry, index, entry, 0, failure, space.completions,
-                                     space.is_lane, self._uncounted, 0, 8, 64)
+                                     space.wake, self._uncounted, 0, 8, 64)
         else:
             published = _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions,
-                                     space.is_lane, self.arena_buf, self._requests_off, self._errors_off,
+                                     space.wake, self.arena_buf, self._requests_off, self._errors_off,
                                      self._hist_off)
-        if published and not space.is_lane:
-            space.outbox.notify()  # a lane's client was woken by publish (its futex doorbell)
+        if published and space.wake != _LANE_FUTEX:
+            space.outbox.notify()  # an arena slot's front-end, or a door's lane (its eventfd); a client's lane
+                                   # was woken by publish (its futex doorbell)
 
     def record_batch(self, size: int) -> None:
         """Count one backend run of ``size`` requests in the batch-size histogram."""

@@ -268,8 +268,11 @@ class Worker:
             self.tell_lane_failed(region, "too small for a lane")
             return []
         submissions, completions, doorbell = lanes.worker_rings(buf)
+        bell = self.regions.bells.get(region)
+        if bell is not None:  # a door process's lane: its door sleeps on an eventfd, not the futex
+            doorbell = EventfdDoorbell(completions, bell)
         space = self.lanes[region] = Space(buf, layout.LANE, submissions, completions, doorbell, region=region,
-                                           data_floor=lanes.DATA_FLOOR)
+                                           data_floor=lanes.DATA_FLOOR, eventfd=bell is not None)
         self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
         return [(space, entry) for entry in lanes.queued_entries(buf)]
 

@@ -82,6 +82,22 @@ class _Tally:
     lane_errors: int = 0  # of ``lanes``, those the worker answered with an error (as far as known: below)
 
 
+async def _nothing() -> None:
+    pass
+
+
+def _announced(method):
+    """A lifecycle entry whose caller hears its outcome only once every door process routes by it
+    (``Lifecycle.announce``), whether it succeeded or raised."""
+    @functools.wraps(method)
+    async def announced(self, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            await self.announce()
+    return announced
+
+
 class Lifecycle:
     """The model lifecycle of one front-end (module docstring).
 
@@ -115,12 +131,18 @@ class Lifecycle:
         self.draining: dict[ModelState, asyncio.Future] = {}  # versions being drained: done once they are
         self.stopping = False
         self._ticker = None  # the clock's handle of the next canary analysis
+        # The door processes (frontend/doorhouse.py): ``on_change`` after every recorded step (a models
+        # message goes to every door), ``announce`` awaited before a control call or apply answers, so
+        # every door routes by the new state before the caller hears of it.  No doors: no-ops.
+        self.on_change: Callable[[], None] = lambda: None
+        self.announce: Callable[[], Awaitable] = _nothing
 
     # -- the control calls (the doors' entry) ---------------------------------------------------
 
+    @_announced
     async def control(self, call: protocol.ControlCall, by: str = "") -> dict:
-        """Carry out a checked control call; the reply's body.  Raises ShmserveError as the
-        operation does."""
+        """Carry out a checked control call; the reply's body, once every door process routes by
+        its outcome (``announce``).  Raises ShmserveError as the operation does."""
         if self.stopping:
             raise ShmserveError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         K = protocol.Kind
@@ -503,6 +525,7 @@ class Lifecycle:
 
     # -- reload -----------------------------------------------------------------------------
 
+    @_announced
     async def apply(self) -> list[str]:
         """Bring what is loaded to what the configuration and repository say now (SIGHUP): new
         models and versions are loaded, versions no longer selected are drained and unloaded, a
@@ -905,6 +928,7 @@ class Lifecycle:
         log.info("model %s: %s%s", version.key, what, f": {reason}" if reason else "")
         self.events.append({"time_unix": round(time.time(), 3), "model": version.name, "version": version.version,
                             "event": what, "reason": reason})
+        self.on_change()
 
     def _sleep(self, seconds: float) -> asyncio.Future:
         """A future done ``seconds`` from now on the lifecycle's clock."""

@@ -78,6 +78,8 @@ class Region:
     sent_to: set = field(default_factory=set)  # workers (handles) that were passed its descriptor
     closing: bool = False  # closed: unreachable, waiting for the workers in ``sent_to`` to drop it
     moving_from: WorkerHandle | None = None  # a lane handed over: the worker that must drop it first
+    bell: int = -1  # a door process's lane: the eventfd its door sleeps on (the door's desk owns it), sent
+    #                 to each worker with the region; -1: a client's lane, woken by its futex
 
     @property
     def is_lane(self) -> bool:
@@ -164,10 +166,14 @@ class RegionTable:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def open(self, owner: Hashable, size, lane=None, *, uid: int = -1, pid: int = 0) -> Region:
+    def open(self, owner: Hashable, size, lane=None, *, uid: int = -1, pid: int = 0, version: int | None = None,
+             bell: int = -1) -> Region:
         """Create a sealed region of ``size`` bytes (plus a lane's queue if ``lane`` names a model)
         for ``owner`` (a connection of ``uid``, ``pid``); the caller passes ``region.fd`` on
-        (the region keeps it: it closes with the region).
+        (the region keeps it: it closes with the region).  A door process's lane (``bell``: the
+        eventfd its door sleeps on, kept open by the caller while the region lives) may name the
+        ``version`` it serves (None: the model's default); it is not counted against the
+        per-connection limits (the door's desk bounds its lanes).
 
         Raises ShmserveError: BAD_FRAME/TOO_LARGE for a bad size, UNKNOWN_MODEL for a lane of no
         model, OVERLOADED when a limit (named in the message) is reached, the model's workers
@@ -183,7 +189,10 @@ class RegionTable:
         lane_model = None
         if lane is not None:
             named = self.models.get(lane)
-            lane_model = named.current if named is not None else None
+            lane_model = named.current if named is not None and version is None else \
+                named.versions.get(version) if named is not None else None
+            if lane_model is not None and version is not None and not lane_model.taking:
+                lane_model = None
             if lane_model is None:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none"
                                     if named is None else f"model {lane!r} has no version serving now")
@@ -193,7 +202,11 @@ class RegionTable:
                                                           f"most; use a region without a lane")
             size += layout.LANE_BYTES
         size = (size + layout.PAGE - 1) // layout.PAGE * layout.PAGE
-        self._check_limits(owner, uid, size)
+        if bell < 0:
+            self._check_limits(owner, uid, size)
+        elif not self.free_records:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"the server holds {self.arena.geometry.max_regions} "
+                                                      f"regions, its most (server.max_regions)")
         region_id = self.next_id
         self.next_id += 1
         try:
@@ -205,7 +218,8 @@ class RegionTable:
         except OSError as exc:
             os.close(fd)
             raise ShmserveError(ErrorCode.OVERLOADED, f"cannot map a new lane: {exc.strerror}") from None
-        region = Region(region_id, fd, size, owner, uid, self.free_records.pop(), lane_model, None, lane_buf)
+        region = Region(region_id, fd, size, owner, uid, self.free_records.pop(), lane_model, None, lane_buf,
+                        bell=bell)
         self.regions[region_id] = region
         self.by_owner.setdefault(owner, {})[region_id] = region
         self.bytes_of_owner[owner] += size
@@ -432,7 +446,7 @@ class RegionTable:
         if w in region.sent_to:
             return None
         if not self.ring_has_room(w) or w.control is None or \
-                not workerlink.send_region(w.control, region.id, region.size, region.fd):
+                not workerlink.send_region(w.control, region.id, region.size, region.fd, region.bell):
             return ErrorCode.OVERLOADED, (f"worker {w.index} of model {w.model.name!r} is not taking new "
                                           f"regions now (busy or stuck); retry")
         region.sent_to.add(w)

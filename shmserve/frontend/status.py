@@ -90,6 +90,7 @@ class Snapshot:
     data_bytes: int
     batch_items: dict = None  # (model, version) -> batch items beyond one per request (Status.batch_items)
     lane_calls: dict = None  # (model, version) -> (ok, error) lane calls its live workers finished (the lifecycle's)
+    doors: tuple = ()  # each door process's state (``DoorHouse.describe``)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class Status:
         # (model, version) -> batch items beyond one per request answered ok, as the v2 doors count them
         # (Triton's inference_count counts a batch of 4 as 4); the v2 service adds to it, metrics read it.
         self.batch_items: collections.Counter = collections.Counter()
+        self.doors = lambda: []  # the door processes' state (frontend/doorhouse.py DoorHouse.describe), if any
+        self.door_outcomes = lambda: {}  # what the doors answered themselves: (model, version, outcome) -> n
 
     @property
     def config(self) -> ServerConfig:
@@ -160,10 +163,13 @@ class Status:
         lifecycle = {"counts": dict(self.lifecycle.counts), "seconds": dict(self.lifecycle.seconds),
                      "canaries": self.canaries()} if self.lifecycle is not None else {}
         lane_calls = self.lifecycle.lane_outcomes() if hasattr(self.lifecycle, "lane_outcomes") else {}
-        return Snapshot(models=models, outcomes=dict(self.dispatcher.outcomes), lifecycle=lifecycle,
+        outcomes = dict(self.dispatcher.outcomes)
+        for key, n in self.door_outcomes().items():  # a door's own answers count as the socket's
+            outcomes[key] = outcomes.get(key, 0) + n
+        return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls)
+                        lane_calls=lane_calls, doors=tuple(self.doors()))
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
@@ -309,5 +315,6 @@ class Status:
                 "max_request_bytes": self.dispatcher.max_request, "request_timeout_s": config.request_timeout_s,
                 "stats": {name: self.arena.stat(name) for name in layout.STAT_NAMES},
                 "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors),
+                "doors": [d if private else {**d, "pid": None} for d in self.doors()],
                 "limits": self.limits(),
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}

@@ -375,7 +375,40 @@ _MID_PAYLOAD = (protocol.State.PAYLOAD, protocol.State.DISCARD)
 _FRAME_TIMEOUT, _UPLOAD_TIMEOUT = "frame_timeout_s", "upload_timeout_s"  # DoorLimits fields, and config keys
 
 
-class ClientConnection(asyncio.BufferedProtocol):
+class FramePump(asyncio.BufferedProtocol):
+    """What reads a native-protocol connection, for main's door and a door process's alike: a
+    payload arrives straight into the sinks the protocol was given (``payload_buffer``), anything
+    else into ``read_view`` and the protocol; then ``_update``.  The subclass has ``proto``,
+    ``read_view``, ``into_payload``, ``closed``, ``reading``, ``transport`` and ``_update``."""
+
+    def get_buffer(self, sizehint: int):
+        target = self.proto.payload_buffer()
+        self.into_payload = target is not None
+        return target if target is not None else self.read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        if self.into_payload:
+            self.proto.payload_received(nbytes)
+        else:
+            self.proto.receive_data(self.read_view[:nbytes])
+        self._update()
+
+    def _read_while(self, want: bool) -> bool:
+        """Resume or pause the transport's reading to ``want`` (``reading`` remembers it); whether
+        that changed anything."""
+        if want == self.reading:
+            return False
+        self.reading = want
+        if want:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+        return True
+
+
+class ClientConnection(FramePump):
     """One client: pumps bytes between the socket and the sans-I/O protocol, keeps answers in
     order.  It is the dispatcher's ``Door`` for the requests it submits.
 
@@ -439,20 +472,6 @@ class ClientConnection(asyncio.BufferedProtocol):
 
     # -- reading --------------------------------------------------------------------------
 
-    def get_buffer(self, sizehint: int):
-        target = self.proto.payload_buffer()
-        self.into_payload = target is not None
-        return target if target is not None else self.read_view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closed:
-            return
-        if self.into_payload:
-            self.proto.payload_received(nbytes)
-        else:
-            self.proto.receive_data(self.read_view[:nbytes])
-        self._update()
-
     def _update(self) -> None:
         """Take what may be taken now, then read the socket exactly while more may be."""
         self.process()
@@ -463,13 +482,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             return
         want = (self.waiting_for_space is None and not self.yielded
                 and (self.proto.state in _MID_PAYLOAD or self._takes_frames()))
-        if want == self.reading:
-            return
-        self.reading = want
-        if want:
-            self.transport.resume_reading()
-        else:
-            self.transport.pause_reading()
+        if self._read_while(want) and not want:
             self._cancel_input_timer()  # the client is not the one keeping us waiting now
 
     def _takes_frames(self) -> bool:

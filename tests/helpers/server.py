@@ -90,6 +90,8 @@ def standard_models(identity_instances: int = 2) -> str:
 class ServerProcess:
     """A `shmserve serve` child.  ``start()`` returns once it answers health checks.
 
+    ``$SHMSERVE_TEST_DOORS`` (a number): every server runs that many door processes unless its
+    ``server_section`` says otherwise (the socket tests through the doors: docs/doors.md).
     ``module``: what ``python -m`` runs (``helpers.faults`` wraps door callbacks first);
     ``launcher``: a command the server is run under (it must exec it, so that ``proc.pid`` is the
     server's: ``unshare``); ``env``: more environment variables."""
@@ -106,6 +108,9 @@ class ServerProcess:
         self.socket_dir = socket_dir or (workdir / "run")
         self.socket = str(self.socket_dir / "s.sock")
         self.config_path = workdir / f"{self.instance}.toml"
+        doors = os.environ.get("SHMSERVE_TEST_DOORS")  # the suite again with door processes (docs/doors.md)
+        if doors and "doors =" not in server_section:
+            server_section = f"doors = {doors}\n{server_section}"
         self.config_path.write_text(f"[server]\ninstance = \"{self.instance}\"\n{server_section}\n{config_text}")
         self.log_path = workdir / f"{self.instance}.log"
         self.proc: subprocess.Popen | None = None
