@@ -457,8 +457,11 @@ def test_load_says_what_it_is_doing_loading_draining_and_done(tmp_path):
                      timeout=90)
             assert proc.poll() is None  # the call waits for the drain, and says so
             release.touch()
-            out, _ = proc.communicate(timeout=120)
+            answer = Lines(proc.stdout)  # not communicate(): it would read stderr too, racing err's thread
+            proc.wait(120)
+            answer.thread.join(10)
             err.thread.join(10)
+            out = "".join(answer.lines)
         finally:
             release.touch(), loaded.touch()
             caller.join(120)
