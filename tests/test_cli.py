@@ -572,3 +572,16 @@ def test_inspect_of_an_arena_it_may_not_open_exits_4(tmp_path):
         os.unlink(path)
     assert r.returncode == 4, r
     assert "cannot open" in r.stderr and "Permission denied" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_bad_shmserve_hotpath_is_a_usage_error_in_one_line(tmp_path):
+    """A run-through of the docs (issue 28): ``SHMSERVE_HOTPATH`` set to something that is no
+    implementation made every command but ``inspect`` and ``cleanup`` end in a traceback (the
+    ImportError of shmserve.hotpath).  It is a configuration error: exit 2, one line naming the
+    variable and what it takes, for a client command and for ``serve`` (which starts nothing)."""
+    sock = str(tmp_path / "s.sock")
+    for args in (("health", "--socket", sock), ("serve", "--socket", sock, "--instance", new_instance("hotpath"))):
+        r = cli(*args, prefix=("env", "SHMSERVE_HOTPATH=rust"))
+        assert r.returncode == shmserve_cli.EXIT_USAGE, r
+        assert r.stderr == "shmserve: SHMSERVE_HOTPATH='rust': use one of c, python, or leave it unset\n", r.stderr
+    assert not os.path.exists(sock)
