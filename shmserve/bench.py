@@ -522,6 +522,17 @@ def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int =
     return samples
 
 
+def spawn_server_saying(workdir: Path, swap: bool = False) -> tuple[subprocess.Popen, str]:
+    """``spawn_server``, saying so while it waits (its models load and warm up: seconds, more on a
+    busy host) as a step of its own (``Progress``)."""
+    progress = Progress(1)
+    try:
+        progress.step("starting a server of its own (its workers load and warm up their models)")
+        return spawn_server(workdir, swap)
+    finally:
+        progress.close()
+
+
 def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
     """Start ``shmserve serve --config cfg --socket sock`` (its log beside the config, server.log) and
     return it once it answers; SystemExit if it exits or does not answer in 120 s."""
@@ -820,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
-        proc, path = spawn_server(Path(tmp.name))
+        proc, path = spawn_server_saying(Path(tmp.name))
         model = args.model or MODEL
     else:
         from shmserve.config import resolve_socket
@@ -934,7 +945,7 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
     proc = None
     try:
         if args.spawn_server:
-            proc, path = spawn_server(Path(tmp.name), swap=True)
+            proc, path = spawn_server_saying(Path(tmp.name), swap=True)
             model, problem = args.model or SWAP_MODEL, None
         else:
             from shmserve.config import resolve_socket

@@ -126,8 +126,10 @@ def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_p
         os.close(leader)
     text = seen.decode(errors="replace")
     assert "inline 64 B x 2 clients" in text and "━" in text and "[2/3]" not in text
+    assert "starting a server of its own" in text  # the wait for its models (issue 28: 13 s silent here)
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert piped.returncode == 0 and "[1/3] unix floor for 64 B" in piped.stderr
+    assert piped.stderr.startswith("[1/1] starting a server of its own (its workers load and warm up"), piped.stderr
     assert "[3/3] unix inline 64 B x 2 clients" in piped.stderr
 
 
