@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import os
 
@@ -196,3 +197,16 @@ def test_bench_mix_runs_several_kinds_of_client_at_once_and_reports_each_ones_sh
     bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--mix", "inline:0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "bad mix" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_handoff_tool_says_each_case_before_it():
+    """tools/bench_handoff.py (docs/performance.md) said a case only once it was measured: 13-76 s
+    of nothing per case on a busy host in the issue 28 run-through.  Each case's line now comes
+    before it, in order, then the table."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_handoff.py"
+    r = subprocess.run([sys.executable, str(tool), "--rounds", "200"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line.split("] measuring ")[0].strip() for line in lines] == [f"[{i}/5" for i in range(1, 6)], lines
+    assert lines[0].endswith("measuring unix-socket echo (floor) (200 round trips)"), lines
+    assert "| slot hand-off, futex, spin |" in r.stdout, r.stdout
