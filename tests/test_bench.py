@@ -210,3 +210,15 @@ def test_the_handoff_tool_says_each_case_before_it():
     assert [line.split("] measuring ")[0].strip() for line in lines] == [f"[{i}/5" for i in range(1, 6)], lines
     assert lines[0].endswith("measuring unix-socket echo (floor) (200 round trips)"), lines
     assert "| slot hand-off, futex, spin |" in r.stdout, r.stdout
+
+
+def test_the_backend_io_tool_without_torch_says_what_it_needs_in_one_line():
+    """tools/bench_backend_io.py (docs/performance.md) in make serve's environment ended in
+    ModuleNotFoundError's traceback (issue 28 run-through): it says what it needs, exit 2 (torch
+    hidden from the real script)."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_backend_io.py"
+    r = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['torch'] = None; "
+                        f"sys.argv = ['bench_backend_io.py']; runpy.run_path({str(tool)!r}, run_name='__main__')"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "it needs torch and onnx" in r.stderr, r.stderr
