@@ -32,7 +32,10 @@ no version's fails the run too); against a running server ``--model`` names a
 model with at least two versions.
 
 Must not: start anything it does not own (``--spawn-server`` starts and stops
-its own server on a temporary socket), or leave segments in /dev/shm.
+its own server on a temporary socket), or leave segments in /dev/shm.  Every
+process it starts runs in a session of its own and is stopped by it (its
+``finally`` blocks): Ctrl-C reaches bench alone, never a child still importing
+(which would print a KeyboardInterrupt traceback).
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ def run_clients(path: str, modes: list[str], size: int, requests: int, duration:
     procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
                                str(rate_each), protocol],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
              for mode in modes]
     try:
         for p in procs:
@@ -294,7 +297,7 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
 
     procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
                                str(duration), model, "check" if check else "-"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
              for _ in range(clients)]
 
     def phase() -> list[dict]:
@@ -380,7 +383,8 @@ def echo_floor(size: int, reps: int) -> float:
     """p50 microseconds of a uvloop Unix-socket echo of ``size`` bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "echo.sock")
-        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
         try:
             server.stdout.readline()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -542,7 +546,7 @@ def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
     workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
