@@ -84,6 +84,10 @@ def check_not_served(instance: str) -> None:
                      f"start this one with another --instance")
 
 
+# The one command that installs what the v2 doors need (README.md and docs/v2.md give the same).
+V2_INSTALL = "pip install -e '.[v2]' (in the shmserve checkout)"
+
+
 def check_v2(config: ServerConfig) -> None:
     """SystemExit naming the fix if the v2 doors the config asks for cannot run here (checked
     before anything is spawned)."""
@@ -91,7 +95,7 @@ def check_v2(config: ServerConfig) -> None:
         try:
             import shmserve.v2.grpc  # noqa: F401
         except ImportError as exc:
-            raise SystemExit(f"serve --grpc needs the grpc extra ({exc}): pip install 'shmserve[grpc]'") from None
+            raise SystemExit(f"serve --grpc needs the v2 extra ({exc}): {V2_INSTALL}") from None
     for address in (config.http, config.grpc):
         if address and "/" in address:
             check_socket_path(address)
@@ -233,7 +237,7 @@ class Frontend:
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
                                    clock=self.dispatcher.clock, startup_timeout=STARTUP_TIMEOUT_S,
-                                   finished=self._finished_by)
+                                   finished=self._finished_by, failed=self._failed_by)
         self.dispatcher.load_on_demand = self.lifecycle.load_on_demand  # the lifecycle's hooks
         self.dispatcher.observe = self.lifecycle.observe
         self.dispatcher.offer_shadow = Shadowing(self.dispatcher, self.models, self.dispatcher.clock.monotonic).offer
@@ -320,6 +324,10 @@ class Frontend:
         """Requests worker ``w`` has finished (its entry in the arena's worker table)."""
         return self.arena.worker_counter(w.index, "requests")
 
+    def _failed_by(self, w: WorkerHandle) -> int:
+        """Of those, the ones it answered with an error."""
+        return self.arena.worker_counter(w.index, "errors")
+
     async def _watchdog(self, interval: float) -> None:
         """Feed systemd's watchdog only while the loop runs on time and no worker is wedged (the
         supervisor terminates a wedged worker; feeding resumes once it is back)."""
@@ -367,7 +375,8 @@ class Frontend:
 
         systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
         try:
-            new = cfgmod.load(self.config_path, instance=self.config.instance)
+            new = cfgmod.load(self.config_path, instance=self.config.instance,
+                              repository_given=self.repository_override is not None)
         except cfgmod.ConfigError as exc:
             log.error("reload: %s; keeping the running configuration", exc)
             systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")

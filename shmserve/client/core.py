@@ -31,6 +31,7 @@ from shmserve.client.zerocopy import ZeroCopyOperation
 from shmserve.config import resolve_socket, trusted_server_uids
 from shmserve.errors import ConnectionClosed, ShmserveError
 from shmserve.protocol import Kind
+from shmserve.reservations import Learned
 from shmserve.session import ClientSession, RegionGranted, check_timeout
 from shmserve.spec import ModelSpec
 
@@ -75,6 +76,8 @@ class ClientCore:
         self.region_limit: int | None = None  # the server's largest region, learned when one is refused
         self.infer_lanes: dict[str, Region] = {}  # model -> the lane Client.infer uses
         self.lane_forms: dict = {}  # (model, signature) -> how it goes through a lane (planning.LaneForm)
+        # (model, signature) -> output bytes a zero-copy call of it was seen to need (short answers)
+        self.zero_copy_outputs = Learned()
         self.no_lane_until: dict[str, float] = {}  # model -> clock time: until then infer uses the socket
         self.opening: set[str] = set()  # models whose infer lane is being opened (by another call)
         self.closed = False  # close() was called: no new connection is made
@@ -212,6 +215,9 @@ class ClientCore:
         yield CONNECT
         if model not in self.specs:
             self.specs[model] = spec_of((yield from self.models()), model)
+        learned = (model, tuple((name, str(shape), str(dtype)) for name, (shape, dtype) in inputs.items()))
+        if output_capacity is None and self.zero_copy_outputs.get(learned):
+            output_capacity = self.zero_copy_outputs.get(learned)  # (more than the guess: a short answer said)
         plan = self.plan(model, inputs, output_capacity)
         while plan.region is None:
             try:
@@ -219,4 +225,6 @@ class ClientCore:
             except ShmserveError as exc:
                 if plan.refused(exc):
                     self.region_limit = plan.limited(region_limit((yield from self.info())))
-        return ZeroCopyOperation(self, model, *plan.place())
+        operation = ZeroCopyOperation(self, model, *plan.place())
+        operation.learned = learned
+        return operation

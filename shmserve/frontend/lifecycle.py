@@ -78,6 +78,8 @@ class _Tally:
     finished: int = 0  # its own counter (the arena's worker table) at the last look: every call it ran
     observed: int = 0  # of those, the ones the dispatcher saw end (socket requests: ``observe``)
     lanes: int = 0  # lane calls counted as use so far
+    observed_errors: int = 0  # of ``observed``, those the worker answered with an error
+    lane_errors: int = 0  # of ``lanes``, those the worker answered with an error (as far as known: below)
 
 
 class Lifecycle:
@@ -94,11 +96,13 @@ class Lifecycle:
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
-                 clock, startup_timeout: float, finished: Callable[[object], int] | None = None):
+                 clock, startup_timeout: float, finished: Callable[[object], int] | None = None,
+                 failed: Callable[[object], int] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
         self.clock = clock
-        # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
-        self.finished = finished
+        # How many requests a worker has finished (the arena's worker table): lane calls are seen only there;
+        # and how many of them it answered with an error (``failed``: the lane calls' outcomes, for metrics).
+        self.finished, self.failed = finished, failed
         self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
         self.config = config
         self.startup_timeout = startup_timeout
@@ -389,7 +393,9 @@ class Lifecycle:
         version.meter.hit(now)
         version.uses += 1
         if req.worker is not None:
-            self.tallies.setdefault(req.worker, _Tally()).observed += 1
+            tally = self.tallies.setdefault(req.worker, _Tally())
+            tally.observed += 1
+            tally.observed_errors += not ok
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
             model.rollout.record(version.version, ok, max(0.0, now - req.started), now)
@@ -404,8 +410,11 @@ class Lifecycle:
         it has no socket request in flight; what it reaches above the lane calls already counted
         is counted now.  (A socket request a dead worker held is failed by the front-end, so
         observed without the worker counting it: that worker's next lane calls as many go
-        uncounted, never one twice.)  The server calls this with its heartbeat; also each look at
-        the lanes that says how long one has had a call pending.  Nothing without ``finished``."""
+        uncounted, never one twice.)  The lane calls that failed are bounded the same way from the
+        worker's error counter (``failed``) and the dispatcher's errors (``observe``), for the
+        request totals metrics export (``lane_outcomes``).  The server calls this with its
+        heartbeat; also each look at the lanes that says how long one has had a call pending.
+        Nothing without ``finished``."""
         if self.finished is None:
             return
         now = self.clock.monotonic()
@@ -421,6 +430,9 @@ class Lifecycle:
                 if lanes > tally.lanes:
                     calls += lanes - tally.lanes
                     tally.lanes = lanes
+                if self.failed is not None:  # at least this many of its lane calls failed: the same bound
+                    tally.lane_errors = max(tally.lane_errors, min(tally.lanes, self.failed(w) - tally.observed_errors
+                                                                   - len(w.inflight)))
             if version.phase == SERVING:  # each look at its lanes (residency: how long one is pending)
                 self.regions.lane_pending_since(version, now)
             if calls:
@@ -429,6 +441,16 @@ class Lifecycle:
                 version.last_used = max(version.last_used, now)
         live = {w for v in self.models.versions() for w in v.workers}
         self.tallies = {w: t for w, t in self.tallies.items() if w in live}
+
+    def lane_outcomes(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(model, version) -> (ok, error)``: the lane calls its live workers finished, as
+        counted at the last look (``note_lane_use``)."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for w, tally in self.tallies.items():
+            key = (w.model.name, w.model.version)
+            ok, err = out.get(key, (0, 0))
+            out[key] = (ok + tally.lanes - tally.lane_errors, err + tally.lane_errors)
+        return out
 
     def _tick_soon(self) -> None:
         if self._ticker is None and not self.stopping:

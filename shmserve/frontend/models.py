@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.residency import RateMeter
+from shmserve.reservations import Learned
 from shmserve.spec import ModelSpec
 from shmserve.supervisor import FAILED, READY, WorkerHandle
 
@@ -134,6 +135,7 @@ class ModelState:
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
     uses: int = 0  # requests counted as its use (residency): socket requests and lane calls, each once
     progress_at: float = float("-inf")  # the lifecycle clock's time its workers were last seen finishing requests
+    learned: Learned = field(default_factory=Learned)  # output bytes its calls needed, per input signature
 
     @property
     def version(self) -> int:
