@@ -32,7 +32,10 @@ no version's fails the run too); against a running server ``--model`` names a
 model with at least two versions.
 
 Must not: start anything it does not own (``--spawn-server`` starts and stops
-its own server on a temporary socket), or leave segments in /dev/shm.
+its own server on a temporary socket), or leave segments in /dev/shm.  Every
+process it starts runs in a session of its own and is stopped by it (its
+``finally`` blocks): Ctrl-C reaches bench alone, never a child still importing
+(which would print a KeyboardInterrupt traceback).
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ def run_clients(path: str, modes: list[str], size: int, requests: int, duration:
     procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
                                str(rate_each), protocol],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
              for mode in modes]
     try:
         for p in procs:
@@ -294,7 +297,7 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
 
     procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--swap-client", path, mode, str(size),
                                str(duration), model, "check" if check else "-"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
              for _ in range(clients)]
 
     def phase() -> list[dict]:
@@ -380,7 +383,8 @@ def echo_floor(size: int, reps: int) -> float:
     """p50 microseconds of a uvloop Unix-socket echo of ``size`` bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "echo.sock")
-        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
         try:
             server.stdout.readline()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -523,6 +527,18 @@ def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int =
     return samples
 
 
+def spawn_server_saying(workdir: Path, swap: bool = False,
+                        doors: int | str | None = None) -> tuple[subprocess.Popen, str]:
+    """``spawn_server``, saying so while it waits (its models load and warm up: seconds, more on a
+    busy host) as a step of its own (``Progress``)."""
+    progress = Progress(1)
+    try:
+        progress.step("starting a server of its own (its workers load and warm up their models)")
+        return spawn_server(workdir, swap, doors)
+    finally:
+        progress.close()
+
+
 def wait_models_ready(client, timeout: float = 120.0) -> None:
     """Return once every model ``client``'s server lists is ready (loaded and warmed up), or after
     ``timeout`` seconds (the measurement then says what failed); the tools' servers load several."""
@@ -540,7 +556,7 @@ def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
     workdir = cfg.parent
     log = open(workdir / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "shmserve.cli", "serve", "--config", str(cfg), "--socket", sock],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -840,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
-        proc, path = spawn_server(Path(tmp.name), doors=args.doors)
+        proc, path = spawn_server_saying(Path(tmp.name), doors=args.doors)
         model = args.model or MODEL
     else:
         from shmserve.config import resolve_socket
@@ -954,7 +970,7 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
     proc = None
     try:
         if args.spawn_server:
-            proc, path = spawn_server(Path(tmp.name), swap=True)
+            proc, path = spawn_server_saying(Path(tmp.name), swap=True)
             model, problem = args.model or SWAP_MODEL, None
         else:
             from shmserve.config import resolve_socket

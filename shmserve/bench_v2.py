@@ -285,7 +285,7 @@ def echo_floor(protocol: str, size: int, reps: int) -> float:
     """p50 microseconds of an echo of ``size`` bytes over the same HTTP or gRPC stack (server in
     another process, the same client code as the benchmark's)."""
     server = subprocess.Popen([sys.executable, "-c", HTTP_ECHO if protocol == "http" else GRPC_ECHO],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         port = int(server.stdout.readline())
         x = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)

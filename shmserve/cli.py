@@ -1045,6 +1045,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `shmserve canary m status | head -1`: the reader left, nothing else did
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return EXIT_OUTPUT_CLOSED
+    except ImportError as exc:  # $SHMSERVE_HOTPATH names no implementation: a configuration error
+        if exc.name != "shmserve.hotpath" or isinstance(exc, ModuleNotFoundError):
+            raise  # a broken install is a bug to see whole
+        print(f"shmserve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

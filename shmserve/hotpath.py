@@ -42,7 +42,8 @@ from shmserve.slotstate import FINISHED, Actor, SlotState, check_transition, sta
 IMPLS = ("c", "python")
 IMPL = os.environ.get("SHMSERVE_HOTPATH", "c").strip().lower() or "c"  # read once, here
 if IMPL not in IMPLS:
-    raise ImportError(f"SHMSERVE_HOTPATH={IMPL!r}: use one of {', '.join(IMPLS)}")
+    raise ImportError(f"SHMSERVE_HOTPATH={IMPL!r}: use one of {', '.join(IMPLS)}, or leave it unset",
+                      name=__name__)  # the name: the CLI tells this refusal from a broken install
 
 LANE = layout.LANE
 # ``publish``'s ``lane``: whose slot table it is and who wakes the collector.  ARENA: the arena's (the

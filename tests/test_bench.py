@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import os
 
@@ -126,8 +127,10 @@ def test_bench_shows_a_progress_bar_on_a_terminal_and_step_lines_elsewhere(tmp_p
         os.close(leader)
     text = seen.decode(errors="replace")
     assert "inline 64 B x 2 clients" in text and "━" in text and "[2/3]" not in text
+    assert "starting a server of its own" in text  # the wait for its models (issue 28: 13 s silent here)
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert piped.returncode == 0 and "[1/3] unix floor for 64 B" in piped.stderr
+    assert piped.stderr.startswith("[1/1] starting a server of its own (its workers load and warm up"), piped.stderr
     assert "[3/3] unix inline 64 B x 2 clients" in piped.stderr
 
 
@@ -194,3 +197,28 @@ def test_bench_mix_runs_several_kinds_of_client_at_once_and_reports_each_ones_sh
     bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--mix", "inline:0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "bad mix" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_handoff_tool_says_each_case_before_it():
+    """tools/bench_handoff.py (docs/performance.md) said a case only once it was measured: 13-76 s
+    of nothing per case on a busy host in the issue 28 run-through.  Each case's line now comes
+    before it, in order, then the table."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_handoff.py"
+    r = subprocess.run([sys.executable, str(tool), "--rounds", "200"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line.split("] measuring ")[0].strip() for line in lines] == [f"[{i}/5" for i in range(1, 6)], lines
+    assert lines[0].endswith("measuring unix-socket echo (floor) (200 round trips)"), lines
+    assert "| slot hand-off, futex, spin |" in r.stdout, r.stdout
+
+
+def test_the_backend_io_tool_without_torch_says_what_it_needs_in_one_line():
+    """tools/bench_backend_io.py (docs/performance.md) in make serve's environment ended in
+    ModuleNotFoundError's traceback (issue 28 run-through): it says what it needs, exit 2 (torch
+    hidden from the real script)."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_backend_io.py"
+    r = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['torch'] = None; "
+                        f"sys.argv = ['bench_backend_io.py']; runpy.run_path({str(tool)!r}, run_name='__main__')"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "it needs torch and onnx" in r.stderr, r.stderr

@@ -469,7 +469,8 @@ def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_b
     used, with a warning that says so and what to do; a checkout whose package cannot be used
     there (its extensions not built) says what it is and what to do.  A server started there (the
     console script) still runs its workers, which start with ``python -P`` (the current directory
-    not on their path)."""
+    not on their path): neither the checkout nor a package named ``workers`` planted there is
+    imported in place of their own."""
     holder = tmp_path / "holder"
     holder.mkdir()
     (holder / "shmserve").symlink_to(ROOT, target_is_directory=True)  # the clone, as named by git clone
@@ -496,6 +497,9 @@ def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_b
     config.write_text(f'[server]\ninstance = "{instance}"\n\n[[models]]\nname = "identity"\nbackend = "python"\n'
                       f'path = "shmserve.models:identity"\n')
     sock = str(tmp_path / "beside.sock")
+    planted = tmp_path / "planted-ran"  # a package named as the workers' own, in the server's directory
+    (holder / "workers").mkdir()
+    (holder / "workers" / "__init__.py").write_text(f"open({str(planted)!r}, 'w').close()\n")
     script = Path(sys.executable).parent / "shmserve"  # what `make serve` runs: the console script
     proc = subprocess.Popen([str(script), "serve", "--config", str(config), "--socket", sock], cwd=holder,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -521,3 +525,5 @@ def test_a_checkout_named_shmserve_in_the_current_directory_is_named_and_never_b
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in out, out
+    assert "is used, not the installed package" not in out, out  # the workers never saw the checkout
+    assert not planted.exists()  # nor the package planted beside it

@@ -6,6 +6,8 @@ thread) against a real server whose torch model runs on the CPU."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -115,3 +117,15 @@ def test_workers_and_a_timing_from_a_pinned_thread(cpu_scale_server):
     assert timing["client_cpus"] == "0"
     assert {"4KiB inline p50_us", "4KiB lane p99_us", "16MiB inline GBps", "16MiB lane GBps"} <= set(timing)
     assert all(v > 0 for k, v in timing.items() if k not in ("model", "client_cpus"))
+
+
+def test_without_torch_it_says_what_it_needs_in_one_line():
+    """The issue 28 run-through: after ``make serve`` (no torch in .venv) ``tools/gpu_check.py``
+    ended in ModuleNotFoundError's traceback.  It says what it needs and exits 2 (torch hidden
+    from the real tool, run as a script)."""
+    r = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['torch'] = None; "
+                        "sys.argv = ['gpu_check.py', '--quick']; "
+                        f"runpy.run_path({str(ROOT / 'tools' / 'gpu_check.py')!r}, run_name='__main__')"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "it needs torch with CUDA" in r.stderr and "pip install" in r.stderr, r.stderr

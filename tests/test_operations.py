@@ -426,7 +426,8 @@ def test_the_config_directory_is_roots_and_only_the_service_reads_it(clients_gro
         (top / "etc").mkdir(mode=0o755)
         (top / "var" / "lib" / "shmserve").mkdir(parents=True, mode=0o755)
         for line in lines:
-            command = line.split("#")[0].removeprefix("sudo ").replace(" -g shmserve ", f" -g {group} ")
+            command = line.split("#")[0].removeprefix("sudo ").replace(" -g shmserve ", f" -g {group} ").replace(
+                " -o shmserve ", f" -o {service.pw_name} ")  # the service user, were the doc to make it the owner
             command = command.replace("/etc/shmserve", f"{top}/etc/shmserve").replace(
                 "/var/lib/shmserve", f"{top}/var/lib/shmserve")
             r = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -98,8 +98,14 @@ def main() -> int:
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
-    import onnxruntime as ort
-    import torch
+    try:
+        import onnx  # noqa: F401 - build_model's; asked here, before anything starts
+        import onnxruntime as ort
+        import torch
+    except ImportError as exc:  # make serve's environment has neither torch nor onnx: say so
+        print(f"bench_backend_io: {exc}: it needs torch and onnx besides shmserve (make test's environment "
+              "has both; or pip install -e '.[torch,onnx]')", file=sys.stderr)
+        return 2
 
     from shmserve import Client
     from shmserve.bench import interleaved, wait_models_ready

@@ -148,9 +148,9 @@ def main() -> None:
         ("slot hand-off, futex, spin", lambda: bench_handoff("futex", SPIN_FOREVER, args.rounds, warmup)),
     ]
     results = {}
-    for name, run in cases:
+    for i, (name, run) in enumerate(cases, 1):  # each case says it begins: one takes seconds, more on a busy host
+        print(f"  [{i}/{len(cases)}] measuring {name} ({args.rounds} round trips)", file=sys.stderr, flush=True)
         results[name] = summarize(run())
-        print(f"  measured {name}", file=sys.stderr)
     floor = results[cases[0][0]]["p50_us"]
     print(f"\n{args.rounds} round trips each, 64 B payload, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d')}\n")

@@ -192,7 +192,8 @@ def main() -> int:
             code = server.wait(60)
         if code:
             sys.exit(f"FAILED: the server exited {code}")
-        say("OK: lint, every RUN step, the user step, and the image's command as its user")
+        say(f"OK: {'lint, ' if lint else ''}every RUN step, the user step, and the image's command as its user"
+            + ("" if lint else " (not linted: no hadolint on PATH)"))
         return 0
     finally:
         if not args.keep:

@@ -725,8 +725,12 @@ def main() -> int:
     parser.add_argument("--multi-gpu", action="store_true",
                         help="placement over two GPUs: devices, local and remote CPUs (needs 2 GPUs)")
     args = parser.parse_args()
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:  # a checkout's make serve installs no torch: say what the tool needs
+        print(f"gpu_check: {exc}: it needs torch with CUDA, cuda-python, onnx and onnxruntime "
+              "(pip install -e '.[torch,gpu,onnx]', on a machine with an NVIDIA GPU)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no CUDA GPU visible to torch", file=sys.stderr)
         return 2
