@@ -233,7 +233,7 @@ class Frontend:
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
                                    clock=self.dispatcher.clock, startup_timeout=STARTUP_TIMEOUT_S,
-                                   finished=self._finished_by)
+                                   finished=self._finished_by, lane_outcomes=self._lane_outcomes_of)
         self.dispatcher.load_on_demand = self.lifecycle.load_on_demand  # the lifecycle's hooks
         self.dispatcher.observe = self.lifecycle.observe
         self.dispatcher.offer_shadow = Shadowing(self.dispatcher, self.models, self.dispatcher.clock.monotonic).offer
@@ -311,6 +311,7 @@ class Frontend:
                 log.exception("watching the lanes failed")
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
+                self.lifecycle.note_lane_outcomes()
             now = time.monotonic()
             if self.history.due(now):  # a sample a minute: the baseline 'shmserve doctor' compares with
                 self.history.record(self.status.sample(now))
@@ -319,6 +320,10 @@ class Frontend:
     def _finished_by(self, w: WorkerHandle) -> int:
         """Requests worker ``w`` has finished (its entry in the arena's worker table)."""
         return self.arena.worker_counter(w.index, "requests")
+
+    def _lane_outcomes_of(self, w: WorkerHandle) -> tuple[int, tuple[int, ...]]:
+        """Worker ``w``'s lane outcomes (``layout.read_lane_outcomes``): its faults and bucket counts."""
+        return layout.read_lane_outcomes(self.arena.buf, self.arena.geometry, w.index)
 
     async def _watchdog(self, interval: float) -> None:
         """Feed systemd's watchdog only while the loop runs on time and no worker is wedged (the
