@@ -492,3 +492,30 @@ def test_a_call_refused_by_a_moved_lane_is_sent_again_over_the_socket_with_its_k
     assert type(resend) is Exchange
     kind, meta = request(core, resend)
     assert kind is Kind.INFER and meta["key"] == "user-1" and "version" not in meta
+
+
+def test_a_candidate_canaried_again_after_its_lane_moved_gets_a_lane_of_its_own_again(core):
+    """A rollback moved the candidate's lane to the stable version (its header says so); a later canary
+    of the same version opens a new lane to it rather than send its share over the socket."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 50.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    for _ in range(100):
+        infer(op, server, x)
+    moved = core.infer_lanes[("m", 2)]
+    lanes.set_serves(moved.buf, 1)  # the rollback's drain moved it
+    server.listing, server.regions = routed_listing(6, None), versioned_lanes(6)
+    for region in core.infer_lanes.values():
+        lanes.set_route_epoch(region.buf, 6)
+    server.lane_calls.clear()
+    for _ in range(50):
+        infer(op, server, x)
+    assert by_version(server) == {1: 50}
+    server.listing, server.regions = routed_listing(7, 50.0), versioned_lanes(7)
+    for region in core.infer_lanes.values():
+        lanes.set_route_epoch(region.buf, 7)
+    opened = server.kinds().count(Kind.OPEN_REGION)
+    server.lane_calls.clear()
+    for _ in range(100):
+        infer(op, server, x)
+    assert server.kinds().count(Kind.OPEN_REGION) == opened + 1 and Kind.INFER not in server.kinds()
+    assert set(by_version(server)) == {1, 2} and core.infer_lanes[("m", 2)] is not moved

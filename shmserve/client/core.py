@@ -220,8 +220,9 @@ class ClientCore:
                 return region
         for key, region in list(self.infer_lanes.items()):  # a drain moved one: file it under what it serves
             if type(key) is tuple and key[0] == model and region.lane is not None and region.lane.serves() == version:
-                del self.infer_lanes[key]
-                self.infer_lanes.setdefault((model, version), region)
+                if (model, version) not in self.infer_lanes:
+                    del self.infer_lanes[key]
+                    self.infer_lanes[(model, version)] = region
                 return region
         return None
 

@@ -238,7 +238,10 @@ class InferOperation:
         core = self.core
         spec = core.specs.get(model)
         name = model if model not in core.infer_lanes and version == version_of(spec) else (model, version)
-        if model in core.opening or (name != model and name in core.infer_lanes) or (type(name) is tuple and sum(
+        moved = core.infer_lanes.pop(name) if type(name) is tuple and name in core.infer_lanes else None
+        if moved is not None:  # filed for this version, moved by a drain to another: filed as that one's
+            core.infer_lanes[(model, moved.lane.serves() if moved.lane is not None else 0, moved.id)] = moved
+        if model in core.opening or (type(name) is tuple and sum(
                 type(k) is tuple and k[0] == model for k in core.infer_lanes) >= VERSION_LANES_MAX):
             return None  # another call (AsyncClient) is opening one, or enough are open: the socket
         core.opening.add(model)
