@@ -39,7 +39,7 @@ test: $(BIN)/python
 # the lane and worker tests again on the Python reference of the hot path (shmserve/hotpath.py)
 HOTPATH_TESTS := tests/test_hotpath.py tests/test_lanes.py tests/test_dispatcher.py tests/test_worker_batching.py \
 	tests/test_worker_regions.py tests/test_client.py tests/test_hostile_regions.py tests/test_dtypes.py \
-	tests/test_batching.py tests/test_serving.py
+	tests/test_batching.py tests/test_serving.py tests/test_output_sizes.py
 test-hotpath-python: $(BIN)/python
 	SHMSERVE_HOTPATH=python $(BIN)/python -m pytest -p no:cacheprovider $(HOTPATH_TESTS) $(PYTEST_ARGS)
 

@@ -41,8 +41,10 @@ setup(
                  # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU
                  "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'"],
         "gpu": ["cuda-python>=12.4,<14"],
-        # serve --grpc: grpcio, and Triton's generated GRPCInferenceService (shipped in tritonclient)
-        "grpc": ["grpcio>=1.60,<2", "tritonclient[grpc]>=2.50,<3"],
+        # the KServe v2 doors (serve --http/--grpc) and Triton's clients to call them: grpcio, and
+        # Triton's generated GRPCInferenceService (shipped in tritonclient); pip install -e '.[v2]'
+        "v2": ["grpcio>=1.60,<2", "tritonclient[http,grpc]>=2.50,<3"],
+        "grpc": ["grpcio>=1.60,<2", "tritonclient[http,grpc]>=2.50,<3"],  # the v2 extra's former name
         "onnx": ["onnx>=1.15,<2"],  # to rebuild the demo model (tools/make_demo_model.py)
         "torch": ["torch>=2.3,<3"],
         "tensorrt": ["tensorrt>=10,<12"],

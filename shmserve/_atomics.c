@@ -428,6 +428,20 @@ done:
     return result;
 }
 
+static PyObject *
+address(PyObject *self, PyObject *obj)
+{
+    /* The address of a buffer's first byte (a numpy array's data pointer without ctypes). */
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear();
+        if (PyObject_GetBuffer(obj, &view, PyBUF_STRIDED_RO) != 0) return NULL;
+    }
+    PyObject *result = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load32", (PyCFunction)(void (*)(void))load32, METH_FASTCALL,
      "load32(buffer, offset) -> int\n\nLoad-acquire the uint32 at byte `offset`."},
@@ -452,6 +466,9 @@ static PyMethodDef methods[] = {
     {"exchange64", (PyCFunction)(void (*)(void))exchange64, METH_FASTCALL,
      "exchange64(buffer, offset, value) -> int\n\n64-bit atomic swap."},
     {"fence", fence, METH_NOARGS, "fence()\n\nFull sequentially consistent memory fence."},
+    {"address", address, METH_O,
+     "address(buffer) -> int\n\nThe address of the buffer's first byte (a read-only or strided one too): "
+     "what numpy's ctypes.data says, without its cost."},
     {"futex_wait", (PyCFunction)(void (*)(void))futex_wait, METH_VARARGS | METH_KEYWORDS,
      "futex_wait(buffer, offset, expected, timeout=None) -> int\n\n"
      "Sleep while the uint32 at `offset` equals `expected` (shared futex).  Returns WOKEN, "

@@ -551,6 +551,14 @@ def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int =
     return samples
 
 
+def wait_models_ready(client, timeout: float = 120.0) -> None:
+    """Return once every model ``client``'s server lists is ready (loaded and warmed up), or after
+    ``timeout`` seconds (the measurement then says what failed); the tools' servers load several."""
+    deadline = time.monotonic() + timeout
+    while not all(m.get("state") == "ready" for m in client.models()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def serve_config(cfg: Path, sock: str) -> subprocess.Popen:
     """Start ``shmserve serve --config cfg --socket sock`` (its log beside the config, server.log) and
     return it once it answers; SystemExit if it exits or does not answer in 120 s."""

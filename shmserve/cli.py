@@ -187,8 +187,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_format, args.verbose)
     try:
-        config = cfg.load(args.config, instance=args.instance) if args.config else \
-            cfg.demo_config(args.instance or cfg.DEFAULT_INSTANCE)
+        if args.config:
+            config = cfg.load(args.config, instance=args.instance, repository_given=bool(args.model_repository))
+        else:
+            config = cfg.demo_config(args.instance or cfg.DEFAULT_INSTANCE)
     except cfg.ConfigError as exc:
         print(f"shmserve: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -634,6 +636,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                          *[inspection.render_lifecycle(s["lifecycle"]) for s in state["instances"] if s["lifecycle"]],
                          *errors)
 
+        if not sys.stdout.isatty():  # piped: each view printed whole as it is taken, not one at the end
+            console = _console()
+            while True:
+                console.print(view(state))
+                sys.stdout.flush()
+                time.sleep(args.watch)
+                state = take()
         with Live(view(state), refresh_per_second=4) as live:
             while True:
                 time.sleep(args.watch)
@@ -667,6 +676,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print("OK: " + ", ".join(f"{s['instance']} ({plural(len(s['workers']), 'worker')})"
                                      for s in state["instances"]))
         return EXIT_FAILURE if found else EXIT_OK
+    return EXIT_OK
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from shmserve import modelconfig
+
+    try:
+        found = modelconfig.read(args.file, name=args.name, backend=args.backend)
+    except modelconfig.ModelFileError as exc:
+        print(f"shmserve config: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.usage else EXIT_FAILURE
+    if args.json:
+        print(json.dumps(found.to_dict()))
+    else:
+        sys.stdout.write(modelconfig.to_toml(found, repository=args.repository))
     return EXIT_OK
 
 
@@ -922,6 +946,23 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="one line of JSON (schema: docs/operations.md)")
     doctor.add_argument("-v", "--verbose", action="store_true", help="also list every check and why one was skipped")
     doctor.set_defaults(func=_cmd_doctor)
+
+    model_file = command("config", "print the configuration of a model file as shmserve reads it: inputs, outputs and "
+                                   "dtypes, the dimension that looks like a batch, a max_batch_size to start from, "
+                                   "check_dims candidates, and what only a run will size",
+                         "shmserve config model.onnx >> models.toml",
+                         "shmserve config resnet.pt2 --repository > repo/resnet/config.toml",
+                         "shmserve config model.onnx --json | jq .inputs")
+    model_file.add_argument("file", metavar="MODEL_FILE", help="an ONNX (.onnx), torch.export (.pt2) or TorchScript "
+                                                             "(.pt) file")
+    model_file.add_argument("--name", help="the model's name (default: the file's name without its suffix)")
+    model_file.add_argument("--backend", choices=("onnxruntime", "torch"),
+                            help="the backend that serves it (default: by the file's suffix)")
+    model_file.add_argument("--repository", action="store_true",
+                            help="a model repository's config.toml (keys at the top level, the path as the file's "
+                                 "name in each version directory) instead of a [[models]] table")
+    model_file.add_argument("--json", action="store_true", help="one line of JSON")
+    model_file.set_defaults(func=_cmd_config)
 
     cleanup = command("cleanup", "remove arenas whose server is gone (never a live one)",
                       "shmserve cleanup --dry-run", "shmserve cleanup --instance prod")

@@ -67,7 +67,7 @@ File format::
     instances = 1
     max_batch_size = 0              # 0: no batching
     max_queue_delay_us = 0
-    max_output_bytes = 1048576      # reserved per output whose size the inputs do not determine
+    max_output_bytes = 0            # the most one output may take (0: no limit but what the server delivers)
     inputs = [{name = "x", dtype = "float32", shape = ["batch", 3, 32, 32]}]   # optional overrides
     check_dims = ["batch"]          # named dimensions that must agree across a request's inputs;
                                     # default []: only rank and fixed sizes are checked (as runtimes do)
@@ -112,7 +112,7 @@ class ModelConfig:
     max_batch_size: int = 0
     max_queue_delay_us: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()  # run at once when a batch reaches one of these
-    max_output_bytes: int = MiB  # reserved per output whose size the inputs do not determine
+    max_output_bytes: int = 0  # the most one output may take; 0: no limit of its own (shmserve.reservations)
     io_mode: str = "copy"  # GPU: "copy" (DMA to device buffers) or "mapped" (kernels read shared memory); docs/gpu.md
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
@@ -365,8 +365,10 @@ def demo_config(instance: str = DEFAULT_INSTANCE) -> ServerConfig:
     return ServerConfig(models=(ModelConfig(name="demo", backend="onnxruntime", path=path),), instance=instance)
 
 
-def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfig:
-    """Parse and validate a TOML config file.  Raises ConfigError naming the bad key."""
+def load(path: str | os.PathLike, *, instance: str | None = None, repository_given: bool = False) -> ServerConfig:
+    """Parse and validate a TOML config file.  Raises ConfigError naming the bad key.
+    ``repository_given``: a model repository comes from elsewhere (``serve --model-repository``), so
+    a file with no ``[[models]]`` and no ``model_repository`` (server settings only) is valid."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -375,14 +377,15 @@ def load(path: str | os.PathLike, *, instance: str | None = None) -> ServerConfi
         raise ConfigError(f"{path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse(raw, base_dir=path.parent, instance=instance)
+    return parse(raw, base_dir=path.parent, instance=instance, repository_given=repository_given)
 
 
 REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_regions_per_uid", "max_region_bytes_per_connection",
                "max_region_bytes_per_uid"}
 
 
-def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None) -> ServerConfig:
+def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
+          repository_given: bool = False) -> ServerConfig:
     _keys(raw, "", {"server", "arena", "models"})
     server = _table(raw, "server")
     arena = _table(raw, "arena")
@@ -442,7 +445,7 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None)
             if isinstance(c, list) and len(c) == 2 else _bad(f"arena.size_classes[{i}]: expected [extent_bytes, count]")
             for i, c in enumerate(classes))
     models = raw.get("models", [])
-    if not isinstance(models, list) or (not models and "model_repository" not in kw):
+    if not isinstance(models, list) or (not models and "model_repository" not in kw and not repository_given):
         raise ConfigError("models: at least one [[models]] table is required (or server.model_repository)")
     parsed, names = [], set()
     for i, m in enumerate(models):

@@ -28,6 +28,7 @@ class ErrorCode(enum.IntEnum):
     PERMISSION_DENIED = 10
     BAD_ARGUMENT = 11  # a client library call's own argument (a timeout of 0): refused before sending
     UNAUTHENTICATED = 12  # a credential that proves nothing (a v2 bearer token this server does not know)
+    NOT_FOUND = 13  # a v2 door has no route at that path (HTTP 404)
     # Ours, or the situation's: retry later or tell an operator.
     TIMEOUT = 20
     OVERLOADED = 21
@@ -35,7 +36,8 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 23
     MODEL_UNAVAILABLE = 24  # its workers could not load it
     MODEL_ERROR = 25  # the backend raised while running this request
-    OUTPUT_TOO_LARGE = 26  # outputs did not fit the space reserved for them
+    OUTPUT_TOO_LARGE = 26  # outputs larger than a limit or than the server delivers (or a worker's short
+    # answer, shmserve.reservations: its call is run again)
     INTERNAL = 27
     UNAVAILABLE = 28  # no server answers, or the connection to it was lost
 

@@ -1,7 +1,10 @@
 """Prometheus metrics: a collector over the front-end's status snapshot, served over HTTP.
 
 Owns: metric names and labels (Prometheus conventions: ``shmserve_`` prefix,
-base units, ``_total`` counters) and the small HTTP endpoint
+base units, ``_total`` counters), Triton's metric families beside them
+(``nv_inference_*``, with Triton's names, units and ``model``/``version``
+labels, so dashboards made for Triton read shmserve: ``triton_families``) and
+the small HTTP endpoint
 (``--metrics ADDR``: a Unix socket path, or a loopback ``host:port``).  Values
 are read at scrape time from one ``shmserve.frontend.status`` snapshot (which
 reads the arena's counters and per-worker latency histograms), so nothing is
@@ -13,6 +16,7 @@ Must not: listen on a non-loopback address, or block the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import os
@@ -21,6 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from shmserve import layout
+from shmserve.frontend.status import triton_counts
 
 log = logging.getLogger("shmserve.metrics")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,11 +39,16 @@ class StatusCollector:
 
     def collect(self):
         snap = self.status.snapshot()
-        requests = CounterMetricFamily("shmserve_requests", "Requests answered through the socket, by model, "
-                                       "version (empty: refused before one was chosen) and outcome (ok or the "
-                                       "error code); lane calls are in shmserve_worker_requests",
+        requests = CounterMetricFamily("shmserve_requests", "Requests answered, by model, version (empty: refused "
+                                       "before one was chosen) and outcome (ok, or the error code; lane calls, "
+                                       "counted from the workers' counters each heartbeat: ok or error)",
                                        labels=["model", "version", "outcome"])
-        for (model, version, outcome), n in sorted(snap.outcomes.items(), key=lambda kv: str(kv[0])):
+        outcomes = collections.Counter(snap.outcomes)
+        for (model, version), (ok, failed) in (snap.lane_calls or {}).items():
+            outcomes[(model, version, "ok")] += ok
+            if failed:
+                outcomes[(model, version, "error")] += failed
+        for (model, version, outcome), n in sorted(outcomes.items(), key=lambda kv: str(kv[0])):
             requests.add_metric([model, str(version), outcome], n)
         yield requests
         yield from self._lifecycle(snap)
@@ -75,6 +85,9 @@ class StatusCollector:
                                   "model and worker", labels=["model", "version", "worker"])
         restarts = CounterMetricFamily("shmserve_worker_restarts", "Worker restarts",
                                        labels=["model", "version", "worker"])
+        short = CounterMetricFamily("shmserve_worker_short_answers", "Runs whose outputs outgrew the space reserved "
+                                    "for them (each call run again once: docs/models.md, 'Outputs of any size'), "
+                                    "as the worker last told", labels=["model", "version", "worker"])
         workers = GaugeMetricFamily("shmserve_workers", "Workers by model, version and state",
                                     labels=["model", "version", "state"])
         states: dict = {}
@@ -85,12 +98,14 @@ class StatusCollector:
                 served.add_metric([w.model, v, str(w.index), "error"], w.errors)
                 lanes.add_metric([w.model, v, str(w.index)], w.lanes)
                 restarts.add_metric([w.model, v, str(w.index)], w.restarts)
+                short.add_metric([w.model, v, str(w.index)], (w.signatures or {}).get("short", 0))
                 states[(w.model, v, w.state)] = states.get((w.model, v, w.state), 0) + 1
         for (model, version, state), n in sorted(states.items()):
             workers.add_metric([model, version, state], n)
         yield served
         yield lanes
         yield restarts
+        yield short
         yield workers
 
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",
@@ -137,6 +152,50 @@ class StatusCollector:
         yield canary
 
 
+# Triton's per-model counters (its metrics docs and core src/metric_model_reporter.cc): name, help,
+# and what each is here (a TritonCounts field, or the sum in µs of one of the workers' stage histograms).
+TRITON_FAMILIES = (
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", "success"),
+    ("nv_inference_request_failure", "Number of failed inference requests, all batch sizes", "failure"),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)", "items"),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+     "executions"),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (includes "
+     "cached requests)", "total"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds (includes cached "
+     "requests)", "queue"),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds (does not "
+     "include cached requests)", "copy_in"),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds (does not "
+     "include cached requests)", "compute"),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds "
+     "(does not include cached requests)", "copy_out"),
+)
+
+
+def triton_families(snap) -> bytes:
+    """Triton's per-model counters in Prometheus text, exactly as Triton names them (a counter's
+    samples without ``_total``, which prometheus_client would add), one series per model version:
+    requests and inferences count socket, v2 and lane calls alike (``status.triton_counts``), the
+    durations are the workers' stage histograms' sums (request: slot acquired to done; queue;
+    compute input, infer, output: copy in, compute, copy out)."""
+    lines = []
+    for name, help_text, what in TRITON_FAMILIES:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} counter")
+        for m in snap.models:
+            if what in layout.HIST_STAGES:
+                value = m.histograms[what][1]
+            else:
+                value = getattr(triton_counts(snap, m), what)
+            lines.append(f'{name}{{model="{_label(m.name)}",version="{m.version}"}} {value}')
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _cumulative(counts, scale: float) -> list:
     """Cumulative Prometheus buckets (upper bound hist_upper_bound(i) / scale) of bucket counts."""
     buckets, running = [], 0
@@ -151,6 +210,7 @@ class MetricsServer:
     """A minimal HTTP/1.1 endpoint for GET /metrics on the front-end's loop."""
 
     def __init__(self, status):
+        self.status = status
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatusCollector(status))
         self.server = None
@@ -189,6 +249,10 @@ class MetricsServer:
         if self.path and os.path.exists(self.path):
             os.unlink(self.path)
 
+    def render(self) -> bytes:
+        """The scrape's body: shmserve's families, then Triton's (``triton_families``)."""
+        return generate_latest(self.registry) + triton_families(self.status.snapshot())
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
@@ -196,7 +260,7 @@ class MetricsServer:
             if method != "GET" or target.split("?")[0] not in ("/metrics", "/"):
                 body, status, ctype = b"not found\n", "404 Not Found", "text/plain"
             else:
-                body, status, ctype = generate_latest(self.registry), "200 OK", CONTENT_TYPE
+                body, status, ctype = self.render(), "200 OK", CONTENT_TYPE
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + body)
             await writer.drain()

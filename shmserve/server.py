@@ -84,6 +84,10 @@ def check_not_served(instance: str) -> None:
                      f"start this one with another --instance")
 
 
+# The one command that installs what the v2 doors need (README.md and docs/v2.md give the same).
+V2_INSTALL = "pip install -e '.[v2]' (in the shmserve checkout)"
+
+
 def check_v2(config: ServerConfig) -> None:
     """SystemExit naming the fix if the v2 doors the config asks for cannot run here (checked
     before anything is spawned)."""
@@ -91,7 +95,7 @@ def check_v2(config: ServerConfig) -> None:
         try:
             import shmserve.v2.grpc  # noqa: F401
         except ImportError as exc:
-            raise SystemExit(f"serve --grpc needs the grpc extra ({exc}): pip install 'shmserve[grpc]'") from None
+            raise SystemExit(f"serve --grpc needs the v2 extra ({exc}): {V2_INSTALL}") from None
     for address in (config.http, config.grpc):
         if address and "/" in address:
             check_socket_path(address)
@@ -233,7 +237,8 @@ class Frontend:
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
                                    clock=self.dispatcher.clock, startup_timeout=STARTUP_TIMEOUT_S,
-                                   finished=self._finished_by, lane_outcomes=self._lane_outcomes_of)
+                                   finished=self._finished_by, failed=self._failed_by,
+                                   lane_counts=self._lane_outcomes_of)
         self.dispatcher.load_on_demand = self.lifecycle.load_on_demand  # the lifecycle's hooks
         self.dispatcher.observe = self.lifecycle.observe
         self.dispatcher.offer_shadow = Shadowing(self.dispatcher, self.models, self.dispatcher.clock.monotonic).offer
@@ -311,6 +316,7 @@ class Frontend:
                 log.exception("watching the lanes failed")
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
+                self.lifecycle.load_for_lanes()
                 self.lifecycle.note_lane_outcomes()
             now = time.monotonic()
             if self.history.due(now):  # a sample a minute: the baseline 'shmserve doctor' compares with
@@ -320,6 +326,10 @@ class Frontend:
     def _finished_by(self, w: WorkerHandle) -> int:
         """Requests worker ``w`` has finished (its entry in the arena's worker table)."""
         return self.arena.worker_counter(w.index, "requests")
+
+    def _failed_by(self, w: WorkerHandle) -> int:
+        """Of those, the ones it answered with an error."""
+        return self.arena.worker_counter(w.index, "errors")
 
     def _lane_outcomes_of(self, w: WorkerHandle) -> tuple[int, tuple[int, ...]]:
         """Worker ``w``'s lane outcomes (``layout.read_lane_outcomes``): its faults and bucket counts."""
@@ -372,7 +382,8 @@ class Frontend:
 
         systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
         try:
-            new = cfgmod.load(self.config_path, instance=self.config.instance)
+            new = cfgmod.load(self.config_path, instance=self.config.instance,
+                              repository_given=self.repository_override is not None)
         except cfgmod.ConfigError as exc:
             log.error("reload: %s; keeping the running configuration", exc)
             systemd.notify("READY=1", "STATUS=reload failed: configuration error; still serving")

@@ -143,7 +143,8 @@ class WorkerHandle:
     ready_future: asyncio.Future | None = None
     placement: placement.Placement | None = None  # its device and CPUs, decided when the handle was made
     reported: dict | None = None  # where its process said it runs when ready: {"device": …, "cpus": "0-3", "threads": …}
-    signatures: dict | None = None  # input signatures its process met: {"new", "distinct"} (doctor)
+    signatures: dict | None = None  # input signatures its process met: {"new", "distinct"} (doctor), and
+    # "short": its runs whose outputs outgrew the space reserved for them (each run again: shmserve.reservations)
 
     @property
     def device(self) -> str:
@@ -379,7 +380,7 @@ class Supervisor:
         elif message["event"] == "lane_failed":
             self.on_lane_failed(w, message.get("region"), str(message.get("error")))
         elif message["event"] == "signatures":
-            counts = {k: message.get(k) for k in ("new", "distinct")}
+            counts = {k: message.get(k, 0) for k in ("new", "distinct", "short")}
             if all(type(v) is int and v >= 0 for v in counts.values()):
                 w.signatures = counts
 

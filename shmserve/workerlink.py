@@ -23,10 +23,11 @@ Worker -> front-end:
                                                                unmapped and its descriptor closed
     {"event": "lane_failed", "region": id, "error": "..."}     a lane it was told to attach cannot
                                                                be served (not mapped or not locked)
-    {"event": "signatures", "new": n, "distinct": n}           requests that brought an input signature
-                                                               it had not met, signatures it remembers
+    {"event": "signatures", "new": n, "distinct": n,           requests that brought an input signature
+     "short": n}                                               it had not met, signatures it remembers,
+                                                               runs whose outputs outgrew their space
                                                                (``workers.step``; at most one a second,
-                                                               and when idle)
+                                                               when idle, and after a short answer)
 
 Front-end -> worker, only client regions (``send_region``):
 

@@ -164,3 +164,43 @@ def typed_echo(config):
     echo.inputs = [{"name": d, "dtype": d, "shape": ["n"]} for d in dtypes]
     echo.outputs = [{"name": f"out_{d}", "dtype": d, "shape": ["n"]} for d in dtypes]
     return echo
+
+
+def rendezvous(inputs):
+    """Leaves a mark in the directory $SHMSERVE_TEST_MEETING, waits (at most 20 s) until two calls
+    have, and returns how many marks it saw: 2 when two calls were in the model at once."""
+    import os
+    import uuid
+
+    where = os.environ["SHMSERVE_TEST_MEETING"]
+    open(os.path.join(where, uuid.uuid4().hex), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(where)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"y": np.array([len(os.listdir(where))], np.uint8)}
+
+
+rendezvous.inputs = [{"name": "x", "dtype": "uint8", "shape": [1]}]
+rendezvous.outputs = [{"name": "y", "dtype": "uint8", "shape": [1]}]
+
+
+def counted(inputs):
+    """``n[0]`` float32s counting up from 0: an output whose length the data decides (a detector's
+    boxes after NMS), not the inputs' shapes."""
+    return {"y": np.arange(int(inputs["n"][0]), dtype=np.float32)}
+
+
+counted.inputs = [{"name": "n", "dtype": "int64", "shape": [1]}]
+counted.outputs = [{"name": "y", "dtype": "float32", "shape": ["count"]}]
+
+
+def counted_stateful(inputs):
+    """``counted``, and its calls so far as a second output ``calls`` (state a re-run shows)."""
+    counted_stateful.calls += 1
+    return {"y": np.arange(int(inputs["n"][0]), dtype=np.float32),
+            "calls": np.array([counted_stateful.calls], np.int64)}
+
+
+counted_stateful.calls = 0
+counted_stateful.inputs = counted.inputs
+counted_stateful.outputs = [counted.outputs[0], {"name": "calls", "dtype": "int64", "shape": [1]}]

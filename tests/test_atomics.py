@@ -290,3 +290,14 @@ def test_futex_waitv_checks_its_arguments(buf):
         atomics.futex_waitv([(buf, 0, 2**32)], 0.0)
     with pytest.raises(ValueError):
         atomics.futex_waitv([(buf, 0, 0)], -1.0)
+
+
+def test_address_is_numpys_data_pointer_for_every_view_a_worker_hands_a_backend(buf):
+    base = np.ndarray((4096,), np.uint8, buffer=buf)
+    frozen = np.ndarray((16, 8), np.float32, buffer=buf, offset=512)
+    frozen.flags.writeable = False  # as a worker's input views are
+    for view in (base, base[64:], frozen, frozen[1:], frozen[:, ::2], np.zeros((0, 3), np.float32)):
+        assert atomics.address(view) == view.ctypes.data
+    assert atomics.address(buf) == base.ctypes.data
+    with pytest.raises(TypeError):
+        atomics.address(object())

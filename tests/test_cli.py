@@ -9,6 +9,7 @@ import grp
 import json
 import os
 import shutil
+import select
 import signal
 import socket
 import subprocess
@@ -149,9 +150,16 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "inspect", "--watch", "0.2", "--instance",
                              new_instance("nobody")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(2)  # well into its loop (a signal sooner would still exit 130)
+        # Well into its loop (a signal sooner would still exit 130): once it has printed a view, however
+        # long a busy machine takes to start it (was: 2 s, which a loaded CI machine did not give it).
+        # Piped, each view is printed as it is taken (was: one, at the end).
+        seen, deadline = "", time.monotonic() + 120
+        while "no arena" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                seen += proc.stdout.readline()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=60)
+        out = seen + out
     finally:
         if proc.poll() is None:
             proc.kill()

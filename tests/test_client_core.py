@@ -19,7 +19,7 @@ from types import GeneratorType
 import numpy as np
 import pytest
 
-from shmserve import hotpath, lanes, layout, routing
+from shmserve import hotpath, lanes, layout, reservations, routing
 from shmserve.client.core import ClientCore
 from shmserve.client.infer import LANE_RETRY_S, InferOperation
 from shmserve.client.planning import DEFAULT_REGION_BYTES, needed_bytes, region_limit
@@ -95,9 +95,10 @@ def plain_grant(rid: int, region: int, size: int) -> RegionGranted:
     return RegionGranted(rid, region, size, None, fd)
 
 
-def play_worker(call: tuple, failure: tuple[ErrorCode, str] | None = None) -> None:
+def play_worker(call: tuple, failure: tuple[ErrorCode, str] | None = None, times: int = 1) -> None:
     """Serve the lane call ``call`` (region, slot, generation, ...) as a worker of ``identity``
-    does: its one input copied to its output area, or ``failure`` published."""
+    does: its one input copied to its output area (``times`` over: a vector), or ``failure``
+    published; outputs larger than the area: the worker's short answer (``shmserve.reservations``)."""
     region, index, generation = call[0], call[1], call[2]
     buf, hot, entry = region.buf, hotpath.active, layout.slot_entry(call[1], call[2])
     assert hot.claim(buf, layout.LANE, entry) == index
@@ -106,9 +107,13 @@ def play_worker(call: tuple, failure: tuple[ErrorCode, str] | None = None) -> No
     outputs = []
     if failure is None:
         (_, dtype, shape, offset, nbytes), = descs
-        buf[slot.out_off:slot.out_off + nbytes] = buf[offset:offset + nbytes]
-        outputs = [(slot.out_off, shape, dtype, nbytes)]
-        hot.encode_outputs(buf, layout.LANE, index, slot.n_inputs, region.id, outputs)
+        data = bytes(buf[offset:offset + nbytes]) * times
+        if len(data) > slot.out_capacity:
+            failure = (ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(len(data), slot.out_capacity))
+        else:
+            buf[slot.out_off:slot.out_off + len(data)] = data
+            outputs = [(slot.out_off, shape if times == 1 else (len(data),), dtype, len(data))]
+            hot.encode_outputs(buf, layout.LANE, index, slot.n_inputs, region.id, outputs)
     arena = bytearray(64 + layout.HIST_WORKER_SIZE)
     _, completions, _ = lanes.worker_rings(buf)
     assert hot.publish(buf, layout.LANE, index, entry, len(outputs), failure, completions, True, arena, 0, 8, 64)
@@ -123,6 +128,7 @@ class Server:
         self.core, self.listing, self.regions, self.info = core, list(listing), list(regions), info
         self.requests: list[tuple[Kind, dict]] = []
         self.lane_calls: list[tuple] = []
+        self.times = 1  # its lane worker's output: the input this many times over
         self.next_region = 1
 
     def __call__(self, step):
@@ -130,7 +136,7 @@ class Server:
             return None
         if type(step) is tuple:  # a lane call: served by a worker here
             self.lane_calls.append(step)
-            play_worker(step)
+            play_worker(step, times=self.times)
             return None
         kind, meta = request(self.core, step)
         self.requests.append((kind, meta))
@@ -172,7 +178,7 @@ def perform(op, server: Server, *args):
     call = op.begin(args)
     if type(call) is tuple:
         server.lane_calls.append(call)
-        play_worker(call)
+        play_worker(call, times=server.times)
         call = op.answer(call, None)
     if type(call) is Exchange:
         return op.answered(server(call))
@@ -242,6 +248,61 @@ def test_a_lane_call_refused_for_its_version_goes_over_the_socket_and_the_next_r
     assert server.kinds()[2:] == [Kind.INFER] and "m" not in core.specs
     infer(op, server, x)
     assert server.kinds()[3:] == [Kind.MODELS]  # read again; the lane is still open
+
+
+GROWN = {**SPEC, "max_output_bytes": 4096,  # the guess for an output no input sizes: 4 KiB
+         "outputs": [{"name": "y", "dtype": "uint8", "shape": ["count"]}]}
+
+
+def test_a_short_answer_runs_the_lane_call_again_once_and_its_signature_keeps_the_size(core):
+    op, server = InferOperation(core), Server(core, listing=(GROWN,), regions=[served_lane])
+    x = np.arange(3000, dtype=np.uint8)
+    server.times = 3  # 9000 bytes: more than the 4 KiB guess
+    assert infer(op, server, x)["y"].tolist() == np.tile(x, 3).tolist()
+    assert len(server.lane_calls) == 2 and server.kinds() == [Kind.MODELS, Kind.OPEN_REGION]  # no socket
+    (form,) = core.lane_forms.values()
+    assert form.output_capacity == 9000
+    assert infer(op, server, x)["y"].tolist() == np.tile(x, 3).tolist()
+    assert len(server.lane_calls) == 3  # the next call of its signature: run once
+    server.times = 5  # data-dependent: larger than all before, run again once more, learned
+    assert infer(op, server, x)["y"].tolist() == np.tile(x, 5).tolist()
+    assert len(server.lane_calls) == 5 and next(iter(core.lane_forms.values())).output_capacity == 15000
+    began = op.begin(("m", {"x": x}, None, None, None))
+    play_worker(began, times=6)  # short ...
+    again = op.answer(began, None)
+    assert type(again) is GeneratorType
+    with pytest.raises(ShmserveError) as raised:  # ... and short again on its second run: the error
+        drive(again, lambda step: play_worker(step, times=7))
+    assert raised.value.code is ErrorCode.OUTPUT_TOO_LARGE and reservations.needed(raised.value.code,
+                                                                                    raised.value.message) == 21000
+    assert server.kinds() == [Kind.MODELS, Kind.OPEN_REGION]
+
+
+def test_a_short_answer_the_lane_cannot_hold_goes_over_the_socket(core):
+    op, server = InferOperation(core), Server(core, listing=(GROWN,), regions=[served_lane])
+    x = np.arange(3000, dtype=np.uint8)
+    server.times = 400  # 1.2 MB: more than this 1 MiB lane holds
+    assert infer(op, server, x)["y"].tolist() == [7] * 3000  # the socket's answer (its server sizes it)
+    assert len(server.lane_calls) == 1 and server.kinds() == [Kind.MODELS, Kind.OPEN_REGION, Kind.INFER]
+    assert next(iter(core.lane_forms.values())).output_capacity < 1 << 20  # not learned: it never fits
+
+
+def test_a_zero_copy_call_short_of_space_moves_its_output_area_and_its_client_remembers(core):
+    server = Server(core, listing=(GROWN,), regions=[served_lane])
+    op = drive(core.zero_copy("m", {"x": ((100,), np.uint8)}, 1000), server)[0]
+    assert op.grow(ShmserveError(ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(5000, 1000)))
+    assert op.out_capacity == 5000
+    limit = ShmserveError(ErrorCode.OUTPUT_TOO_LARGE, "output 'y' is 9000 bytes, more than the model's max_output_bytes")
+    assert not op.grow(limit) and not op.grow(ShmserveError(ErrorCode.MODEL_ERROR, "outputs need 9000 bytes"))
+    again = drive(core.zero_copy("m", {"x": ((100,), np.uint8)}, None), server)[0]
+    assert again.out_capacity == 5000  # its client's next call of these inputs reserves it at once
+    with pytest.raises(ShmserveError) as raised:
+        op.grow(ShmserveError(ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(2 * LANE_SIZE, 5000)))
+    assert raised.value.code is ErrorCode.OUTPUT_TOO_LARGE and f"output_capacity={2 * LANE_SIZE}" in raised.value.message
+    assert reservations.needed(raised.value.code, raised.value.message) is None  # never grown from again
+    assert op.out_capacity == 5000
+    op.release(), again.release()
+    assert op.region.allocator.free == [(layout.LANE_BYTES, LANE_SIZE - layout.LANE_BYTES)]  # nothing leaked
 
 
 def test_a_lane_call_that_timed_out_keeps_its_space_until_the_worker_is_done(core):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from shmserve import _atomics as atomics
-from shmserve import layout, workerlink
+from shmserve import layout, reservations, workerlink
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Failure, Outputs
@@ -551,16 +551,53 @@ def test_a_worker_error_reaches_the_door_with_its_code_and_message(fe, code, exp
     assert fe.arena.stat("errors_total") == 1 and fe.dispatcher.outcomes[("add", 1, expected.wire)] == 1
 
 
-def test_outputs_larger_than_reserved_are_the_workers_output_too_large(make):
-    """An output whose size no input binds gets max_output_bytes reserved; a larger one is the
-    worker's OUTPUT_TOO_LARGE, passed through."""
+def test_outputs_larger_than_the_guess_are_run_again_once_with_what_they_need(make):
+    """An output whose size no input binds gets a guess; the worker's short answer has the request
+    run again, once, with an output area of what the outputs took (beside its inputs' extent), and
+    its version learns it: the next request of that signature reserves it at once."""
     fe = make(models=(TAIL,))
     door = fe.door()
     fits = door.infer("tail", {"x": np.arange(200, dtype=np.uint8)})
-    too_big = door.infer("tail", {"x": np.zeros(3000, np.uint8)})
+    x = np.arange(3000, dtype=np.uint8)
+    grown = door.infer("tail", {"x": x})
     fe.settle()
     np.testing.assert_array_equal(door.results[fits]["y"], np.arange(200, dtype=np.uint8)[::-1])
-    assert door.failure(too_big).code is ErrorCode.OUTPUT_TOO_LARGE
+    np.testing.assert_array_equal(door.results[grown]["y"], x[::-1])
+    assert fe.dispatcher.reruns == {"tail:1": 1} and fe.arena.stat("errors_total") == 0
+    assert fe.arena.stat("requests_total") == 2  # the short run is no answer: its second run is counted
+    again = door.infer("tail", {"x": x + 1})  # the same signature: reserved as learned, run once
+    fe.settle()
+    np.testing.assert_array_equal(door.results[again]["y"], (x + 1)[::-1])
+    assert fe.dispatcher.reruns == {"tail:1": 1}
+    assert fe.models.get("tail").current.learned.get((("x", "uint8", (3000,)),)) == 3000
+    assert held(fe) == (0, 0) and grown.state is again.state is RS.DONE
+
+
+def test_a_request_short_twice_or_beyond_max_request_bytes_is_answered_output_too_large(make):
+    fe = make(models=(TAIL,))
+    door = fe.door()
+    w = fe.workers[0]
+    req = door.infer("tail", {"x": np.zeros(3000, np.uint8)})
+    fe.pump_doors()
+    [job] = w.claim()
+    w.complete(job, {"y": np.zeros(3000, np.uint8)})  # short: run again with 3000 bytes
+    assert fe.deliver() and req.state is RS.QUEUED and fe.dispatcher.reruns == {"tail:1": 1}
+    [job] = w.claim()
+    w.complete(job, {"y": np.zeros(5000, np.uint8)})  # data-dependent: larger still on the second run
+    assert fe.deliver()
+    failure = door.failure(req)
+    assert failure.code is ErrorCode.OUTPUT_TOO_LARGE and reservations.needed(*failure) == 5000
+    assert fe.dispatcher.reruns == {"tail:1": 1} and held(fe) == (0, 0)
+    big = door.infer("tail", {"x": np.zeros(100, np.uint8)})  # its output: more than max_request_bytes (64 KiB)
+    fe.pump_doors()
+    [job] = w.claim()
+    w.complete(job, {"y": np.zeros(70_000, np.uint8)})
+    assert fe.deliver()
+    failure = door.failure(big)
+    assert failure.code is ErrorCode.OUTPUT_TOO_LARGE and reservations.needed(*failure) is None
+    assert "max_request_bytes" in failure.message and "raise" in failure.message, failure.message
+    assert fe.models.get("tail").current.learned.get((("x", "uint8", (100,)),)) == 0  # never learned
+    assert held(fe) == (0, 0)
 
 
 def _tensor(**fields):

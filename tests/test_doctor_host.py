@@ -390,3 +390,22 @@ def test_a_healthy_machine_reports_nothing_above_info(tmp_path):
 def test_every_check_on_an_empty_tree_skips_or_finds_without_failing(tmp_path, check_id):
     found, _ = check(check_id, context(tmp_path))
     assert all(f.check == check_id for f in found)
+
+
+def test_a_small_crowded_cpu_set_inside_a_larger_one_is_its_own_finding(tmp_path):
+    """As on the H200 (2026-12-02): two ONNX Runtime workers of 4 threads pinned to CPUs 0-1, two torch
+    workers of 16 on 0-15.  Each set is judged with the workers confined to it: 8 threads on 2 CPUs
+    (1 each), then 32 on the 14 CPUs left (7 each); was one '40 compute threads share 16 CPUs' with 4 each."""
+    host = machine(tmp_path)
+    for pid, cpus in ((4100, "0-1"), (4101, "0-1"), (4102, "0-15"), (4103, "0-15")):
+        host = host.process(pid, cpus=cpus, threads=20)
+    torch16 = {"runtime": "torch", "intra_op": 16, "inter_op": 1}
+    svc = service([worker(0, "crowded", 4100, pinned="0-1", threads=ORT4),
+                   worker(1, "crowded", 4101, pinned="0-1", threads=ORT4),
+                   worker(2, "convnet", 4102, pinned="0-15", threads=torch16),
+                   worker(3, "convnet", 4103, pinned="0-15", threads=torch16)], owner_pid=FRONT)
+    small, large = check("placement.threads", context(host.root, svc))[0]
+    assert small.title == "8 compute threads share 2 CPUs" and "intra_op_threads = 1" in small.fix
+    assert "crowded" in small.fix and "convnet" not in small.fix
+    assert large.title == "32 compute threads share 14 CPUs" and "intra_op_threads = 7" in large.fix
+    assert large.data["cpus"] == "2-15" and "CPUs 2-15" in large.expected

@@ -83,7 +83,7 @@ def test_doctor_finds_oversubscribed_pools_and_shifting_shapes_and_not_the_model
 
             workers = wait_for(told, "the workers' signature counts")
             info = c.info()
-        assert workers["steady"]["signatures"] == {"new": 1, "distinct": 1}
+        assert workers["steady"]["signatures"] == {"new": 1, "distinct": 1, "short": 0}
         assert workers["crowded"]["threads"] == {"runtime": "onnxruntime", "intra_op": 4, "inter_op": 1, "env": {}}
         assert info["limits"]["max_connections"] == 512 and info["limits"]["spin_us"] >= 0
         assert info["history"]["models"]["shifting"]["recent"]["stages"]["total"][0] >= 80

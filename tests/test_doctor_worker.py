@@ -56,17 +56,17 @@ def test_new_input_signatures_are_counted_and_told_at_most_once_a_second_while_b
             run(front, worker, n)
         assert (worker.step.new_signatures, worker.step.distinct_signatures) == (3, 3)
         worker.tell_signatures_now(idle=False)
-        assert told == [{"new": 3, "distinct": 3}]
+        assert told == [{"new": 3, "distinct": 3, "short": 0}]
         run(front, worker, 7)
         clock.now += SIGNATURES_EVERY_S / 2
         worker.tell_signatures_now(idle=False)  # busy, and told half a second ago: not yet
         assert len(told) == 1
         worker.tell_signatures_now(idle=True)  # idle: at once
-        assert told[-1] == {"new": 4, "distinct": 4}
+        assert told[-1] == {"new": 4, "distinct": 4, "short": 0}
         run(front, worker, 8)
         clock.now += SIGNATURES_EVERY_S
         worker.tell_signatures_now(idle=False)
-        assert told[-1] == {"new": 5, "distinct": 5} and len(told) == 3
+        assert told[-1] == {"new": 5, "distinct": 5, "short": 0} and len(told) == 3
 
 
 def test_the_thread_pools_are_what_the_backend_says_once():

@@ -305,6 +305,35 @@ def test_on_demand_versions_load_on_their_first_request_and_the_least_recently_u
     asyncio.run(main())
 
 
+def test_an_on_demand_model_unloaded_by_a_call_is_registered_again_by_a_reload(world):
+    """``unload`` of an on-demand model clears its default: a request naming no version is refused
+    (docs/models.md).  A reload brings it back to what its configuration says, as at start-up:
+    registered, loaded by its next request.  (It stayed refused until a ``load`` call, while a
+    model loaded at start-up was loaded again by the same reload.)"""
+    async def main():
+        w = world()
+        add_version(w.repo, "a", 1, 'load = "on_demand"\n')
+        await w.lifecycle.start()
+        door = w.fe.door()
+        req = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(req), "a answered")
+        assert served_by(door, req) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "its load done")
+        assert await w.done(asyncio.ensure_future(w.lifecycle.unload("a"))) == [1]
+        with pytest.raises(ShmserveError) as refused:
+            door.infer("a", {"x": ONES})
+        assert refused.value.code is ErrorCode.MODEL_UNAVAILABLE and "unloaded" in refused.value.message
+        await w.done(asyncio.ensure_future(w.lifecycle.apply()))
+        assert w.fe.models.get("a").default == 1 and w.version("a", 1).phase == UNLOADED
+        req = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(req), "a answered after the reload")
+        assert served_by(door, req) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "its load done")
+        await w.stop()
+
+    asyncio.run(main())
+
+
 def test_a_load_on_demand_without_room_waits_for_it_and_loads_when_it_appears(world):
     """Issue 23 item 6, in process: b needs a's memory while a runs a request (busy): b's request
     waits (its load is tried again every ROOM_RETRY_S), and b loads as soon as a is idle; a request
@@ -343,6 +372,38 @@ def test_a_load_on_demand_without_room_waits_for_it_and_loads_when_it_appears(wo
         await w.advance(ROOM_RETRY_S)
         await w.until(lambda: door.answer_of(req), "b's request answered")
         assert served_by(door, req) == 1 and a.phase == EVICTED and b.phase == SERVING
+        await w.stop()
+
+    asyncio.run(main())
+
+
+def test_a_request_for_a_version_being_evicted_waits_and_loads_it_again(world):
+    """Found by the lifecycle soak: a request for an on-demand version that comes while the version
+    drains for an eviction waits for the drain to end and loads it again (it was refused
+    ``model_unavailable ... is draining``).  a's worker is stuck, so its drain lasts
+    version_drain_timeout_s."""
+    async def main():
+        w = world(memory_budget={"cpu": 15 << 20}, version_drain_timeout_s=2.0)
+        for name in "ab":
+            add_version(w.repo, name, 1, 'load = "on_demand"\n')
+            w.supervisor.memory[name] = 10 << 20  # one fits, two do not
+        await w.lifecycle.start()
+        door = w.fe.door()
+        first = door.infer("a", {"x": ONES})
+        await w.until(lambda: door.answer_of(first) and not w.lifecycle.tasks, "a loaded and answered")
+        a = w.version("a", 1)
+        w.supervisor.stuck.add(a.workers[0])
+        for_b = door.infer("b", {"x": ONES}, timeout_s=120.0)
+        await w.until(lambda: a.phase == DRAINING, "a evicted for b")
+        during = door.infer("a", {"x": ONES}, timeout_s=120.0)
+        await w.settle()
+        assert door.answer_of(during) is None and a.phase == DRAINING
+        await w.advance(w.config.version_drain_timeout_s)
+        await w.until(lambda: door.answer_of(during) and door.answer_of(for_b), "both answered")
+        assert served_by(door, during) == 1 and served_by(door, for_b) == 1
+        await w.until(lambda: not w.lifecycle.tasks, "the loads (and the evictions after them) done")
+        assert [(e["model"], e["event"]) for e in w.lifecycle.events if e["event"] in ("evicted", "load")][:3] == \
+            [("a", "load"), ("b", "load"), ("a", "evicted")], w.lifecycle.events
         await w.stop()
 
     asyncio.run(main())

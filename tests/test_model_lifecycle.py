@@ -432,6 +432,65 @@ def served_in_time(c, name: str, x: np.ndarray, timeout: float = 120.0) -> list[
             assert time.monotonic() < deadline, f"{name} never answered: {failures[-1]}"
 
 
+SLOW_EXIT = "import atexit\nimport time as _time\natexit.register(_time.sleep, 3.0)  # a worker of it takes 3 s to exit\n"
+
+
+def test_requests_for_a_model_being_evicted_wait_and_load_it_again(tmp_path):
+    """Found by the lifecycle soak (test_lifecycle_soak.py): a request for an on-demand model that
+    came while the model was being evicted failed, over the socket (and the v2 doors)
+    ``model_unavailable ... is draining: evicted to make room for b:1``, and a zero-copy call
+    through the model's lane ``model_unavailable ... has no version serving now (evicted ...)``;
+    docs/models.md says an evicted version is loaded again by its next request.  Both now wait
+    for the eviction to end and the version to load again (a's workers take 3 s to exit, so both
+    calls start while it drains), and a lane call made after the eviction loads it again too (it
+    timed out ``timeout``: nothing looked at the lane of an evicted version)."""
+    section = on_demand_models(tmp_path, "ab", 1.5, body=SLOW_ECHO + SLOW_EXIT)  # one version fits, two do not
+    x = np.zeros(2, np.float32)
+    with serving(tmp_path, "", server_section=section) as srv:
+        with srv.client(lanes=False) as c, srv.client(timeout=60) as lane_client:
+            served_in_time(c, "a", x)
+            call = lane_client.zero_copy("a", {"x": ((2,), np.float32)})
+            assert call.region.lane is not None
+            call.inputs["x"][...] = x
+            assert served_version(x, call.run()["y"]) == 1
+            answers: dict[str, object] = {}
+
+            def ask(how: str) -> None:
+                try:
+                    if how == "b":
+                        with srv.client(lanes=False, timeout=60) as cb:
+                            answers[how] = served_version(x, cb.infer("b", {"x": x})["y"])
+                    elif how == "socket":
+                        with srv.client(lanes=False, timeout=60) as ca:
+                            answers[how] = served_version(x, ca.infer("a", {"x": x})["y"])
+                    else:
+                        answers[how] = served_version(x, call.run()["y"])
+                except ShmserveError as exc:
+                    answers[how] = exc
+
+            loading_b = threading.Thread(target=ask, args=("b",))  # its load evicts a
+            loading_b.start()
+            try:
+                wait_for(lambda: versions(c, "a")[1]["state"] == "draining", "a draining (evicted for b)")
+                during = [threading.Thread(target=ask, args=(how,)) for how in ("socket", "lane")]
+                for t in during:
+                    t.start()
+                for t in during:
+                    t.join(120)
+            finally:
+                loading_b.join(120)
+            assert answers == {"b": 1, "socket": 1, "lane": 1}, answers
+            # A zero-copy call through the lane of a once a is evicted (its lane has no worker)
+            # loads it again too: the server's heartbeat sees the call pending (it timed out).
+            wait_for(lambda: versions(c, "a")[1]["state"] == "ready", "a loaded again")
+            served_in_time(c, "b", x)
+            wait_for(lambda: versions(c, "a")[1]["state"] == "evicted", "a evicted again (for b)")
+            assert served_version(x, call.run()["y"]) == 1
+            call.release()
+            events = [(e["model"], e["event"]) for e in c.repository()["events"]]
+            assert events.count(("a", "evicted")) == 2 and events.count(("a", "load")) == 3, events
+
+
 def test_a_lane_clients_ready_word_pins_nothing_past_its_deadline(tmp_path):
     """Issue 23 item 6: a client writes READY into a slot of its own lane of on-demand model a
     (no worker ever claims it) and keeps rewriting it with new generations.  Model b (measured by
@@ -632,6 +691,26 @@ def test_sighup_loads_an_added_model_and_unloads_a_removed_one(tmp_path):
                 c.infer("n", {"x": x})
             assert err.value.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE), err.value
             assert served_version(x, c.infer("m", {"x": x})["y"]) == 1  # the others serve on
+
+
+def test_sighup_registers_again_an_on_demand_model_unloaded_by_a_call(tmp_path):
+    """An on-demand model unloaded by ``unload`` refuses requests naming no version until a reload,
+    which registers it again as at start-up: its next request loads it (it stayed refused)."""
+    import signal
+
+    repo = tmp_path / "repo"
+    add_version(repo, "a", 1, config='load = "on_demand"\n')
+    x = np.ones(2, np.float32)
+    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
+        with srv.client(lanes=False) as c:
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1
+            assert c.unload("a")["unloaded"] == [1]
+            with pytest.raises(ShmserveError) as err:
+                c.infer("a", {"x": x})
+            assert err.value.code is ErrorCode.MODEL_UNAVAILABLE, err.value
+            srv.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reload: repository read again" in srv.log() or "reload: done" in srv.log(), "the reload")
+            assert served_version(x, c.infer("a", {"x": x})["y"]) == 1
 
 
 def test_a_version_fixed_by_a_reload_says_so(tmp_path):

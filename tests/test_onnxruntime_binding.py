@@ -7,7 +7,9 @@ outputs are bit for bit those of ONNX Runtime's own run and of the copying
 path (``io_binding = false``), at several batch sizes; a model whose output
 shapes the spec cannot predict, or predicts wrongly, copies; a model whose
 output is its input (ORT answers with its own buffer) is caught by the
-pointer check and copies from then on.  Through a real server: the same
+pointer check and copies from then on; a binding is kept per address set and
+run again as it is (small outputs bound when their addresses are met a second
+time, large ones at once).  Through a real server: the same
 answers through a lane and ``Client.infer``, a batched model, and hostile
 lane shapes refused before anything runs.
 """
@@ -23,6 +25,7 @@ from shmserve import ErrorCode, ShmserveError, lanes
 from shmserve.config import ModelConfig, demo_config
 from workers.adapter import BackendAdapter
 from workers.backends import RowPart, RowSplit
+from workers.backends import onnxruntime as ort_backend
 
 from helpers.server import serving
 
@@ -82,6 +85,36 @@ class Area:
         return view
 
 
+@pytest.fixture
+def bind_at_once(monkeypatch):
+    """Every address set bound the first time it is met, whatever its size (the binding mechanics
+    alone, without the rule that binds a small one only when met again)."""
+    monkeypatch.setattr(ort_backend, "BIND_FRESH_BYTES", 0)
+
+
+class Seat:
+    """Inputs and an output area at fixed addresses, run again and again, as a lane's seat is."""
+
+    def __init__(self, inputs):
+        self.area = Area()
+        self.inputs = {}
+        for name, value in inputs.items():
+            self.inputs[name] = value.copy()
+            self.inputs[name].flags.writeable = False
+
+    def run(self, adapter) -> dict[str, np.ndarray]:
+        self.area.pos, self.area.views = 64, {}
+        adapter.run_into(self.inputs, self.area.allocate)
+        return {name: view.copy() for name, view in self.area.views.items()}
+
+
+def _binding_of(backend, view):
+    """The kept binding whose first output ORT wrote at ``view``'s address."""
+    found = [b for b in backend._bindings.values() if b.get_outputs()[0].data_ptr() == view.ctypes.data]
+    assert len(found) == 1
+    return found[0]
+
+
 def _run(adapter, inputs) -> dict[str, np.ndarray]:
     area = Area()
     frozen = {}
@@ -105,21 +138,28 @@ def test_the_demo_model_writes_into_the_area_bit_for_bit_at_every_batch_size():
     assert bound.writes_outputs and bound.writes_row_splits and bound.backend.binding_off is None
     assert not copied.writes_outputs  # io_binding = false: the plain run, the worker copies
     rng = np.random.default_rng(14)
+    seats = {}
     for batch in (1, 3, 1, 8, 3):
         image = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
         want = _reference(DEMO, {"image": image})["probabilities"]
+        seat = seats.setdefault(batch, Seat({"image": image}))
+        seat.inputs["image"].flags.writeable = True
+        seat.inputs["image"][...] = image
+        seat.inputs["image"].flags.writeable = False
         before = dict(bound.backend.io)
-        first = _run(bound, {"image": image})["probabilities"]
-        second = _run(bound, {"image": image})["probabilities"]
-        assert first.tobytes() == want.tobytes() == second.tobytes()
+        answers = [seat.run(bound)["probabilities"] for _ in range(3)]
+        assert all(a.tobytes() == want.tobytes() for a in answers)
         assert _run(copied, {"image": image})["probabilities"].tobytes() == want.tobytes()
-        # a new signature is copied once (its output shapes checked), then bound; batch 1 was warmed up
+        # each seat: copied while its signature is checked and once more (its addresses met first),
+        # then bound and kept; a seat met again runs its kept binding (ORT writes where it wrote)
         io = bound.backend.io
         assert io["bound"] - before["bound"] >= 1
-    assert bound.backend.io["copied"] == 3  # the warm-up's batch 1, then batches 3 and 8 once each
+    # copied: the warm-up's batch 1, batches 3 and 8 once each to check them, each seat once (met first)
+    assert bound.backend.io["copied"] == 1 + 2 + 3
+    assert bound.backend.io["reused"] == 1 + 3 + 3  # seat 1's third run, then seats 1 and 3 met again
 
 
-def test_the_bound_output_is_the_view_it_was_given_and_inputs_are_not_copied():
+def test_the_bound_output_is_the_view_it_was_given_and_inputs_are_not_copied(bind_at_once):
     adapter, _ = _adapter(DEMO)
     backend = adapter.backend
     image = np.random.default_rng(2).standard_normal((1, 3, 32, 32), dtype=np.float32)
@@ -129,12 +169,44 @@ def test_the_bound_output_is_the_view_it_was_given_and_inputs_are_not_copied():
     adapter.run_into({"image": image}, area.allocate)
     assert backend.io["bound"] == bound + 1
     # ORT's own record of where it wrote, and what it read: the area and the (read-only) input
-    out = backend._binding.get_outputs()[0]
-    assert out.data_ptr() == area.views["probabilities"].ctypes.data
+    _binding_of(backend, area.views["probabilities"])
     assert area.views["probabilities"].tobytes() == _reference(DEMO, {"image": image})["probabilities"].tobytes()
 
 
-def test_a_batch_of_several_requests_goes_into_each_requests_own_rows():
+def test_a_kept_binding_runs_again_only_for_the_same_addresses_and_a_small_one_is_bound_when_met_again():
+    adapter, _ = _adapter(DEMO)
+    backend = adapter.backend
+    rng = np.random.default_rng(4)
+    seat = Seat({"image": rng.standard_normal((1, 3, 32, 32), dtype=np.float32)})  # batch 1: warmed up
+    want = _reference(DEMO, seat.inputs)["probabilities"]
+    io = dict(backend.io)
+    assert seat.run(adapter)["probabilities"].tobytes() == want.tobytes()
+    assert backend.io["copied"] == io["copied"] + 1 and not backend._bindings  # met once: plain, a copy
+    assert seat.run(adapter)["probabilities"].tobytes() == want.tobytes()
+    assert backend.io["bound"] == io["bound"] + 1 and len(backend._bindings) == 1  # met again: bound, kept
+    for _ in range(3):
+        assert seat.run(adapter)["probabilities"].tobytes() == want.tobytes()
+    assert backend.io["reused"] == io["reused"] + 3 and len(backend._bindings) == 1
+    other = Seat({"image": np.flip(seat.inputs["image"], 0).copy()})  # other addresses: never the kept one
+    got = [other.run(adapter)["probabilities"] for _ in range(3)]
+    assert all(g.tobytes() == want.tobytes() for g in got)
+    assert len(backend._bindings) == 2 and backend.io["reused"] == io["reused"] + 4
+    seat.inputs["image"].flags.writeable = True
+    seat.inputs["image"][...] = rng.standard_normal((1, 3, 32, 32), dtype=np.float32)  # new data, same place
+    assert seat.run(adapter)["probabilities"].tobytes() == _reference(DEMO, seat.inputs)["probabilities"].tobytes()
+
+
+def test_outputs_as_large_as_a_copy_costs_more_than_binding_are_bound_when_first_met(monkeypatch):
+    adapter, _ = _adapter(DEMO)
+    monkeypatch.setattr(ort_backend, "BIND_FRESH_BYTES", 40)  # the demo's output: 10 float32 a row
+    backend = adapter.backend
+    seat = Seat({"image": np.ones((1, 3, 32, 32), np.float32)})
+    bound = backend.io["bound"]
+    seat.run(adapter)
+    assert backend.io["bound"] == bound + 1 and len(backend._bindings) == 1
+
+
+def test_a_batch_of_several_requests_goes_into_each_requests_own_rows(bind_at_once):
     adapter, _ = _adapter(DEMO)
     rng = np.random.default_rng(3)
     image = rng.standard_normal((5, 3, 32, 32), dtype=np.float32)
@@ -144,12 +216,13 @@ def test_a_batch_of_several_requests_goes_into_each_requests_own_rows():
         adapter.run_into({"image": image}, lambda name, shape, dtype: RowSplit(
             tuple(shape), np.dtype(dtype), (RowPart(0, 2, views[0]), RowPart(2, 5, views[1]))))
         assert np.concatenate(views).tobytes() == want.tobytes()
+    assert not adapter.backend._bindings  # one with an output ORT allocates is never kept
     one = np.full((5, 10), np.nan, np.float32)  # a batch of one request: its view is bound as it is
     bound = adapter.backend.io["bound"]
     adapter.run_into({"image": image}, lambda name, shape, dtype: RowSplit(tuple(shape), np.dtype(dtype),
                                                                           (RowPart(0, 5, one),)))
     assert one.tobytes() == want.tobytes() and adapter.backend.io["bound"] == bound + 1
-    assert adapter.backend._binding.get_outputs()[0].data_ptr() == one.ctypes.data
+    _binding_of(adapter.backend, one)
 
 
 def test_output_shapes_the_inputs_do_not_fix_are_copied(models):
@@ -170,14 +243,15 @@ def test_a_wrong_prediction_from_alike_names_is_copied_not_an_error(models):
     assert adapter.backend.io["bound"] == 0
 
 
-def test_an_output_ort_does_not_write_into_the_bound_buffer_is_caught_and_copied(models):
+def test_an_output_ort_does_not_write_into_the_bound_buffer_is_caught_and_copied(models, bind_at_once):
     adapter, _ = _adapter(models["passthrough"])
     backend = adapter.backend
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     for _ in range(3):  # checked, bound (ORT answers with its own buffer: caught), then copied
         assert _run(adapter, {"x": x})["x"].tobytes() == x.tobytes()
     assert backend.binding_off is not None and "buffer of its own" in backend.binding_off
-    assert backend.io == {"bound": 1, "copied": 3}  # the warm-up's run, the check, then the one after
+    assert backend.io == {"bound": 1, "copied": 3, "reused": 0}  # the warm-up's run, the check, the one after
+    assert not backend._bindings  # (not kept)
 
 
 def test_io_binding_takes_only_a_switch():

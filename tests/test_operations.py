@@ -21,7 +21,7 @@ import pytest
 from shmserve import Client
 
 from conftest import new_instance, shm_names
-from helpers.server import TESTS_DIR, ServerProcess, wait_for
+from helpers.server import TESTS_DIR, ServerProcess, scrape_text, wait_for
 
 ROOT = TESTS_DIR.parent
 IDENTITY = """
@@ -315,18 +315,9 @@ def test_cleanup_never_touches_a_live_instance_or_its_regions(tmp_path):
 def scrape(path: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(path)
-    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
+    body = scrape_text(path)
     out = {}
-    for family in text_string_to_metric_families(body.decode()):
+    for family in text_string_to_metric_families(body):
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
@@ -363,7 +354,18 @@ def test_metrics_json_logs_and_reload(tmp_path):
         assert total(m2, "shmserve_worker_requests_total", outcome="ok") - \
             total(m1, "shmserve_worker_requests_total", outcome="ok") == 5
         assert total(m2, "shmserve_lanes", model="identity") == 1
-        assert m2[key] == m1[key]
+        # Triton's families count lane calls at once (the workers' counters, read at scrape time; a
+        # worker counts a call just after publishing its answer: wait, bounded, for the last one)
+        m3 = wait_for(lambda: (lambda m: m if total(m, "nv_inference_request_success_total", model="identity") -
+                               total(m1, "nv_inference_request_success_total", model="identity") >= 5 else None)(
+            scrape(metrics)), what="the lane calls in nv_inference_request_success")
+        for family in ("nv_inference_request_success_total", "nv_inference_count_total"):
+            assert total(m3, family, model="identity", version="1") - total(m1, family, model="identity") == 5, family
+        runs = total(m3, "nv_inference_exec_count_total", model="identity") - \
+            total(m1, "nv_inference_exec_count_total", model="identity")
+        assert 1 <= runs <= 5, runs  # calls that met in the worker's queue ran as one batch
+        # and the request totals once the front-end has read those counters (its heartbeat)
+        wait_for(lambda: scrape(metrics)[key] == m1[key] + 5, what="the lane calls in shmserve_requests_total")
         # reload: a bad config keeps the old one; a good one replaces the changed model's workers
         keeper = srv.client()  # a lane open across the reload moves to the restarted worker
         kept = keeper.zero_copy("identity", {"x": ((3,), np.uint8)})

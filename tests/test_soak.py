@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -126,36 +124,9 @@ assert set(EXPECTED) == set(soak.ATTACKS)
 
 # -- the processes ---------------------------------------------------------------------------------
 
-class GoodClient:
-    """One well-behaved client process; its output lines arrive on ``lines``."""
-
-    def __init__(self, kind: str, args: dict):
-        self.kind = kind
-        self.proc = subprocess.Popen([*SOAK, "good", kind, json.dumps(args)], stdout=subprocess.PIPE, text=True,
-                                     env=SOAK_ENV)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-        self.lines.put(None)
-
-    def next_line(self, timeout: float) -> str | None:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def result(self, timeout: float) -> dict:
-        """Its counts, once it has seen the stop file (or how it ended instead)."""
-        line = self.next_line(timeout)
-        return json.loads(line) if line and line.startswith("{") else {"kind": self.kind, "ended": line}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+def good_client(kind: str, args: dict) -> soak.ClientProcess:
+    """One well-behaved client process (``helpers.soak``)."""
+    return soak.ClientProcess(kind, [*SOAK, "good", kind, json.dumps(args)], SOAK_ENV)
 
 
 def run_attack(srv, name: str, seed: int, regions_before: int) -> dict:
@@ -270,7 +241,7 @@ def test_soak_good_clients_unharmed_while_attackers_rotate(tmp_path):
         fds_before = {pid: steady_fd_count(pid) for pid in pids}
 
         stop = tmp_path / "stop"
-        good = [GoodClient(kind, {"socket": srv.socket, "seed": seed + i, "stop": str(stop)})
+        good = [good_client(kind, {"socket": srv.socket, "seed": seed + i, "stop": str(stop)})
                 for i, kind in enumerate(GOOD_CLIENTS)]
         try:
             for client in good:

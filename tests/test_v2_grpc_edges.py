@@ -85,7 +85,8 @@ def test_raw_input_contents_must_match_the_inputs_one_to_one(stub):
     good = stub.ModelInfer(infer("identity", ("x", "UINT8", [4]), raw=[x]))
     assert good.raw_output_contents == [x] and good.outputs[0].name == "y" and list(good.outputs[0].shape) == [4]
     for raw, words in (([x, x], "2 raw_input_contents for 1 inputs"), ([], "has no data"),
-                       ([x + b"!"], "has 5 bytes of data"), ([x[:3]], "has 3 bytes of data")):
+                       ([x + b"!"], "input byte size mismatch for input 'x' for model 'identity'. Expected 4, got 5"),
+                       ([x[:3]], "Expected 4, got 3")):
         details = grpc_refused(lambda: stub.ModelInfer(infer("identity", ("x", "UINT8", [4]), raw=raw)),
                                "INVALID_ARGUMENT", "bad_input")
         assert words in details, details
@@ -180,15 +181,17 @@ def test_unknown_models_and_versions(stub):
     for name, version in (("no_such_model", ""), ("identity", "9"), ("identity", "x"), ("identity", "-1"), ("identity", "²")):  # "²".isdigit() is true
         msg = infer(name, ("x", "UINT8", [1]), raw=x)
         msg.model_version = version
-        grpc_refused(lambda: stub.ModelInfer(msg), "NOT_FOUND", "unknown_model")
-        grpc_refused(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name=name, version=version)), "NOT_FOUND",
+        status = "INVALID_ARGUMENT" if name == "no_such_model" else "NOT_FOUND"  # Triton's statuses
+        grpc_refused(lambda: stub.ModelInfer(msg), status, "unknown_model")
+        grpc_refused(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name=name, version=version)), status,
                      "unknown_model")
         assert stub.ModelReady(pb.ModelReadyRequest(name=name, version=version)).ready is False
     assert stub.ModelReady(pb.ModelReadyRequest(name="identity")).ready is True
     assert stub.ModelReady(pb.ModelReadyRequest(name="")).ready is False
     grpc_refused(lambda: stub.ModelInfer(infer("", ("x", "UINT8", [1]), raw=x)), "INVALID_ARGUMENT", "bad_frame")
-    grpc_refused(lambda: stub.ModelConfig(pb.ModelConfigRequest(name="no_such_model")), "NOT_FOUND", "unknown_model")
-    grpc_refused(lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="no_such_model")), "NOT_FOUND",
+    grpc_refused(lambda: stub.ModelConfig(pb.ModelConfigRequest(name="no_such_model")), "INVALID_ARGUMENT",
+                 "unknown_model")
+    grpc_refused(lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="no_such_model")), "INVALID_ARGUMENT",
                  "unknown_model")
 
 
@@ -220,8 +223,8 @@ X4 = ("x", "UINT8", [4])
     (infer("identity", ("", "UINT8", [4]), raw=[bytes(4)]), "INVALID_ARGUMENT", "bad_input", ["'name'"]),
     (infer("identity", ("w", "UINT8", [4]), raw=[bytes(4)]), "INVALID_ARGUMENT", "bad_input", []),
     (infer("identity", X4, X4, raw=[bytes(4)] * 2), "INVALID_ARGUMENT", "bad_input", ["appears twice"]),
-    (infer("identity", X4, raw=[bytes(4)], outputs=["y", "y"]), "INVALID_ARGUMENT", "bad_input", ["asked for twice"]),
-    (infer("identity", X4, raw=[bytes(4)], outputs=["z"]), "INVALID_ARGUMENT", "bad_input", ["no output 'z'"]),
+    (infer("identity", X4, raw=[bytes(4)], outputs=["y", "y"]), "INVALID_ARGUMENT", "bad_input", ["output 'y' already exists in request"]),
+    (infer("identity", X4, raw=[bytes(4)], outputs=["z"]), "INVALID_ARGUMENT", "bad_input", ["unexpected inference output 'z' for model 'identity'"]),
     (infer("identity", X4, raw=[bytes(4)], sequence_id=5), "INVALID_ARGUMENT", "bad_input", ["sequence_id"]),
     (infer("identity", X4, raw=[bytes(4)], sequence_id="corr"), "INVALID_ARGUMENT", "bad_input", ["sequence_id"]),
     (infer("identity", X4, raw=[bytes(4)], sequence_start=True), "INVALID_ARGUMENT", "bad_input", []),
@@ -246,7 +249,7 @@ def test_input_and_output_parameters_are_checked(stub):
     msg.inputs[0].parameters["scale"].int64_param = 2
     assert "unknown parameter 'scale'" in grpc_refused(lambda: stub.ModelInfer(msg), "INVALID_ARGUMENT", "bad_input")
     msg = infer("identity", X4, raw=[bytes(4)], outputs=["y"])
-    msg.outputs[0].parameters["classification"].int64_param = 2
+    msg.outputs[0].parameters["classification"].int64_param = -2
     assert "classification" in grpc_refused(lambda: stub.ModelInfer(msg), "INVALID_ARGUMENT", "bad_input")
     msg = infer("identity", X4, raw=[bytes(4)])
     msg.inputs[0].parameters["shared_memory_byte_size"].int64_param = 4

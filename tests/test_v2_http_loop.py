@@ -80,7 +80,7 @@ def test_the_native_socket_is_served_while_a_big_body_is_decoded(srv, make):
             answered += 1
         assert answered == NATIVE_BEFORE, f"only {answered} native answers came before the big request's"
         r = raw_http.Reader(big).one()
-    assert r.status == 404 and r.code == "unknown_model", r
+    assert r.status == 400 and r.code == "unknown_model", r  # Triton's status for an unknown model
     still_serving(srv)
 
 

@@ -36,8 +36,8 @@ from helpers import raw_http  # noqa: E402
 from helpers.h2_peer import Flood, hello  # noqa: E402
 from helpers.raw_http import Reader, connect, json_infer, one, request  # noqa: E402
 from helpers.server import wait_for  # noqa: E402
-from helpers.v2_server import (TOKENS, auth, grpc_stub, open_fds, python_model, server_fixture, shm_objects,  # noqa: E402
-                               still_serving, v2_serving)
+from helpers.v2_server import (MAX_REQUEST_BYTES, TOKENS, auth, grpc_stub, open_fds, python_model, server_fixture,  # noqa: E402
+                               shm_objects, still_serving, v2_serving)
 
 MODELS = python_model("identity", "shmserve.models:identity") + python_model("slow", "serving_models:slow")
 srv = server_fixture("v2identity", models=MODELS)
@@ -348,3 +348,37 @@ def test_a_reload_applies_new_tokens_and_keeps_the_old_ones_if_the_file_is_bad(t
         wait_for(lambda: "keeping the running configuration" in small.log(), "the reload to be refused")
         assert index("fresh-token") == 200 and index(TOKENS["admin"]) == 200
         os.chmod(path, 0o600)
+
+
+# -- gRPC calls of one caller overlap ----------------------------------------------------------------------------
+
+def test_one_callers_grpc_calls_run_at_once_under_the_default_budget_ratio(tmp_path):
+    """Two gRPC calls of one token are in the model at the same time (a rendezvous model: each waits
+    for the other's mark), with max_buffered_bytes_per_uid four times max_request_bytes as the
+    defaults are (256 and 64 MiB).  Was: each call reserved twice the largest message (2 x (2 x
+    max_request_bytes + 1 MiB)) before reading it, more than the whole budget, so a call waited until
+    the caller held nothing: the first call met no one in the model (the device run's gRPC
+    system-shared-memory case, 8 clients of one token: half the throughput of before)."""
+    import threading
+
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    models = python_model("rendezvous", "serving_models:rendezvous", instances=2)
+    extra = f"max_buffered_bytes_per_uid = {4 * MAX_REQUEST_BYTES}\nrequest_timeout_s = 60\n"
+    with v2_serving(tmp_path, models=models, extra=extra, deadlines=30,
+                    env={"SHMSERVE_TEST_MEETING": str(meeting)}) as srv, grpc_stub(srv.grpc, role="client") as s:
+        for mark in meeting.iterdir():  # the warm-up's
+            mark.unlink()
+        seen = [None, None]
+
+        def call(i):
+            msg = pb.ModelInferRequest(model_name="rendezvous", raw_input_contents=[bytes([i])])
+            msg.inputs.add(name="x", datatype="UINT8", shape=[1])
+            seen[i] = np.frombuffer(s.ModelInfer(msg, timeout=60).raw_output_contents[0], np.uint8)[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert seen == [2, 2], seen

@@ -8,7 +8,6 @@ shrunk under a request, and unregistering while a request uses it.  Keys never a
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
@@ -178,57 +177,33 @@ def test_an_object_truncated_between_the_size_check_and_the_write_fails_its_requ
     registry.close_all()
 
 
-def test_an_unregister_whose_caller_leaves_still_frees_the_name(shm_object):
-    """The caller of an unregister goes away (its task cancelled) while a request still uses the
-    region: the region is removed all the same once the request gives it back, and the name can be
-    registered again."""
-    key = shm_object()
-    registry = SystemShm(enabled=True, own=set())
-
-    async def scenario():
-        registry.register(OWNER, UID, "r", key, 0, 4096)
-        in_use = registry.take(OWNER, ShmRef("r", 16), 16, "input 'x'")
-        task = asyncio.ensure_future(registry.unregister(OWNER, "r"))
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        refused(ErrorCode.BAD_REGION, registry.take, UID, ShmRef("r", 16), 16, "input 'x'")  # still closing
-        registry.give_back(in_use)
-        assert in_use.fd == -1 and registry.regions == {}
-        registry.register(OWNER, UID, "r", key, 0, 4096)  # the name is free again
-        await registry.unregister(OWNER, "r")
-        assert registry.regions == {}
-
-    asyncio.run(scenario())
-
-
-def test_status_and_unregister_wait_for_the_requests_using_a_region(shm_object):
+def test_unregister_returns_at_once_and_a_region_in_use_goes_with_its_last_request(shm_object):
+    """As Triton: unregistering a region a request still uses returns at once; the region is still
+    listed (and its name still taken) until the request gives it back, then it goes and its name
+    is free again.  Unlike Triton, no new request may name it meanwhile."""
     key, key2 = shm_object(), shm_object()
     registry = SystemShm(enabled=True, own=set())
-
-    async def scenario():
-        registry.register(OWNER, UID, "a", key, 0, 4096)
-        registry.register(OWNER, UID, "b", key2, 0, 64)
-        assert [r["name"] for r in registry.status(OWNER, None)] == ["a", "b"]
-        assert registry.status("uid:other", None) == []
-        in_use = registry.take(OWNER, ShmRef("a", 16), 16, "input 'x'")
-        fd = in_use.fd
-        task = asyncio.ensure_future(registry.unregister(OWNER, "a"))
-        await asyncio.sleep(0.05)
-        assert not task.done(), "unregister did not wait for the request using the region"
-        refused(ErrorCode.BAD_REGION, registry.take, OWNER, ShmRef("a", 16), 16, "input 'x'")  # closing: no new use
-        refused(ErrorCode.BAD_REGION, registry.status, OWNER, "a")
-        registry.give_back(in_use)
-        await asyncio.wait_for(task, 5)
-        assert in_use.fd == -1
-        with pytest.raises(OSError):
-            os.fstat(fd)
-        await registry.unregister(OWNER, "never-registered")  # as Triton: not an error
-        await registry.unregister(OWNER, None)
-        assert registry.regions == {}
-
-    asyncio.run(scenario())
+    registry.register(OWNER, UID, "a", key, 0, 4096)
+    registry.register(OWNER, UID, "b", key2, 0, 64)
+    assert [r["name"] for r in registry.status(OWNER, None)] == ["a", "b"]
+    assert registry.status("uid:other", None) == []
+    in_use = registry.take(OWNER, ShmRef("a", 16), 16, "input 'x'")
+    fd = in_use.fd
+    registry.unregister(OWNER, "a")  # returns: nothing to wait for
+    assert [r["name"] for r in registry.status(OWNER, None)] == ["a", "b"], "listed until its request is done"
+    assert registry.status(OWNER, "a")[0]["name"] == "a"
+    message = refused(ErrorCode.BAD_REGION, registry.take, OWNER, ShmRef("a", 16), 16, "input 'x'")
+    assert message.startswith("Unable to find shared memory region: 'a'") and "being unregistered" in message
+    assert "already in manager" in refused(ErrorCode.BAD_REGION, registry.register, OWNER, UID, "a", key, 0, 4096)
+    registry.give_back(in_use)
+    assert in_use.fd == -1 and [r["name"] for r in registry.status(OWNER, None)] == ["b"]
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert refused(ErrorCode.BAD_REGION, registry.status, OWNER, "a") == "Unable to find system shared memory region: 'a'"
+    registry.register(OWNER, UID, "a", key, 0, 4096)  # the name is free again
+    registry.unregister(OWNER, "never-registered")  # as Triton: not an error
+    registry.unregister(OWNER, None)
+    assert registry.regions == {}
 
 
 def test_one_uid_may_hold_only_so_many_regions(shm_object):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from shmserve import layout, workerlink
+from shmserve import layout, reservations, workerlink
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
@@ -266,7 +266,7 @@ def test_a_request_whose_area_is_too_small_fails_alone_and_its_batch_is_answered
         answers = as_one_batch(front, worker, xs, capacities=[None, 1024, None])
     assert backend.destinations == ["RowSplit", "RowSplit"]
     code, message = answers[1]
-    assert code is ErrorCode.OUTPUT_TOO_LARGE and "raise max_output_bytes" in message
+    assert reservations.needed(code, message) > 1024  # the short answer: what its outputs took (run it again)
     for i in (0, 2):
         for name, want in reference(xs[i]).items():
             np.testing.assert_array_equal(answers[i][name], want)

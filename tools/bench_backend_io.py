@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
-    from shmserve.bench import interleaved
+    from shmserve.bench import interleaved, wait_models_ready
     from shmserve.config import ModelConfig
     from workers.adapter import BackendAdapter
 
@@ -139,9 +138,7 @@ def main() -> int:
         proc, sock = start_server(workdir, model)
         try:
             with Client(sock) as c:
-                deadline = time.monotonic() + 120
-                while not all(m.get("state") == "ready" for m in c.models()) and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                wait_models_ready(c, 120)
                 calls = {}
                 for name in ("ocr", "ocr_copy"):
                     call = c.zero_copy(name, {"x": (IN_SHAPE, np.float32)})

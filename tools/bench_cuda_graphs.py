@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -57,7 +56,7 @@ def main() -> int:
     import torch
 
     from shmserve import Client
-    from shmserve.bench import interleaved, serve_config
+    from shmserve.bench import interleaved, serve_config, wait_models_ready
     from shmserve.config import ModelConfig
     from shmserve.spec import TensorSpec
     from workers.adapter import BackendAdapter
@@ -136,9 +135,7 @@ cuda_graphs = {flag}
         proc = serve_config(cfg, str(workdir / "graphs.sock"))
         try:
             with Client(str(workdir / "graphs.sock")) as c:
-                deadline = time.monotonic() + 180
-                while not all(m.get("state") == "ready" for m in c.models()) and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                wait_models_ready(c, 180)
                 calls = {}
                 for name in ("eager", "graphs"):
                     call = c.zero_copy(name, {"x": ((1, WIDTH), np.float32)})

@@ -4,7 +4,8 @@ Owns: the slot tables a worker serves (``Space``: the arena's, or a lane's),
 and the request step (``Step``): claim a READY slot (READY -> RUNNING),
 decode and validate its inputs into numpy views (a bytes input unpacked into
 an object array, its elements checked), lay its outputs out in its output
-area (``OutputPlacer``; a bytes output serialized), run the backend, publish DONE or ERROR, count
+area (``OutputPlacer``; a bytes output serialized; outputs that outgrow the area: the short answer
+of ``shmserve.reservations``, counted in ``short_answers``), run the backend, publish DONE or ERROR, count
 it, push the completion and ring whoever waits, and add its stage times to
 the worker's latency histograms; and the count of requests that brought an
 input signature the worker had not met (``new_signatures``, for ``shmserve
@@ -34,7 +35,7 @@ import time
 
 import numpy as np
 
-from shmserve import hotpath, lanes, layout
+from shmserve import hotpath, lanes, layout, reservations
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
@@ -96,9 +97,15 @@ class Space:
 
 class OutputPlacer:
     """Lays a request's outputs out in its output area, 64-byte aligned, in the order they come,
-    and writes their descriptors once the backend is done (after its stream is synchronized)."""
+    and writes their descriptors once the backend is done (after its stream is synchronized).
 
-    __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed")
+    Outputs that outgrow the area are not an error while the model runs: each one that does not
+    fit gets a throwaway array, the layout goes on counting, and ``finish`` answers the short
+    answer (``shmserve.reservations``: OUTPUT_TOO_LARGE saying how many bytes they need), so
+    the call can be run again once with exactly that much."""
+
+    __slots__ = ("step", "space", "index", "first", "region", "base", "capacity", "target", "pos", "placed",
+                 "scratch")
 
     def __init__(self, step: "Step", space: Space, index: int, first_tensor: int, region: int, base: int,
                  capacity: int, target):
@@ -106,6 +113,8 @@ class OutputPlacer:
         self.region, self.base, self.capacity, self.target = region, base, capacity, target
         self.pos = 0
         self.placed: dict[str, tuple[int, tuple, np.dtype, int]] = {}  # name -> (offset, shape, dtype, nbytes)
+        self.scratch: list[np.ndarray] | None = None  # outputs that outgrew the area: kept until finish (a GPU
+        # may write them)
 
     def allocate(self, name: str, shape, dtype) -> np.ndarray:
         """A writable view of the output area for output ``name``.
@@ -113,7 +122,8 @@ class OutputPlacer:
         RequestFailed: MODEL_ERROR for an undeclared output, a dtype other than
         the declared one, a bytes output (its size is known only once it is
         made: ``put`` it), or an output produced twice; OUTPUT_TOO_LARGE if it
-        does not fit in what is left of the area.
+        is larger than the model's ``max_output_bytes``.  An output that does not
+        fit in what is left of the area gets a throwaway array (``finish`` says so).
         """
         declared = self._declared(name)
         dtype = np.dtype(dtype)
@@ -127,6 +137,10 @@ class OutputPlacer:
         nbytes = dtype.itemsize * math.prod(shape)
         offset = self._reserve(name, nbytes)
         self.placed[name] = (offset, shape, dtype, nbytes)
+        if offset < 0:  # outgrew the area: finish() gives the short answer
+            scratch = np.empty(shape, dtype)
+            self.scratch = (self.scratch or []) + [scratch]
+            return scratch
         return np.ndarray(shape, dtype, buffer=self.target, offset=offset)
 
     def put(self, name: str, value) -> None:
@@ -145,7 +159,8 @@ class OutputPlacer:
         except layout.LayoutError as exc:
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"output {name!r}: {exc}") from None
         offset = self._reserve(name, len(data))
-        self.target[offset:offset + len(data)] = data
+        if offset >= 0:
+            self.target[offset:offset + len(data)] = data
         self.placed[name] = (offset, arr.shape, _BYTES, len(data))
 
     def _declared(self, name: str) -> np.dtype:
@@ -159,23 +174,29 @@ class OutputPlacer:
         return declared
 
     def _reserve(self, name: str, nbytes: int) -> int:
-        """The offset of ``nbytes`` for output ``name``, next in the area; OUTPUT_TOO_LARGE if they
-        do not fit."""
-        pos = layout.align_tensor(self.pos)
-        if pos + nbytes > self.capacity:
+        """The offset of ``nbytes`` for output ``name``, next in the area, or -1 if they do not fit
+        there (counted on: ``finish`` answers short).  OUTPUT_TOO_LARGE if they are more than the
+        model's ``max_output_bytes`` (a limit: never run again)."""
+        limit = self.step.max_output_bytes
+        if limit and nbytes > limit:
             raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE,
-                                f"outputs need more than the {self.capacity} bytes reserved for them "
-                                f"(output {name!r} is {nbytes} bytes); raise max_output_bytes")
+                                f"output {name!r} is {nbytes} bytes, more than the model's max_output_bytes "
+                                f"({limit}): raise it in the model's config, or set 0 (no limit of its own)")
+        pos = layout.align_tensor(self.pos)
         self.pos = pos + nbytes
-        return self.base + pos
+        return self.base + pos if pos + nbytes <= self.capacity else -1
 
     def finish(self) -> int:
         """Write the output descriptors (the backend's writes have landed); how many.
-        RequestFailed(MODEL_ERROR) if an output was not produced."""
+        RequestFailed: MODEL_ERROR if an output was not produced; OUTPUT_TOO_LARGE, the short
+        answer (``reservations.short_message``), if the outputs outgrew the area."""
         outputs, placed = self.step.spec.outputs, self.placed
         if len(placed) != len(outputs):
             missing = [t.name for t in outputs if t.name not in placed]
             raise RequestFailed(ErrorCode.MODEL_ERROR, f"model did not return outputs {missing}")
+        if self.pos > self.capacity:
+            self.step.short_answers += 1
+            raise RequestFailed(ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(self.pos, self.capacity))
         _HOT.encode_outputs(self.space.buf, self.space.geometry, self.index, self.first, self.region,
                             [placed[t.name] for t in outputs])
         return len(outputs)
@@ -200,8 +221,11 @@ class Step:
     (``workers.adapter.BackendAdapter``); ``spec`` its final specs.
     """
 
-    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec, version: int = 0):
+    def __init__(self, arena, index: int, regions, adapter, spec: ModelSpec, version: int = 0,
+                 max_output_bytes: int = 0):
         self.arena_buf, self.geometry, self.index = arena.buf, arena.geometry, index
+        self.max_output_bytes = max_output_bytes  # the most one output may take (0: no limit of its own)
+        self.short_answers = 0  # runs whose outputs outgrew their area (each is run again once: reservations)
         self.version = version  # the model version served: a lane call naming another is refused
         self.regions, self.adapter, self.spec = regions, adapter, spec
         self.input_names = tuple(t.name for t in spec.inputs)
@@ -211,6 +235,7 @@ class Step:
         self._requests_off = entry_off + layout.WORKER.offset("requests")
         self._errors_off = entry_off + layout.WORKER.offset("errors")
         self._hist_off = arena.geometry.hist_off(index, layout.HIST_STAGES[0])
+        self._uncounted = bytearray(64 + layout.HIST_WORKER_SIZE)  # where a short answer's counts go (finish)
         # Hot path: what the adapter states, bound once.
         self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
         self._checked_lane_inputs: set[tuple] = set()  # input signatures bind_inputs accepted
@@ -405,10 +430,19 @@ class Step:
     def finish(self, space: Space, entry: int, index: int, n_outputs: int,
                failure: tuple[ErrorCode, str] | None = None) -> None:
         """Publish DONE (``n_outputs`` described) or ERROR (``failure``: code and message), count it,
-        add its stage times to the histograms, and hand the slot back through the completion ring.
+        add its stage times to the histograms (not a short answer's: its call's second run is
+        counted), and hand the slot back through the completion ring.
         A lane slot its client rewrote meanwhile is left alone; an arena slot raises SlotConflict."""
-        if _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions, space.is_lane,
-                        self.arena_buf, self._requests_off, self._errors_off, self._hist_off) and not space.is_lane:
+        if failure is not None and reservations.needed(*failure) is not None:
+            # A short answer: its call runs again, and that run is the one the worker's counters and
+            # histograms count (a run whose outputs were thrown away is neither an answer nor an error).
+            published = _HOT.publish(space.buf, space.geometry, index, entry, 0, failure, space.completions,
+                                     space.is_lane, self._uncounted, 0, 8, 64)
+        else:
+            published = _HOT.publish(space.buf, space.geometry, index, entry, n_outputs, failure, space.completions,
+                                     space.is_lane, self.arena_buf, self._requests_off, self._errors_off,
+                                     self._hist_off)
+        if published and not space.is_lane:
             space.outbox.notify()  # a lane's client was woken by publish (its futex doorbell)
 
     def record_batch(self, size: int) -> None:

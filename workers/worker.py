@@ -122,7 +122,7 @@ def open_worker(stack: contextlib.ExitStack, arena: Arena, index: int, config: M
     used = memory.measured(own_device_bytes, device_before, _device_bytes(gpu, config))
     regions = stack.enter_context(RegionCache(fetch_regions, gpu))
     gpu_info = gpu.describe(arena_registration) if gpu is not None else None
-    step = Step(arena, index, regions, adapter, spec, config.version)
+    step = Step(arena, index, regions, adapter, spec, config.version, config.max_output_bytes)
     return Worker(arena, index, config, completion_fd, spin_s, step, gpu_info, tell_dropped, tell_lane_failed,
                   memory=used, warmup=warmed.to_dict(), threads=threads, tell_signatures=tell_signatures)
 
@@ -155,7 +155,7 @@ class Worker:
         self.buf, self.step, self.spec, self.gpu_info = arena.buf, step, step.spec, gpu_info
         self.memory, self.warmup, self.threads = memory, warmup, threads or {}
         self.tell_signatures, self.clock = tell_signatures, clock
-        self._told_signatures, self._told_at = 0, -SIGNATURES_EVERY_S
+        self._told_signatures, self._told_short, self._told_at = 0, 0, -SIGNATURES_EVERY_S
         self.regions = step.regions
         self.state_off = arena.geometry.worker_off(index) + layout.WORKER.offset("state")
         completions = Ring.of_worker(arena, index, completion=True)
@@ -175,8 +175,9 @@ class Worker:
         serve_one, batcher = self.step.serve, self.batcher
         backlog: list[tuple[Space, int]] = []  # gathered but not yet run (a batch was full)
         while True:
-            if self.step.new_signatures != self._told_signatures:
-                self.tell_signatures_now(idle=False)
+            if self.step.new_signatures != self._told_signatures or self.step.short_answers != self._told_short:
+                # a short answer is told at once (each cost a run, which a message does not outweigh)
+                self.tell_signatures_now(idle=self.step.short_answers != self._told_short)
             if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
                 if self.step.new_signatures != self._told_signatures:
                     self.tell_signatures_now(idle=True)
@@ -200,14 +201,16 @@ class Worker:
                 return workerlink.EXIT_OK
 
     def tell_signatures_now(self, idle: bool) -> None:
-        """Tell the front-end the input-signature counts (at most once a second while busy: a model
-        whose inputs change shape on every call must not send a message per call)."""
+        """Tell the front-end the input-signature counts and the short answers (at most once a second
+        while busy, unless ``idle``: a model whose inputs change shape on every call must not send a
+        message per call)."""
         now = self.clock()
         if not idle and now - self._told_at < SIGNATURES_EVERY_S:
             return
         step = self.step
-        self._told_signatures, self._told_at = step.new_signatures, now
-        self.tell_signatures({"new": step.new_signatures, "distinct": step.distinct_signatures})
+        self._told_signatures, self._told_short, self._told_at = step.new_signatures, step.short_answers, now
+        self.tell_signatures({"new": step.new_signatures, "distinct": step.distinct_signatures,
+                              "short": step.short_answers})
 
     # -- submissions: the worker's own ring and its lanes' -------------------------------------
 

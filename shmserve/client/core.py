@@ -38,6 +38,7 @@ from shmserve.config import resolve_socket, trusted_server_uids
 from shmserve.routing import Route
 from shmserve.errors import ConnectionClosed, ShmserveError
 from shmserve.protocol import Kind
+from shmserve.reservations import Learned
 from shmserve.session import ClientSession, RegionGranted, check_routing, check_timeout
 from shmserve.spec import ModelSpec
 
@@ -87,6 +88,8 @@ class ClientCore:
         self.routes: dict[str, Route] = {}  # model -> its route as the server listed it with its spec
         self.candidate_specs: dict[str, ModelSpec] = {}  # model -> its split canary's candidate's spec
         self.lane_forms: dict = {}  # (model, signature) -> how it goes through a lane (planning.LaneForm)
+        # (model, signature) -> output bytes a zero-copy call of it was seen to need (short answers)
+        self.zero_copy_outputs = Learned()
         self.no_lane_until: dict[str, float] = {}  # model -> clock time: until then infer uses the socket
         self.opening: set[str] = set()  # models whose infer lane is being opened (by another call)
         self.closed = False  # close() was called: no new connection is made
@@ -280,6 +283,9 @@ class ClientCore:
         yield CONNECT
         if model not in self.specs or version is not None or key is not None:  # (routed: the route of now)
             self.spec_read(model, (yield from self.models()))
+        learned = (model, tuple((name, str(shape), str(dtype)) for name, (shape, dtype) in inputs.items()))
+        if output_capacity is None and self.zero_copy_outputs.get(learned):
+            output_capacity = self.zero_copy_outputs.get(learned)  # (more than the guess: a short answer said)
         # (a version the client has no spec of: a region without a lane, and the socket says what it says)
         plan = self.plan(model, inputs, output_capacity,
                          version if version is not None else self.pick(model, key) if key is not None else None)
@@ -289,4 +295,6 @@ class ClientCore:
             except ShmserveError as exc:
                 if plan.refused(exc):
                     self.region_limit = plan.limited(region_limit((yield from self.info())))
-        return ZeroCopyOperation(self, model, *plan.place(), version=version, key=key)
+        operation = ZeroCopyOperation(self, model, *plan.place(), version=version, key=key)
+        operation.learned = learned
+        return operation

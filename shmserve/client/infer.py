@@ -7,9 +7,12 @@ one whose spec the client holds, every input a fixed-size array the model
 has; that version's lane routable, of the route's epoch, a slot and space
 free), opening a version's infer lane (and backing off to the socket for
 LANE_RETRY_S when the server refuses one), copying the inputs into the lane
-and submitting the call, reading its outputs into new arrays, and falling
-back to the socket when the lane cannot answer (its version went away: the
-spec is read again next time; outputs larger than a guessed capacity).
+and submitting the call, reading its outputs into new arrays, running it
+again once in the lane when the worker's short answer says its outputs
+outgrew a guessed capacity (``shmserve.reservations``: the signature's form
+keeps the size), and falling back to the socket when the lane cannot answer
+(its version went away: the spec is read again next time; outputs larger
+than the lane holds).
 
 Its state is the ``ClientCore``'s (``infer_lanes``, ``lane_forms``,
 ``no_lane_until``, ``opening``): a new connection or a new spec forgets it with
@@ -26,17 +29,19 @@ written (``lanes.ClientLane`` and ``shmserve.hotpath`` do).
 
 from __future__ import annotations
 
+from types import GeneratorType
 from typing import Mapping
 
 import numpy as np
 
-from shmserve import lanes
+from shmserve import lanes, reservations
 from shmserve.client.core import ClientCore
 from shmserve.client.memory import Region
-from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, region_limit, \
-    version_of
+from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, needed_bytes, \
+    region_limit, version_of
 from shmserve.client.steps import CONNECT, Exchange, left
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
+from shmserve.lanes import DATA_FLOOR
 from shmserve.session import FIXED_DTYPES, check_timeout
 
 LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
@@ -80,13 +85,16 @@ class InferOperation:
             return self.request(model, inputs, left(deadline, core.clock()), *self.routed(wanted, version, key))
         return call
 
-    def answer(self, call: tuple, failure: BaseException | None):
+    def answer(self, call: tuple, failure: BaseException | None, again: bool = True):
         """The outputs of a lane call that finished (new arrays), or the request that carries the
         call over the socket after all, with what is left of its timeout: the lane lost its
         version before the call ran (``lanes.version_moved``: the socket path loads it again or says
-        why; the next call reads the spec again) or the outputs outgrew a guessed capacity.  ``failure``: waiting
+        why; the next call reads the spec again).  Outputs that outgrew a guessed capacity (a short
+        answer, ``shmserve.reservations``): the steps that run it ``again`` once with the space they
+        need (``run_again``); a second short answer is raised.  ``failure``: waiting
         for it failed (a timeout keeps its space until the worker is done with it); raised."""
         region, index, generation, deadline, seat, form, model, inputs, version, key = call
+        needed = None
         lane = region.lane
         if failure is not None:
             if lane is not None and not lane.finished(index, generation):
@@ -117,11 +125,45 @@ class InferOperation:
             elif exc.code is ErrorCode.MODEL_UNAVAILABLE:
                 self.core.forget_spec(model)  # (it ran: its error is the answer; the next call asks again)
                 raise
-            elif exc.code is not ErrorCode.OUTPUT_TOO_LARGE or form.exact:
-                raise
+            else:
+                needed = reservations.needed(exc.code, exc.message)
+                if needed is None or not again:
+                    raise
         finally:
             seat.release()
+        if needed is not None:  # (on the version it ran on, named: a split does not draw again)
+            return self.run_again(model, inputs, deadline, needed, form.version if version is None else version)
         return self.request(model, inputs, left(deadline, self.core.clock()), version, key)
+
+    def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int,
+                  version: int | None):
+        """Steps: the call once more, on ``version`` (the one it ran on), its outputs given the
+        ``needed`` bytes a short answer said (its signature's form keeps them: the next calls of that
+        signature reserve them at once); through the lane, else (the lane cannot take it) over the
+        socket."""
+        core = self.core
+        wanted = self.lane_wanted(model, inputs, version, None)
+        region = core.infer_lane(model, wanted[3]) if wanted is not None and wanted is not NEED_SPEC else None
+        if wanted is not None and wanted is not NEED_SPEC and region is not None:
+            arrays, form, signature, _ = wanted
+            grown = form._replace(output_capacity=needed, needed=needed_bytes(dict(enumerate(form.sizes)), needed))
+            call = None
+            if grown.needed <= region.size - DATA_FLOOR:  # (else not learned: the socket says why)
+                if form.output_capacity < needed:
+                    form = core.lane_forms[signature] = grown
+                    region.drop_seats()  # (the seat kept for this signature is too small now)
+                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version)
+            if call is not None:
+                try:
+                    yield call
+                except BaseException as exc:
+                    outputs = self.answer(call, exc, again=False)
+                else:
+                    outputs = self.answer(call, None, again=False)
+                if type(outputs) is not Exchange:
+                    return outputs
+                return self.answered((yield outputs))
+        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, None)))
 
     @staticmethod
     def answered(event) -> dict[str, np.ndarray]:
@@ -162,6 +204,8 @@ class InferOperation:
                     outputs = self.answer(call, exc)
                 else:
                     outputs = self.answer(call, None)
+                if type(outputs) is GeneratorType:  # a short answer: run again
+                    return (yield from outputs)
                 if type(outputs) is not Exchange:
                     return outputs
                 return self.answered((yield outputs))  # over the socket after all
@@ -209,7 +253,9 @@ class InferOperation:
             core.no_lane_until[model] = core.clock() + LANE_RETRY_S
             return None
         target = version if version is not None else core.pick(model, key)  # (None: the default's)
-        if target is not None and target != version_of(spec):
+        if target is not None and target == version_of(spec):
+            target = None  # (the default's, named: the same forms)
+        elif target is not None:
             spec = core.version_spec(model, target)
             if spec is None:
                 return None  # a version the client has no spec of: the socket

@@ -23,6 +23,7 @@ import numpy as np
 from shmserve import layout, protocol
 from shmserve.client.memory import Region
 from shmserve.errors import BadArgument, ErrorCode, ShmserveError
+from shmserve.reservations import guess_bytes
 from shmserve.protocol import TensorMeta
 from shmserve.routing import Route
 from shmserve.session import check_tensor
@@ -222,7 +223,7 @@ class ZeroCopyPlan:
 
     def _region_in(self) -> Region | None:
         return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane
-                             and (r.lane is None or not self.serves or r.lane.serves() == self.serves)], self.wanted)
+                             and (r.lane is None or not self.serves or r.lane.serves() in (0, self.serves))], self.wanted)
 
 
 # -- a zero-copy call: how it names its tensors to a lane worker -----------------------------
@@ -273,7 +274,7 @@ class LaneForm(NamedTuple):
     name_indices: tuple[int, ...]  # each input's index among the model's inputs, in the caller's order
     sizes: tuple[int, ...]  # each input's bytes
     output_capacity: int
-    exact: bool  # reserved as the server would (else a guess: OUTPUT_TOO_LARGE sends the call to the socket)
+    exact: bool  # every output's size follows from the inputs (else a guess, corrected by a short answer)
     needed: int  # the least lane space one call takes
     version: int  # the version whose spec planned it (the worker refuses the call if it serves another)
     outputs: tuple[str, ...]  # the output names by index, as that spec lists them
@@ -290,10 +291,8 @@ def lane_form(spec: ModelSpec, arrays: dict[str, np.ndarray]) -> LaneForm | None
         return None  # (the last two: more than a slot's descriptors hold; the socket says what is wrong)
     specs = {n: (a.shape, a.dtype) for n, a in arrays.items()}
     sizes = {n: a.nbytes for n, a in arrays.items()}
-    reserved = spec.extra.get("max_output_bytes")  # what the server reserves per output it cannot size
-    if type(reserved) is int and reserved >= 0:
-        capacity, exact = estimate(spec, specs, reserved)[0], True  # OUTPUT_TOO_LARGE is the socket's answer too
-    else:
-        capacity, exact = estimate(spec, specs)
+    limit = spec.extra.get("max_output_bytes")  # the most one output may take (0: no limit of its own)
+    # A guess, as the server's (a short answer corrects it: InferOperation.answer)
+    capacity, exact = estimate(spec, specs, guess_bytes(limit if type(limit) is int and limit > 0 else 0))
     return LaneForm(tuple(names.index(n) for n in arrays), tuple(sizes.values()), capacity, exact,
                     needed_bytes(sizes, capacity), version_of(spec), tuple(t.name for t in spec.outputs))

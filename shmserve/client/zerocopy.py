@@ -17,8 +17,11 @@ worker of another version refuses it (a swap: the caller sees nothing of it,
 or a clear error naming both versions if the new one refuses the call);
 through the other version's lane as ``infer`` goes (its inputs copied in,
 its outputs out) when the route picks a version its lane does not serve; over
-the socket as a descriptor naming the same region otherwise; read-only views
-of the outputs; giving its space back.
+the socket as a descriptor naming the same region otherwise; its output area
+moved to a larger one in its region when a worker's short answer says the
+outputs outgrew it (``grow``: the faces run the call once more;
+``shmserve.reservations``); read-only views of the outputs; giving its space
+back.
 
 The faces hold the operation and their client's pump, and ask the pump only
 to ``perform`` it: the pump's one method a call uses.
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from shmserve import lanes
+from shmserve import lanes, reservations
 from shmserve.client.memory import Region
 from shmserve.client.planning import SPEC_RETRIES, CallPlan, call_plan, version_of
 from shmserve.client.steps import Exchange, left
@@ -60,6 +63,7 @@ class ZeroCopyOperation:
         self.plan: CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
         self.refused: ShmserveError | None = None  # the version serving now refuses this call: said once, kept
         self.looked_at: ModelSpec | None = None  # the client's spec the plan was last checked against
+        self.learned: tuple | None = None  # its key in the core's zero_copy_outputs (a short answer teaches it)
 
     # -- the operation ----------------------------------------------------------------------
 
@@ -237,6 +241,29 @@ class ZeroCopyOperation:
             outputs[name] = view
         return outputs
 
+    def grow(self, exc: ShmserveError) -> bool:
+        """A run failed with ``exc``: if it is a short answer (``shmserve.reservations``: the outputs
+        took more than this call's output area), move the area to one of the size they need in the
+        same region and return True (the caller runs the call once more); False for any other error.
+        OUTPUT_TOO_LARGE naming the fix if the region has no room for it."""
+        needed = reservations.needed(exc.code, exc.message)
+        if needed is None or needed <= self.out_capacity:
+            return False
+        allocator = self.region.allocator
+        allocator.release(self.out_offset, self.out_capacity)
+        offset = allocator.allocate(needed)
+        if offset is None:
+            self.out_offset = allocator.allocate(self.out_capacity)  # (it was just free: it fits again)
+            raise ShmserveError(ErrorCode.OUTPUT_TOO_LARGE,
+                                f"the outputs took {needed} bytes, more than this call's {self.out_capacity}, and "
+                                f"region {self.region.id} ({self.region.size} bytes) has no room for them: make the "
+                                f"zero_copy call with output_capacity={needed}, or release other calls of the "
+                                f"region first (a region holds at most server.max_request_bytes + 1 MiB)") from None
+        self.out_offset, self.out_capacity = offset, needed
+        if self.learned is not None:  # the client's next zero-copy calls of these inputs reserve it at once
+            self.core.zero_copy_outputs.learn(self.learned, needed)
+        return True
+
     def release(self) -> None:
         """Give the call's space back to its region (once)."""
         for offset, view in self.inputs.values():
@@ -267,9 +294,27 @@ class ZeroCopyCall:
         does not take this call's inputs (names, dtypes, shapes) or its outputs would not fit the
         space reserved for them, the call fails with the new version's own code (BAD_INPUT,
         BAD_DTYPE, BAD_SHAPE, OUTPUT_TOO_LARGE) and a message naming both versions and what the
-        new one refuses, and keeps failing so (make a new ``zero_copy`` call)."""
-        self.outputs = outputs = self._pump.perform(self._op, (timeout,))
+        new one refuses, and keeps failing so (make a new ``zero_copy`` call).
+
+        Outputs larger than ``out_capacity`` (a guess where the model's spec does not fix their
+        sizes): the call's output area moves to one as large as they need, in its region, and it
+        is run once more (the model runs twice; ``out_offset``/``out_capacity`` then name the
+        new area, which this call keeps for its later runs).  A region without room for it:
+        OUTPUT_TOO_LARGE naming the ``output_capacity`` to ask for."""
+        try:
+            self.outputs = outputs = self._pump.perform(self._op, (timeout,))
+        except ShmserveError as exc:
+            if not self._grown(exc):
+                raise
+            self.outputs = outputs = self._pump.perform(self._op, (timeout,))
         return outputs
+
+    def _grown(self, exc: ShmserveError) -> bool:
+        """Whether the call's output area grew after ``exc`` (``ZeroCopyOperation.grow``): run again."""
+        if not self._op.grow(exc):
+            return False
+        self.out_offset, self.out_capacity = self._op.out_offset, self._op.out_capacity
+        return True
 
     def release(self) -> None:
         if self._released:
@@ -290,8 +335,13 @@ class AsyncZeroCopyCall(ZeroCopyCall):
     """``ZeroCopyCall`` for ``AsyncClient``: ``outputs = await call.run()``."""
 
     async def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        """As ``ZeroCopyCall.run`` (a swap under it included)."""
-        self.outputs = outputs = await self._pump.perform(self._op, (timeout,))
+        """As ``ZeroCopyCall.run`` (a swap under it, and outputs larger than its area, included)."""
+        try:
+            self.outputs = outputs = await self._pump.perform(self._op, (timeout,))
+        except ShmserveError as exc:
+            if not self._grown(exc):
+                raise
+            self.outputs = outputs = await self._pump.perform(self._op, (timeout,))
         return outputs
 
     async def __aenter__(self) -> AsyncZeroCopyCall:

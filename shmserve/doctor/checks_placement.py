@@ -112,11 +112,8 @@ def threads(ctx: Context) -> list[Finding]:
         raise Skip("no ready worker reported its thread pools" +
                    (f" ({', '.join(unreported)}: a python model sets its own)" if unreported else ""))
     found = []
-    for group in _overlapping(entries):
-        cpus = frozenset().union(*(proc.allowed_cpus for _, proc, _, _ in group))
+    for group, cpus in _confined(entries):
         total = sum(pool for _, _, pool, _ in group)
-        if total <= len(cpus):
-            continue
         names = "; ".join(f"{w.who}: {source} on CPUs {format_cpulist(proc.allowed_cpus)} "
                           f"({proc.threads} threads in proc/{w.pid}/status)" for w, proc, _, source in group)
         models = sorted({w.model for w, _, _, _ in group})
@@ -147,15 +144,22 @@ def threads(ctx: Context) -> list[Finding]:
     return found
 
 
-def _overlapping(entries):
-    """Groups of entries whose CPU sets overlap (transitively)."""
-    groups: list[list] = []
-    for entry in entries:
-        cpus = entry[1].allowed_cpus
-        joined = [g for g in groups if any(cpus & e[1].allowed_cpus for e in g)]
-        merged = [entry] + [e for g in joined for e in g]
-        groups = [g for g in groups if g not in joined] + [merged]
-    return groups
+def _confined(entries) -> list[tuple[list, frozenset]]:
+    """The oversubscribed groups: for each CPU set a worker is pinned to, smallest first, the workers
+    confined to it (their sets inside it) and not in a group already found, against its CPUs less
+    those of the groups found (each group's threads are counted where they are confined, once).
+    A group whose pools fit its CPUs is no finding.  (Was: overlapping sets merged transitively, so
+    two workers of 4 threads on CPUs 0-1 beside two of 16 on 0-15 became '40 threads on 16 CPUs'
+    with a fix of 4 threads each, where 0-1 needs 1.)"""
+    found, taken, claimed = [], set(), frozenset()
+    for cpus in sorted({e[1].allowed_cpus for e in entries}, key=lambda c: (len(c), sorted(c))):
+        group = [e for e in entries if e[1].allowed_cpus <= cpus and id(e) not in taken]
+        left = (cpus - claimed) or cpus
+        if group and sum(e[2] for e in group) > len(left):
+            found.append((group, left))
+            taken |= {id(e) for e in group}
+            claimed |= cpus
+    return found
 
 
 # -- the front-end and door processes beside spinning workers ----------------------------------

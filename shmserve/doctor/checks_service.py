@@ -87,16 +87,16 @@ def stages(ctx: Context) -> list[Finding]:
                 f"{STAGE_WORDS[grew].split(' (')[0]}: {base_means[grew]:.0f} -> {now_means[grew]:.0f} us",
                 f"within {SLOWER:g}x of the baseline", _why_stage(grew), _fix_stage(grew, model),
                 {**data, "grew": grew, "baseline_us": {k: round(v, 1) for k, v in base_means.items()}}))
+        tail = ("" if base_means is not None else
+                "; no baseline yet (the server keeps one sample a minute for an hour)" if ctx.service.live else
+                "; no baseline (a live server keeps one; this arena's front-end is gone)")
         if dominant != "compute" and share > DOMINANT_SHARE and use[dominant] >= MATTERS_US:
             found.append(Finding(
                 "service.stages", WARNING, f"model {model}: {STAGE_WORDS[dominant]} takes {share:.0%} of its "
-                f"latency", f"model {model}", evidence,
+                f"latency", f"model {model}", evidence + tail,
                 f"compute dominating; other stages under {MATTERS_US:.0f} us", _why_stage(dominant),
                 _fix_stage(dominant, model), data))
         else:
-            tail = ("" if base_means is not None else
-                    "; no baseline yet (the server keeps one sample a minute for an hour)" if ctx.service.live else
-                    "; no baseline (a live server keeps one; this arena's front-end is gone)")
             found.append(Finding(
                 "service.stages", INFO, f"model {model}: {STAGE_WORDS[dominant].split(' (')[0]} dominates "
                 f"({share:.0%} of {use['total']:.0f} us)", f"model {model}", evidence + tail,

@@ -4,7 +4,9 @@ Owns: the arena's slots and data extents (``SlotPool``, ``ExtentAllocator``),
 admission (space now, or a bounded wait for it), the input descriptors and
 publication of a request to the least-loaded ready worker of its model,
 waiting for a worker while all of a model's workers restart (*parked*
-requests), completions (an eventfd wake-up, then bounded polling while requests are in
+requests), a request run again once with the output space its worker's
+short answer said it needs (``shmserve.reservations``; counted in
+``reruns``), completions (an eventfd wake-up, then bounded polling while requests are in
 flight), deadlines, the one answer every request gets, and what an answer
 holds until its front door is done with it.  A request's life follows the
 table in ``shmserve.frontend.requests``.
@@ -49,7 +51,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
-from shmserve import layout
+from shmserve import layout, reservations
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena, SlotConflict
 from shmserve.errors import ErrorCode, ShmserveError
@@ -58,7 +60,7 @@ from shmserve.frontend.regions import Region, check_request
 from shmserve.frontend.requests import Event, Request, RequestState
 from shmserve.protocol import InferRequest
 from shmserve.slotstate import FINISHED, Actor, SlotState
-from shmserve.spec import bind_inputs, estimate_output_bytes
+from shmserve.spec import bind_inputs
 from shmserve.supervisor import WorkerHandle
 
 log = logging.getLogger("shmserve.dispatcher")
@@ -219,6 +221,7 @@ class Dispatcher:
         self.offer_shadow: Callable[[Request, Outputs], None] = lambda req, outputs: None
         self.draw = random.random  # uniform [0, 1) for a canary's split
         self.door_faults = 0  # door methods that raised (``_door_raised``)
+        self.reruns: collections.Counter = collections.Counter()  # version key -> requests run again (short answers)
         self.stopping = False
         self._polling = False
         self._poll_until = 0.0
@@ -325,7 +328,11 @@ class Dispatcher:
             if payload_bytes != in_bytes:
                 raise ShmserveError(ErrorCode.BAD_FRAME, f"payload is {payload_bytes} bytes, inputs need {in_bytes}")
             padded = sum(layout.align_tensor(t.nbytes) for t in parsed.inputs)
-            req.total_bytes = padded + estimate_output_bytes(spec, symbols, model.config.max_output_bytes)
+            outputs, exact = reservations.reserve(spec, symbols, model.config.max_output_bytes)
+            if not exact:  # a guess: at least what calls of this signature were seen to need
+                req.signature = tuple((t.name, t.dtype, t.shape) for t in parsed.inputs)
+                outputs = max(outputs, model.learned.get(req.signature))
+            req.total_bytes = padded + outputs
             if req.total_bytes > self.max_request:
                 raise ShmserveError(ErrorCode.TOO_LARGE, self._too_large(req.total_bytes, in_bytes))
 
@@ -635,17 +642,22 @@ class Dispatcher:
         del self.pending[index]
         w.inflight.discard(index)
         self._cancel_timer(req)
+        if state == _ERROR and req.state is not RequestState.ABANDONED:
+            code, message = layout.decode_error(self.buf, self.geometry, index)
+            code = ErrorCode.from_number(code)
+            if code is ErrorCode.OUTPUT_TOO_LARGE and not req.zero_copy and not req.reran \
+                    and self._run_again(req, reservations.needed(code, message)):
+                return  # (counted once, when its second run is answered)
         self.arena.add_stat("requests_total", 1)
         if req.state is RequestState.ABANDONED:
             req.advance(Event.RELEASE)
             self._free(req)
             return
         if state == _ERROR:
-            code, message = layout.decode_error(self.buf, self.geometry, index)
             self.arena.add_stat("errors_total", 1)
             if self.observe is not None:
                 self.observe(req, False)
-            self._end(req, Failure(ErrorCode.from_number(code), message))
+            self._end(req, Failure(code, message))
             return
         try:
             outputs = self._outputs(req, index)
@@ -666,6 +678,42 @@ class Dispatcher:
             req.door.answer(req, outputs)
         except Exception as exc:
             self._door_raised(req, "answer", exc, [o.view for o in outputs.outputs if o.view is not None])
+
+    def _run_again(self, req: Request, needed: int | None) -> bool:
+        """``req``'s worker answered short (``shmserve.reservations``): its outputs took ``needed``
+        bytes, more than its guess reserved.  Its model version learns that for its input signature,
+        and it is run again once (RERUN) with an output area of exactly that much, beside the
+        extent that holds its inputs.  False if it is not a short answer (then the error is the
+        answer); answered here with OUTPUT_TOO_LARGE naming ``max_request_bytes`` if it needs more
+        than the server delivers, or OVERLOADED if the arena has no room for it now."""
+        if needed is None:
+            return False
+        model = req.model
+        inputs = sum(layout.align_tensor(t.nbytes) for t in req.inputs)
+        if inputs + needed > self.max_request:  # (not learned: the signature's smaller calls still fit)
+            why = self._too_large(inputs + needed, inputs)
+            self._end(req, Failure(ErrorCode.OUTPUT_TOO_LARGE, f"the outputs took {_size(needed)}, the inputs "
+                                                               f"{_size(inputs)}: {why}"))
+            return True
+        if req.signature is None:  # the spec predicted shapes the model did not make (exporters do that)
+            req.signature = tuple((t.name, t.dtype, t.shape) for t in req.inputs)
+        model.learned.learn(req.signature, needed)
+        extent = self.extents.allocate(needed)
+        if extent is None:
+            self._end(req, Failure(ErrorCode.OVERLOADED, f"the outputs took {_size(needed)}, more than reserved, and "
+                                                         f"the arena has no room for them now: try again"))
+            return True
+        self.arena.add_stat("extent_bytes_in_use", extent.size)
+        index = req.slot
+        freed = self.arena.transition(index, req.generation, SlotState.ERROR, SlotState.FREE, Actor.FRONTEND)
+        req.generation = self.arena.transition(index, freed, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
+        layout.reset_stages(self.buf, self.geometry, index, time.monotonic_ns())
+        req.out_extent, req.out_offset, req.out_capacity = extent, extent.offset, extent.size
+        req.reran = True
+        req.advance(Event.RERUN)
+        self.reruns[model.key] += 1
+        self._publish(req)
+        return True
 
     def input_views(self, req: Request) -> list[memoryview]:
         """The bytes of inline request ``req``'s non-empty inputs, in order, as views of its extent
@@ -775,10 +823,11 @@ class Dispatcher:
             self.arena.transition(index, generation, SlotState(state), SlotState.FREE, Actor.FRONTEND)
         self.slots.release(index)
         self.arena.add_stat("slots_in_use", -1)
-        if req.extent is not None:
-            self.extents.free(req.extent)
-            self.arena.add_stat("extent_bytes_in_use", -req.extent.size)
-        req.slot = req.extent = None
+        for extent in (req.extent, req.out_extent):
+            if extent is not None:
+                self.extents.free(extent)
+                self.arena.add_stat("extent_bytes_in_use", -extent.size)
+        req.slot = req.extent = req.out_extent = None
         self._admit_waiting()
 
     def _arm_deadline(self, req: Request) -> None:

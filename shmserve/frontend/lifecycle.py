@@ -79,6 +79,8 @@ class _Tally:
     finished: int = 0  # its own counter (the arena's worker table) at the last look: every call it ran
     observed: int = 0  # of those, the ones the dispatcher saw end (socket requests: ``observe``)
     lanes: int = 0  # lane calls counted as use so far
+    observed_errors: int = 0  # of ``observed``, those the worker answered with an error
+    lane_errors: int = 0  # of ``lanes``, those the worker answered with an error (as far as known: below)
 
 
 class Lifecycle:
@@ -89,22 +91,24 @@ class Lifecycle:
     ``add_worker``, ``wait_ready``, ``retire``); ``clock`` its time and timers (the
     dispatcher's ``Clock``: the event loop's in the server, a fake in tests);
     ``startup_timeout`` bounds one load; ``finished(w)`` how many requests worker ``w`` has
-    finished (socket and lane calls: ``note_lane_use``); ``lane_outcomes(w)`` its lane calls'
-    outcomes (``note_lane_outcomes``).  The server wires the hooks other
+    finished (socket and lane calls: ``note_lane_use``); ``lane_counts(w)`` its lane calls'
+    outcomes as the canary windows take them (``note_lane_outcomes``).  The server wires the hooks other
     parts call: the dispatcher's ``load_on_demand`` and ``observe``, the supervisor's
     ``worker_ready``; canary shadowing is ``shmserve.frontend.shadow``'s.
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
                  clock, startup_timeout: float, finished: Callable[[object], int] | None = None,
-                 lane_outcomes: Callable[[object], tuple[int, tuple[int, ...]]] | None = None):
+                 failed: Callable[[object], int] | None = None,
+                 lane_counts: Callable[[object], tuple[int, tuple[int, ...]]] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
         self.clock = clock
-        # How many requests a worker has finished (the arena's worker table): lane calls are seen only there.
-        self.finished = finished
+        # How many requests a worker has finished (the arena's worker table): lane calls are seen only there;
+        # and how many of them it answered with an error (``failed``: the lane calls' outcomes, for metrics).
+        self.finished, self.failed = finished, failed
         self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
         # A worker's lane outcomes (faults, buckets: the arena's, ``note_lane_outcomes``), and the last look's.
-        self.lane_outcomes = lane_outcomes
+        self.lane_counts = lane_counts
         self.lane_seen: dict[WorkerHandle, tuple[int, tuple[int, ...]]] = {}
         self.config = config
         self.startup_timeout = startup_timeout
@@ -396,7 +400,9 @@ class Lifecycle:
         version.meter.hit(now)
         version.uses += 1
         if req.worker is not None:
-            self.tallies.setdefault(req.worker, _Tally()).observed += 1
+            tally = self.tallies.setdefault(req.worker, _Tally())
+            tally.observed += 1
+            tally.observed_errors += not ok
         model = self.models.by_name.get(version.name)
         if model is not None and model.rollout is not None:
             model.rollout.record(version.version, ok, max(0.0, now - req.started), now)
@@ -411,8 +417,11 @@ class Lifecycle:
         it has no socket request in flight; what it reaches above the lane calls already counted
         is counted now.  (A socket request a dead worker held is failed by the front-end, so
         observed without the worker counting it: that worker's next lane calls as many go
-        uncounted, never one twice.)  The server calls this with its heartbeat; also each look at
-        the lanes that says how long one has had a call pending.  Nothing without ``finished``."""
+        uncounted, never one twice.)  The lane calls that failed are bounded the same way from the
+        worker's error counter (``failed``) and the dispatcher's errors (``observe``), for the
+        request totals metrics export (``lane_outcomes``).  The server calls this with its
+        heartbeat; also each look at the lanes that says how long one has had a call pending.
+        Nothing without ``finished``."""
         if self.finished is None:
             return
         now = self.clock.monotonic()
@@ -428,6 +437,9 @@ class Lifecycle:
                 if lanes > tally.lanes:
                     calls += lanes - tally.lanes
                     tally.lanes = lanes
+                if self.failed is not None:  # at least this many of its lane calls failed: the same bound
+                    tally.lane_errors = max(tally.lane_errors, min(tally.lanes, self.failed(w) - tally.observed_errors
+                                                                   - len(w.inflight)))
             if version.phase == SERVING:  # each look at its lanes (residency: how long one is pending)
                 self.regions.lane_pending_since(version, now)
             if calls:
@@ -437,22 +449,32 @@ class Lifecycle:
         live = {w for v in self.models.versions() for w in v.workers}
         self.tallies = {w: t for w, t in self.tallies.items() if w in live}
 
+    def lane_outcomes(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(model, version) -> (ok, error)``: the lane calls its live workers finished, as
+        counted at the last look (``note_lane_use``)."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for w, tally in self.tallies.items():
+            key = (w.model.name, w.model.version)
+            ok, err = out.get(key, (0, 0))
+            out[key] = (ok + tally.lanes - tally.lane_errors, err + tally.lane_errors)
+        return out
+
     def note_lane_outcomes(self) -> None:
         """Feed the lane calls each rollout's versions' workers counted since the last look into
         its windows (``canary.Rollout.record_lane_calls``): lane calls never pass the dispatcher,
-        so only a worker's own count of them (``lane_outcomes(w)``: its faults and its bucketed
+        so only a worker's own count of them (``lane_counts(w)``: its faults and its bucketed
         claim-to-publish times, ``layout.read_lane_outcomes``) sees them.  Every worker's counts
         are kept at each look, so a rollout counts only what came after its start; a count that
         went down (a new worker in a reused entry) starts again from zero.  The server calls this
-        with its heartbeat.  Nothing without ``lane_outcomes``."""
-        if self.lane_outcomes is None:
+        with its heartbeat.  Nothing without ``lane_counts``."""
+        if self.lane_counts is None:
             return
         now = self.clock.monotonic()
         seen: dict[WorkerHandle, tuple[int, tuple[int, ...]]] = {}
         for model in self.models.by_name.values():
             for version in model.versions.values():
                 for w in version.workers:
-                    faults, buckets = seen[w] = self.lane_outcomes(w)
+                    faults, buckets = seen[w] = self.lane_counts(w)
                     before = self.lane_seen.get(w)
                     if model.rollout is None or before is None:
                         continue
@@ -571,6 +593,9 @@ class Lifecycle:
                              key=lambda v: v.version, default=None)
                 if newest is not None and model.default != newest.version and model.rollout is None:
                     await self._make_default(model, newest, keep=True, by="reload")
+                elif newest is None and model.default is None:  # an on_demand one unloaded by a call:
+                    registered = [n for n, cfg in want.items() if cfg.load == "on_demand"]  # as at start-up
+                    model.default = max(registered, default=None)
                 for v in gone:
                     await self._drain(v, UNLOADED, "no longer in the configuration (reload)")
                     done.append(f"unloaded {v.key}")
@@ -612,7 +637,7 @@ class Lifecycle:
                     return
                 budget = self.budget(version.config.device)
                 fits_ever = budget is not None and version.memory.get("measured_bytes", 0) <= budget
-                if not (fits_ever and self.dispatcher.busy(version)) or self.stopping:
+                if not (fits_ever and self._wanted(version)) or self.stopping:
                     version.advance(PhaseEvent.NO_ROOM, f"no room to load it on demand: {refused}")
                     self.counts[("load_failed", version.name)] += 1
                     self._event(version, "load failed", version.reason)
@@ -663,6 +688,24 @@ class Lifecycle:
             started = self.clock.monotonic()
             await self._drain(victim, EVICTED, f"evicted to make room for {version.key}")
             self.seconds[("eviction", victim.name)] += self.clock.monotonic() - started
+
+    def _wanted(self, version: ModelState) -> bool:
+        """Whether a request waits for ``version`` (parked), or a lane of it holds a call that is
+        believable (pending for less than ``server.request_timeout_s``, every call's deadline)."""
+        if self.dispatcher.busy(version):
+            return True
+        now = self.clock.monotonic()
+        since = self.regions.lane_pending_since(version, now)
+        return since is not None and now - since <= self.config().request_timeout_s
+
+    def load_for_lanes(self) -> None:
+        """Load again each evicted on_demand version that is its model's default and has a lane
+        call pending (a lane call never passes the dispatcher, so the server's heartbeat looks:
+        its calls wait in the lane, and the version's new worker takes the lane)."""
+        for version in self.models.versions():
+            if version.phase == EVICTED and version.config.load == "on_demand" and not self.stopping \
+                    and self.models.by_name[version.name].default == version.version and self._wanted(version):
+                self.load_on_demand(version)
 
     def lane_busy(self, version: ModelState, now: float) -> bool:
         """Whether ``version``'s lanes keep it from being evicted: one holds a call queued or running,
@@ -815,6 +858,7 @@ class Lifecycle:
 
     async def _drain_now(self, version: ModelState, end: PhaseEvent, why: str) -> None:
         version.advance(PhaseEvent.DRAIN, why)
+        version.evicting = end is PhaseEvent.EVICT  # an on_demand one: requests for it wait meanwhile
         self._event(version, "drain", why)
         model = self.models.by_name[version.name]
         if model.default == version.version:
@@ -832,10 +876,13 @@ class Lifecycle:
         self.dispatcher.settle(version)
         await asyncio.gather(*(self._retire(w, target, timeout) for w in list(version.workers)))
         version.workers.clear()
+        version.evicting = False
         version.advance(end, why)
         self._event(version, version.phase.value, why)
+        if end is PhaseEvent.EVICT and self._wanted(version):
+            self.load_on_demand(version)  # asked for while it was evicted: loaded again, the requests wait
         self.dispatcher.settle(version)
-        if target is None:
+        if target is None and end is not PhaseEvent.EVICT:  # an evicted one's lane calls load it again
             self.regions.fail_lanes(version, f"model {version.name!r} has no version serving now ({why})")
 
     def _retire(self, w: WorkerHandle, to: ModelState | None, drain_s: float) -> asyncio.Future:

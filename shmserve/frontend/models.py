@@ -40,7 +40,9 @@ FAILED_LOAD  RESET    UNLOADED     a reload, for an on_demand version (its next
 ===========  =======  ===========  ==============================================
 
 Only a SERVING version takes requests that name no version (``Models.resolve``);
-an on_demand one UNLOADED or EVICTED is loaded by its next request.
+an on_demand one UNLOADED or EVICTED is loaded by its next request, and one
+DRAINING because it is evicted takes requests too: they wait for the drain to
+end, and then load it again.
 
 Must not: start or stop workers (``shmserve.supervisor``), decide a phase
 change (``shmserve.frontend.lifecycle``) or hold requests
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.residency import RateMeter
+from shmserve.reservations import Learned
 from shmserve.spec import ModelSpec
 from shmserve.supervisor import FAILED, READY, WorkerHandle
 
@@ -134,6 +137,8 @@ class ModelState:
     meter: RateMeter = field(default_factory=RateMeter)  # its recent request rate (residency)
     uses: int = 0  # requests counted as its use (residency): socket requests and lane calls, each once
     progress_at: float = float("-inf")  # the lifecycle clock's time its workers were last seen finishing requests
+    learned: Learned = field(default_factory=Learned)  # output bytes its calls needed, per input signature
+    evicting: bool = False  # DRAINING because it was evicted: an on_demand one still takes requests (they wait)
 
     @property
     def version(self) -> int:
@@ -154,15 +159,17 @@ class ModelState:
     @property
     def taking(self) -> bool:
         """Whether it accepts new requests: it is serving or loading, or is loaded on demand
-        (a request for it loads it)."""
-        return self.phase in (SERVING, LOADING) or (self.config.load == "on_demand"
-                                                     and self.phase in (EVICTED, UNLOADED))
+        (a request for it loads it; one that comes while it is being evicted waits for the
+        eviction to end, and then loads it again)."""
+        return self.phase in (SERVING, LOADING) or (self.config.load == "on_demand" and (
+            self.phase in (EVICTED, UNLOADED) or self.phase == DRAINING and self.evicting))
 
     @property
     def waitable(self) -> bool:
         """Whether a request may wait for one of its workers: it is loading, or it still has
-        workers that are restarting (not all failed for good)."""
-        if self.phase == LOADING:
+        workers that are restarting (not all failed for good), or it is being evicted and takes
+        requests (``taking``: they wait for it to be loaded again)."""
+        if self.phase == LOADING or self.phase == DRAINING and self.evicting and self.taking:
             return True
         return self.phase in (SERVING, DRAINING) and self.state != MODEL_UNAVAILABLE
 

@@ -23,6 +23,10 @@ WAITING    ADMIT     ADMITTED   space freed up (and a worker of its model is
 ADMITTED   PUBLISH   QUEUED     READY on a worker's submission ring (an
                                 ADMITTED or QUEUED request with no ready
                                 worker waits, holding its slot: parked)
+QUEUED     RERUN     ADMITTED   its worker answered short: its outputs took more
+                                than the guess reserved (``shmserve.
+                                reservations``); given an output area of what
+                                they took, it is published again, once
 QUEUED     HOLD      FLUSHING   answered with outputs that are views of the
                                 arena: slot and extent stay held until the
                                 front door has written them
@@ -76,6 +80,7 @@ class Event(enum.StrEnum):
     WAIT = "wait"
     ADMIT = "admit"
     PUBLISH = "publish"
+    RERUN = "rerun"
     HOLD = "hold"
     RELEASE = "release"
     ABANDON = "abandon"
@@ -92,6 +97,7 @@ TRANSITIONS: dict[tuple[RequestState, Event], RequestState] = {
     (S.NEW, E.ADMIT): S.ADMITTED,
     (S.WAITING, E.ADMIT): S.ADMITTED,
     (S.ADMITTED, E.PUBLISH): S.QUEUED,
+    (S.QUEUED, E.RERUN): S.ADMITTED,
     (S.QUEUED, E.HOLD): S.FLUSHING,
     (S.FLUSHING, E.RELEASE): S.DONE,
     (S.QUEUED, E.ABANDON): S.ABANDONED,
@@ -124,7 +130,7 @@ class Request:
     ``door`` is the front door's handle for answering it (see ``dispatcher.Door``);
     ``inputs`` the checked input descriptors; ``region`` the client region of a
     zero-copy request (None: inline, its tensors go through arena space).
-    What it holds (``slot``, ``generation``, ``extent``, ``worker``) is set and
+    What it holds (``slot``, ``generation``, ``extent``, ``out_extent``, ``worker``) is set and
     cleared by the dispatcher; ``state`` only moves through ``advance``.
     """
 
@@ -141,6 +147,9 @@ class Request:
     slot: int | None = None
     generation: int = 0
     extent: "Extent | None" = None
+    out_extent: "Extent | None" = None  # run again (RERUN): its output area, beside the inputs' extent
+    signature: "tuple | None" = None  # its inputs' (name, dtype, shape) where its output space was a guess
+    reran: bool = False  # it was run again once: a second short answer is its answer
     worker: "WorkerHandle | None" = None
     deadline: float = 0.0  # the clock's time at which it times out, whatever state it is in
     timer: Any = None  # the clock's handle of its deadline

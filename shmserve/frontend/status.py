@@ -20,6 +20,7 @@ only what each part offers for this (properties and ``queue_depths``).
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -88,6 +89,30 @@ class Snapshot:
     lanes: int
     slots: int
     data_bytes: int
+    batch_items: dict = None  # (model, version) -> batch items beyond one per request (Status.batch_items)
+    lane_calls: dict = None  # (model, version) -> (ok, error) lane calls its live workers finished (the lifecycle's)
+
+
+@dataclass(frozen=True)
+class TritonCounts:
+    """One version's requests as Triton counts them (its statistics extension and its ``nv_*``
+    metrics), from one snapshot."""
+
+    success: int  # answered ok by its workers: socket and lane calls alike (the workers' own counters)
+    failure: int  # answered with an error: through the dispatcher, and lane calls (a heartbeat late)
+    items: int  # success, with a batch of N counted N where a v2 door saw it (Triton's inference_count)
+    executions: int  # model runs: a dynamic batch is one (Triton's execution_count)
+
+
+def triton_counts(snap: Snapshot, m: ModelStatus) -> TritonCounts:
+    """``m``'s ``TritonCounts`` in ``snap``.  The workers' counters are per worker entry: a
+    worker that is retired (scaled down, its version unloaded) takes its counts with it."""
+    success = sum(w.requests - w.errors for w in m.workers)
+    failure = sum(n for (model, version, code), n in snap.outcomes.items()
+                  if model == m.name and version == m.version and code != "ok")
+    failure += (snap.lane_calls or {}).get((m.name, m.version), (0, 0))[1]
+    items = success + (snap.batch_items or {}).get((m.name, m.version), 0)
+    return TritonCounts(success, failure, items, sum(m.histograms["batch_size"][0]))
 
 
 class Status:
@@ -103,6 +128,9 @@ class Status:
         self.dispatcher, self.regions, self.socket_path = dispatcher, regions, socket_path
         self.started = time.monotonic()
         self.front_doors: dict[str, str] = {}  # "http"/"grpc" -> the address it listens on (the server sets it)
+        # (model, version) -> batch items beyond one per request answered ok, as the v2 doors count them
+        # (Triton's inference_count counts a batch of 4 as 4); the v2 service adds to it, metrics read it.
+        self.batch_items: collections.Counter = collections.Counter()
 
     @property
     def config(self) -> ServerConfig:
@@ -132,9 +160,11 @@ class Status:
                        for v in self.models.versions())
         lifecycle = {"counts": dict(self.lifecycle.counts), "seconds": dict(self.lifecycle.seconds),
                      "canaries": self.canaries()} if self.lifecycle is not None else {}
+        lane_calls = self.lifecycle.lane_outcomes() if hasattr(self.lifecycle, "lane_outcomes") else {}
         return Snapshot(models=models, outcomes=dict(self.dispatcher.outcomes), lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
-                        slots=g.slot_count, data_bytes=g.data_size)
+                        slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
+                        lane_calls=lane_calls)
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""

@@ -113,14 +113,14 @@ class Servicer:
     @staticmethod
     async def _call(context, fn, *args):
         """Run ``fn(*args)`` (a coroutine function or a plain one); a V2Error becomes the RPC's
-        status, with shmserve's stable code in its message."""
+        status (``abort_with``)."""
         try:
             value = fn(*args)
             if asyncio.iscoroutine(value):
                 value = await value
             return value
         except V2Error as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.grpc_status), f"[{exc.code.wire}] {exc.message}")
+            await abort_with(context, exc)
 
     async def ServerLive(self, request, context, caller):
         return pb.ServerLiveResponse(live=self.service.live())
@@ -285,6 +285,17 @@ MAX_CONNECTION_IDLE_MS = 300_000  # a connection with no RPC this long is closed
 MIN_CLIENT_PING_MS = 10_000  # a client pinging more often than this (3 strikes) is cut off
 
 
+# The trailing metadata key that carries shmserve's stable code beside a refusal's text.
+CODE_KEY = "shmserve-code"
+
+
+async def abort_with(context, exc: V2Error):
+    """End the RPC with ``exc``: its status, its text (Triton's words, or ``[code] message``) as
+    the details, and its shmserve code in the trailing metadata (``CODE_KEY``)."""
+    await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text,
+                        trailing_metadata=((CODE_KEY, exc.code.wire),))
+
+
 def _abort_now(code: grpc.StatusCode, message: str):
     """A handler that ends its RPC with ``code`` without reading a byte of its message."""
     async def refuse(request_iterator, context):
@@ -394,12 +405,16 @@ class GrpcDoor:
                     raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} has {self.rpcs[key]} gRPC calls in "
                                                         "progress (server.max_inflight_per_uid)")
             except V2Error as exc:
-                await context.abort(getattr(grpc.StatusCode, exc.grpc_status), f"[{exc.code.wire}] {exc.message}")
+                await abort_with(context, exc)
             self.rpcs[key] += 1
             reserved = held = 0
             try:
                 deadline = self.door_limits.upload_timeout_s
-                need = 2 * self.limits.max_message_bytes  # a message and its parsed form, at most
+                # The message, at most.  Its parsed form is made on the loop (FromString), so no
+                # other call reads or parses meanwhile: at any instant one message at most is held
+                # twice, across all callers.  (Reserving both here, twice the largest message, took
+                # more than the default budget, so one caller's calls never overlapped.)
+                need = self.limits.max_message_bytes
                 try:
                     await ledger.reserve_bytes(identity, need, deadline)
                 except V2Error as exc:
@@ -413,7 +428,7 @@ class GrpcDoor:
                                         "(server.upload_timeout_s)")
                 if raw is grpc.aio.EOF:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "[bad_frame] no request message")
-                held = 2 * len(raw)
+                held = len(raw)  # the message, then its parsed form
                 ledger.give_bytes(identity, reserved - held)
                 reserved = 0
                 try:

@@ -96,11 +96,13 @@ class InputTensor:
 @dataclass
 class RequestedOutput:
     """An output the client asked for.  ``binary``: HTTP only, answer it in binary form (None: the
-    request's default).  ``shm``: write it into that region instead of answering its bytes."""
+    request's default).  ``shm``: write it into that region instead of answering its bytes.
+    ``classification``: answer its top k classes instead."""
 
     name: str
     binary: bool | None = None
     shm: ShmRef | None = None
+    classification: int = 0  # k > 0: answer its top k classes (the classification extension: v2/classify.py)
 
 
 @dataclass
@@ -147,25 +149,53 @@ class InferResult:
 
 class V2Error(Exception):
     """A refusal with a stable shmserve code; ``message`` is for people (it never holds a
-    shared-memory key).  ``http_status``/``grpc_status`` say how the doors report it."""
+    shared-memory key).  ``http_status``/``grpc_status`` say how the doors report it.
 
-    def __init__(self, code: ErrorCode, message: str):
+    ``triton``: the message is Triton's own wording of this refusal (what Triton's clients and
+    tools match on: ``Request for unknown model: 'x' is not found``), and this is the class of
+    Triton's status it carries (a key of ``TRITON_STATUS``: ``INVALID_ARG``, ``NOT_FOUND``...):
+    the doors then answer Triton's HTTP and gRPC statuses and send the message as it is, the code
+    only beside it (``text``); None: shmserve's own refusal, ``[code] message``."""
+
+    def __init__(self, code: ErrorCode, message: str, triton: str | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.triton = code, message, triton
+
+    @property
+    def text(self) -> str:
+        """What the doors send as the error's text: Triton's wording as it is, else ``[code] message``."""
+        return self.message if self.triton is not None else f"[{self.code.wire}] {self.message}"
 
     @property
     def http_status(self) -> int:
+        if self.triton is not None:
+            return TRITON_STATUS[self.triton][0]
         return HTTP_STATUS.get(self.code, 400)
 
     @property
     def grpc_status(self) -> str:
         """The name of a ``grpc.StatusCode`` member."""
+        if self.triton is not None:
+            return TRITON_STATUS[self.triton][1]
         return GRPC_STATUS.get(self.code, "INVALID_ARGUMENT")
+
+
+# Triton's status classes (TRITONSERVER_Error_Code) -> (HTTP status, gRPC status) as Triton's own
+# doors answer them (server src/http_server.cc HttpCodeFromError, src/grpc/grpc_utils.cc).
+TRITON_STATUS: dict[str, tuple[int, str]] = {
+    "INVALID_ARG": (400, "INVALID_ARGUMENT"),
+    "ALREADY_EXISTS": (400, "ALREADY_EXISTS"),
+    "NOT_FOUND": (404, "NOT_FOUND"),
+    "UNAVAILABLE": (503, "UNAVAILABLE"),
+    "INTERNAL": (500, "INTERNAL"),
+    "UNSUPPORTED": (501, "UNIMPLEMENTED"),
+}
 
 
 # shmserve error code -> HTTP status (KServe: 400 for a bad request, 404 for an unknown model).
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNKNOWN_MODEL: 404,
+    ErrorCode.NOT_FOUND: 404,
     ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.OVERLOADED: 503,
@@ -184,6 +214,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 # shmserve error code -> grpc.StatusCode name.
 GRPC_STATUS: dict[ErrorCode, str] = {
     ErrorCode.UNKNOWN_MODEL: "NOT_FOUND",
+    ErrorCode.NOT_FOUND: "NOT_FOUND",
     ErrorCode.PERMISSION_DENIED: "PERMISSION_DENIED",
     ErrorCode.UNAUTHENTICATED: "UNAUTHENTICATED",
     ErrorCode.OVERLOADED: "UNAVAILABLE",

@@ -100,7 +100,7 @@ class NoRoute(V2Error):
     that are)."""
 
     def __init__(self, message: str, allow: tuple[str, ...] = ()):
-        super().__init__(ErrorCode.UNKNOWN_MODEL if not allow else ErrorCode.BAD_FRAME, message)
+        super().__init__(ErrorCode.NOT_FOUND if not allow else ErrorCode.BAD_FRAME, message)
         self.allow = allow
 
     @property
@@ -125,7 +125,14 @@ def route(method: str, target: str) -> tuple[str, dict[str, str | None], str]:
     if allow:
         raise NoRoute(f"{method} is not allowed on {_show(path)} (use {', '.join(sorted(set(allow)))})",
                       tuple(sorted(set(allow))))
+    if path.rstrip("/") == "/metrics":
+        raise NoRoute(METRICS_ELSEWHERE)
     raise NoRoute(f"no v2 route {_show(path)} (see GET /v2 and docs/v2.md)")
+
+
+# Triton serves /metrics on a port of its own (8002); so does shmserve, when asked.
+METRICS_ELSEWHERE = ("metrics are not served on the v2 door: start the server with --metrics 127.0.0.1:8002 "
+                     "(Triton's metrics port) and scrape http://127.0.0.1:8002/metrics (docs/v2.md, \"Metrics\")")
 
 
 # -- JSON bodies -----------------------------------------------------------------------------------
@@ -153,8 +160,9 @@ def dumps(value) -> bytes:
 
 
 def error_body(error: V2Error) -> bytes:
-    """KServe's error body, with shmserve's stable code in the message and beside it."""
-    return orjson.dumps({"error": f"[{error.code.wire}] {error.message}", "code": error.code.wire})
+    """KServe's error body: ``error.text`` (Triton's wording as it is, else shmserve's stable code
+    in front of the message), and the code beside it."""
+    return orjson.dumps({"error": error.text, "code": error.code.wire})
 
 
 def parameters_of(obj: dict, what: str, allowed: frozenset[str]) -> dict:
@@ -327,20 +335,27 @@ def _parse_input(i: int, item) -> tuple[InputTensor, int | None]:
 def _parse_output(i: int, item) -> RequestedOutput:
     name, what = _tensor_object(item, f"outputs[{i}]", OUTPUT_KEYS, "output")
     params = parameters_of(item, what, OUTPUT_PARAMETERS)
-    if params.get("classification") not in (None, 0):
-        raise _bad(f"{what}: the classification extension is not served; ask for the output and rank it yourself")
+    classes = _int_param(params, "classification", what, MAX_CLASSIFICATION) or 0
     shm = _shm_ref(params, what)
+    if shm is not None and classes:
+        raise V2Error(ErrorCode.BAD_INPUT, f"Output can't set both 'shared_memory_region' and 'classification' "
+                                           f"({what})", "INVALID_ARG")
     binary = _bool_param(params, "binary_data", what)
     if shm is not None and binary:
         raise _bad(f"{what}: binary_data and shared_memory_region exclude each other")
-    return RequestedOutput(name, binary, shm)
+    return RequestedOutput(name, binary, shm, classes)
+
+
+MAX_CLASSIFICATION = 1 << 20  # classes asked for (Triton takes a uint32; more than an output has are all of them)
 
 
 def raw_binary_request(model: str, version: str | None, spec_input, size: int, data) -> InferRequest:
     """The raw-binary form (``Inference-Header-Content-Length: 0``): the whole body is the data of
-    the model's one input ``spec_input`` (a ``TensorSpec``); its shape is the spec's with the one
-    dimension that is not fixed set to fit ``size`` bytes (BYTES: one element, shape [1]).  Every
-    output is answered in binary.  V2Error BAD_INPUT if the size does not fit the spec."""
+    the model's one input ``spec_input`` (a ``TensorSpec``, as ``V2Service.raw_input`` gives it:
+    a batched model's batch dimension is 1); its shape is the spec's with the one dimension that
+    is not fixed set to fit ``size`` bytes (BYTES: one element, every dimension 1).  Every output
+    is answered in binary.  V2Error BAD_INPUT if the size does not fit the spec (Triton's words
+    where it has them)."""
     from shmserve.v2.messages import V2_NAMES
 
     datatype = V2_NAMES.get(spec_input.dtype)
@@ -348,15 +363,19 @@ def raw_binary_request(model: str, version: str | None, spec_input, size: int, d
         raise _bad(f"input {spec_input.name!r}: its dtype {spec_input.dtype} has no v2 datatype")
     what = f"the raw binary body for input {spec_input.name!r}"
     if datatype == "BYTES":
-        if len(spec_input.shape) != 1:
-            raise _bad(f"{what}: a BYTES input takes a raw body only with rank 1")
-        shape = (1,)
+        if any(isinstance(d, int) and d != 1 for d in spec_input.shape):
+            raise V2Error(ErrorCode.BAD_INPUT, f"[request id: <id_unknown>] For BYTE datatype raw input "
+                                               f"'{spec_input.name}', the model must have input shape [1]",
+                          "INVALID_ARG")
+        shape = tuple(1 for _ in spec_input.shape) or (1,)
     else:
         fixed = [d for d in spec_input.shape if isinstance(d, int)]
         free = [i for i, d in enumerate(spec_input.shape) if not isinstance(d, int)]
         per = ITEMSIZE[datatype] * math.prod(fixed)
         if len(free) > 1:
-            raise _bad(f"{what}: the input has {len(free)} dimensions that are not fixed; send a JSON header")
+            raise V2Error(ErrorCode.BAD_INPUT, f"[request id: <id_unknown>] The shape of the raw input "
+                                               f"'{spec_input.name}' can not be deduced because there are more than "
+                                               "one variable-sized dimension", "INVALID_ARG")
         if per == 0 or size % per:
             raise _bad(f"{what}: {size} bytes are not a whole number of {per}-byte rows")
         shape = list(spec_input.shape)
@@ -374,29 +393,41 @@ def raw_binary_request(model: str, version: str | None, spec_input, size: int, d
 _KINDS = {"BOOL": "b", "FP16": "fiu", "BF16": "fiu", "FP32": "fiu", "FP64": "fiu"}
 
 
+def _count_mismatch(what: str, got: int, shape: tuple[int, ...], n: int) -> V2Error:
+    return V2Error(ErrorCode.BAD_INPUT, f"Failed to parse 'data' field: shape does not match true shape ({what}: "
+                                        f"{got} elements of data, shape {list(shape)} needs {n})", "INVALID_ARG")
+
+
 def json_to_bytes(datatype: str, shape: tuple[int, ...], data, what: str) -> bytes:
-    """The raw little-endian bytes of JSON tensor data (a flat or nested list in row-major order;
-    BYTES elements are strings, sent as UTF-8).  V2Error BAD_INPUT if the values are not
-    ``prod(shape)`` of ``datatype`` (a wrong count, a ragged list, a value of the wrong kind or
-    out of range)."""
+    """The raw little-endian bytes of JSON tensor data: its values in row-major order, however the
+    lists nest (flat, as deep as the shape, deeper, or unevenly: Triton reads every value in
+    order), within orjson's nesting limit; BYTES elements are strings, sent as UTF-8.  V2Error
+    BAD_INPUT if the values are not ``prod(shape)`` of ``datatype`` (a wrong count — Triton's
+    words —, a value of the wrong kind or out of range)."""
     n = math.prod(shape)
     if datatype == "BYTES":
-        flat = _flatten_strings(data, what, max(len(shape), 1))
+        flat = _leaves(data if isinstance(data, list) else [data], n)
+        if not all(isinstance(x, str) for x in flat):
+            raise _bad(f"{what}: BYTES data must be strings")
         if len(flat) != n:
-            raise _bad(f"{what}: {len(flat)} elements of data, shape {list(shape)} needs {n}")
-        return serialize_bytes(flat)
+            raise _count_mismatch(what, len(flat), shape, n)
+        return serialize_bytes([x.encode() for x in flat])
     if not isinstance(data, list):
         data = [data]
     try:
         arr = _as_array(data)
-    except (ValueError, OverflowError, TypeError):
-        raise _bad(f"{what}: 'data' is not a regular list of numbers") from None
+        if arr.dtype == object:
+            raise ValueError("not numbers")
+    except (ValueError, OverflowError, TypeError):  # uneven, deeper than numpy's 64 dimensions, or not numbers
+        data = _leaves(data, n)
+        try:
+            arr = np.asarray(data)
+        except (ValueError, OverflowError, TypeError):
+            raise _bad(f"{what}: 'data' is not a list of numbers") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise _bad(f"{what}: 'data' must be a regular list of {'booleans' if datatype == 'BOOL' else 'numbers'}")
+        raise _bad(f"{what}: 'data' must be a list of {'booleans' if datatype == 'BOOL' else 'numbers'}")
     if arr.size != n:
-        raise _bad(f"{what}: {arr.size} elements of data, shape {list(shape)} needs {n}")
-    if arr.ndim > max(len(shape), 1):
-        raise _bad(f"{what}: 'data' is nested {arr.ndim} deep, deeper than shape {list(shape)}")
+        raise _count_mismatch(what, arr.size, shape, n)
     kinds = _KINDS.get(datatype, "iu")
     if kinds == "iu" and arr.dtype.kind == "f":  # integers past int64's range make numpy choose float64
         arr = _exact_integers(data, arr.shape, what)
@@ -461,18 +492,21 @@ def _exact_integers(data, shape: tuple, what: str) -> np.ndarray:
     return np.array(flat.tolist(), dtype=np.uint64).reshape(shape)
 
 
-def _flatten_strings(data, what: str, rank: int, depth: int = 0) -> list[bytes]:
-    """The strings of BYTES data, encoded, in order: lists nested at most ``rank`` deep."""
-    if isinstance(data, str):
-        return [data.encode()]
-    if not isinstance(data, list) or depth >= rank:
-        raise _bad(f"{what}: BYTES data must be a list of strings nested no deeper than its shape")
-    out = []
-    for x in data:
-        if isinstance(x, str):
-            out.append(x.encode())
+def _leaves(data: list, limit: int) -> list:
+    """The values of nested lists ``data`` that are not lists, in row-major order (at most
+    ``limit`` + 1 of them: past that, the count is wrong whatever follows).  No recursion: orjson
+    lets lists nest 1024 deep."""
+    out, stack = [], [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            out.append(x)
+            if len(out) > limit:
+                return out
         else:
-            out.extend(_flatten_strings(x, what, rank, depth + 1))
+            stack.pop()
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -35,20 +36,25 @@ from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.requests import Request
+from shmserve.frontend.status import triton_counts
+from shmserve.v2 import classify
 from shmserve.v2.auth import Authenticator, Identity
 from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
                                   ShmRef, V2Error)
 from shmserve.v2.sysshm import SystemShm
+from shmserve.v2.wording import (byte_size_mismatch, check_inputs, triton_unavailable, unexpected_output,
+                                 unknown_model)
 
 log = logging.getLogger("shmserve.v2")
 
-EXTENSIONS = ("binary_tensor_data", "model_repository", "model_configuration", "system_shared_memory",
-              "cuda_shared_memory", "statistics")
+# CUDA shared memory is not among them: its register is refused (docs/v2.md, "Differences from Triton").
+EXTENSIONS = ("binary_tensor_data", "classification", "model_repository", "model_configuration",
+              "system_shared_memory", "statistics")
 # Triton's repository states (RepositoryIndex): what each lifecycle phase is called there.
 REPOSITORY_STATES = {"loading": "LOADING", SERVING: "READY", "draining": "UNLOADING", "unavailable": "UNAVAILABLE",
                      "evicted": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
 # Triton's model-config backends and platforms for ours.
-PLATFORMS = {"onnx": ("onnxruntime", "onnxruntime_onnx"), "torch": ("pytorch", "pytorch_libtorch"),
+PLATFORMS = {"onnxruntime": ("onnxruntime", "onnxruntime_onnx"), "torch": ("pytorch", "pytorch_libtorch"),
              "tensorrt": ("tensorrt", "tensorrt_plan"), "python": ("python", "python")}
 
 
@@ -337,6 +343,7 @@ class InferCall:
             self._end(None, V2Error(answer.code, answer.message))
             return
         service, req = self.service, self.req
+        service.count_items(self)
         release = (lambda: service.dispatcher.release(req)) if answer.in_arena else None
         try:
             result, writes = service._result(self, answer)
@@ -430,6 +437,7 @@ class V2Service:
         self.auth = auth
         self.ledger = ledger if ledger is not None else Ledger(lambda: 1 << 20, lambda: 1 << 40)
         self.doors: set[V2Door] = set()
+        self.labels: dict[tuple[str, int], tuple[str, ...]] = {}  # (model, version) -> its class labels
         self.started = True
 
     # -- connections ---------------------------------------------------------------------
@@ -464,17 +472,26 @@ class V2Service:
         return {"name": "shmserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
     def _version(self, name: str, version: str | None) -> ModelState:
-        """The version a metadata call names (None: the default, or the newest loaded)."""
+        """The version a metadata call names (None: the default, or the newest loaded).  V2Error
+        in Triton's words (``unknown_model``) for a model or version that does not exist."""
         model = self.models.get(name)
         if model is None or not model.versions:
-            raise V2Error(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+            raise unknown_model(name)
         number = version_number(name, version)
         if number is None:
             number = model.default if model.default is not None else max(model.versions)
         v = model.versions.get(number)
         if v is None:
-            raise V2Error(ErrorCode.UNKNOWN_MODEL, f"model {name!r} has no version {number}")
+            raise unknown_model(name, number)
         return v
+
+    def _refusal(self, exc: ShmserveError, request: InferRequest) -> V2Error:
+        """The dispatcher's refusal of ``request`` as a V2Error: a model or version it cannot
+        serve in Triton's words (``triton_unavailable``), anything else as it is."""
+        if exc.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE):
+            return triton_unavailable(self.models.get(request.model), request.model,
+                                      version_number(request.model, request.version), exc)
+        return _error(exc)
 
     def model_metadata(self, name: str, version: str | None) -> dict:
         """``{"name", "versions": [str], "platform", "inputs": [{"name", "datatype", "shape"}],
@@ -497,16 +514,22 @@ class V2Service:
                 "inputs": tensors(spec.inputs), "outputs": tensors(spec.outputs)}
 
     def raw_input(self, name: str, version: str | None):
-        """The one input (a ``TensorSpec``) of a model a raw binary request names.  V2Error
-        UNKNOWN_MODEL, MODEL_UNAVAILABLE (not loaded yet), BAD_INPUT (it has several inputs)."""
+        """The one input of a model a raw binary request names, as that request gives it: a
+        ``TensorSpec`` whose first dimension is 1 when the model's ``max_batch_size`` > 0 (Triton
+        reads the body as a batch of one).  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE (not loaded
+        yet), BAD_INPUT (it has several inputs)."""
         v = self._version(name, version)
         if v.spec is None:
             raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded: a raw "
                                                        "binary request needs its input's shape; send a JSON header")
         if len(v.spec.inputs) != 1:
-            raise V2Error(ErrorCode.BAD_INPUT, f"a raw binary request (Inference-Header-Content-Length: 0) is for a "
-                                               f"model of one input; {name!r} has {len(v.spec.inputs)}")
-        return v.spec.inputs[0]
+            raise V2Error(ErrorCode.BAD_INPUT, f"[request id: <id_unknown>] Raw request must only have 1 input "
+                                               f"(found 1) to be deduced but got {len(v.spec.inputs)} inputs in "
+                                               f"'{name}' model configuration", "INVALID_ARG")
+        spec_input = v.spec.inputs[0]
+        if v.config.max_batch_size > 0 and spec_input.shape:
+            spec_input = dataclasses.replace(spec_input, shape=(1, *spec_input.shape[1:]))
+        return spec_input
 
     def model_ready(self, name: str, version: str | None) -> bool:
         """V2Error UNKNOWN_MODEL for a model (or version) that does not exist."""
@@ -596,20 +619,23 @@ class V2Service:
     def _submit(self, call: InferCall) -> None:
         caller, request = call.caller, call.request
         door = caller.door
+        known = self._known(request)
+        if known is not None:
+            check_inputs(request, known)
         metas = _input_metas(request)
         for t, meta in zip(request.inputs, metas):
             what = f"input {t.name!r}"
             nbytes = meta.nbytes
             if t.shm is not None:
+                if t.shm.byte_size != nbytes:  # Triton reads exactly the tensor's bytes, never a prefix
+                    raise byte_size_mismatch(request, t.name, nbytes, t.shm.byte_size)
                 region = self.shm.take(caller.key, t.shm, nbytes, what)
                 call.held.append(region)
                 if nbytes:
                     call.sources.append((region, t.shm, what))
             else:
                 if t.data is None or len(t.data) != nbytes:
-                    got = 0 if t.data is None else len(t.data)
-                    raise V2Error(ErrorCode.BAD_INPUT, f"{what} has {got} bytes of data; shape "
-                                                       f"{list(t.shape)} of {t.datatype} needs {nbytes}")
+                    raise byte_size_mismatch(request, t.name, nbytes, 0 if t.data is None else len(t.data))
                 if isinstance(t.data, Incoming) and request.body is None:
                     raise V2Error(ErrorCode.INTERNAL, f"{what}: its bytes have no receiver")
                 if nbytes:
@@ -624,9 +650,18 @@ class V2Service:
         try:
             call.req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
         except ShmserveError as exc:
-            raise _error(exc) from None
+            raise self._refusal(exc, request) from None
         door.pending[call.req] = call
         self.dispatcher.admit(call.req)
+
+    def count_items(self, call: InferCall) -> None:
+        """Count the batch items of ``call``, answered ok, beyond its one request (Triton's
+        ``inference_count`` counts a request of batch 4 as 4): its first input's first dimension
+        when its version's ``max_batch_size`` > 0."""
+        version = call.req.model
+        shape = call.request.inputs[0].shape if call.request.inputs else ()
+        if version.config.max_batch_size > 0 and shape and shape[0] > 1:
+            self.status.batch_items[(version.name, version.version)] += shape[0] - 1
 
     def _give_back(self, regions: list) -> None:
         for region in regions:
@@ -638,17 +673,30 @@ class V2Service:
         names = set()
         for o in request.outputs:
             if o.name in names:
-                raise V2Error(ErrorCode.BAD_INPUT, f"output {o.name!r} is asked for twice")
+                raise V2Error(ErrorCode.BAD_INPUT, f"output '{o.name}' already exists in request", "INVALID_ARG")
             names.add(o.name)
-        model = self.models.get(request.model)
-        v = model.current if model is not None else None
-        if v is not None and v.spec is not None and request.version in (None, ""):
+        v = self._known(request)
+        if v is not None:
             known = {t.name for t in v.spec.outputs}
             for o in request.outputs:
                 if o.name not in known:
-                    raise V2Error(ErrorCode.BAD_INPUT, f"model {request.model!r} has no output {o.name!r} "
-                                                       f"(outputs: {', '.join(sorted(known))})")
+                    raise unexpected_output(request.model, o.name)
         return request.outputs
+
+    def _known(self, request: InferRequest) -> ModelState | None:
+        """The version whose spec a request is checked against in Triton's words before the
+        dispatcher sees it: the version it names, else the model's default; None when that is
+        not known yet (never loaded: the dispatcher checks it once it is) or does not exist (the
+        dispatcher refuses it: ``_refusal``)."""
+        model = self.models.get(request.model)
+        if model is None:
+            return None
+        try:
+            number = version_number(request.model, request.version)
+        except V2Error:
+            return None
+        v = model.versions.get(number if number is not None else model.default)
+        return v if v is not None and v.spec is not None else None
 
     def _result(self, call: InferCall, answer: Outputs) -> tuple[InferResult, list]:
         """The result of ``answer`` in the order asked for, and the region writes of its
@@ -661,8 +709,7 @@ class V2Service:
         for name, asked in order:
             o = by_name.get(name)
             if o is None:
-                raise V2Error(ErrorCode.BAD_INPUT, f"model {request.model!r} has no output {name!r} "
-                                                   f"(outputs: {', '.join(sorted(by_name))})")
+                raise unexpected_output(request.model, name)
             datatype = V2_NAMES.get(o.dtype, o.dtype.upper())
             if asked is not None and asked.shm is not None:
                 what = f"output {name!r}"
@@ -674,10 +721,25 @@ class V2Service:
                     SystemShm.write_from(region, asked.shm, o.view, what)
                 out.append(OutputTensor(name, datatype, tuple(o.shape), None,
                                         ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
+            elif asked is not None and asked.classification:
+                version = call.req.model
+                shape, data = classify.top_k(datatype, tuple(o.shape), o.view, asked.classification,
+                                             version.config.max_batch_size > 0, self._labels(version),
+                                             f"output {name!r}")
+                out.append(OutputTensor(name, "BYTES", shape, data, None, bool(asked.binary)))
             else:
+                # As Triton's server: an output the request lists is binary only if its own
+                # binary_data says so; binary_data_output is the form of those it does not list.
                 out.append(OutputTensor(name, datatype, tuple(o.shape), o.view if o.nbytes else b"",
-                                        None, asked.binary if asked is not None else None))
+                                        None, bool(asked.binary) if asked is not None else None))
         return InferResult(request.model, str(call.req.model.version), request.id, out), writes
+
+    def _labels(self, version: ModelState) -> tuple[str, ...]:
+        """A version's class labels (``classify.read_labels``), read once."""
+        labels = self.labels.get((version.name, version.version))
+        if labels is None:
+            labels = self.labels[(version.name, version.version)] = classify.read_labels(version.config)
+        return labels
 
     # -- system shared memory ------------------------------------------------------------
 
@@ -694,10 +756,11 @@ class V2Service:
         self.shm.register(caller.key, identity.uid, name, key, offset, byte_size, exact=not identity.key.startswith("uid:"))
 
     async def shm_unregister(self, caller: Caller, name: str | None) -> None:
-        """Unregister ``name`` (None: all of the caller's), once the requests using it are done.
+        """Unregister ``name`` (None: all of the caller's) as Triton does (``SystemShm.unregister``:
+        at once; a region requests still use goes when they are done, listed until then).
         Unknown names are not an error (as Triton)."""
         self._need(caller, "shm_unregister")
-        await self.shm.unregister(caller.key, name)
+        self.shm.unregister(caller.key, name)
 
     def shm_status(self, caller: Caller, name: str | None) -> list[dict]:
         """``[{"name", "key", "offset", "byte_size"}]`` of the caller's regions.  V2Error
@@ -781,24 +844,23 @@ class V2Service:
         """Triton's statistics: ``{"model_stats": [{"name", "version", "last_inference",
         "inference_count", "execution_count", "inference_stats": {"success", "fail", "queue",
         "compute_input", "compute_infer", "compute_output": {"count", "ns"}}, "batch_stats":
-        []}]}`` from the counters and histograms the server keeps.  V2Error UNKNOWN_MODEL."""
+        []}]}`` from the counters and histograms the server keeps (``triton_counts``).  V2Error
+        UNKNOWN_MODEL."""
         self._need(caller, "statistics")
         if name:
             versions = [self._version(name, version)] if version else \
                 [v for v in self.models.versions() if v.name == name]
             if not versions:
-                raise V2Error(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+                raise unknown_model(name)
         else:
             versions = self.models.versions()
-        outcomes = self.dispatcher.outcomes
-        snap = {(m.name, m.version): m for m in self.status.snapshot().models}
+        snap = self.status.snapshot()
+        by_version = {(m.name, m.version): m for m in snap.models}
         now_wall, now_mono = time.time(), time.monotonic()
         stats = []
         for v in versions:
-            m = snap.get((v.name, v.version))
-            ok = outcomes.get((v.name, v.version, "ok"), 0)
-            failed = sum(n for (model, ver, code), n in outcomes.items()
-                         if model == v.name and ver == v.version and code != "ok")
+            m = by_version.get((v.name, v.version))
+            counts = triton_counts(snap, m) if m is not None else None
 
             def stage(key, m=m):
                 if m is None:
@@ -806,13 +868,13 @@ class V2Service:
                 buckets, total_us = m.histograms[key]
                 return {"count": sum(buckets), "ns": int(total_us * 1000)}
 
-            batch_buckets, _ = m.histograms["batch_size"] if m is not None else ((), 0)
             stats.append({
                 "name": v.name, "version": str(v.version),
                 "last_inference": int((now_wall - (now_mono - v.last_used)) * 1000) if v.last_used else 0,
-                "inference_count": ok, "execution_count": sum(batch_buckets),
-                "inference_stats": {"success": {"count": ok, "ns": stage("total")["ns"]},
-                                    "fail": {"count": failed, "ns": 0},
+                "inference_count": counts.items if counts else 0,
+                "execution_count": counts.executions if counts else 0,
+                "inference_stats": {"success": {"count": counts.success if counts else 0, "ns": stage("total")["ns"]},
+                                    "fail": {"count": counts.failure if counts else 0, "ns": 0},
                                     "queue": stage("queue"), "compute_input": stage("copy_in"),
                                     "compute_infer": stage("compute"), "compute_output": stage("copy_out")},
                 "batch_stats": []})

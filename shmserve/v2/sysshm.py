@@ -4,7 +4,7 @@ Owns: the registered regions (per caller, ``owner``: an identity's key, so
 one caller's names never reach another's; the object must belong to the
 caller's uid), the checks at registration and at every use, reading a
 request's inputs out of a region and writing its outputs into one, and
-unregistering (which waits for the requests that use the region).
+unregistering (which lets the requests that use the region finish first).
 
 Triton's security history (CVE-2025-23319, -23320, -23334: a key naming the
 server's own segments, offsets past the end, use after unregister) sets the
@@ -39,10 +39,11 @@ rules here:
   /dev/shm is full included) is a ``V2Error`` of the request, never an
   ``OSError`` on the answer path;
 - keys never appear in an error message (``status`` shows a caller its own);
-- unregistering marks the region closing at once (no new request may name
-  it); its descriptor is closed when its last user gives it back, whether or
-  not whoever asked for the unregister is still waiting (a cancelled
-  unregister finishes all the same, and the name is free again).
+- unregistering returns at once, as Triton's does: a region no request uses
+  goes then; one in use is marked closing (no new request may name it, where
+  Triton would still serve them: so every unregister ends), is still listed
+  by ``status``, and goes — its descriptor closed, its name free again — when
+  its last user gives it back.
 
 Costs: one copy in (``pread`` straight into the request's arena space) and
 one out (``pwrite`` from the arena), the same as the Unix socket's inline
@@ -54,11 +55,10 @@ client's object (a truncation under a mapping is a SIGBUS in the server).
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shmserve import layout
 from shmserve.errors import ErrorCode
@@ -79,24 +79,27 @@ class ShmRegion:
     offset: int
     byte_size: int
     users: int = 0  # requests reading or writing it now
-    closing: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: bool = False  # unregistered: it goes when its last user gives it back
 
 
-def _bad(message: str) -> V2Error:
-    return V2Error(ErrorCode.BAD_REGION, message)
+def _bad(message: str, triton: str | None = None) -> V2Error:
+    """A BAD_REGION refusal (``triton``: its message is Triton's wording, of that status class)."""
+    return V2Error(ErrorCode.BAD_REGION, message, triton)
 
 
-def object_name(key: str) -> str:
-    """The /dev/shm entry a key names (leading slashes stripped).  V2Error BAD_REGION for a key
-    that is not one plain name (the message does not repeat it)."""
+def object_name(key: str, region: str = "") -> str:
+    """The /dev/shm entry a key names (leading slashes stripped) for registering ``region``.
+    V2Error BAD_REGION for a key that is not one plain name, in Triton's words where it has them
+    (the message does not repeat the key)."""
+    refused = f"cannot register shared memory region '{region}' - invalid shm key"
     if not isinstance(key, str) or not key or len(key) > KEY_MAX:
-        raise _bad(f"the key must be a shared-memory name of 1 to {KEY_MAX} characters")
+        raise _bad(f"{refused}: it must be a shared-memory name of 1 to {KEY_MAX} characters", "INVALID_ARG")
     name = key.lstrip("/")
     if not name or "/" in name or "\0" in name or name in (".", ".."):
-        raise _bad("the key must be one shared-memory name (like '/my_region'), not a path")
+        raise _bad(f"{refused}: it must be one shared-memory name (like '/my_region'), not a path", "INVALID_ARG")
     if name.startswith(layout.NAME_PREFIX):
-        raise _bad(f"keys beginning '{layout.NAME_PREFIX}' are shmserve's own segments and cannot be registered")
+        raise _bad(f"cannot register shared memory region '{region}' as the key contains the reserved prefix "
+                   f"'{layout.NAME_PREFIX}' (shmserve's own segments)", "INVALID_ARG")
     return name
 
 
@@ -134,31 +137,33 @@ class SystemShm:
         if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 0:
             raise _bad(f"region {name!r}: offset and byte_size must be integers >= 0")
         if (owner, name) in self.regions:
-            raise _bad(f"region {name!r} is already registered: unregister it first")
+            raise V2Error(ErrorCode.BAD_REGION, f"shared memory region '{name}' already in manager", "ALREADY_EXISTS")
         if sum(r.owner == owner for r in self.regions.values()) >= self.max_per_uid:
             raise V2Error(ErrorCode.OVERLOADED, f"{self.max_per_uid} regions registered by this caller "
                                                 f"(server.max_regions_per_uid)")
         if len(self.regions) >= self.max_total:
             raise V2Error(ErrorCode.OVERLOADED, f"{self.max_total} regions registered on this server "
                                                 f"(server.max_regions)")
-        path = os.path.join(SHM_DIR, object_name(key))
+        path = os.path.join(SHM_DIR, object_name(key, name))
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
-            raise _bad(f"region {name!r}: no shared-memory object by that key") from None
+            raise _bad(f"Unable to open shared memory region for '{name}': no shared-memory object by that key",
+                       "INVALID_ARG") from None
         except OSError as exc:
-            raise _bad(f"region {name!r}: the key cannot be opened ({os.strerror(exc.errno)}); it must be "
-                       "a shared-memory object of the caller's uid") from None
+            raise _bad(f"Unable to open shared memory region for '{name}': the key cannot be opened "
+                       f"({os.strerror(exc.errno)}); it must be a shared-memory object of the caller's uid",
+                       "INVALID_ARG") from None
         try:
             st = os.fstat(fd)
             problem = self._problem(st, uid, offset, byte_size, exact)
             if problem:
-                raise _bad(f"region {name!r}: {problem}")
+                raise _bad(f"failed to register shared memory region '{name}': invalid args: {problem}",
+                           "INVALID_ARG")
         except BaseException:
             os.close(fd)
             raise
         region = ShmRegion(name, key, owner, fd, offset, byte_size)
-        region.idle.set()
         self.regions[(owner, name)] = region
         return region
 
@@ -178,17 +183,16 @@ class SystemShm:
                     f"({st.st_size} bytes)")
         return ""
 
-    async def unregister(self, owner: str, name: str | None) -> None:
-        """Unregister ``name`` (None: all of ``owner``'s); returns once no request uses it (unknown
-        names are ignored).  New requests cannot name it from the start; it is gone (its name free
-        again) as soon as its last user gives it back, even if this wait is cancelled."""
-        targets = [r for (o, n), r in self.regions.items() if o == owner and (name is None or n == name)]
-        for r in targets:
+    def unregister(self, owner: str, name: str | None) -> None:
+        """Unregister ``name`` (None: all of ``owner``'s; unknown names are ignored), as Triton
+        does: at once if no request uses it, else it is marked closing and goes (its descriptor
+        closed, its name free again) when its last request gives it back; meanwhile ``status``
+        still lists it.  Unlike Triton, no new request may name a closing region, so an
+        unregister always ends."""
+        for r in [r for (o, n), r in self.regions.items() if o == owner and (name is None or n == name)]:
             r.closing = True
             if r.users == 0:
                 self._remove(r)
-        for r in targets:
-            await r.idle.wait()
 
     def _remove(self, r: ShmRegion) -> None:
         """Forget a closing region nobody uses and close its descriptor (once)."""
@@ -199,11 +203,14 @@ class SystemShm:
             r.fd = -1
 
     def status(self, owner: str, name: str | None) -> list[dict]:
-        if name is not None and ((owner, name) not in self.regions or self.regions[(owner, name)].closing):
-            raise _bad(f"no region {name!r} is registered")
+        """``owner``'s regions (``name``: that one), those being unregistered included until their
+        last request is done (as Triton lists them).  V2Error BAD_REGION (Triton's NOT_FOUND) for
+        an unknown ``name``."""
+        if name is not None and (owner, name) not in self.regions:
+            raise _bad(f"Unable to find system shared memory region: '{name}'", "NOT_FOUND")
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                 for (o, n), r in sorted(self.regions.items(), key=lambda kv: kv[0][1])
-                if o == owner and not r.closing and (name is None or n == name)]
+                if o == owner and (name is None or n == name)]
 
     def close_all(self) -> None:
         for r in self.regions.values():
@@ -219,31 +226,35 @@ class SystemShm:
         V2Error BAD_REGION: no such region (or it is being unregistered), or ``nbytes`` at
         ``ref.offset`` does not fit in ``ref.byte_size`` or the registered range."""
         r = self.regions.get((owner, ref.region))
-        if r is None or r.closing:
-            raise _bad(f"{what}: no region {ref.region!r} is registered")
+        if r is None:
+            raise _bad(f"Unable to find shared memory region: '{ref.region}'", "NOT_FOUND")
+        if r.closing:  # Triton would still serve it: see docs/v2.md, "Differences from Triton"
+            raise _bad(f"Unable to find shared memory region: '{ref.region}' (it is being unregistered: its "
+                       "requests in flight finish, no new one may name it)", "NOT_FOUND")
         if type(ref.offset) is not int or type(ref.byte_size) is not int or ref.offset < 0 or ref.byte_size < 0:
             raise _bad(f"{what}: shared_memory_offset and shared_memory_byte_size must be integers >= 0")
+        if ref.offset >= r.byte_size and (ref.offset or ref.byte_size):
+            raise _bad(f"Invalid offset for shared memory region: '{ref.region}' ({what}: offset {ref.offset}, "
+                       f"the region has {r.byte_size} bytes)", "INVALID_ARG")
         if ref.offset + ref.byte_size > r.byte_size:
-            raise _bad(f"{what}: offset {ref.offset} + byte_size {ref.byte_size} is past the end of region "
-                       f"{ref.region!r} ({r.byte_size} bytes)")
+            raise _bad(f"Invalid offset + byte size for shared memory region: '{ref.region}' ({what}: offset "
+                       f"{ref.offset} + byte_size {ref.byte_size}, the region has {r.byte_size} bytes)", "INVALID_ARG")
         SystemShm.fits(ref, nbytes, what)
         r.users += 1
-        r.idle.clear()
         return r
 
     @staticmethod
     def fits(ref: ShmRef, nbytes: int, what: str) -> None:
         """V2Error BAD_REGION if ``nbytes`` do not fit in ``ref.byte_size``."""
         if nbytes > ref.byte_size:
-            raise _bad(f"{what}: needs {nbytes} bytes, shared_memory_byte_size is {ref.byte_size}")
+            raise _bad(f"shared memory size specified with the request for {what} ({ref.byte_size} bytes) should "
+                       f"be at least {nbytes} bytes to hold the results", "INVALID_ARG")
 
     def give_back(self, r: ShmRegion) -> None:
         """A request is done with ``r`` (``take``); the last user of a closing region removes it."""
         r.users -= 1
-        if r.users == 0:
-            if r.closing:
-                self._remove(r)
-            r.idle.set()
+        if r.users == 0 and r.closing:
+            self._remove(r)
 
     @staticmethod
     def read_into(r: ShmRegion, ref: ShmRef, sink: memoryview, what: str) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from shmserve import _atomics as atomics
-from shmserve import lanes, layout, protocol, workerlink
+from shmserve import lanes, layout, protocol, reservations, workerlink
 from shmserve.arena import Arena, SlotConflict, transition_slot
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
@@ -179,7 +179,7 @@ class FakeModel:
     outputs: tuple[TensorSpec, ...]
     compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
     instances: int = 1
-    max_output_bytes: int = 4096  # reserved per output whose size the inputs do not bind
+    max_output_bytes: int = 4096  # the most one output may take (and what is guessed for one no input sizes)
     check_dims: tuple[str, ...] = ()  # named dimensions its inputs must agree on
 
     def config(self) -> ModelConfig:
@@ -195,7 +195,7 @@ ADD = FakeModel("add", (TensorSpec("x", "float32", ("n",)),), (TensorSpec("y", "
 PAIR = FakeModel("pair", (TensorSpec("a", "int32", (2, "k")), TensorSpec("b", "int32", (2, "k"))),
                  (TensorSpec("sum", "int32", (2, "k")), TensorSpec("diff", "int32", (2, "k"))),
                  lambda t: {"sum": t["a"] + t["b"], "diff": t["a"] - t["b"]}, check_dims=("k",))
-# Its output has a dimension no input binds: the dispatcher reserves max_output_bytes for it.
+# Its output has a dimension no input binds: the dispatcher guesses max_output_bytes for it.
 TAIL = FakeModel("tail", (TensorSpec("x", "uint8", (None,)),), (TensorSpec("y", "uint8", (None,)),),
                  lambda t: {"y": t["x"][::-1].copy()}, max_output_bytes=1024)
 
@@ -566,21 +566,23 @@ class FakeWorker:
     def complete(self, job: Job, outputs: dict[str, np.ndarray] | None = None, *, push: bool = True,
                  tamper: Callable | None = None) -> None:
         """Run the model on the job's inputs (or take ``outputs``), lay the outputs out in its output
-        area the way ``workers.main.OutputPlacer`` does and publish DONE; OUTPUT_TOO_LARGE (ERROR)
-        if they do not fit.  ``push=False``: publish but die before pushing the completion.
+        area the way ``workers.step.OutputPlacer`` does and publish DONE; if they do not fit, its
+        short answer (ERROR OUTPUT_TOO_LARGE saying what they need, ``shmserve.reservations``).  ``push=False``: publish but die before pushing the completion.
         ``tamper(buf, geometry, index, first_output)`` rewrites descriptors before DONE."""
         space, spec = job.space, self.model.spec()
         slot = layout.decode_slot_request(space.buf, space.geometry, job.index)
         results = self.model.compute(self.inputs(job)) if outputs is None else outputs
         target = self._map(slot.out_region)
         placed, pos = [], 0
-        for i, t in enumerate(spec.outputs):
-            arr = np.ascontiguousarray(results[t.name])
+        arrays = [np.ascontiguousarray(results[t.name]) for t in spec.outputs]
+        for arr in arrays:
+            pos = layout.align_tensor(pos) + arr.nbytes
+        if pos > slot.out_capacity:
+            self.fail(job, ErrorCode.OUTPUT_TOO_LARGE, reservations.short_message(pos, slot.out_capacity), push=push)
+            return
+        pos = 0
+        for i, arr in enumerate(arrays):
             pos = layout.align_tensor(pos)
-            if pos + arr.nbytes > slot.out_capacity:
-                self.fail(job, ErrorCode.OUTPUT_TOO_LARGE, f"outputs need more than the {slot.out_capacity} bytes "
-                                                           f"reserved for them", push=push)
-                return
             offset = slot.out_off + pos
             target[offset:offset + arr.nbytes] = arr.tobytes()
             placed.append((i, arr.dtype, arr.shape, offset))

@@ -205,7 +205,7 @@ class World:
         world.lifecycle = life = Lifecycle(fe.models, world.supervisor, d, regions, lambda: world.config,
                                            clock=fe.clock, startup_timeout=30.0,
                                            finished=lambda w: fe.arena.worker_counter(w.index, "requests"),
-                                           lane_outcomes=lambda w: layout.read_lane_outcomes(fe.arena.buf,
+                                           lane_counts=lambda w: layout.read_lane_outcomes(fe.arena.buf,
                                                                                              fe.arena.geometry,
                                                                                              w.index))
         d.load_on_demand, d.observe = life.load_on_demand, life.observe

@@ -81,11 +81,12 @@ class Response:
 
     @property
     def code(self) -> str | None:
-        """The stable shmserve code of an error answer (and the error text says it too)."""
+        """The stable shmserve code of an error answer (the error text says it too, in front,
+        unless the text is Triton's own wording: then it is never in front of it)."""
         if self.status < 400:
             return None
         body = json.loads(bytes(self.body))
-        assert body["error"].startswith(f"[{body['code']}] "), body
+        assert body["error"].startswith(f"[{body['code']}] ") or not body["error"].startswith(f"[{body['code']}]"), body
         return body["code"]
 
     @property

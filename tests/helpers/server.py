@@ -247,3 +247,20 @@ def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_
     for t in threads:
         t.join(120)
     return results
+
+
+def scrape_text(path: str) -> str:
+    """The body of one scrape of a server's metrics endpoint (``serve --metrics PATH``, a Unix
+    socket); the answer must be a 200."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return body.decode()

@@ -61,6 +61,47 @@ def die_with_parent() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class ClientProcess:
+    """A client process of a soak (``argv``, with ``env``; ``stdin``: a line written to it, then
+    closed): its output lines arrive on a queue a thread fills, ``kind`` names it in reports."""
+
+    def __init__(self, kind: str, argv: list[str], env: dict, stdin: str | None = None):
+        import queue
+
+        self.kind = kind
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
+                                     stdin=subprocess.PIPE if stdin is not None else None)
+        if stdin is not None:
+            self.proc.stdin.write(stdin + "\n")
+            self.proc.stdin.close()
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def next_line(self, timeout: float) -> str | None:
+        """Its next output line; None once it ended, or after ``timeout`` seconds without one."""
+        import queue
+
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def result(self, timeout: float) -> dict:
+        """Its counts (a JSON line), once it has seen the stop file (or how it ended instead)."""
+        line = self.next_line(timeout)
+        return json.loads(line) if line and line.startswith("{") else {"kind": self.kind, "ended": line}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
 # -- well-behaved clients ---------------------------------------------------------------------
 
 def random_input(rng: np.random.Generator, model: str, max_bytes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -73,6 +73,17 @@ class Bearer:
         request.headers["authorization"] = self.value
 
 
+@contextlib.contextmanager
+def triton_client(module, address: str, role: str = "admin"):
+    """A ``module`` (tritonclient.http or .grpc) client of ``address`` presenting the ``role``
+    token, closed on the way out."""
+    client = authed(module.InferenceServerClient(address), role)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def authed(client, role: str = "admin"):
     """``client`` (tritonclient.http or .grpc) presenting the ``role`` token from now on."""
     client.register_plugin(Bearer(role))
@@ -280,7 +291,8 @@ def _Presenting(metadata: dict):
 
 def grpc_refused(call, status: str, code: str | None = None) -> str:
     """``call()`` fails with gRPC ``status`` (a StatusCode name) and, given, shmserve's stable
-    ``code`` at the start of its details; returns the details."""
+    ``code`` at the start of its details, or beside Triton's words (the trailing metadata
+    ``shmserve-code``); returns the details."""
     import grpc
 
     try:
@@ -288,6 +300,7 @@ def grpc_refused(call, status: str, code: str | None = None) -> str:
     except grpc.RpcError as exc:
         assert exc.code() == getattr(grpc.StatusCode, status), (exc.code(), exc.details())
         if code is not None:
-            assert exc.details().startswith(f"[{code}] "), exc.details()
+            beside = dict(exc.trailing_metadata() or ()).get("shmserve-code")
+            assert exc.details().startswith(f"[{code}] ") or beside == code, (exc.details(), beside)
         return exc.details()
     raise AssertionError(f"succeeded; expected {status}")

@@ -39,9 +39,18 @@ into the request's output area.  Rules:
   area, bound as above; several requests' rows are an output ONNX Runtime
   allocates, each request's rows copied into its own area (the copy the
   worker made before).
+* A binding is kept per set of addresses (its inputs' and outputs'), up to
+  ``BINDINGS_MAX``, and run again unchanged when a request's tensors are at
+  the same addresses, as a lane's seat, a zero-copy call and a reused arena
+  extent are: binding costs more than running (two binds and the outputs'
+  check, ~10 us at 4 KiB against ~4 us for the run), a kept one nothing.  An
+  address set met for the first time is bound only when its outputs are at
+  least ``BIND_FRESH_BYTES`` (the copy then costs more than binding); a
+  smaller one runs plain and copies, and is bound when it is met again.
 * ``io_binding = false`` in the options keeps the plain run and its copy
   (what ``tools/bench_backend_io.py`` compares against).
-* ``io`` counts the runs each way (``bound``, ``copied``) and ``binding_off``
+* ``io`` counts the runs each way (``bound``, ``copied``; ``reused``: bound runs
+  of a kept binding) and ``binding_off``
   says why binding is off, for tests and benchmarks in the same process.
 
 Overlapping tensors: a lane client may place an input over its own output
@@ -62,6 +71,7 @@ import logging
 import numpy as np
 
 from shmserve import layout
+from shmserve._atomics import address as address_of  # a view's data pointer (ctypes.data costs ~2 us)
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
@@ -71,6 +81,12 @@ from workers.step import RequestFailed
 
 SIGNATURES_MAX = 1024  # input signatures whose output shapes were checked (then all forgotten at once),
                        # as workers.step.LANE_SIGNATURES_MAX
+BINDINGS_MAX = 256  # bindings kept per model, by address set (then all forgotten at once)
+# Outputs from this size on are bound the first time their addresses are met: measured on the 2-vCPU VM
+# (2026-12-02, an Add of float32[1, n], one thread): a plain run and its copy against a fresh binding
+# 5.0/10.5 us at 4 KiB, 13.4/23.4 us at 256 KiB, 53.9/43.6 us at 1 MiB; a kept binding run again
+# 3.7, 8.3, 28.7 us (tools/bench_backend_io.py --binding).
+BIND_FRESH_BYTES = 512 << 10
 log = logging.getLogger("shmserve.worker.onnxruntime")
 
 _ORT_TYPES = {
@@ -165,7 +181,8 @@ class OnnxRuntimeBackend:
         self._bf16_inputs = frozenset(t.name for t in self.inputs if t.dtype == "bfloat16")
         self._bf16_outputs = frozenset(t.name for t in self.outputs if t.dtype == "bfloat16")
         self._declared = (self.inputs, self.outputs)  # the final specs, once the worker declares them
-        self.io = {"bound": 0, "copied": 0}  # runs written in place / copied (the header's rules)
+        self._output_dtypes: dict[str, np.dtype] = {}  # output name -> its declared dtype
+        self.io = {"bound": 0, "copied": 0, "reused": 0}  # runs written in place / copied; bound runs of a kept binding
         self.binding_off: str | None = None  # why nothing is bound (None: binding is on)
         self._checked: dict[tuple, tuple | None] = {}  # signature -> output shapes to bind (None: copy)
         # Chosen once: a model with bfloat16 or string tensors, or on CUDA, keeps a run of its own; any
@@ -178,13 +195,15 @@ class OnnxRuntimeBackend:
         elif strings or providers != ["CPUExecutionProvider"] or not _flag(o.get("io_binding", True)):
             pass
         else:
-            self._binding = self.session.io_binding()
+            self._bindings: dict[tuple, object] = {}  # (signature, input and output addresses) -> IOBinding
+            self._met: set[tuple] = set()  # address sets run once, plain: bound if met again
             self.run_into = self._run_into
             self.accepts_row_splits = True
 
     def declare(self, inputs, outputs) -> None:
         """The worker tells the final (config-merged) specs: what output shapes are predicted from."""
         self._declared = (tuple(inputs), tuple(outputs))
+        self._output_dtypes.clear()
         self._checked.clear()
 
     def run(self, inputs):
@@ -220,49 +239,78 @@ class OnnxRuntimeBackend:
 
     def _run_into(self, inputs, allocate) -> None:
         """Run in place: bound where this signature's output shapes were checked, else a plain
-        run whose outputs are copied into ``allocate``'s views (and which checks them)."""
+        run whose outputs are copied into ``allocate``'s views (and which checks them).  A binding
+        is kept per set of addresses (``_bindings``) and run again as it is when a request's tensors
+        are at the same addresses (a lane's seat, a zero-copy call, a reused arena extent); a set
+        met for the first time is bound only if its outputs are large enough for the copy to cost
+        more than binding (``BIND_FRESH_BYTES``), else it runs plain and is bound when met again."""
         signature = tuple((n, v.dtype, v.shape) for n, v in inputs.items())
         shapes = self._checked.get(signature, _UNCHECKED)
         if shapes is None or shapes is _UNCHECKED or self.binding_off is not None:
             self._run_copied(inputs, allocate, signature if shapes is _UNCHECKED else None)
             return
-        binding, held, targets = self._binding, [], []
-        for name, view in inputs.items():
+        sources, held = [], []
+        for view in inputs.values():
             if not view.flags.c_contiguous:  # a warm-up sample file in Fortran order; never a slot's view
                 view = np.ascontiguousarray(view)
                 held.append(view)
-            binding.bind_input(name, "cpu", 0, view.dtype.type, view.shape, view.ctypes.data)
+            sources.append((view, address_of(view)))
+        targets = []  # (output view or RowSplit, the address bound: 0 where ORT allocates)
         for name, shape in zip(self._output_names, shapes):
             dst = allocate(name, shape, self._output_dtype(name))
             view = dst.parts[0].view if type(dst) is RowSplit and len(dst.parts) == 1 else dst
-            if type(view) is RowSplit:  # several requests' rows: ORT allocates, the rows are copied
+            targets.append((view, 0 if type(view) is RowSplit else address_of(view)))
+        key = (signature, *(address for _, address in sources), *(address for _, address in targets))
+        binding = self._bindings.get(key)
+        if binding is not None and not held:
+            self.session.run_with_iobinding(binding)  # the same addresses: ORT writes where it wrote before
+            self.io["bound"] += 1
+            self.io["reused"] += 1
+            return
+        keep = not held and all(address for _, address in targets)
+        if keep and key not in self._met and sum(v.nbytes for v, _ in targets) < BIND_FRESH_BYTES:
+            if len(self._met) >= BINDINGS_MAX:
+                self._met.clear()
+            self._met.add(key)  # bound when met again: a first binding costs more than a small copy
+            self._run_copied(inputs, allocate, None, targets=[v for v, _ in targets])
+            return
+        binding = self.session.io_binding()
+        for name, (view, address) in zip(inputs, sources):
+            binding.bind_input(name, "cpu", 0, view.dtype.type, view.shape, address)
+        for name, (view, address) in zip(self._output_names, targets):
+            if address:
+                binding.bind_output(name, "cpu", 0, view.dtype.type, view.shape, address)
+            else:  # several requests' rows: ORT allocates, the rows are copied
                 binding.bind_output(name, "cpu")
-                targets.append((view, 0))
-                continue
-            address = view.ctypes.data
-            binding.bind_output(name, "cpu", 0, view.dtype.type, view.shape, address)
-            targets.append((view, address))
         try:
             self.session.run_with_iobinding(binding)
         except Exception:
             self._checked[signature] = None  # whatever it was, this signature copies from now on
             raise
+        own = False
         for (dst, address), value in zip(targets, binding.get_outputs()):
             if address == 0:
                 _write(value.numpy(), dst)
             elif dst.nbytes and value.data_ptr() != address:
                 np.copyto(dst, value.numpy(), casting="no")
-                self._switch_off("ONNX Runtime answered an output with a buffer of its own instead of writing into "
-                                 "the bound one (a graph input that is also an output does that)")
+                own = True
         del held
         self.io["bound"] += 1
+        if own:
+            self._switch_off("ONNX Runtime answered an output with a buffer of its own instead of writing into "
+                             "the bound one (a graph input that is also an output does that)")
+        elif keep:
+            if len(self._bindings) >= BINDINGS_MAX:
+                self._bindings.clear()
+            self._bindings[key] = binding
 
-    def _run_copied(self, inputs, allocate, signature: tuple | None) -> None:
-        """The plain run, each output copied into ``allocate``'s view; with ``signature`` (not seen
-        before) it also checks whether the spec predicts this run's output shapes."""
+    def _run_copied(self, inputs, allocate, signature: tuple | None, targets: list | None = None) -> None:
+        """The plain run, each output copied into ``allocate``'s view (or into ``targets``, views
+        already allocated for the shapes checked); with ``signature`` (not seen before) it also
+        checks whether the spec predicts this run's output shapes."""
         results = self.session.run(self._output_names, dict(inputs))
-        for name, value in zip(self._output_names, results):
-            _write(value, allocate(name, value.shape, value.dtype))
+        for i, (name, value) in enumerate(zip(self._output_names, results)):
+            _write(value, targets[i] if targets is not None else allocate(name, value.shape, value.dtype))
         self.io["copied"] += 1
         if signature is None:
             return
@@ -289,10 +337,14 @@ class OnnxRuntimeBackend:
         return None if any(shape is None for shape in predicted) else predicted
 
     def _output_dtype(self, name: str) -> np.dtype:
-        for t in self._declared[1]:
-            if t.name == name:
-                return layout.numpy_dtype(t.dtype)
-        raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
+        dtype = self._output_dtypes.get(name)
+        if dtype is None:
+            for t in self._declared[1]:
+                if t.name == name:
+                    dtype = self._output_dtypes[name] = layout.numpy_dtype(t.dtype)
+                    return dtype
+            raise RequestFailed(ErrorCode.MODEL_ERROR, f"model produced an undeclared output {name!r}")
+        return dtype
 
     def _switch_off(self, why: str) -> None:
         if self.binding_off is None:
