@@ -580,3 +580,17 @@ def test_a_candidate_canaried_again_after_its_lane_moved_gets_a_lane_of_its_own_
         infer(op, server, x)
     assert server.kinds().count(Kind.OPEN_REGION) == opened + 1 and Kind.INFER not in server.kinds()
     assert set(by_version(server)) == {1, 2} and core.infer_lanes[("m", 2)] is not moved
+
+
+def test_a_call_without_a_key_the_split_sent_to_a_lane_that_cannot_take_it_is_routed_by_the_server(core):
+    """The split picked the candidate for a call without a key, but its lane has no worker now (a
+    rollback is moving it to the stable version): over the socket the call names no version, and the
+    server routes it (the lifecycle soak caught such calls naming the candidate, which was draining:
+    model_unavailable)."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 100.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    infer(op, server, x)  # (the spec and route read, the candidate's lane opened)
+    lanes.assign_worker(core.infer_lanes[("m", 2)].buf, layout.NO_WORKER)
+    sent = op.begin(("m", {"x": x}, None, None, None))
+    kind, meta = request(core, sent)
+    assert kind is Kind.INFER and "version" not in meta and "key" not in meta

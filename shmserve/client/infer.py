@@ -82,7 +82,7 @@ class InferOperation:
         arrays, form, signature, _ = wanted
         call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
         if call is None:
-            return self.request(model, inputs, left(deadline, core.clock()), *self.routed(wanted, version, key))
+            return self.request(model, inputs, left(deadline, core.clock()), version, key)
         return call
 
     def answer(self, call: tuple, failure: BaseException | None, again: bool = True):
@@ -131,18 +131,18 @@ class InferOperation:
                     raise
         finally:
             seat.release()
-        if needed is not None:  # (on the version it ran on, named: a split does not draw again)
-            return self.run_again(model, inputs, deadline, needed, form.version if version is None else version)
+        if needed is not None:  # (on the version it ran on: a split does not draw again)
+            return self.run_again(model, inputs, deadline, needed, form.version, version, key)
         return self.request(model, inputs, left(deadline, self.core.clock()), version, key)
 
-    def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int,
-                  version: int | None):
-        """Steps: the call once more, on ``version`` (the one it ran on), its outputs given the
-        ``needed`` bytes a short answer said (its signature's form keeps them: the next calls of that
-        signature reserve them at once); through the lane, else (the lane cannot take it) over the
-        socket."""
+    def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int, ran_on: int,
+                  version: int | None, key: str | None):
+        """Steps: the call once more, through the lane of ``ran_on`` (the version it ran on), its
+        outputs given the ``needed`` bytes a short answer said (its signature's form keeps them: the
+        next calls of that signature reserve them at once); else (the lane cannot take it) over the
+        socket, with the caller's ``version`` and ``key`` (the server routes it)."""
         core = self.core
-        wanted = self.lane_wanted(model, inputs, version, None)
+        wanted = self.lane_wanted(model, inputs, ran_on, None)
         region = core.infer_lane(model, wanted[3]) if wanted is not None and wanted is not NEED_SPEC else None
         if wanted is not None and wanted is not NEED_SPEC and region is not None:
             arrays, form, signature, _ = wanted
@@ -152,7 +152,7 @@ class InferOperation:
                 if form.output_capacity < needed:
                     form = core.lane_forms[signature] = grown
                     region.drop_seats()  # (the seat kept for this signature is too small now)
-                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version)
+                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
             if call is not None:
                 try:
                     yield call
@@ -163,7 +163,7 @@ class InferOperation:
                 if type(outputs) is not Exchange:
                     return outputs
                 return self.answered((yield outputs))
-        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, None)))
+        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, key)))
 
     @staticmethod
     def answered(event) -> dict[str, np.ndarray]:
@@ -210,17 +210,7 @@ class InferOperation:
                     return outputs
                 return self.answered((yield outputs))  # over the socket after all
             seconds = left(deadline, core.clock())  # the socket gets what the lane left of the timeout
-            version, key = self.routed(wanted, version, key)
         return self.answered((yield self.request(model, inputs, seconds, version, key)))
-
-    def routed(self, wanted: tuple, version: int | None, key: str | None) -> tuple[int | None, str | None]:
-        """(version, key) for the socket request of a call routed to a version (``wanted[3]``) whose lane
-        could not take it: that version by name if a split chose it for a call without a key (the
-        server would draw again), else as the caller asked."""
-        if version is None and key is None and self.core.routes.get(wanted[2][0]) is not None \
-                and self.core.routes[wanted[2][0]].candidate is not None:
-            return wanted[3], None
-        return version, key
 
     @staticmethod
     def request(model: str, inputs: Mapping[str, np.ndarray], seconds: float, version: int | None,

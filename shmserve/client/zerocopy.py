@@ -159,7 +159,8 @@ class ZeroCopyOperation:
         infer = InferOperation(self.core)
         arrays = {name: view for name, (_, view) in self.inputs.items()}
         seconds = left(deadline, self.core.clock())
-        outputs = yield from infer.steps(self.model, arrays, seconds, version, None,
+        # (over the socket after all, it carries the call's own version and key: the server routes it)
+        outputs = yield from infer.steps(self.model, arrays, seconds, self.version, self.key,
                                          infer.lane_wanted(self.model, arrays, version, None))
         for array in outputs.values():
             array.flags.writeable = False
