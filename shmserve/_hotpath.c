@@ -61,6 +61,7 @@ static struct {
     Py_ssize_t lane_bytes, lane_slots, lane_slot_table_off, lane_submission_off, lane_completion_off,
         lane_ring_capacity;
     Py_ssize_t hist_buckets, hist_sum_off, hist_worker_size;
+    Py_ssize_t lane_outcome_off, lane_outcome_buckets, lane_sub_bits, lane_time_shift, lane_fault_mask;
     Py_ssize_t n_pairs, pair_off[MAX_PAIRS], pair_start[MAX_PAIRS], pair_end[MAX_PAIRS];
     Py_ssize_t bytes_code, n_dtypes;
     uint64_t itemsize[MAX_DTYPES];
@@ -151,6 +152,8 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     TAKE(lane_bytes); TAKE(lane_slots); TAKE(lane_slot_table_off); TAKE(lane_submission_off);
     TAKE(lane_completion_off); TAKE(lane_ring_capacity);
     TAKE(hist_buckets); TAKE(hist_sum_off); TAKE(hist_worker_size); TAKE(bytes_code);
+    TAKE(lane_outcome_off); TAKE(lane_outcome_buckets); TAKE(lane_sub_bits); TAKE(lane_time_shift);
+    TAKE(lane_fault_mask);
     Py_ssize_t mask;
     if (take(d, "generation_mask", &mask) < 0) return NULL;
     K.generation_mask = (uint64_t)mask;
@@ -195,6 +198,13 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     INSIDE(K.lane_completion_off, K.ring_entries + 8 * K.lane_ring_capacity, K.lane_bytes, "the completion ring");
     INSIDE(K.lane_slot_table_off, K.lane_slots * K.slot_size, K.lane_bytes, "the lane's slots");
     ALIGNED(K.hist_sum_off, 8, "histogram sum"); ALIGNED(K.hist_worker_size, 8, "histogram table");
+    ALIGNED(K.lane_outcome_off, 8, "lane outcomes");
+    if (K.lane_outcome_off < 0 || K.lane_outcome_buckets < 1 || K.lane_sub_bits < 0 || K.lane_sub_bits > 8 ||
+        K.lane_time_shift < 0 || K.lane_time_shift > 32 || K.lane_fault_mask < 0 ||
+        K.lane_outcome_off + 8 * (1 + K.lane_outcome_buckets) > K.hist_worker_size) {
+        PyErr_SetString(PyExc_ValueError, "hotpath constants: the lane outcomes are out of range");
+        return NULL;
+    }
     if (K.hist_buckets < 1 || K.hist_buckets > 64) {
         PyErr_SetString(PyExc_ValueError, "hotpath constants: histogram buckets out of range");
         return NULL;
@@ -1326,6 +1336,23 @@ publish(PyObject *self, PyObject *const *args, Py_ssize_t n)
             if (bucket > K.hist_buckets - 1) bucket = K.hist_buckets - 1;
             add64(hist + K.pair_off[i] + 8 * bucket, 1);
             add64(hist + K.pair_off[i] + K.hist_sum_off, micros);
+        }
+    }
+    /* layout.record_lane_outcome: its version's outcome (canary windows), DONE or ERROR for its own fault */
+    if (lane && (msg == NULL || (code < 64 && ((uint64_t)K.lane_fault_mask >> code) & 1))) {
+        uint64_t claimed = times[K.stage_claimed];
+        if (claimed && now >= claimed) { /* (the client writes the lane: nonsense is no outcome) */
+            uint64_t v = (now - claimed) >> K.lane_time_shift, bucket;
+            if (v < (1ULL << K.lane_sub_bits)) {
+                bucket = v;
+            } else {
+                uint64_t e = 63 - __builtin_clzll(v), sub = K.lane_sub_bits;
+                bucket = ((e - sub + 1) << sub) + ((v >> (e - sub)) & ((1ULL << sub) - 1));
+            }
+            if (bucket > (uint64_t)K.lane_outcome_buckets - 1) bucket = K.lane_outcome_buckets - 1;
+            char *outcomes = hist + K.lane_outcome_off;
+            if (msg != NULL) add64(outcomes, 1);
+            add64(outcomes + 8 + 8 * bucket, 1);
         }
     }
     char *ring = base + ring_off;

@@ -31,6 +31,14 @@ versions 1 and 2), and the clients also count answers by version (one that is
 no version's fails the run too); against a running server ``--model`` names a
 model with at least two versions.
 
+``--during-canary [PERCENT]`` is the same with a split canary instead of swaps:
+the steady state, then the same while the model's other version is a canary
+candidate taking PERCENT % (default 30) of the traffic, held there (a plan
+that never steps or decides), then aborted (the candidate is unloaded).  With
+lanes, the clients' calls go through the lane of the version the split picks
+(docs/models.md, "Canaries and lanes"): the table's "during / steady" p50 is
+the cost of a canary to lane traffic.  The answers by version show the split.
+
 Must not: start anything it does not own (``--spawn-server`` starts and stops
 its own server on a temporary socket), or leave segments in /dev/shm.  Every
 process it starts runs in a session of its own and is stopped by it (its
@@ -285,13 +293,18 @@ def swap_client_main(path: str, mode: str, size: int, duration: float, model: st
 
 
 def run_swap(path: str, mode: str, size: int, clients: int, duration: float, model: str,
-             versions: tuple[int, int], swaps: int, check: bool = False) -> dict:
+             versions: tuple[int, int], swaps: int, check: bool = False, canary: float | None = None) -> dict:
     """``--during-swap``: the same ``clients`` client processes measure the steady state for
     ``duration`` seconds, then again while a control client makes ``versions[0]`` and
     ``versions[1]`` the default in turn, ``swaps`` times (each ``Client.load`` waits for the new
     version to be warm and the default moved; the old one drains and is unloaded).  A swap that
     fails ends the swapping; the result says why (``swap_error``).  ``check``: the model is the
-    spawned ``swap``; each phase also counts its answers by version, and the wrong ones."""
+    spawned ``swap``; each phase also counts its answers by version, and the wrong ones.
+
+    ``canary`` (``--during-canary``): instead of swaps, ``versions[0]`` is started as a split
+    canary taking ``canary`` % of the traffic (held: its plan never steps nor decides), the
+    second phase lasts ``duration`` seconds too, and the canary is aborted after it (a canary
+    that fails to start is ``swap_error``)."""
     from shmserve import Client
     from shmserve.errors import ShmserveError
 
@@ -321,17 +334,32 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
                 raise RuntimeError(f"a benchmark client failed to start (exit {p.wait()})")
         tell("go")
         steady = phase()
-        tell("go")
-        try:
+        if canary is not None:
             with Client(path, timeout=120) as control:
-                for i in range(swaps):
+                try:
                     t0 = time.monotonic()
-                    control.load(model, version=versions[i % 2])
+                    control.canary(model, "start", version=versions[0], plan=held_canary(canary))
                     swap_seconds.append(time.monotonic() - t0)
-        except ShmserveError as exc:
-            swap_error = f"swap {len(swap_seconds) + 1} to version {versions[len(swap_seconds) % 2]}: {exc}"
-        tell("stop")
-        during = phase()
+                except ShmserveError as exc:
+                    swap_error = f"the canary of version {versions[0]} did not start: {exc}"
+                tell("go")
+                time.sleep(duration)
+                tell("stop")
+                during = phase()
+                if not swap_error:
+                    control.canary(model, "abort")
+        else:
+            tell("go")
+            try:
+                with Client(path, timeout=120) as control:
+                    for i in range(swaps):
+                        t0 = time.monotonic()
+                        control.load(model, version=versions[i % 2])
+                        swap_seconds.append(time.monotonic() - t0)
+            except ShmserveError as exc:
+                swap_error = f"swap {len(swap_seconds) + 1} to version {versions[len(swap_seconds) % 2]}: {exc}"
+            tell("stop")
+            during = phase()
         for p in procs:
             if p.wait(60) != 0:
                 raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
@@ -340,7 +368,8 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    result = {"tensor_bytes": steady[0]["nbytes"], "swaps": swaps, "versions": list(versions),
+    result = {"tensor_bytes": steady[0]["nbytes"], "swaps": 0 if canary is not None else swaps,
+              "canary_percent": canary, "versions": list(versions),
               "swap_seconds": [round(t, 3) for t in swap_seconds], "swap_error": swap_error}
     for name, reports in (("steady", steady), ("during", during)):
         samples = [s for r in reports for s in r["samples"]]
@@ -700,16 +729,27 @@ def swap_versions(path: str, model: str) -> tuple[tuple[int, int] | None, tuple[
     return (others[-1], entry["version"]), None
 
 
+def held_canary(percent: float) -> dict:
+    """The plan of ``--during-canary``: the candidate takes ``percent`` % and stays there (a hold no
+    run reaches, more samples than a run has, latency not judged: nothing decides but the abort)."""
+    return {"steps": [percent, 100.0] if percent < 100 else [100.0], "hold_s": 1e9, "min_samples": 100_000,
+            "max_error_rate_increase": 1.0, "max_p99_ratio": None}
+
+
 def print_swap(r: dict, model: str, mode: str) -> None:
-    """The ``--during-swap`` table: both phases, their ratio, the swaps."""
+    """The ``--during-swap`` (or ``--during-canary``) table: both phases, their ratio, the swaps."""
     from shmserve.inspection import plural
 
-    print(f"\nshmserve bench --during-swap {r['swaps']}, model {model} (versions {r['versions'][0]} and "
-          f"{r['versions'][1]} in turn), {human(r['tensor_bytes'])} {mode}, {plural(r['clients'], 'client')} "
+    canary = r.get("canary_percent")
+    what = f"--during-canary {canary:g}, model {model} (version {r['versions'][0]} a canary of version " \
+           f"{r['versions'][1]})" if canary is not None else \
+        f"--during-swap {r['swaps']}, model {model} (versions {r['versions'][0]} and {r['versions'][1]} in turn)"
+    print(f"\nshmserve bench {what}, {human(r['tensor_bytes'])} {mode}, {plural(r['clients'], 'client')} "
           f"back to back, {plural(os.cpu_count(), 'CPU')}, {time.strftime('%Y-%m-%d')}\n")
     print("| phase | seconds | requests | failed | p50 µs | p99 µs | max µs | req/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, label in (("steady", "steady state"), ("during", f"during {plural(r['swaps'], 'swap')}")):
+    during = f"during a {canary:g} % canary" if canary is not None else f"during {plural(r['swaps'], 'swap')}"
+    for name, label in (("steady", "steady state"), ("during", during)):
         ph = r[name]
         print(f"| {label} | {ph['seconds']} | {ph['n']} | {ph['failed']} | {ph['p50_us']} | {ph['p99_us']} | "
               f"{ph['max_us']} | {ph['rps']} |")
@@ -719,7 +759,10 @@ def print_swap(r: dict, model: str, mode: str) -> None:
         print("\nanswers by version: " + "; ".join(
             f"{name} " + ", ".join(f"{'v' if v != 'wrong' else ''}{v} {n}" for v, n in r[name]["answers"].items())
             for name in ("steady", "during")) + f" (wrong: {r['wrong']})")
-    if r["swap_seconds"]:
+    if canary is not None:
+        print(f"\np50 steady {r['steady']['p50_us']} µs, during the canary {r['during']['p50_us']} µs: "
+              f"x{r['ratio']['p50_us']}")
+    elif r["swap_seconds"]:
         print(f"\nswaps: {len(r['swap_seconds'])}, median {r['swap_median_s']} s, max {r['swap_max_s']} s "
               "(each: the other version loaded and warmed, the default moved, the old one drained)")
 
@@ -759,7 +802,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "  shmserve bench --payload 4KiB,1MiB --json-out results.json\n"
                                        "  shmserve bench --payload 4KiB --clients 1,2,4,8 --plot latency.png\n"
                                        "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n"
-                                       "  shmserve bench --spawn-server --during-swap 20 --clients 2\n\n" + EXIT_CODES)
+                                       "  shmserve bench --spawn-server --during-swap 20 --clients 2\n"
+                                       "  shmserve bench --spawn-server --during-canary 30 --json-out canary.json\n\n"
+                                       + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: $SHMSERVE_SOCKET, else the --instance's socket "
                                     "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
     p.add_argument("--instance", type=instance_name, default="default", help="instance whose default socket to measure")
@@ -790,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="steady state, then the same while the model's default version is swapped N times "
                         "(default 20) back and forth; one payload, mode and client count; --spawn-server serves "
                         f"model {SWAP_MODEL!r} with versions 1 and 2, else --model names one with two versions")
+    p.add_argument("--during-canary", type=float, nargs="?", const=30.0, metavar="PERCENT",
+                   help="steady state, then the same while the model's other version is a split canary taking "
+                        "PERCENT %% (default 30) of the traffic (aborted after: the candidate is unloaded); "
+                        "prints both p50s and their ratio; options as --during-swap's")
     p.add_argument("--mix", type=parse_mix, metavar="MODE:N[,MODE:N...]",
                    help="one run with clients of several unix modes at once (e.g. inline:4,zero-copy:4,socket:2), "
                         "each back to back for --duration s (default 10): every client's share of requests/s "
@@ -815,14 +864,20 @@ def main(argv: list[str] | None = None) -> int:
             if not args.doors.isascii() or not args.doors.isdigit() or int(args.doors) > MAX_DOORS:
                 p.error(f"--doors: expected a number in [0, {MAX_DOORS}] or 'auto', got {args.doors!r}")
             args.doors = int(args.doors)
-    swapping = args.during_swap is not None
+    if args.during_canary is not None:
+        if args.during_swap is not None:
+            p.error("give --during-swap or --during-canary, not both")
+        if not 0 < args.during_canary <= 100:
+            p.error(f"--during-canary: the candidate's percent must be in (0, 100], not {args.during_canary:g}")
+    swapping = args.during_swap is not None or args.during_canary is not None
+    flag = "--during-swap" if args.during_swap is not None else "--during-canary"
     if swapping:
-        if args.during_swap < 1:
+        if args.during_swap is not None and args.during_swap < 1:
             p.error("--during-swap: the number of swaps must be 1 or more")
         for option, given in (("--rate", args.rate), ("--plot", args.plot), ("--mode both", args.mode == "both"),
                               ("a list of --clients", len(args.clients) > 1)):
             if given:
-                p.error(f"--during-swap takes no {option} (one payload, mode and client count, back to back)")
+                p.error(f"{flag} takes no {option} (one payload, mode and client count, back to back)")
         if args.duration < 0:
             p.error("--duration must be 0 or more")
     args.payload = args.payload or ("4KiB" if swapping or args.mix else "64,4KiB,1MiB,16MiB")
@@ -832,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         p.error(f"--payload: {exc}")
     if swapping and len(sizes) > 1:
-        p.error("--during-swap takes one --payload size")
+        p.error(f"{flag} takes one --payload size")
     for option, target in (("--json-out", args.json_out), ("--plot", args.plot)):
         if target:
             try:
@@ -840,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 p.error(f"{option}: cannot write {target}: {exc.strerror or exc}")
     if swapping and args.protocol != ["unix"]:
-        p.error("--during-swap measures the native socket only (no --protocol)")
+        p.error(f"{flag} measures the native socket only (no --protocol)")
     cases = []  # (protocol, mode)
     for protocol in args.protocol:
         # each protocol's variant without tensor bytes on it; the v2 doors' inline is their socket path
@@ -963,7 +1018,8 @@ def main_mix(args: argparse.Namespace, size: int, path: str, model: str) -> int:
 
 
 def main_swap(args: argparse.Namespace, size: int) -> int:
-    """``shmserve bench --during-swap``: exit 0, or 1 when a request or a swap failed (said loudly)."""
+    """``shmserve bench --during-swap`` or ``--during-canary``: exit 0, or 1 when a request or a swap
+    (the canary's start) failed (said loudly)."""
     from shmserve.console import EXIT_FAILURE
 
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
@@ -984,15 +1040,17 @@ def main_swap(args: argparse.Namespace, size: int) -> int:
             return problem[0]
         progress = Progress(1)
         try:
-            progress.step(f"steady, then {args.during_swap} swaps of {model}")
+            canary = args.during_canary
+            progress.step(f"steady, then {args.during_swap} swaps of {model}" if canary is None else
+                          f"steady, then a {canary:g} % canary of {model}")
             r = run_swap(path, args.mode, size, args.clients[0], args.duration or 10.0, model, versions,
-                         args.during_swap, check=bool(args.spawn_server) and model == SWAP_MODEL)
+                         args.during_swap or 0, check=bool(args.spawn_server) and model == SWAP_MODEL, canary=canary)
         finally:
             progress.close()
     finally:
         _stop(proc, tmp)
     r.update(payload=size, mode=args.mode, clients=args.clients[0])
-    if not _report(args, model, during_swap=r):
+    if not _report(args, model, **({"during_canary": r} if args.during_canary is not None else {"during_swap": r})):
         print_swap(r, model, args.mode)
     failed = r["failed"] or r["wrong"] or r["swap_error"]
     if r["failed"]:

@@ -13,7 +13,7 @@ client (lane)   ``submit`` (FREE -> WRITING, descriptors, request, stage times, 
 worker          ``claim`` (READY -> RUNNING, t_claimed), ``decode_lane`` (a lane slot's
                 request and input descriptors, validated as untrusted), ``encode_outputs``,
                 ``publish`` (error, n_outputs, t_done, RUNNING -> DONE | ERROR, counters,
-                stage histograms, push, wake the lane's client)
+                stage histograms, a lane call's outcome, push, wake the lane's client)
 ==============  =========================================================================
 
 The worker's functions serve the arena's slot table too (``geometry``: ``layout.LANE`` or the
@@ -230,7 +230,8 @@ def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring
         layout.encode_error(buf, geometry, index, *failure)
         n_outputs = 0
     layout.set_n_outputs(buf, geometry, index, n_outputs)
-    layout.stamp(buf, geometry, index, "t_done", now or time.monotonic_ns())
+    done = now or time.monotonic_ns()
+    layout.stamp(buf, geometry, index, "t_done", done)
     try:
         # Order matters here: outputs and descriptors are written before DONE is published.
         transition_slot(buf, geometry, index, generation, _RUNNING, _ERROR if failure is not None else _DONE, _WORKER)
@@ -242,12 +243,20 @@ def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring
     if failure is not None:
         atomics.fetch_add64(arena_buf, errors_off, 1)
     layout.record_stages_at(arena_buf, hist_off, buf, geometry.slot_off(index))
-    ring.push(entry)      # a lane's ring may be full if its client does not drain it: the entry
+    if lane:  # its version's outcome (canary windows): DONE, or ERROR for the version's own fault
+        fault = failure is not None
+        if not fault or int(failure[0]) in layout.LANE_FAULT_CODES:
+            claimed = layout.read_stages(buf, geometry.slot_off(index))[_CLAIMED]
+            if claimed and done >= claimed:  # (the client writes the lane: nonsense is no outcome)
+                layout.record_lane_outcome(arena_buf, hist_off, done - claimed, fault)
+    ring.push(entry)        # a lane's ring may be full if its client does not drain it: the entry
     if lane == LANE_FUTEX:  # is only a wake-up there, the status word is the answer
         FutexDoorbell(ring).notify()
     return True
 
 
+_CLAIMED = layout.STAGE_FIELDS.index("t_claimed")
+assert layout.LANE_FAULT_CODES == (ErrorCode.MODEL_ERROR, ErrorCode.INTERNAL)
 _NAMES = ("submit", "finished", "wait_slice", "read", "claim", "decode_lane", "encode_outputs", "publish")
 PYTHON = types.SimpleNamespace(name="python", **{name: globals()[name] for name in _NAMES})
 

@@ -6,12 +6,14 @@ Owns: the lane protocol, for all three parties that touch a lane.
   READY, push and ring; wait for the slot's status word; read the outputs
   and free the slot; recycle the slots of calls that timed out once they
   finish.  The client plays the ``client`` actor of ``shmserve.slotstate``.
-* The front-end (``init_header``, ``assign_worker``, ``set_spin_hint``,
-  ``set_divert``, ``pending``, ``has_pending``, ``fail_lane``): write the header, tell the lane which
-  worker serves it, hint whether to spin, say whether requests it routes
-  itself (a canary's, a shadow's) should come over the socket instead, and
-  fail whatever a dead worker left queued or running (it is then the
-  completion ring's only producer).
+* The front-end (``init_header``, ``assign_worker``, ``set_serves``,
+  ``set_route_epoch``, ``set_spin_hint``, ``set_divert``, ``pending``, ``has_pending``,
+  ``fail_lane``): write the header, tell the lane which worker and which
+  model version serve it, its model's routing epoch (``shmserve.routing``: a
+  client routes its calls by the route of that epoch), hint whether to spin,
+  say whether ``Client.infer`` should come over the socket instead (the
+  server is shutting down), and fail whatever a dead worker left queued or
+  running (it is then the completion ring's only producer).
 * The worker (``worker_rings``, ``queued_entries``, ``DATA_FLOOR``): the
   lane's rings and the doorbell that wakes its client, and the calls queued
   before it took the lane over; a lane's tensors may only lie in its own
@@ -81,9 +83,21 @@ def _rings(buf) -> tuple[Ring, Ring]:
 
 # -- the front-end's part -----------------------------------------------------------------
 
-def init_header(buf, model_id: int) -> None:
-    """Write a new lane's header: served by no worker yet, no spinning."""
-    layout.encode_lane_header(buf, model_id=model_id, worker=layout.NO_WORKER, spin_us=0)
+def init_header(buf, model_id: int, serves: int = 0, route_epoch: int = 0) -> None:
+    """Write a new lane's header: served by no worker yet, by version ``serves`` of its model, in
+    its model's routing epoch ``route_epoch``, no spinning."""
+    layout.encode_lane_header(buf, model_id=model_id, worker=layout.NO_WORKER, spin_us=0, serves=serves,
+                              route_epoch=route_epoch)
+
+
+def set_serves(buf, version: int) -> None:
+    """Record which version of its model the lane's calls run on now (a drain moves it)."""
+    atomics.store32(buf, layout.LANE_SERVES_OFFSET, version)
+
+
+def set_route_epoch(buf, epoch: int) -> None:
+    """Record its model's routing epoch: a client whose route is of another asks for it again."""
+    atomics.store32(buf, layout.LANE_EPOCH_OFFSET, epoch & 0xFFFFFFFF)
 
 
 def assign_worker(buf, worker: int) -> None:
@@ -98,7 +112,7 @@ def set_spin_hint(buf, spin_us: int) -> None:
 
 def set_divert(buf, divert: bool) -> None:
     """Whether ``Client.infer`` should send its requests over the socket rather than through the
-    lane: while the lane's model has a canary or shadow rollout the front-end must route them."""
+    lane (the server is shutting down: the socket answers SHUTTING_DOWN)."""
     atomics.store32(buf, layout.LANE_DIVERT_OFFSET, 1 if divert else 0)
 
 
@@ -210,13 +224,20 @@ class ClientLane:
             raise
 
     def routable(self) -> bool:
-        """Whether a request the front-end would route as the lane routes it may use the lane: a
-        worker serves it and the front-end does not divert its model's requests (a canary or a
-        shadow runs).  The lane's own header says so; a lane without a worker queues its calls,
-        where the socket would start an evicted model again or fail fast."""
+        """Whether ``Client.infer`` may use the lane: a worker serves it and the front-end does not
+        divert its requests (a shutdown).  The lane's own header says so; a lane without a worker
+        queues its calls, where the socket would start an evicted model again or fail fast."""
         buf = self.buf
         return atomics.load32(buf, layout.LANE_WORKER_OFFSET) != layout.NO_WORKER and \
             not atomics.load32(buf, layout.LANE_DIVERT_OFFSET)
+
+    def serves(self) -> int:
+        """The version of its model the lane's calls run on now, as the front-end last said (0: not said)."""
+        return atomics.load32(self.buf, layout.LANE_SERVES_OFFSET)
+
+    def route_epoch(self) -> int:
+        """Its model's routing epoch, as the front-end last wrote it (``shmserve.routing``)."""
+        return atomics.load32(self.buf, layout.LANE_EPOCH_OFFSET)
 
     def spin_hint(self) -> float:
         """Seconds the front-end suggests spinning for a completion before sleeping."""

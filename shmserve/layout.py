@@ -31,7 +31,9 @@ One arena (``/dev/shm/shmserve.<instance>``), little-endian, version 3::
                       | histograms: max_workers x HIST_STAGES x               |
                       |   (HIST_BUCKETS counters + 1 sum), u64: stage times   |
                       |   in us, bucket i counts [2**i, 2**(i+1)) (0: < 2),   |
-                      |   and batch sizes (requests per run) the same way     |
+                      |   and batch sizes (requests per run) the same way;    |
+                      |   then the worker's lane outcomes (LANE_OUTCOME_*):   |
+                      |   faults u64, LANE_OUTCOME_BUCKETS u64 counters       |
     ring_table_off    +-------------------------------------------------------+
                       | rings: 2 per worker, submission then completion;      |
                       | each ring_stride bytes:                               |
@@ -82,7 +84,7 @@ import numpy as np
 from shmserve import _atomics as atomics
 
 MAGIC = b"SHMSERVE"
-LAYOUT_VERSION = 3  # 3: the worker table's entries grew to 256 B for the CPU mask
+LAYOUT_VERSION = 4  # 3: the worker table's entries grew to 256 B for the CPU mask; 4: lane outcomes per worker
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024  # larger size classes align to this (THP / DMA friendly)
@@ -410,12 +412,69 @@ HIST_STAGE_BOUNDS = {  # (from, to) slot timestamps of each stage
 }
 HIST_BUCKETS = 32
 HIST_STAGE_SIZE = 8 * (HIST_BUCKETS + 1)  # buckets, then the sum in us
-HIST_WORKER_SIZE = HIST_STAGE_SIZE * len(HIST_STAGES)
+# A worker's lane outcomes, after its stage histograms: the lane calls it finished that are outcomes of
+# its version (DONE, or ERROR for its own fault: LANE_FAULT_CODES; a call the worker refused for what
+# its client sent is none), for the canary windows (read by the front-end on its heartbeat).  A u64
+# count of the faults, then LANE_OUTCOME_BUCKETS u64 counters of their claim-to-publish times, in
+# units of 2**LANE_TIME_SHIFT ns, log-linear: LANE_SUB_BUCKETS per power of two (``lane_bucket``), so a
+# bucket's middle is within 1/16 of any time in it (the stage histograms' powers of two are too coarse
+# to judge a p99 ratio of 1.5).
+LANE_OUTCOME_BUCKETS = 256
+LANE_SUB_BITS = 3  # 8 buckets per power of two
+LANE_TIME_SHIFT = 7  # 128 ns units: 1 us is bucket 7, 20 us bucket 45; the top bucket holds 2**34 units (36 min) up
+LANE_FAULT_CODES = (25, 27)  # ErrorCode.MODEL_ERROR, ErrorCode.INTERNAL (layout imports nothing of errors.py)
+LANE_OUTCOME_OFFSET = HIST_STAGE_SIZE * len(HIST_STAGES)  # within a worker's histogram block
+LANE_OUTCOME_SIZE = 8 * (1 + LANE_OUTCOME_BUCKETS)
+HIST_WORKER_SIZE = LANE_OUTCOME_OFFSET + LANE_OUTCOME_SIZE
 
 
 def hist_bucket(value: int) -> int:
     """The histogram bucket of a value (a duration in microseconds, or a batch size)."""
     return min(max(value, 1).bit_length() - 1, HIST_BUCKETS - 1)
+
+
+def lane_bucket(ns: int) -> int:
+    """The lane outcome bucket of a claim-to-publish time of ``ns`` nanoseconds (>= 0)."""
+    v = ns >> LANE_TIME_SHIFT
+    if v < 1 << LANE_SUB_BITS:
+        return v
+    e = v.bit_length() - 1
+    sub = LANE_SUB_BITS
+    return min(((e - sub + 1) << sub) + ((v >> (e - sub)) & ((1 << sub) - 1)), LANE_OUTCOME_BUCKETS - 1)
+
+
+def lane_bucket_seconds(bucket: int) -> float:
+    """The middle of lane outcome ``bucket``, in seconds (the time its calls enter a canary window as)."""
+    sub = LANE_SUB_BITS
+    if bucket < 1 << sub:
+        units = bucket + 0.5
+    else:
+        e = (bucket >> sub) + sub - 1
+        width = 1 << (e - sub)
+        units = (((1 << sub) + (bucket & ((1 << sub) - 1))) << (e - sub)) + width / 2
+    return units * (1 << LANE_TIME_SHIFT) / 1e9
+
+
+def read_lane_outcomes(buf, geometry: "Geometry", worker: int) -> tuple[int, tuple[int, ...]]:
+    """(faults, bucket counts) of worker ``worker``'s lane outcomes; LayoutError if out of range."""
+    off = geometry.hist_off(worker, HIST_STAGES[0]) + LANE_OUTCOME_OFFSET
+    try:
+        faults, *buckets = _LANE_OUTCOMES.unpack_from(buf, off)
+    except struct.error:
+        raise LayoutError(f"lane outcomes of worker {worker} lie outside the arena") from None
+    return faults, tuple(buckets)
+
+
+def record_lane_outcome(arena_buf, hist_base: int, ns: int, fault: bool) -> None:
+    """Count one lane call's outcome (``ns``: its claim-to-publish time) in the block of the worker
+    whose histograms start at ``hist_base``."""
+    off = hist_base + LANE_OUTCOME_OFFSET
+    if fault:
+        atomics.fetch_add64(arena_buf, off, 1)
+    atomics.fetch_add64(arena_buf, off + 8 + 8 * lane_bucket(ns), 1)
+
+
+_LANE_OUTCOMES = struct.Struct(f"<{1 + LANE_OUTCOME_BUCKETS}Q")
 
 
 def hist_upper_bound(bucket: int) -> int:
@@ -755,7 +814,9 @@ def decode_header(buf, buffer_size: int | None = None) -> HeaderInfo:
 # ---------------------------------------------------------------------------
 # Lanes: a client region whose first LANE_BYTES are a private queue to one worker.
 #
-#   0      lane header (LANE_HEADER): magic "SHMLANE1", version, model id, worker, spin hint, divert
+#   0      lane header (LANE_HEADER): magic "SHMLANE1", version, model id, worker, spin hint, divert,
+#          the model version it serves, its model's routing epoch (the front-end writes all but the first
+#          three after it made it; the client reads them: ``shmserve.lanes``)
 #   256    submission ring (client -> worker), LANE_SLOTS entries, same format as the arena's
 #   +      completion ring (worker -> client)
 #   1024   LANE_SLOTS slots, each the arena's SLOT + TENSOR records (SLOT_SIZE bytes)
@@ -777,7 +838,9 @@ LANE_HEADER = Record("LaneHeader", 64, [
     ("worker", "I"),
     ("data_off", "Q"),
     ("spin_us", "I"),  # how long the client should spin for a completion before it sleeps (front-end's hint)
-    ("divert", "I"),  # nonzero while requests routed by the front-end (a canary, a shadow) should not use the lane
+    ("divert", "I"),  # nonzero while Client.infer should not use the lane (the server is shutting down)
+    ("serves", "I"),  # the model version the lane's calls run on now (0: not said); moves with a drain
+    ("route_epoch", "I"),  # the model's routing epoch (``shmserve.routing``): a client routes by the route of this epoch
 ])
 
 
@@ -800,14 +863,18 @@ assert 2 * LANE.completion_off - LANE.submission_off <= LANE.slot_table_off  # b
 assert LANE.slot_table_off + LANE_SLOTS * SLOT_SIZE <= LANE_BYTES
 
 
-def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int, divert: int = 0) -> None:
+def encode_lane_header(buf, *, model_id: int, worker: int, spin_us: int, divert: int = 0, serves: int = 0,
+                       route_epoch: int = 0) -> None:
     LANE_HEADER.write(buf, 0, magic=LANE_MAGIC, version=LANE_VERSION, slot_count=LANE_SLOTS,
-                      model_id=model_id, worker=worker, data_off=LANE_BYTES, spin_us=spin_us, divert=divert)
+                      model_id=model_id, worker=worker, data_off=LANE_BYTES, spin_us=spin_us, divert=divert,
+                      serves=serves, route_epoch=route_epoch)
 
 
 LANE_SPIN_OFFSET = LANE_HEADER.offset("spin_us")
 LANE_WORKER_OFFSET = LANE_HEADER.offset("worker")
 LANE_DIVERT_OFFSET = LANE_HEADER.offset("divert")
+LANE_SERVES_OFFSET = LANE_HEADER.offset("serves")
+LANE_EPOCH_OFFSET = LANE_HEADER.offset("route_epoch")
 NO_WORKER = 0xFFFFFFFF  # a lane header's ``worker`` while no worker serves the lane
 
 # ---------------------------------------------------------------------------
@@ -1147,6 +1214,9 @@ def hotpath_constants() -> dict:
         lane_ring_capacity=LANE.ring_capacity,
         hist_buckets=HIST_BUCKETS, hist_sum_off=_HIST_SUM, hist_worker_size=HIST_WORKER_SIZE,
         hist_pairs=_HIST_PAIRS,
+        lane_outcome_off=LANE_OUTCOME_OFFSET, lane_outcome_buckets=LANE_OUTCOME_BUCKETS,
+        lane_sub_bits=LANE_SUB_BITS, lane_time_shift=LANE_TIME_SHIFT,
+        lane_fault_mask=sum(1 << code for code in LANE_FAULT_CODES),
         bytes_code=BYTES_CODE,
         itemsizes=tuple(_ITEMSIZE.get(code, 0) for code in range(dtypes)),
         dtypes=tuple(_DTYPES.get(code) for code in range(dtypes)),

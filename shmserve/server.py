@@ -246,7 +246,8 @@ class Frontend:
                                      LoopClock(loop), self.regions.deliver)
         self.lifecycle = Lifecycle(self.models, self.supervisor, self.dispatcher, self.regions, lambda: self.config,
                                    clock=self.dispatcher.clock, startup_timeout=STARTUP_TIMEOUT_S,
-                                   finished=self._finished_by, failed=self._failed_by)
+                                   finished=self._finished_by, failed=self._failed_by,
+                                   lane_counts=self._lane_outcomes_of)
         self.dispatcher.load_on_demand = self.lifecycle.load_on_demand  # the lifecycle's hooks
         self.dispatcher.observe = self.lifecycle.observe
         self.dispatcher.offer_shadow = Shadowing(self.dispatcher, self.models, self.dispatcher.clock.monotonic).offer
@@ -343,6 +344,7 @@ class Frontend:
             if self.lifecycle is not None:
                 self.lifecycle.note_lane_use()
                 self.lifecycle.load_for_lanes()
+                self.lifecycle.note_lane_outcomes()
             if self.doors is not None:
                 self.doors.changed()  # a worker's readiness changes what the doors serve themselves
             now = time.monotonic()
@@ -357,6 +359,10 @@ class Frontend:
     def _failed_by(self, w: WorkerHandle) -> int:
         """Of those, the ones it answered with an error."""
         return self.arena.worker_counter(w.index, "errors")
+
+    def _lane_outcomes_of(self, w: WorkerHandle) -> tuple[int, tuple[int, ...]]:
+        """Worker ``w``'s lane outcomes (``layout.read_lane_outcomes``): its faults and bucket counts."""
+        return layout.read_lane_outcomes(self.arena.buf, self.arena.geometry, w.index)
 
     async def _watchdog(self, interval: float) -> None:
         """Feed systemd's watchdog only while the loop runs on time and no worker is wedged (the

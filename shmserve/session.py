@@ -306,19 +306,26 @@ class ClientSession:
         return rid, parts
 
     def infer_region(self, model: str, inputs: Sequence[TensorMeta], region: int, output_offset: int,
-                     output_capacity: int, timeout_s: float) -> tuple[int, list]:
+                     output_capacity: int, timeout_s: float, version: int | None = None,
+                     key: str | None = None) -> tuple[int, list]:
         """A zero-copy request: ``inputs`` (with offsets) already lie in ``region``; outputs
-        go to [output_offset, output_offset + output_capacity) of it.  BadArgument for a timeout
-        out of range (``check_timeout``); ConnectionClosed if failed."""
+        go to [output_offset, output_offset + output_capacity) of it; ``version`` and ``key`` as
+        ``infer``'s.  BadArgument for a timeout out of range (``check_timeout``), a version or key
+        ``check_routing`` refuses; ConnectionClosed if failed."""
         check_timeout(timeout_s)
+        extra = check_routing(version, key)
         rid = self._expect(_INFER_REGION, (output_offset, output_offset + output_capacity))
         return rid, [protocol.encode_frame(_INFER_REGION.request, {
             "id": rid, "model": model, "inputs": [t.to_wire() for t in inputs], "region": region,
-            "output_offset": output_offset, "output_capacity": output_capacity, "timeout_s": timeout_s})]
+            "output_offset": output_offset, "output_capacity": output_capacity, "timeout_s": timeout_s, **extra})]
 
-    def open_region(self, size: int, lane: str | None = None) -> tuple[int, list]:
-        """Ask for ``size`` bytes of shared memory (with a queue to a worker of model ``lane``)."""
-        return self._control(Kind.OPEN_REGION, {"size": size} if lane is None else {"size": size, "lane": lane})
+    def open_region(self, size: int, lane: str | None = None, version: int | None = None) -> tuple[int, list]:
+        """Ask for ``size`` bytes of shared memory (with a queue to a worker of model ``lane``: of its
+        ``version`` if given, else of its default)."""
+        meta = {"size": size} if lane is None else {"size": size, "lane": lane}
+        if lane is not None and version is not None:
+            meta["version"] = version
+        return self._control(Kind.OPEN_REGION, meta)
 
     def close_region(self, region: int) -> tuple[int, list]:
         return self._control(Kind.CLOSE_REGION, {"region": region})

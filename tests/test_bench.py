@@ -163,6 +163,33 @@ def test_bench_during_swap_measures_steady_state_and_swaps_in_one_run(tmp_path):
     assert not bench_names(report["run_id"])
 
 
+def test_bench_during_canary_prints_both_p50s_and_their_ratio_and_the_split(tmp_path):
+    """``--during-canary 30`` (issue 24): steady state, then the same client while the spawned
+    model's version 1 is a held split canary taking 30 % (aborted after); both p50s and their ratio
+    on stdout and in --json-out, the split in the answers, nothing failed; usage errors exit 2."""
+    out = tmp_path / "canary.json"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--during-canary", "30",
+                        "--duration", "1", "--json-out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    run = report["during_canary"]
+    assert run["canary_percent"] == 30 and run["versions"] == [1, 2] and run["failed"] == 0 and run["wrong"] == 0
+    assert run["swap_error"] is None and run["steady"]["answers"] == {"2": run["steady"]["n"]}
+    during = run["during"]
+    assert set(during["answers"]) == {"1", "2"} and sum(during["answers"].values()) == during["n"]
+    assert run["ratio"]["p50_us"] == round(during["p50_us"] / run["steady"]["p50_us"], 2)
+    assert "| during a 30 % canary |" in r.stdout and "| during / steady |" in r.stdout
+    assert f"p50 steady {run['steady']['p50_us']} µs, during the canary {during['p50_us']} µs: " \
+           f"x{run['ratio']['p50_us']}" in r.stdout
+    assert not bench_names(report["run_id"])
+    for args, said in ((["--during-canary", "0"], "percent must be in (0, 100]"),
+                       (["--during-canary", "--during-swap"], "not both"),
+                       (["--during-canary", "--clients", "1,2"], "--during-canary takes")):
+        bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
+
+
 def test_bench_during_swap_needs_two_versions_and_one_case(tmp_path):
     """Against a running server the model must have two versions: a one-line error, exit 1;
     a sweep of payloads or client counts is a usage error."""

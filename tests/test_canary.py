@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shmserve import routing
 from shmserve.frontend.canary import (MAX_STEPS, P99_MIN_SAMPLES, TERMINAL, TRANSITIONS, CanaryPlan, IllegalTransition,
                                       Kind, Rollout, RolloutState, outputs_match)
 
@@ -562,3 +563,54 @@ def test_any_stream_moves_only_along_the_table(mode, min_samples, events):
         percent = r.percent
         assert (r.route(None, 0.999) == CAND) == (r.state is S.COMPLETE or r.state is S.RAMPING and r.percent == 100)
     json.dumps(r.snapshot(t))
+
+
+# -- the rule lane clients evaluate (shmserve.routing) -----------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.5, 99.0), min_size=1, max_size=4, unique=True), st.booleans(),
+       st.lists(st.tuples(st.one_of(st.none(), st.binary(max_size=12)), st.floats(0.0, 0.999999)), max_size=40),
+       st.integers(0, 4))
+def test_a_lane_clients_route_picks_what_the_rollout_routes(percents, sticky, calls, steps_taken):
+    """Issue 24: a lane client routes its calls itself with ``Route.pick`` (the wire form the
+    ``models`` answer carries); it picks exactly what ``Rollout.route`` — the server's rule — does,
+    at every step, and once the rollout ends."""
+    plan = CanaryPlan(steps=(*sorted(percents), 100.0), sticky=sticky, hold_s=0.0, min_samples=1,
+                      max_p99_ratio=None)
+    r = Rollout("m", STABLE, CAND, plan, 0.0)
+    for i in range(steps_taken + 1):
+        route = routing.Route.from_dict(json.loads(json.dumps(r.lane_route(7 + i).to_dict())))
+        assert route.epoch == 7 + i
+        for key, draw in calls:
+            assert route.pick("m", STABLE, key, draw) == r.route(key, draw)
+        r.record(STABLE, True, 0.01, i + 1.0)
+        r.record(CAND, True, 0.01, i + 1.0)
+        r.tick(i + 1.0)
+    r2 = Rollout("m", STABLE, CAND, plan, 0.0)
+    r2.abort(1.0, "test")
+    assert r2.lane_route(3) == routing.Route(3)  # ended: the default (stable) answers every call
+
+
+@pytest.mark.parametrize("wire", [None, [], {}, {"epoch": -1}, {"epoch": 2**32}, {"epoch": "1"},
+                                  {"epoch": 1, "candidate": 2}, {"epoch": 1, "candidate": 2, "stable": 1,
+                                                                 "percent": 101, "sticky": True},
+                                  {"epoch": 1, "candidate": 2, "stable": 1, "percent": float("nan"), "sticky": True},
+                                  {"epoch": 1, "candidate": 2, "stable": 0, "percent": 5, "sticky": True},
+                                  {"epoch": 1, "candidate": 2, "stable": 1, "percent": 5, "sticky": 1}])
+def test_a_route_the_server_sends_is_checked(wire):
+    with pytest.raises(ValueError):
+        routing.Route.from_dict(wire)
+
+
+def test_lane_calls_counted_by_their_workers_fill_the_windows_in_bulk():
+    """``record_lane_calls``: a worker's lane outcomes, a histogram bucket at a time, count as that
+    many outcomes (the faults as errors, cold ones left out of the latency), bounded by the window."""
+    plan = CanaryPlan(steps=(50.0, 100.0), min_samples=100, cold_requests=20, max_p99_ratio=1.5)
+    r = Rollout("m", STABLE, CAND, plan, 0.0, max_samples=1000)
+    r.record_lane_calls(CAND, [(0.001, 150), (0.002, 50)], 4, 1.0)
+    r.record_lane_calls(STABLE, [(0.001, 1500)], 0, 1.0)
+    r.record_lane_calls(99, [(0.001, 10)], 0, 1.0)  # another version: ignored
+    cand, stable = r.window(CAND, 1.0), r.window(STABLE, 1.0)
+    assert (cand.requests, cand.errors, cand.timed) == (200, 4, 180)
+    assert cand.p99_s == 0.002 and cand.p50_s == 0.001
+    assert (stable.requests, stable.timed) == (1000, 1000)  # capped at max_samples, the cold ones gone first

@@ -19,7 +19,7 @@ from types import GeneratorType
 import numpy as np
 import pytest
 
-from shmserve import hotpath, lanes, layout, reservations
+from shmserve import hotpath, lanes, layout, reservations, routing
 from shmserve.client.core import ClientCore
 from shmserve.client.infer import LANE_RETRY_S, InferOperation
 from shmserve.client.planning import DEFAULT_REGION_BYTES, needed_bytes, region_limit
@@ -77,12 +77,13 @@ def drive(steps, answer) -> tuple[object, list]:
             value, send = exc, steps.throw
 
 
-def lane_grant(rid: int, region: int, *, served: bool) -> RegionGranted:
-    """A lane region as the server grants it: its header written, a worker assigned if ``served``."""
+def lane_grant(rid: int, region: int, *, served: bool, serves: int = 0, epoch: int = 0) -> RegionGranted:
+    """A lane region as the server grants it: its header written (the version it ``serves``, its
+    model's routing ``epoch``), a worker assigned if ``served``."""
     fd = os.memfd_create("shmserve-test-lane")
     os.ftruncate(fd, LANE_SIZE)
     with mmap.mmap(fd, LANE_SIZE) as buf:
-        lanes.init_header(buf, 0)
+        lanes.init_header(buf, 0, serves, epoch)
         if served:
             lanes.assign_worker(buf, 0)
     return RegionGranted(rid, region, LANE_SIZE, {"model": "m", "data_offset": layout.LANE_BYTES, "slots": 16}, fd)
@@ -319,15 +320,16 @@ def test_a_lane_call_that_timed_out_keeps_its_space_until_the_worker_is_done(cor
     assert not region.abandoned and not seat.busy
 
 
-def test_version_key_and_bytes_go_over_the_socket_and_timeouts_are_checked_first(core):
+def test_a_version_without_a_spec_goes_over_the_socket_a_key_through_the_lane_and_timeouts_are_checked_first(core):
     op, server = InferOperation(core), Server(core, regions=[served_lane])
-    infer(op, server, np.ones(4, np.uint8), version=1)
-    infer(op, server, np.ones(4, np.uint8), key="k")
-    assert server.kinds() == [Kind.INFER, Kind.INFER]
-    assert server.requests[0][1]["version"] == 1 and server.requests[1][1]["key"] == "k"
+    infer(op, server, np.ones(4, np.uint8), version=7)  # (no spec of version 7: the socket)
+    infer(op, server, np.ones(4, np.uint8), key="k")  # (no canary: the default's lane)
+    infer(op, server, np.ones(4, np.uint8), version=1)  # (the default, named: its lane)
+    assert server.kinds() == [Kind.MODELS, Kind.INFER, Kind.OPEN_REGION] and len(server.lane_calls) == 2
+    assert server.requests[1][1]["version"] == 7
     with pytest.raises(ShmserveError) as raised:
         op.begin(("m", {"x": np.ones(4, np.uint8)}, -1, None, None))
-    assert raised.value.code is ErrorCode.BAD_ARGUMENT and server.kinds() == [Kind.INFER, Kind.INFER]
+    assert raised.value.code is ErrorCode.BAD_ARGUMENT and len(server.requests) == 3
 
 
 def test_the_socket_gets_what_the_lane_left_of_the_timeout(core):
@@ -464,3 +466,131 @@ def test_a_zero_copy_call_of_a_connection_that_ended_says_so(core):
     with pytest.raises(ConnectionClosed) as raised:
         operation.begin((None,))
     assert raised.value.message == "client closed"
+
+
+# -- a split canary's route, evaluated by the client (issue 24: canaries without leaving the lanes) --
+
+def routed_listing(epoch: int, percent: float | None = 30.0, sticky: bool = True) -> list[dict]:
+    """The ``models`` answer for ``m`` (version 1 the default) while a split canary of version 2
+    takes ``percent`` % (None: no canary), valid for routing ``epoch``."""
+    route = {"epoch": epoch}
+    if percent is not None:
+        route.update(stable=1, candidate=2, percent=percent, sticky=sticky, candidate_spec=dict(SPEC, version=2))
+    return [dict(SPEC, route=route)]
+
+
+def versioned_lanes(epoch: int):
+    """Grants lanes as the server does: to the version the request names (else 1), in ``epoch``."""
+    def grant(rid, region, meta):
+        return lane_grant(rid, region, served=True, serves=meta.get("version") or 1, epoch=epoch)
+    return [grant] * 8
+
+
+def by_version(server: Server) -> dict[int, int]:
+    counted: dict[int, int] = {}
+    for call in server.lane_calls:
+        version = call[0].lane.serves()
+        counted[version] = counted.get(version, 0) + 1
+    return counted
+
+
+def test_a_split_route_sends_each_call_through_the_lane_of_the_version_it_picks(core):
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    for _ in range(2000):
+        assert infer(op, server, x)["y"].tolist() == [1] * 4
+    assert Kind.INFER not in server.kinds() and server.kinds().count(Kind.OPEN_REGION) == 2  # a lane per version
+    assert {meta.get("version") for kind, meta in server.requests if kind is Kind.OPEN_REGION} == {1, 2}
+    counted = by_version(server)
+    assert 600 - 103 <= counted[2] <= 600 + 103, counted  # 30 %: sd 20.5, five of them either way
+    for call in server.lane_calls:
+        assert call[0].lane.serves() == call[5].version  # planned from the spec of the version its lane serves
+
+
+def test_a_routing_key_gets_the_servers_version_through_that_versions_lane(core):
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 50.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    for k in range(40):
+        key = f"user-{k}"
+        want = routing.split("m", 1, 2, 50.0, True, key.encode(), 0.0)
+        before = len(server.lane_calls)
+        for _ in range(3):
+            infer(op, server, x, key=key)
+        assert {call[0].lane.serves() for call in server.lane_calls[before:]} == {want}
+    assert set(by_version(server)) == {1, 2} and Kind.INFER not in server.kinds()
+
+
+def test_a_new_epoch_in_the_lane_header_makes_the_client_read_the_route_again(core):
+    """A rollback (or any change of the routing): the front-end writes a new epoch into the lanes; the
+    client's next call reads the route again and, the canary gone, reaches only the default's lane."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    for _ in range(200):
+        infer(op, server, x)
+    assert set(by_version(server)) == {1, 2}
+    models_asked = server.kinds().count(Kind.MODELS)
+    server.listing = routed_listing(6, None)
+    for region in core.infer_lanes.values():
+        lanes.set_route_epoch(region.buf, 6)
+    server.lane_calls.clear()
+    for _ in range(200):
+        infer(op, server, x)
+    assert server.kinds().count(Kind.MODELS) == models_asked + 1  # once, on the first call of the new epoch
+    assert by_version(server) == {1: 200} and Kind.INFER not in server.kinds()
+
+
+def test_a_call_refused_by_a_moved_lane_is_sent_again_over_the_socket_with_its_key(core):
+    """A call queued in the candidate's lane when a rollback moved the lane to the stable version:
+    that worker refuses it before it runs (``lanes.VERSION_MOVED``); the call is sent again over the
+    socket with its own key (the server routes it), never failed."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 100.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    infer(op, server, x, key="user-1")  # (the spec and route read, the candidate's lane opened)
+    began = op.begin(("m", {"x": x}, None, None, "user-1"))
+    assert type(began) is tuple and began[0].lane.serves() == 2
+    play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 1 of the model now, not version 2"))
+    resend = op.answer(began, None)
+    assert type(resend) is Exchange
+    kind, meta = request(core, resend)
+    assert kind is Kind.INFER and meta["key"] == "user-1" and "version" not in meta
+
+
+def test_a_candidate_canaried_again_after_its_lane_moved_gets_a_lane_of_its_own_again(core):
+    """A rollback moved the candidate's lane to the stable version (its header says so); a later canary
+    of the same version opens a new lane to it rather than send its share over the socket."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 50.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    for _ in range(100):
+        infer(op, server, x)
+    moved = core.infer_lanes[("m", 2)]
+    lanes.set_serves(moved.buf, 1)  # the rollback's drain moved it
+    server.listing, server.regions = routed_listing(6, None), versioned_lanes(6)
+    for region in core.infer_lanes.values():
+        lanes.set_route_epoch(region.buf, 6)
+    server.lane_calls.clear()
+    for _ in range(50):
+        infer(op, server, x)
+    assert by_version(server) == {1: 50}
+    server.listing, server.regions = routed_listing(7, 50.0), versioned_lanes(7)
+    for region in core.infer_lanes.values():
+        lanes.set_route_epoch(region.buf, 7)
+    opened = server.kinds().count(Kind.OPEN_REGION)
+    server.lane_calls.clear()
+    for _ in range(100):
+        infer(op, server, x)
+    assert server.kinds().count(Kind.OPEN_REGION) == opened + 1 and Kind.INFER not in server.kinds()
+    assert set(by_version(server)) == {1, 2} and core.infer_lanes[("m", 2)] is not moved
+
+
+def test_a_call_without_a_key_the_split_sent_to_a_lane_that_cannot_take_it_is_routed_by_the_server(core):
+    """The split picked the candidate for a call without a key, but its lane has no worker now (a
+    rollback is moving it to the stable version): over the socket the call names no version, and the
+    server routes it (the lifecycle soak caught such calls naming the candidate, which was draining:
+    model_unavailable)."""
+    op, server = InferOperation(core), Server(core, listing=routed_listing(5, 100.0), regions=versioned_lanes(5))
+    x = np.ones(4, np.uint8)
+    infer(op, server, x)  # (the spec and route read, the candidate's lane opened)
+    lanes.assign_worker(core.infer_lanes[("m", 2)].buf, layout.NO_WORKER)
+    sent = op.begin(("m", {"x": x}, None, None, None))
+    kind, meta = request(core, sent)
+    assert kind is Kind.INFER and "version" not in meta and "key" not in meta

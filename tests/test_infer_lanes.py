@@ -3,7 +3,8 @@
 Through real server and worker processes: the call leaves the front-end out of the data path
 (it is stopped while calls run), returns arrays the caller owns, gives the same answers and
 the same error codes as the socket path, falls back to the socket whenever a lane cannot take
-the call (lanes off, a version or routing key, bytes tensors, all slots busy, a canary), keeps
+the call (lanes off, a version it has no spec of, bytes tensors, all slots busy; a canary keeps
+them on lanes: test_canary_lanes.py), keeps
 the space of a timed-out call until its worker is done, reuses each signature's space, and
 leaves nothing behind.
 """
@@ -117,9 +118,12 @@ def test_calls_a_lane_cannot_take_go_over_the_socket(server):
         np.testing.assert_array_equal(c.infer("identity", {"x": x})["y"], x)
         assert lanes_of(server, "identity") == 0
     with server.client() as c:
-        np.testing.assert_array_equal(c.infer("identity", {"x": x}, version=1)["y"], x)  # a version: routed
-        np.testing.assert_array_equal(c.infer("identity", {"x": x}, key="user-7")["y"], x)  # a key: routed
+        with pytest.raises(ShmserveError) as info:  # a version the client has no spec of: the socket says
+            c.infer("identity", {"x": x}, version=9)
+        assert info.value.code is ErrorCode.UNKNOWN_MODEL
         assert lanes_of(server, "identity") == 0
+        np.testing.assert_array_equal(c.infer("identity", {"x": x}, key="user-7")["y"], x)  # no canary: the lane
+        assert lanes_of(server, "identity") == 1
         words = np.array([b"abc", b"", b"xy"], dtype=object)  # bytes tensors: serialized over the socket
         assert c.infer("bytes_reverse", {"x": words})["y"].tolist() == [b"cba", b"", b"yx"]
         assert lanes_of(server, "bytes_reverse") == 0
@@ -141,28 +145,6 @@ def test_a_timed_out_call_keeps_its_space_until_the_worker_is_done(server):
         assert not region.abandoned and not held.busy  # reclaimed by the call after the slow one ended
         assert region.seats[next(k for k, v in region.seats.items() if v is held)] is held  # reused
         assert not any(seat.busy for seat in region.seats.values())
-
-
-def test_a_canary_sends_infer_over_the_socket_so_it_can_route(tmp_path):
-    """While a canary runs the front-end must route each request: lanes divert Client.infer to the
-    socket (both versions answer a share), and take the calls again once the canary ends."""
-    repo = tmp_path / "repo"
-    add_version(repo, "m", 1)
-    with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
-        add_version(repo, "m", 2)
-        x = np.ones(2, np.float32)
-        with srv.client() as c:
-            assert served_version(x, c.infer("m", {"x": x})["y"]) == 1
-            (region,) = c._core.infer_lanes.values()
-            assert region.lane.routable()
-            c.canary("m", "start", version=2, plan={"steps": [50, 100], "hold_s": 1e6, "min_samples": 100000,
-                                                      "max_p99_ratio": 1e6})
-            assert not region.lane.routable()
-            seen = {served_version(x, c.infer("m", {"x": x})["y"]) for _ in range(60)}
-            assert seen == {1, 2}  # routed by the front-end: a lane would reach version 1 only
-            c.canary("m", "abort")
-            wait_for(region.lane.routable, "the lane to take infer calls again")
-            assert {served_version(x, c.infer("m", {"x": x})["y"]) for _ in range(10)} == {1}
 
 
 def test_async_infer_runs_many_calls_at_once_through_a_lane_and_the_socket(server):

@@ -584,3 +584,44 @@ def test_eviction_follows_the_documented_order_over_any_order_of_use(instance_na
             fe.close()
 
     asyncio.run(main())
+
+
+def test_lane_calls_counted_by_the_workers_feed_the_canary_and_each_change_is_a_new_routing_epoch(world):
+    """Issue 24: lane calls never pass the dispatcher; the workers count their outcomes in the arena
+    (``layout.record_lane_outcome``, as ``hotpath.publish`` does) and the lifecycle feeds those counted
+    after the canary started into its windows at each analysis.  A candidate whose lane calls fail is
+    rolled back on them alone; every change of the routing (start, rollback) writes a new epoch into
+    the model's lanes, and the candidate's lane moves to the stable version, its header saying so."""
+    from shmserve import layout
+    from shmserve.frontend.lifecycle import CANARY_TICK_S
+
+    async def main():
+        w = await canary_world(world, 2)
+        arena, door = w.fe.arena, w.fe.door()
+        stable_lane = LaneClient(w.fe.regions, door, "m")
+        header = stable_lane.header()
+        assert (header.serves, header.route_epoch) == (1, 0)
+        stable_worker = w.version("m", 1).workers[0]
+        layout.record_lane_outcome(arena.buf, arena.geometry.hist_off(stable_worker.index, "queue"), 10_000, True)
+        w.lifecycle.note_lane_outcomes()  # (before the canary: none of its outcomes)
+        assert (await w.done(asyncio.ensure_future(w.lifecycle.canary("m", "start", 2, SPLIT))))["state"] == "ramping"
+        assert stable_lane.header().route_epoch == 1
+        w.fe.regions.open(door, 8192, "m", version=2)
+        candidate_lane = next(r for r in w.fe.regions.regions.values() if r.lane_model is w.version("m", 2))
+        candidate_worker = w.version("m", 2).workers[0]
+        for _ in range(30):
+            layout.record_lane_outcome(arena.buf, arena.geometry.hist_off(stable_worker.index, "queue"), 20_000, False)
+            layout.record_lane_outcome(arena.buf, arena.geometry.hist_off(candidate_worker.index, "queue"), 40_000,
+                                       True)
+        await w.advance(CANARY_TICK_S)
+        await w.until(lambda: w.version("m", 2).phase == UNLOADED, "the candidate unloaded")
+        status = w.lifecycle.canary_status("m")
+        assert status["state"] == "rolled_back" and "max_error_rate_increase" in status["decisions"][-1]["reason"]
+        assert (status["stable"]["requests"], status["stable"]["errors"]) == (30, 0)  # (the one before: not counted)
+        assert (status["candidate"]["requests"], status["candidate"]["errors"]) == (30, 30)
+        assert 0.035 <= status["stable"]["p50_ms"] * 2 <= 0.045  # 20 us, within its bucket (1/16)
+        assert stable_lane.header().route_epoch == 2
+        assert layout.LANE_HEADER.read(candidate_lane.lane_buf, 0).serves == 1  # moved to the stable version
+        await w.stop()
+
+    asyncio.run(main())

@@ -274,14 +274,20 @@ def test_canary_keys_are_sticky(tmp_path):
 
 
 def test_shadow_clients_get_stable_and_a_mismatching_candidate_rolls_back(tmp_path):
+    """Shadow mode copies what passes the front-end (socket and v2 requests: ``lanes=False`` here);
+    lane calls are answered by the stable version through its lane and are not copied
+    (docs/models.md, "Canaries and lanes")."""
     repo = tmp_path / "repo"
     add_version(repo, "m", 1)
     with serving(tmp_path, "", server_section=repo_server_section(repo)) as srv:
         add_version(repo, "m", 2)  # answers x + 2000: never matches version 1
-        with srv.client() as c:
+        with srv.client(lanes=False) as c, srv.client() as lane_client:
+            x = np.ones(2, np.float32)
             c.canary("m", "start", version=2, plan={"mode": "shadow", "hold_s": 0.5, "window_s": 5,
                                                     "min_samples": 20, "max_mismatch_rate": 0.0,
                                                     "max_p99_ratio": None})
+            assert {served_version(x, lane_client.infer("m", {"x": x})["y"]) for _ in range(50)} == {1}
+            assert c.canary("m", "status")["shadow"]["compared"] == 0  # (lane calls are not copied)
             status, seen, errors = drive_until_decided(c, "m")
             assert status["state"] == "rolled_back", status
             assert errors == 0 and set(seen) == {1}, seen  # every client got the stable answer

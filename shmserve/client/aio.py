@@ -403,9 +403,9 @@ class AsyncClient(ClientFace):
         """As ``Client.open_region``."""
         return await self._pump.run(self._core.open_region(size, lane))
 
-    async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *,
-                        output_capacity: int | None = None) -> AsyncZeroCopyCall:
+    async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None,
+                        version: int | None = None, key: str | None = None) -> AsyncZeroCopyCall:
         """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``.
         Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
-        operation = await self._pump.run(self._core.zero_copy(model, inputs, output_capacity))
+        operation = await self._pump.run(self._core.zero_copy(model, inputs, output_capacity, version, key))
         return AsyncZeroCopyCall(self, self._pump, operation)

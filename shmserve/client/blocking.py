@@ -271,12 +271,13 @@ class Client(ClientFace):
         ``version``: that version of the model (default: the model's default version); ``key``: a
         routing key — while a canary runs, requests with the same key reach the same version.
 
-        With ``lanes`` (the default) the call goes through a lane of ``model`` the client opens
-        on first use (a region with its own queue to a worker: the inputs are copied into it,
-        the outputs copied out, and nothing crosses the socket); over the socket instead when
-        the lane cannot take it (given a ``version`` or ``key``, a bytes tensor, a request larger
-        than the lane, all its slots busy, a canary running, the lane refused by the server).
-        Either way the same errors, with the same codes."""
+        With ``lanes`` (the default) the call goes through a lane of the version it goes to (the
+        one named, else the one a running split canary picks for ``key`` or for this call, by the
+        server's rule, else the default) that the client opens on first use (a region with its
+        own queue to a worker: the inputs are copied into it, the outputs copied out, and nothing
+        crosses the socket); over the socket instead when the lane cannot take it (a version the
+        client has no spec of, a bytes tensor, a request larger than the lane, all its slots
+        busy, the lane refused by the server).  Either way the same errors, with the same codes."""
         return self._pump.perform(self._infer, (model, inputs, timeout, version, key))
 
     def models(self) -> list[dict]:
@@ -329,16 +330,24 @@ class Client(ClientFace):
         workers, and zero-copy calls placed in it do not touch the socket."""
         return self._pump.run(self._core.open_region(size, lane))
 
-    def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None) -> ZeroCopyCall:
+    def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None,
+                  version: int | None = None, key: str | None = None) -> ZeroCopyCall:
         """Reserve region space for one call of ``model``.
 
         ``inputs`` maps input names to ``(shape, dtype)``; the returned call's
         ``inputs`` are writable numpy views of that space.  Outputs get
         ``output_capacity`` bytes (default: computed from the model's spec
         where its output shapes follow from the inputs, else 16 MiB).  With
-        ``lanes`` (the default) the space is in a lane of ``model``.
+        ``lanes`` (the default) the space is in a lane of ``model``: of
+        ``version`` if given, else of the version ``key`` (a routing key) is
+        routed to now, else of the default.  Each ``run`` goes to ``version``,
+        else to the version a running split canary picks for ``key`` (or for
+        that run: the server's rule), through that version's lane: its own if
+        its lane serves it, else copied through the client's lane to that
+        version, as ``infer`` goes (docs/models.md, "Canaries and lanes").
         """
-        return ZeroCopyCall(self, self._pump, self._pump.run(self._core.zero_copy(model, inputs, output_capacity)))
+        return ZeroCopyCall(self, self._pump, self._pump.run(self._core.zero_copy(model, inputs, output_capacity,
+                                                                                  version, key)))
 
     def close(self) -> None:
         self._pump.close()

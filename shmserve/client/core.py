@@ -2,10 +2,15 @@
 
 Owns: the client's state besides its socket (the ``ClientSession`` of the
 connection, the regions it granted, the model specs and the server's region
-limit it told, ``infer``'s lanes, lane forms and back-offs), what makes a
+limit it told, each model's route — ``shmserve.routing``: a split canary's
+versions, share and the candidate's spec — ``infer``'s lanes, lane forms and
+back-offs), what makes a
 connection over and what a new one forgets (``connection_over``,
 ``forget_connection``), whether a request is sent again (``retry_unsent``),
-which spec a model's calls are planned from (``spec_read``, ``forget_spec``),
+which spec a model's calls are planned from (``spec_read``, ``forget_spec``,
+``version_spec``), which version a call that names none goes to (``pick``: the
+route's rule, the server's own) and which of ``infer``'s lanes serves it
+(``infer_lane``),
 and, as steps (``shmserve.client.steps``), the operations that are one
 request or a few: ``models``, ``health``, ``info``, ``repository``, the
 lifecycle calls, ``open_region`` and opening a ``zero_copy`` call.
@@ -22,17 +27,19 @@ build frames (the session does).
 from __future__ import annotations
 
 import time
+import random
 from typing import Callable, Mapping
 
 from shmserve.client.memory import Region
-from shmserve.client.planning import ZeroCopyPlan, region_limit, spec_of, version_of
+from shmserve.client.planning import ZeroCopyPlan, region_limit, route_of, spec_of, version_of
 from shmserve.client.steps import CONNECT, Exchange
 from shmserve.client.zerocopy import ZeroCopyOperation
 from shmserve.config import resolve_socket, trusted_server_uids
+from shmserve.routing import Route
 from shmserve.errors import ConnectionClosed, ShmserveError
 from shmserve.protocol import Kind
 from shmserve.reservations import Learned
-from shmserve.session import ClientSession, RegionGranted, check_timeout
+from shmserve.session import ClientSession, RegionGranted, check_routing, check_timeout
 from shmserve.spec import ModelSpec
 
 LIFECYCLE_TIMEOUT_S = 900.0  # a control call's default wait: a load of large engines plus a drain
@@ -74,7 +81,12 @@ class ClientCore:
         self.regions: list[Region] = []
         self.specs: dict[str, ModelSpec | None] = {}
         self.region_limit: int | None = None  # the server's largest region, learned when one is refused
-        self.infer_lanes: dict[str, Region] = {}  # model -> the lane Client.infer uses
+        # Client.infer's lanes: model -> the lane opened for its default; (model, version) -> one opened for a
+        # version the client routed a call to (a canary's candidate, a version named); each serves what its
+        # header says (a drain moves a lane to another version: ``infer_lane``).
+        self.infer_lanes: dict = {}
+        self.routes: dict[str, Route] = {}  # model -> its route as the server listed it with its spec
+        self.candidate_specs: dict[str, ModelSpec] = {}  # model -> its split canary's candidate's spec
         self.lane_forms: dict = {}  # (model, signature) -> how it goes through a lane (planning.LaneForm)
         # (model, signature) -> output bytes a zero-copy call of it was seen to need (short answers)
         self.zero_copy_outputs = Learned()
@@ -94,12 +106,15 @@ class ClientCore:
         self.regions.append(region)
         return region
 
-    def plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None) -> ZeroCopyPlan:
-        """Where a zero-copy call of ``model`` goes, in the regions of zero-copy calls (infer's own
-        lanes stay out of it: a zero-copy call's misuse of its space cannot reach them)."""
+    def plan(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None,
+             version: int | None = None) -> ZeroCopyPlan:
+        """Where a zero-copy call of ``model`` goes (a lane of ``version``, planned from its spec; None:
+        the default's), in the regions of zero-copy calls (infer's own lanes stay out of it: a
+        zero-copy call's misuse of its space cannot reach them)."""
         infer_lanes = set(map(id, self.infer_lanes.values()))
-        return ZeroCopyPlan(self.specs[model], model if self.lanes else None, inputs, output_capacity,
-                            [r for r in self.regions if id(r) not in infer_lanes], self.region_limit)
+        spec = self.specs[model] if version is None else self.version_spec(model, version)
+        return ZeroCopyPlan(spec, model if self.lanes else None, inputs, output_capacity,
+                            [r for r in self.regions if id(r) not in infer_lanes], self.region_limit, version)
 
     def release(self) -> None:
         """Unmap the regions; the session closes the descriptors it still holds."""
@@ -130,6 +145,8 @@ class ClientCore:
         fail from now on —, the specs, lanes and limits it told) and start a new session."""
         self.release()
         self.specs.clear()
+        self.routes.clear()
+        self.candidate_specs.clear()
         self.lane_forms.clear()
         self.no_lane_until.clear()
         self.region_limit = None
@@ -164,20 +181,65 @@ class ClientCore:
         """Keep the spec ``listing`` (``models()``) gives ``model``; if it is of another version than
         the one kept, what was planned from the old one goes first (``forget_spec``)."""
         spec = spec_of(listing, model)
-        if model in self.specs and version_of(self.specs[model]) != version_of(spec):
+        route, candidate = route_of(listing, model)
+        if model in self.specs and (version_of(self.specs[model]) != version_of(spec)
+                                    or self.routes.get(model) != route):
             self.forget_spec(model)
         self.specs[model] = spec
+        self.routes[model] = route
+        if candidate is not None:
+            self.candidate_specs[model] = candidate
         return spec
+
+    def version_spec(self, model: str, version: int) -> ModelSpec | None:
+        """The spec of ``version`` of ``model`` as the client knows it (its default's, or its split
+        canary's candidate's), or None."""
+        for spec in (self.specs.get(model), self.candidate_specs.get(model)):
+            if spec is not None and version_of(spec) == version:
+                return spec
+        return None
+
+    def pick(self, model: str, key: str | None) -> int | None:
+        """The version a call of ``model`` that names none goes to by the route the client holds
+        (``routing.Route.pick``: the server's rule, a draw of the client's own for a call without
+        a key), or None: the default, whatever the lane serves."""
+        route, spec = self.routes.get(model), self.specs.get(model)
+        if route is None or route.candidate is None or spec is None:
+            return None
+        return route.pick(model, version_of(spec), key.encode() if key is not None else None, random.random())
+
+    def route_stale(self, model: str, region: Region) -> bool:
+        """Whether the route the client holds for ``model`` is of another epoch than the one
+        ``region``'s lane header says (its routing changed: read it again before routing a call)."""
+        route = self.routes.get(model)
+        return route is None or region.lane.route_epoch() != route.epoch
+
+    def infer_lane(self, model: str, version: int) -> Region | None:
+        """``infer``'s lane of ``model`` that serves ``version`` now (its header says), or None."""
+        for key in (model, (model, version)):
+            region = self.infer_lanes.get(key)
+            if region is not None and region.lane is not None and (region.lane.serves() == version or (
+                    key == model and 0 in (version, region.lane.serves()))):  # (0: not said)
+                return region
+        for key, region in list(self.infer_lanes.items()):  # a drain moved one: file it under what it serves
+            if type(key) is tuple and key[0] == model and region.lane is not None and region.lane.serves() == version:
+                if (model, version) not in self.infer_lanes:
+                    del self.infer_lanes[key]
+                    self.infer_lanes[(model, version)] = region
+                return region
+        return None
 
     def forget_spec(self, model: str) -> None:
         """Drop what was planned from ``model``'s spec (its spec, its lane forms, the space kept in
         its infer lane for them): the next call asks the server for the spec again."""
         self.specs.pop(model, None)
+        self.routes.pop(model, None)
+        self.candidate_specs.pop(model, None)
         for signature in [sig for sig in self.lane_forms if sig[0] == model]:
             del self.lane_forms[signature]
-        region = self.infer_lanes.get(model)
-        if region is not None:
-            region.drop_seats()
+        for key, region in self.infer_lanes.items():
+            if key == model or (type(key) is tuple and key[0] == model):
+                region.drop_seats()
 
     # -- operations of a request or a few, as steps -------------------------------------------
 
@@ -204,27 +266,35 @@ class ClientCore:
         return self.reply(lambda session: session.lifecycle(kind, model, **fields),
                           LIFECYCLE_TIMEOUT_S if timeout is None else timeout)
 
-    def open_region(self, size: int, lane: str | None):
-        """Steps: a region of ``size`` bytes for this connection (with a lane of model ``lane``)."""
-        return self.add_region((yield Exchange((lambda session: session.open_region(size, lane), None))))
+    def open_region(self, size: int, lane: str | None, version: int | None = None):
+        """Steps: a region of ``size`` bytes for this connection (with a lane of model ``lane``, to a
+        worker of its ``version`` if given, else of its default)."""
+        return self.add_region((yield Exchange((lambda session: session.open_region(size, lane, version), None))))
 
-    def zero_copy(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None):
-        """Steps: space for one zero-copy call of ``model`` (``Client.zero_copy``): its spec read
-        first if not known, then a region with room found or opened — through ``ZeroCopyPlan``'s
-        answers to the server's refusals —, then placed; returns its ``ZeroCopyOperation``."""
+    def zero_copy(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None,
+                  version: int | None = None, key: str | None = None):
+        """Steps: space for one zero-copy call of ``model`` (``Client.zero_copy``): its spec (and
+        route) read first if not known, then a region with room found or opened — in a lane of
+        ``version``, else of the version ``key`` routes to now (``pick``), else of the default;
+        through ``ZeroCopyPlan``'s answers to the server's refusals —, then placed; returns its
+        ``ZeroCopyOperation`` (which routes each run again).  BadArgument for a version or key
+        ``session.check_routing`` refuses."""
+        check_routing(version, key)
         yield CONNECT
-        if model not in self.specs:
-            self.specs[model] = spec_of((yield from self.models()), model)
+        if model not in self.specs or version is not None or key is not None:  # (routed: the route of now)
+            self.spec_read(model, (yield from self.models()))
         learned = (model, tuple((name, str(shape), str(dtype)) for name, (shape, dtype) in inputs.items()))
         if output_capacity is None and self.zero_copy_outputs.get(learned):
             output_capacity = self.zero_copy_outputs.get(learned)  # (more than the guess: a short answer said)
-        plan = self.plan(model, inputs, output_capacity)
+        # (a version the client has no spec of: a region without a lane, and the socket says what it says)
+        plan = self.plan(model, inputs, output_capacity,
+                         version if version is not None else self.pick(model, key) if key is not None else None)
         while plan.region is None:
             try:
-                plan.opened((yield from self.open_region(plan.region_size, plan.lane)))
+                plan.opened((yield from self.open_region(plan.region_size, plan.lane, plan.version)))
             except ShmserveError as exc:
                 if plan.refused(exc):
                     self.region_limit = plan.limited(region_limit((yield from self.info())))
-        operation = ZeroCopyOperation(self, model, *plan.place())
+        operation = ZeroCopyOperation(self, model, *plan.place(), version=version, key=key)
         operation.learned = learned
         return operation

@@ -1,9 +1,11 @@
 """``infer``, written once for both faces: through a lane of the model when it can take the call, else the socket.
 
 Owns: the decision which way an ``infer`` call goes (``lane_wanted``: lanes
-on, no version or routing key, the model's spec known, every input a
-fixed-size array the model has; the lane routable, a slot and space free),
-opening a model's infer lane (and backing off to the socket for
+on, the model's spec known, the version it goes to — the one it names, else
+the one its route picks for its key or a draw of its own, else the default —
+one whose spec the client holds, every input a fixed-size array the model
+has; that version's lane routable, of the route's epoch, a slot and space
+free), opening a version's infer lane (and backing off to the socket for
 LANE_RETRY_S when the server refuses one), copying the inputs into the lane
 and submitting the call, reading its outputs into new arrays, running it
 again once in the lane when the worker's short answer says its outputs
@@ -36,13 +38,14 @@ from shmserve import lanes, reservations
 from shmserve.client.core import ClientCore
 from shmserve.client.memory import Region
 from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, needed_bytes, \
-    region_limit, spec_of
+    region_limit, version_of
 from shmserve.client.steps import CONNECT, Exchange, left
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import DATA_FLOOR
 from shmserve.session import FIXED_DTYPES, check_timeout
 
 LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
+VERSION_LANES_MAX = 4  # infer lanes per model besides its default's (versions called by name or a canary's)
 NEED_SPEC = object()  # lane_wanted: ask the server for the model's spec first
 
 
@@ -59,9 +62,9 @@ class InferOperation:
 
     def begin(self, args: tuple):
         """The lane call the common case submitted — ``(region, slot, generation, deadline, seat,
-        form, model, inputs)`` —, the call's request over the socket (no lane wanted, or it
-        cannot take the call now), or the steps of the call.  BadArgument for a timeout out of
-        range.  ``args``: ``(model, inputs, timeout, version, key)``."""
+        form, model, inputs, version, key)`` —, the call's request over the socket (no lane
+        wanted, or it cannot take the call now), or the steps of the call.  BadArgument for a
+        timeout out of range.  ``args``: ``(model, inputs, timeout, version, key)``."""
         model, inputs, timeout, version, key = args
         core = self.core
         seconds = core.timeout if timeout is None else check_timeout(timeout)
@@ -72,14 +75,14 @@ class InferOperation:
             return self.request(model, inputs, seconds, version, key)
         if wanted is NEED_SPEC:
             return self.steps(model, inputs, seconds, version, key, wanted)
-        region = core.infer_lanes.get(model)
-        if region is None:
+        region = core.infer_lane(model, wanted[3])
+        if region is None or core.route_stale(model, region):
             return self.steps(model, inputs, seconds, version, key, wanted)
         deadline = core.clock() + seconds
-        arrays, form, signature = wanted
-        call = self.lane_start(region, arrays, form, signature, deadline, model, inputs)
+        arrays, form, signature, _ = wanted
+        call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
         if call is None:
-            return self.request(model, inputs, left(deadline, core.clock()), None, None)
+            return self.request(model, inputs, left(deadline, core.clock()), version, key)
         return call
 
     def answer(self, call: tuple, failure: BaseException | None, again: bool = True):
@@ -90,7 +93,7 @@ class InferOperation:
         answer, ``shmserve.reservations``): the steps that run it ``again`` once with the space they
         need (``run_again``); a second short answer is raised.  ``failure``: waiting
         for it failed (a timeout keeps its space until the worker is done with it); raised."""
-        region, index, generation, deadline, seat, form, model, inputs = call
+        region, index, generation, deadline, seat, form, model, inputs, version, key = call
         needed = None
         lane = region.lane
         if failure is not None:
@@ -116,7 +119,8 @@ class InferOperation:
                 raise
             if lanes.version_moved(exc):
                 # The lane's version changed under the spec this call was planned from, and nothing
-                # of it ran: the socket answers this one, the next asks for the spec again.
+                # of it ran: the socket answers this one (the server routes it, by its own rule),
+                # the next asks for the spec and the route again.
                 self.core.forget_spec(model)
             elif exc.code is ErrorCode.MODEL_UNAVAILABLE:
                 self.core.forget_spec(model)  # (it ran: its error is the answer; the next call asks again)
@@ -127,26 +131,28 @@ class InferOperation:
                     raise
         finally:
             seat.release()
-        if needed is not None:
-            return self.run_again(model, inputs, deadline, needed)
-        return self.request(model, inputs, left(deadline, self.core.clock()), None, None)
+        if needed is not None:  # (on the version it ran on: a split does not draw again)
+            return self.run_again(model, inputs, deadline, needed, form.version, version, key)
+        return self.request(model, inputs, left(deadline, self.core.clock()), version, key)
 
-    def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int):
-        """Steps: the call once more, its outputs given the ``needed`` bytes a short answer said (its
-        signature's form keeps them: the next calls of that signature reserve them at once);
-        through the lane, else (the lane cannot take it) over the socket."""
+    def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int, ran_on: int,
+                  version: int | None, key: str | None):
+        """Steps: the call once more, through the lane of ``ran_on`` (the version it ran on), its
+        outputs given the ``needed`` bytes a short answer said (its signature's form keeps them: the
+        next calls of that signature reserve them at once); else (the lane cannot take it) over the
+        socket, with the caller's ``version`` and ``key`` (the server routes it)."""
         core = self.core
-        wanted = self.lane_wanted(model, inputs, None, None)
-        region = core.infer_lanes.get(model)
+        wanted = self.lane_wanted(model, inputs, ran_on, None)
+        region = core.infer_lane(model, wanted[3]) if wanted is not None and wanted is not NEED_SPEC else None
         if wanted is not None and wanted is not NEED_SPEC and region is not None:
-            arrays, form, signature = wanted
+            arrays, form, signature, _ = wanted
             grown = form._replace(output_capacity=needed, needed=needed_bytes(dict(enumerate(form.sizes)), needed))
             call = None
             if grown.needed <= region.size - DATA_FLOOR:  # (else not learned: the socket says why)
                 if form.output_capacity < needed:
                     form = core.lane_forms[signature] = grown
                     region.drop_seats()  # (the seat kept for this signature is too small now)
-                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs)
+                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
             if call is not None:
                 try:
                     yield call
@@ -157,7 +163,7 @@ class InferOperation:
                 if type(outputs) is not Exchange:
                     return outputs
                 return self.answered((yield outputs))
-        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), None, None)))
+        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, key)))
 
     @staticmethod
     def answered(event) -> dict[str, np.ndarray]:
@@ -173,17 +179,24 @@ class InferOperation:
         if core.session.failure is not None:
             yield CONNECT
             wanted = self.lane_wanted(model, inputs, version, key)
+        if wanted is not None and wanted is not NEED_SPEC:
+            region = core.infer_lane(model, wanted[3]) or core.infer_lanes.get(model)
+            if region is not None and region.lane is not None and core.route_stale(model, region):
+                core.forget_spec(model)  # its routing changed: the route (and spec) of the new epoch first
+                wanted = NEED_SPEC
         if wanted is NEED_SPEC:
-            spec = spec_of((yield from core.models()), model)
-            core.specs.setdefault(model, spec)  # (another call may have read it meanwhile)
+            listing = yield from core.models()
+            if model not in core.specs:  # (another call may have read it meanwhile)
+                core.spec_read(model, listing)
             wanted = self.lane_wanted(model, inputs, version, key)
         if wanted is not None and wanted is not NEED_SPEC:
             deadline = core.clock() + seconds
-            region = core.infer_lanes.get(model)
+            region = core.infer_lane(model, wanted[3])
             if region is None:
-                region = yield from self.open_lane(model, wanted[1])
-            arrays, form, signature = wanted
-            call = self.lane_start(region, arrays, form, signature, deadline, model, inputs) if region else None
+                region = yield from self.open_lane(model, wanted[1], wanted[3])
+            arrays, form, signature, _ = wanted
+            call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key) \
+                if region else None
             if call is not None:
                 try:
                     yield call
@@ -208,13 +221,14 @@ class InferOperation:
     # -- the lane -----------------------------------------------------------------------------
 
     def lane_wanted(self, model: str, inputs: Mapping[str, np.ndarray], version, key):
-        """(arrays, form, signature) for a call that may go through a lane, ``NEED_SPEC`` if the
-        model's spec must be fetched first, or None: the socket carries it (lanes off, a version
-        or routing key given, the lane refused lately, a bytes or unsupported tensor, an input
-        the model does not have).  The lane serves the model's default version, as the socket
-        does; while a canary or shadow runs the front-end asks for the socket (``routable``)."""
+        """(arrays, form, signature, version) for a call that may go through a lane of that
+        version, ``NEED_SPEC`` if the model's spec must be fetched first, or None: the socket
+        carries it (lanes off, a version the client has no spec of, the lane refused lately, a
+        bytes or unsupported tensor, an input the model does not have).  The version: the one
+        named, else the one the model's route picks (``ClientCore.pick``: a split canary's rule,
+        the server's own, by ``key`` or a draw), else the default's, as the socket's would be."""
         core = self.core
-        if not core.lanes or version is not None or key is not None:
+        if not core.lanes:
             return None
         until = core.no_lane_until.get(model)
         if until is not None:
@@ -228,36 +242,50 @@ class InferOperation:
         if spec is None:
             core.no_lane_until[model] = core.clock() + LANE_RETRY_S
             return None
+        target = version if version is not None else core.pick(model, key)  # (None: the default's)
+        if target is not None and target == version_of(spec):
+            target = None  # (the default's, named: the same forms)
+        elif target is not None:
+            spec = core.version_spec(model, target)
+            if spec is None:
+                return None  # a version the client has no spec of: the socket
         arrays = {}
         for name, value in inputs.items():
             a = np.ascontiguousarray(value)
             if a.dtype not in FIXED_DTYPES:
                 return None  # bytes or unsupported: the socket path serializes or refuses it
             arrays[name] = a
-        signature = (model, tuple((n, a.dtype, a.shape) for n, a in arrays.items()))
+        signature = (model, tuple((n, a.dtype, a.shape) for n, a in arrays.items()), target)
         forms = core.lane_forms
         form = forms.get(signature, NEED_SPEC)
         if form is NEED_SPEC:
             if len(forms) >= LANE_FORMS_MAX:
                 forms.clear()
             form = forms[signature] = lane_form(spec, arrays)
-        return None if form is None else (arrays, form, signature)
+        return None if form is None else (arrays, form, signature, form.version)
 
-    def open_lane(self, model: str, form: LaneForm):
-        """Steps: open ``model``'s infer lane, sized for many calls within the server's largest
-        region (learned from its ``info`` when a region is refused as too large); returns it, or
-        None — the socket carries the call — if another call is opening it, if even this call
-        is larger than the server's largest region, or if the server refuses it (no lane for
-        LANE_RETRY_S then; a lost connection is raised)."""
+    def open_lane(self, model: str, form: LaneForm, version: int):
+        """Steps: open ``model``'s infer lane to ``version`` (the default's is the model's own, the
+        others are filed by version: at most VERSION_LANES_MAX), sized for many calls within the
+        server's largest region (learned from its ``info`` when a region is refused as too large);
+        returns it, or None — the socket carries the call — if another call is opening one, if
+        even this call is larger than the server's largest region, or if the server refuses it
+        (no lane for LANE_RETRY_S then; a lost connection is raised)."""
         core = self.core
-        if model in core.opening:
-            return None  # another call (AsyncClient) is opening it: this one goes over the socket
+        spec = core.specs.get(model)
+        name = model if model not in core.infer_lanes and version == version_of(spec) else (model, version)
+        moved = core.infer_lanes.pop(name) if type(name) is tuple and name in core.infer_lanes else None
+        if moved is not None:  # filed for this version, moved by a drain to another: filed as that one's
+            core.infer_lanes[(model, moved.lane.serves() if moved.lane is not None else 0, moved.id)] = moved
+        if model in core.opening or (type(name) is tuple and sum(
+                type(k) is tuple and k[0] == model for k in core.infer_lanes) >= VERSION_LANES_MAX):
+            return None  # another call (AsyncClient) is opening one, or enough are open: the socket
         core.opening.add(model)
         try:
             size = self.lane_size(form)
             while size is not None:
                 try:
-                    region = core.infer_lanes[model] = yield from core.open_region(size, model)
+                    region = core.infer_lanes[name] = yield from core.open_region(size, model, version)
                     return region
                 except ShmserveError as exc:
                     if exc.code is not ErrorCode.TOO_LARGE or core.region_limit is not None:
@@ -281,11 +309,12 @@ class InferOperation:
         return max(form.needed, DEFAULT_REGION_BYTES if limit is None else min(DEFAULT_REGION_BYTES, limit))
 
     def lane_start(self, region: Region, arrays: dict[str, np.ndarray], form: LaneForm, signature: tuple,
-                   deadline: float, model: str, inputs: Mapping[str, np.ndarray]) -> tuple | None:
+                   deadline: float, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None,
+                   key: str | None = None) -> tuple | None:
         """Copy ``arrays`` into the lane and submit the call: ``(region, slot, generation,
-        deadline, seat, form, model, inputs)``, or None if the lane cannot take it now (no worker serves it, the
-        front-end diverts its model, all its slots or its space are taken): then the socket
-        carries it."""
+        deadline, seat, form, model, inputs, version, key)``, or None if the lane cannot take it
+        now (no worker serves it, the front-end diverts its calls, all its slots or its space are
+        taken): then the socket carries it."""
         if region.abandoned:
             region.reclaim()
         lane = region.lane
@@ -303,4 +332,4 @@ class InferOperation:
         except BaseException:
             seat.release()
             raise
-        return region, index, generation, deadline, seat, form, model, inputs
+        return region, index, generation, deadline, seat, form, model, inputs, version, key

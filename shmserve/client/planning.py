@@ -1,7 +1,8 @@
 """Where a call's tensors go, decided from the model's spec: pure functions and plans, no I/O.
 
-Owns: a zero-copy call's place (``ZeroCopyPlan``: which region, of what size,
-with or without a lane, and what to ask for after the server refuses one),
+Owns: a model's route as the server lists it (``route_of``), a zero-copy
+call's place (``ZeroCopyPlan``: which region, of what size, with or without
+a lane — of which version —, and what to ask for after the server refuses one),
 how a zero-copy call names its tensors to a lane worker of one version
 (``call_plan``: planned again, and checked as that version's workers will
 check it, after a swap), how an ``infer`` call of one input signature goes
@@ -24,6 +25,7 @@ from shmserve.client.memory import Region
 from shmserve.errors import BadArgument, ErrorCode, ShmserveError
 from shmserve.reservations import guess_bytes
 from shmserve.protocol import TensorMeta
+from shmserve.routing import Route
 from shmserve.session import check_tensor
 from shmserve.spec import ModelSpec, bind_inputs, estimate_output_bytes, output_shapes
 
@@ -48,6 +50,25 @@ def version_of(spec: ModelSpec | None) -> int:
     of another version refuses the call (MODEL_UNAVAILABLE) instead of reading it by the wrong spec."""
     version = spec.extra.get("version") if spec is not None else None
     return version if type(version) is int and 0 < version < 2**32 else 0
+
+
+def route_of(listing: list[dict], model: str) -> tuple[Route, ModelSpec | None]:
+    """The route the server lists for ``model`` (``routing.Route``; epoch 0 and no split if it
+    lists none) and its split canary's candidate's spec (None without one).  INTERNAL if either is
+    unreadable."""
+    entry = next((m for m in listing if m["name"] == model), None)
+    d = entry.get("route") if entry is not None else None
+    if d is None:
+        return Route(0), None
+    try:
+        route = Route.from_dict(d)
+        spec = d.get("candidate_spec")
+        candidate = ModelSpec.from_dict(spec) if route.candidate is not None and spec is not None else None
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ShmserveError(ErrorCode.INTERNAL, f"the server's route of {model!r} is unreadable: {exc!r}") from None
+    if candidate is None or version_of(candidate) != route.candidate:
+        return Route(route.epoch), None  # (no spec of the candidate: the default takes every call)
+    return route, candidate
 
 
 def spec_of(listing: list[dict], model: str) -> ModelSpec | None:
@@ -145,13 +166,16 @@ class ZeroCopyPlan:
     """
 
     def __init__(self, spec: ModelSpec | None, lane: str | None, inputs: Mapping[str, tuple],
-                 output_capacity: int | None, regions: list[Region], region_limit: int | None = None):
+                 output_capacity: int | None, regions: list[Region], region_limit: int | None = None,
+                 version: int | None = None):
         self.specs, self.sizes = _normalize(inputs)
         if spec is not None:
             check_fixed_outputs(spec)
         self.output_capacity = estimate(spec, self.specs)[0] if output_capacity is None else output_capacity
         self.wanted = list(self.sizes.values()) + [self.output_capacity]
         self.lane = lane if spec is not None else None
+        self.version = version  # the lane's version, if the call asked for one (None: the default's)
+        self.serves = version_of(spec)  # a lane region of this call serves this version (0: any)
         self.needed = needed_bytes(self.sizes, self.output_capacity)
         self.region_limit = region_limit
         self.region_size = self._sized(DEFAULT_REGION_BYTES)  # room for the calls that follow
@@ -198,8 +222,8 @@ class ZeroCopyPlan:
         return max(self.needed, size if limit is None else min(size, limit))
 
     def _region_in(self) -> Region | None:
-        return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane],
-                            self.wanted)
+        return _find_region([r for r in self.regions if (r.lane.model if r.lane else None) == self.lane
+                             and (r.lane is None or not self.serves or r.lane.serves() in (0, self.serves))], self.wanted)
 
 
 # -- a zero-copy call: how it names its tensors to a lane worker -----------------------------

@@ -7,15 +7,21 @@ small descriptors cross the socket, or nothing at all: a lane region carries
 its own queue to a worker.
 
 Owns: one call's run, written once (``ZeroCopyOperation``, an ``Operation`` of
-``(timeout,)``): through the lane when it has a free slot, planned from the
-spec of the version the client knows (``planning.call_plan``) and planned
-again, from the spec read afresh, when a worker of another version refuses
-it (a swap: the caller sees nothing of it, or a clear error naming both
-versions if the new one refuses the call); over the socket as a descriptor
-naming the same region otherwise; its output area moved to a larger one in
-its region when a worker's short answer says the outputs outgrew it
-(``grow``: the faces run the call once more; ``shmserve.reservations``);
-read-only views of the outputs; giving its space back.
+``(timeout,)``): routed each run to the version it names, else to the one the
+model's route picks for its key (or a draw of its own: a split canary's rule,
+the server's), read again when its lane's header says the routing changed;
+through the lane when that is the version its lane serves and it has a free
+slot, planned from the spec of the version the client knows
+(``planning.call_plan``) and planned again, from the spec read afresh, when a
+worker of another version refuses it (a swap: the caller sees nothing of it,
+or a clear error naming both versions if the new one refuses the call);
+through the other version's lane as ``infer`` goes (its inputs copied in,
+its outputs out) when the route picks a version its lane does not serve; over
+the socket as a descriptor naming the same region otherwise; its output area
+moved to a larger one in its region when a worker's short answer says the
+outputs outgrew it (``grow``: the faces run the call once more;
+``shmserve.reservations``); read-only views of the outputs; giving its space
+back.
 
 The faces hold the operation and their client's pump, and ask the pump only
 to ``perform`` it: the pump's one method a call uses.
@@ -49,8 +55,9 @@ class ZeroCopyOperation:
     ``(timeout,)``."""
 
     def __init__(self, core: ClientCore, model: str, region: Region, inputs: dict[str, tuple[int, np.ndarray]],
-                 out_offset: int, out_capacity: int):
+                 out_offset: int, out_capacity: int, *, version: int | None = None, key: str | None = None):
         self.core, self.model, self.region = core, model, region
+        self.version, self.key = version, key  # as the caller asked: each run is routed by them
         self.inputs = inputs
         self.out_offset, self.out_capacity = out_offset, out_capacity
         self.plan: CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
@@ -72,6 +79,11 @@ class ZeroCopyOperation:
         if not self.lane_usable():
             return Exchange((self.request(seconds), seconds))
         deadline = core.clock() + seconds
+        if core.route_stale(self.model, self.region):
+            return self.rerouted(deadline)
+        target = self.target()
+        if target is not None and target != self.region.lane.serves():
+            return self.copied(target, deadline)
         if self.plan is None:
             return self.steps(deadline, None)
         index, generation = self.lane_submit(self.lane_plan())
@@ -102,10 +114,13 @@ class ZeroCopyOperation:
             if core.spec_read(self.model, (yield from core.models())) is None:
                 raise refused
             first = 1
+            target = self.target()
+            if target is not None and self.region.lane is not None and target != self.region.lane.serves():
+                return (yield from self.copied(target, deadline))  # (the route moved it, and its lane)
         for attempt in range(first, SPEC_RETRIES + 1):
             if not self.lane_usable():
                 break
-            if self.plan is None and core.specs.get(self.model) is None:
+            if self.plan is None and self.lane_spec() is None:
                 core.spec_read(self.model, (yield from core.models()))  # infer forgot it (a swap): read it again
             plan = self.lane_plan()
             if plan is None:
@@ -119,6 +134,37 @@ class ZeroCopyOperation:
                     raise
         seconds = left(deadline, core.clock())
         return self.answered((yield Exchange((self.request(seconds), seconds))))
+
+    def target(self) -> int | None:
+        """The version this run goes to: the one the call names, else the one the model's route
+        picks (``ClientCore.pick``), else None (the default: whatever its lane serves)."""
+        return self.version if self.version is not None else self.core.pick(self.model, self.key)
+
+    def rerouted(self, deadline: float):
+        """Steps: the model's routing changed since the client read it (its lane's header says so):
+        read its route (and spec) again, then run as ``begin`` would have."""
+        core = self.core
+        core.spec_read(self.model, (yield from core.models()))
+        target = self.target()
+        if target is not None and self.region.lane is not None and target != self.region.lane.serves():
+            return (yield from self.copied(target, deadline))
+        return (yield from self.steps(deadline, None))
+
+    def copied(self, version: int, deadline: float):
+        """Steps: this run through ``version``'s infer lane, as ``infer`` goes (the inputs copied into
+        it, the outputs out, read-only): the route picked a version this call's own lane does not
+        serve (a split canary's other side; a version named whose lane moved)."""
+        from shmserve.client.infer import InferOperation  # (infer's module imports the core, which imports this one)
+
+        infer = InferOperation(self.core)
+        arrays = {name: view for name, (_, view) in self.inputs.items()}
+        seconds = left(deadline, self.core.clock())
+        # (over the socket after all, it carries the call's own version and key: the server routes it)
+        outputs = yield from infer.steps(self.model, arrays, seconds, self.version, self.key,
+                                         infer.lane_wanted(self.model, arrays, version, None))
+        for array in outputs.values():
+            array.flags.writeable = False
+        return outputs
 
     # -- the lane -----------------------------------------------------------------------------
 
@@ -134,7 +180,7 @@ class ZeroCopyOperation:
         the call (and keeps raising it)."""
         if self.refused is not None:
             raise self.refused
-        spec, plan = self.core.specs.get(self.model), self.plan
+        spec, plan = self.lane_spec(), self.plan
         if spec is not None and spec is not self.looked_at:  # (the same spec object: nothing to do)
             if plan is None or version_of(spec) != plan.version:
                 try:
@@ -145,6 +191,12 @@ class ZeroCopyOperation:
                     raise
             self.looked_at = spec
         return plan
+
+    def lane_spec(self) -> ModelSpec | None:
+        """The client's spec of the version this call's lane serves (its header says; not said: the
+        default's), or None if the client holds none of it."""
+        serves = self.region.lane.serves() if self.region.lane is not None else 0
+        return self.core.specs.get(self.model) if not serves else self.core.version_spec(self.model, serves)
 
     def lane_submit(self, plan: CallPlan) -> tuple[int, int]:
         return self.region.lane.submit(self.core.session.reserve_id(), plan.version, plan.described,
@@ -177,7 +229,7 @@ class ZeroCopyOperation:
             if self.region.gone:  # (a new connection since: the id may name another region of ours there)
                 raise self.core.region_gone()
             return session.infer_region(self.model, tensors, self.region.id, self.out_offset, self.out_capacity,
-                                        timeout)
+                                        timeout, self.version, self.key)
         return build
 
     def views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:

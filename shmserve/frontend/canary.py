@@ -13,7 +13,9 @@ replay them exactly.  Its callers: ``Models.resolve`` calls ``route`` for a
 request that names no version, ``shmserve.frontend.shadow`` calls ``shadow``
 and ``record_shadow``, and the lifecycle ``record`` for each request a
 worker finished, DONE or ERROR (the dispatcher's ``observe``; a request that
-timed out, or was refused before a worker took it, is no outcome of a version),
+timed out, or was refused before a worker took it, is no outcome of a version)
+and ``record_lane_calls`` for the lane calls the workers counted (each
+heartbeat),
 ``tick`` periodically, and acts on what a rollout's state says (on COMPLETE
 the candidate becomes the default; on ROLLED_BACK or ABORTED the candidate is
 unloaded; on any of them the rollout is dropped, its last snapshot kept).
@@ -100,7 +102,6 @@ request to the candidate, the other two to the stable version.
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
 import math
 from collections import deque
@@ -109,7 +110,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shmserve import layout
+from shmserve import layout, routing
 
 _BF16 = layout.numpy_dtype("bfloat16")  # numbers, though numpy's kind for them is "V"
 # Per version, the outcomes kept: 1 666 requests a second over the default 60 s window (about 7 MB when full;
@@ -315,6 +316,20 @@ class _Window:
             self.cold -= 1
             self.untimed += 1
 
+    def add_many(self, t: float, ok: bool, latency: float, n: int) -> None:
+        """``n`` outcomes alike (lane calls counted by their worker, a histogram bucket at a time)."""
+        cold = min(self.cold, n)
+        self.cold -= cold
+        skipped = max(0, n - self.cap)  # the first of them would go at once (the cold ones among them)
+        n, cold = n - skipped, max(0, cold - skipped)
+        while len(self.times) + n > self.cap:
+            self._pop()
+        self.times.extend(itertools.repeat(t, n))
+        self.latencies.extend(itertools.repeat(latency, n))
+        self.failed.extend(itertools.repeat(not ok, n))
+        self.errors += 0 if ok else n
+        self.untimed += cold
+
     def _pop(self) -> None:
         self.times.popleft()
         self.latencies.popleft()
@@ -338,13 +353,6 @@ class _Window:
         latencies = itertools.islice(self.latencies, self.untimed, None)
         part = np.partition(np.fromiter(latencies, dtype=np.float64, count=timed), (i50, i99))
         return WindowStats(n, self.errors, self.errors / n, float(part[i50]), float(part[i99]), timed)
-
-
-def _sticky_point(model: str, key: bytes) -> float:
-    """A routing key's fixed point in [0, 1): blake2b of the model and the key (the same in every process)."""
-    name = model.encode()
-    digest = hashlib.blake2b(len(name).to_bytes(4, "little") + name + key, digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 11) / (1 << 53)  # 53 bits: exactly representable, never 1.0
 
 
 def _pct(rate: float) -> str:
@@ -397,16 +405,25 @@ class Rollout:
     def route(self, key: bytes | None, draw: float) -> int:
         """The version that answers a request.  ``key``: its routing key or None; ``draw``: in [0, 1).
 
-        While ramping, a keyed request (sticky plan) goes to the candidate when its key's fixed point lies
-        below the step's percent — so a key once on the candidate stays there as the percent grows — and
-        any other request when ``draw`` does.  Shadow mode, ROLLED_BACK and ABORTED: the stable version;
+        While ramping, ``routing.split`` decides (the rule lane clients evaluate too): a keyed request
+        (sticky plan) goes to the candidate when its key's fixed point lies below the step's percent — so a
+        key once on the candidate stays there as the percent grows — and any other request when ``draw``
+        does.  Shadow mode, ROLLED_BACK and ABORTED: the stable version;
         COMPLETE: the candidate.  Raises ValueError for a draw outside [0, 1)."""
         if not 0.0 <= draw < 1.0:
             raise ValueError(f"canary: draw must be in [0, 1), not {draw!r}")
         if self.state is not RolloutState.RAMPING:
             return self.candidate if self.state is RolloutState.COMPLETE else self.stable
-        point = _sticky_point(self.model, key) if key is not None and self.plan.sticky else draw
-        return self.candidate if point < self.plan.steps[self.step] / 100.0 else self.stable
+        return routing.split(self.model, self.stable, self.candidate, self.plan.steps[self.step], self.plan.sticky,
+                             key, draw)
+
+    def lane_route(self, epoch: int) -> routing.Route:
+        """The routing a lane client evaluates itself (``routing.Route``, valid for ``epoch``): the
+        split while ramping, every request on the candidate once complete, else none (the default,
+        the stable version, answers: shadow mode, a rollback, an abort)."""
+        if self.state is RolloutState.RAMPING or self.state is RolloutState.COMPLETE:
+            return routing.Route(epoch, self.stable, self.candidate, self.percent, self.plan.sticky)
+        return routing.Route(epoch)
 
     def shadow(self, draw: float) -> bool:
         """Whether to copy a request to the candidate: shadow mode, not finished, ``draw`` below
@@ -429,6 +446,25 @@ class Rollout:
         window = self._windows.get(version)
         if window is not None:
             window.add(self._clock(now), bool(ok), float(latency_s))
+
+    def record_lane_calls(self, version: int, latencies: list[tuple[float, int]], faults: int, now: float) -> None:
+        """Lane calls of ``version`` its workers counted since the last look (``now``): ``latencies``
+        as (seconds, how many) per histogram bucket, of which ``faults`` failed for the version's own
+        fault (the rest succeeded); other versions are ignored.  Which of them failed is not known
+        and does not matter: a window's error rate and percentiles do not pair the two."""
+        window = self._windows.get(version)
+        if window is None:
+            return
+        t = self._clock(now)
+        for latency, n in latencies:
+            if n <= 0 or not 0.0 <= latency < math.inf:
+                continue
+            failed = min(faults, n)
+            faults -= failed
+            if failed:
+                window.add_many(t, False, float(latency), failed)
+            if n - failed:
+                window.add_many(t, True, float(latency), n - failed)
 
     def record_shadow(self, match: bool, now: float) -> None:
         """One shadow comparison: did the candidate's outputs match the stable version's (an error: no)."""

@@ -8,7 +8,8 @@ model's default move to it, in one step), ``unload``, ``scale``, a reload's
 differences (``apply``), loading on demand and eviction under the memory
 budget (each request counted once as use: ``observe``, ``note_lane_use``),
 canaries (start, promote, abort, the analysis every CANARY_TICK_S, acting on
-a rollout's end), and the log of every decision (``events``) with the
+a rollout's end; the lane calls' outcomes fed into its windows,
+``note_lane_outcomes``; a new routing epoch on each change, ``_route_changed``), and the log of every decision (``events``) with the
 counters metrics export.  One operation per model at a time (a lock per
 model name); the others wait.  Time and timers come from an injected
 ``Clock`` (the event loop's in the server, a fake in tests), and the
@@ -55,7 +56,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Coroutine
 
-from shmserve import protocol, repository
+from shmserve import layout, protocol, repository
 from shmserve.config import ModelConfig, ServerConfig
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend import canary
@@ -106,20 +107,25 @@ class Lifecycle:
     ``add_worker``, ``wait_ready``, ``retire``); ``clock`` its time and timers (the
     dispatcher's ``Clock``: the event loop's in the server, a fake in tests);
     ``startup_timeout`` bounds one load; ``finished(w)`` how many requests worker ``w`` has
-    finished (socket and lane calls: ``note_lane_use``).  The server wires the hooks other
+    finished (socket and lane calls: ``note_lane_use``); ``lane_counts(w)`` its lane calls'
+    outcomes as the canary windows take them (``note_lane_outcomes``).  The server wires the hooks other
     parts call: the dispatcher's ``load_on_demand`` and ``observe``, the supervisor's
     ``worker_ready``; canary shadowing is ``shmserve.frontend.shadow``'s.
     """
 
     def __init__(self, models: Models, supervisor, dispatcher, regions, config: Callable[[], ServerConfig], *,
                  clock, startup_timeout: float, finished: Callable[[object], int] | None = None,
-                 failed: Callable[[object], int] | None = None):
+                 failed: Callable[[object], int] | None = None,
+                 lane_counts: Callable[[object], tuple[int, tuple[int, ...]]] | None = None):
         self.models, self.supervisor, self.dispatcher, self.regions = models, supervisor, dispatcher, regions
         self.clock = clock
         # How many requests a worker has finished (the arena's worker table): lane calls are seen only there;
         # and how many of them it answered with an error (``failed``: the lane calls' outcomes, for metrics).
         self.finished, self.failed = finished, failed
         self.tallies: dict[WorkerHandle, _Tally] = {}  # per worker: what counted as use so far
+        # A worker's lane outcomes (faults, buckets: the arena's, ``note_lane_outcomes``), and the last look's.
+        self.lane_counts = lane_counts
+        self.lane_seen: dict[WorkerHandle, tuple[int, tuple[int, ...]]] = {}
         self.config = config
         self.startup_timeout = startup_timeout
         self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -400,8 +406,9 @@ class Lifecycle:
                 if not await self._start_version(candidate, give_up=True, by=f"canary{' by ' + by if by else ''}"):
                     raise ShmserveError(ErrorCode.MODEL_UNAVAILABLE, f"canary version {cfg.version} of {name!r} "
                                                                      f"did not load: {candidate.reason}")
+            self.note_lane_outcomes()  # the lane calls before it are none of its outcomes
             model.rollout = canary.Rollout(name, stable.version, candidate.version, checked, self.clock.monotonic())
-            self.regions.divert(name, True)  # the front-end routes every Client.infer request now
+            self._route_changed(model)  # lane clients route by the rollout from their next call
             self._event(candidate, "canary", f"started against version {stable.version} ({checked.mode}, steps "
                                              f"{list(checked.steps)}%)" + (f" by {by}" if by else ""))
             self._tick_soon()
@@ -474,12 +481,47 @@ class Lifecycle:
             out[key] = (ok + tally.lanes - tally.lane_errors, err + tally.lane_errors)
         return out
 
+    def note_lane_outcomes(self) -> None:
+        """Feed the lane calls each rollout's versions' workers counted since the last look into
+        its windows (``canary.Rollout.record_lane_calls``): lane calls never pass the dispatcher,
+        so only a worker's own count of them (``lane_counts(w)``: its faults and its bucketed
+        claim-to-publish times, ``layout.read_lane_outcomes``) sees them.  Every worker's counts
+        are kept at each look, so a rollout counts only what came after its start; a count that
+        went down (a new worker in a reused entry) starts again from zero.  The server calls this
+        with its heartbeat.  Nothing without ``lane_counts``."""
+        if self.lane_counts is None:
+            return
+        now = self.clock.monotonic()
+        seen: dict[WorkerHandle, tuple[int, tuple[int, ...]]] = {}
+        for model in self.models.by_name.values():
+            for version in model.versions.values():
+                for w in version.workers:
+                    faults, buckets = seen[w] = self.lane_counts(w)
+                    before = self.lane_seen.get(w)
+                    if model.rollout is None or before is None:
+                        continue
+                    if faults < before[0] or any(b < a for a, b in zip(before[1], buckets)):
+                        before = (0, (0,) * len(buckets))
+                    calls = [(layout.lane_bucket_seconds(i), n - m)
+                             for i, (m, n) in enumerate(zip(before[1], buckets)) if n > m]
+                    if calls:
+                        model.rollout.record_lane_calls(version.version, calls, faults - before[0], now)
+        self.lane_seen = seen
+
+    def _route_changed(self, model: Model) -> None:
+        """``model``'s routing changed (its rollout started, took a decision, ended): a new epoch,
+        written into its lanes (``RegionTable.route_changed``), so that each lane client asks for
+        the route again before its next call."""
+        model.route_epoch = (model.route_epoch + 1) & 0xFFFFFFFF
+        self.regions.route_changed(model.name, model.route_epoch)
+
     def _tick_soon(self) -> None:
         if self._ticker is None and not self.stopping:
             self._ticker = self.clock.call_later(CANARY_TICK_S, self._tick)
 
     def _tick(self) -> None:
         self._ticker = None
+        self.note_lane_outcomes()  # the lane calls since the last look: the analysis sees them too
         now = self.clock.monotonic()
         running = False
         for model in list(self.models.by_name.values()):
@@ -504,9 +546,10 @@ class Lifecycle:
             if candidate is not None:
                 self._event(candidate, f"canary {d.kind}", f"{d.percent:g}%: {d.reason}")
         if rollout.state not in canary.TERMINAL:
+            self._route_changed(model)
             return
         model.rollout = None
-        self.regions.divert(model.name, False)
+        self._route_changed(model)  # off the candidate at once (a rollback): its lanes move to the stable below
         model.rollouts.append(rollout.snapshot(self.clock.monotonic()))
         del model.rollouts[:-ROLLOUTS_KEPT]
         async with self.locks[model.name]:
@@ -814,6 +857,7 @@ class Lifecycle:
         self._event(version, "default", f"was version {old.version}" + (f" ({by})" if by else ""))
         for w in list(old.workers):  # lanes follow the default now
             self.regions.move_lanes(w, version)
+        self._route_changed(model)  # (lane clients read the new default's spec before their next call)
         self.dispatcher.settle(old)
         if not keep:
             await self._drain(old, UNLOADED, f"replaced by version {version.version}")

@@ -250,6 +250,7 @@ class Model:
     rollout: object | None = None  # a running ``canary.Rollout`` (None: none)
     rollouts: list = field(default_factory=list)  # finished rollouts' snapshots, newest last (bounded)
     on_demand: bool = False  # loaded by its first request
+    route_epoch: int = 0  # its routing's epoch (``shmserve.routing``): moved on by each change of its rollout
 
     @property
     def current(self) -> ModelState | None:

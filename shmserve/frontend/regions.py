@@ -18,8 +18,9 @@ worker serves each lane (``shmserve.lanes`` header and the worker's
 attach/detach commands), moving a lane when its worker dies (failing the
 call it was running; what it had queued runs on the next worker), the lanes'
 watchdog (``watch_lanes``: a lane no worker could take attached once one can,
-a call left READY told to its worker again), and the spin and divert hints in
-every lane header.
+a call left READY told to its worker again), and what every lane header says
+besides: the version it serves, its model's routing epoch (``route_changed``),
+the spin and divert hints.
 
 Must not: hold requests (``shmserve.frontend.dispatcher``), talk to a
 client's socket (a front door passes on ``Region.fd``), or read a client's
@@ -42,7 +43,7 @@ from shmserve import lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.models import ModelState, Models
+from shmserve.frontend.models import SERVING, ModelState, Models
 from shmserve.protocol import REGION_SLACK, TensorMeta
 from shmserve.supervisor import READY, WorkerHandle
 
@@ -158,8 +159,7 @@ class RegionTable:
         self.free_records = list(range(arena.geometry.max_regions - 1, -1, -1))
         self.next_id = 1
         self.stopping = False
-        self.diverted: set[str] = set()  # models whose Client.infer requests come over the socket (divert)
-        self.divert_every = False  # shutting down: every lane's (``divert_all``)
+        self.divert_every = False  # shutting down: Client.infer comes over the socket (``divert_all``)
         self.pending_since: dict[int, float] = {}  # lane region -> since when every look saw a call pending
         self.ready_since: dict[tuple, float] = {}  # (region, slot entry) -> when watch_lanes first saw it READY
         self.nudged_at: dict[int, float] = {}  # lane region -> when watch_lanes last told its worker to look
@@ -168,17 +168,17 @@ class RegionTable:
 
     def open(self, owner: Hashable, size, lane=None, *, uid: int = -1, pid: int = 0, version: int | None = None,
              bell: int = -1) -> Region:
-        """Create a sealed region of ``size`` bytes (plus a lane's queue if ``lane`` names a model)
-        for ``owner`` (a connection of ``uid``, ``pid``); the caller passes ``region.fd`` on
-        (the region keeps it: it closes with the region).  A door process's lane (``bell``: the
-        eventfd its door sleeps on, kept open by the caller while the region lives) may name the
-        ``version`` it serves (None: the model's default); it is not counted against the
-        per-connection limits (the door's desk bounds its lanes).
+        """Create a sealed region of ``size`` bytes (plus a lane's queue if ``lane`` names a model:
+        to a worker of its ``version``, if given, else of its default) for ``owner`` (a connection
+        of ``uid``, ``pid``); the caller passes ``region.fd`` on (the region keeps it: it closes
+        with the region).  A door process's lane (``bell``: the eventfd its door sleeps on, kept
+        open by the caller while the region lives) is not counted against the per-connection
+        limits (the door's desk bounds its lanes).
 
         Raises ShmserveError: BAD_FRAME/TOO_LARGE for a bad size, UNKNOWN_MODEL for a lane of no
-        model, OVERLOADED when a limit (named in the message) is reached, the model's workers
-        serve all the lanes they can or none of its ready workers can take the lane now, or the
-        region cannot be made.
+        model or of a version not serving, OVERLOADED when a limit (named in the message) is
+        reached, the model's workers serve all the lanes they can or none of its ready workers
+        can take the lane now, or the region cannot be made.
         """
         limit = self.max_request_bytes + REGION_SLACK
         if type(size) is not int or size <= 0:
@@ -189,10 +189,16 @@ class RegionTable:
         lane_model = None
         if lane is not None:
             named = self.models.get(lane)
-            lane_model = named.current if named is not None and version is None else \
-                named.versions.get(version) if named is not None else None
-            if lane_model is not None and version is not None and not lane_model.taking:
-                lane_model = None
+            if named is not None and version is not None:
+                lane_model = named.versions.get(version)
+                if bell >= 0:  # a door's lane: none of a version that takes no calls (refused below)
+                    if lane_model is not None and not lane_model.taking:
+                        lane_model = None
+                elif lane_model is None or lane_model.phase != SERVING:
+                    raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"model {lane!r} has no version {version} serving "
+                                                                 f"(serving: {sorted(v.version for v in named.serving())})")
+            else:
+                lane_model = named.current if named is not None else None
             if lane_model is None:
                 raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none"
                                     if named is None else f"model {lane!r} has no version serving now")
@@ -231,8 +237,8 @@ class RegionTable:
                             worker=layout.NO_WORKER, model_id=lane_model.index if lane_model is not None else 0,
                             created_unix_ns=time.time_ns())
         if lane_model is not None:
-            lanes.init_header(lane_buf, lane_model.index)
-            lanes.set_divert(lane_buf, self.divert_every or lane_model.name in self.diverted)
+            lanes.init_header(lane_buf, lane_model.index, lane_model.version, named.route_epoch)
+            lanes.set_divert(lane_buf, self.divert_every)
             if not self._attach(region):
                 self._close(region)
                 raise ShmserveError(ErrorCode.OVERLOADED, f"no worker of model {lane_model.name!r} can take a "
@@ -344,6 +350,7 @@ class RegionTable:
                 continue
             if to is not None:
                 region.lane_model = to
+                lanes.set_serves(region.lane_buf, to.version)  # its client plans the calls that follow for it
             region.lane_worker = None
             region.moving_from = w
             lanes.assign_worker(region.lane_buf, layout.NO_WORKER)
@@ -381,17 +388,13 @@ class RegionTable:
                 self.pending_since.pop(region.id, None)
         return latest
 
-    def divert(self, model: str, on: bool) -> None:
-        """Tell the lanes of ``model`` whether ``Client.infer`` should send its requests over the
-        socket (``on``: while a canary or shadow rollout of it runs, the front-end routes each
-        request) or through the lane (zero-copy calls always use the lane)."""
-        if on:
-            self.diverted.add(model)
-        else:
-            self.diverted.discard(model)
+    def route_changed(self, model: str, epoch: int) -> None:
+        """``model``'s routing changed (a canary started, stepped or ended): write its new routing
+        ``epoch`` into each of its lanes' headers.  A lane client reads it before it routes a call
+        and asks for the model's route again when it is not its route's (``shmserve.routing``)."""
         for region in self.regions.values():
             if region.is_lane and region.lane_model is not None and region.lane_model.name == model:
-                lanes.set_divert(region.lane_buf, on or self.divert_every)
+                lanes.set_route_epoch(region.lane_buf, epoch)
 
     def divert_all(self) -> None:
         """Shutting down: ``Client.infer`` requests come over the socket (answered SHUTTING_DOWN)
@@ -568,6 +571,7 @@ class RegionTable:
                     break
         region.lane_worker = worker
         index = layout.NO_WORKER if worker is None else worker.index
+        lanes.set_serves(region.lane_buf, region.lane_model.version)
         lanes.assign_worker(region.lane_buf, index)
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), worker=index)
         if worker is not None:

@@ -1,6 +1,7 @@
 """What the front-end reports about itself: the one read-only view that ``info``, health and metrics read.
 
-Owns: the shapes of the model listing, the health answer and the ``info``
+Owns: the shapes of the model listing (with each model's route for lane
+clients, ``route_of``), the health answer and the ``info``
 answer (with the limits and the last hour's windows ``shmserve doctor``
 reads), ``snapshot()`` (typed values for metrics) and ``sample()`` (what the
 server's ``History`` keeps a minute of).  Everything is read
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from shmserve import __version__, layout, protocol
+from shmserve import __version__, layout, protocol, routing
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
 from shmserve.frontend.dispatcher import Dispatcher
@@ -236,8 +237,27 @@ class Status:
                      "outputs": [t.to_dict() for t in spec.outputs] if spec else []}
             if entry["state"] not in (MODEL_READY, "evicted", "unloaded"):
                 entry["error"] = m.unavailable_reason()
+            entry["route"] = self.route_of(model)
             out.append(entry)
         return out
+
+    @staticmethod
+    def route_of(model) -> dict:
+        """How a lane client routes ``model``'s calls that name no version (``routing.Route``'s wire
+        form, valid for the epoch its lanes say): while a split canary ramps, its versions and share,
+        and the candidate's spec (``candidate_spec``, a listing entry's fields: the client plans its
+        calls to the candidate from it)."""
+        rollout = model.rollout
+        route = rollout.lane_route(model.route_epoch) if rollout is not None else routing.Route(model.route_epoch)
+        d = route.to_dict()
+        candidate = model.versions.get(route.candidate) if route.candidate is not None else None
+        if candidate is not None and candidate.spec is not None:
+            spec = candidate.spec
+            d["candidate_spec"] = {"name": model.name, "version": candidate.version, "backend": candidate.config.backend,
+                                   "max_output_bytes": candidate.config.max_output_bytes,
+                                   "inputs": [t.to_dict() for t in spec.inputs],
+                                   "outputs": [t.to_dict() for t in spec.outputs]}
+        return d
 
     @staticmethod
     def state_of(v: ModelState) -> str:

@@ -664,10 +664,15 @@ class ClientConnection(FramePump):
         lane = meta.get("lane")
         if "lane" in meta and not isinstance(lane, str):
             raise ShmserveError(ErrorCode.UNKNOWN_MODEL, f"'lane' must name a model: {lane!r} is none")
-        region = self.door.regions.open(self, meta.get("size"), lane, uid=self.uid, pid=self.pid)
+        version = meta.get("version")
+        if version is not None and (type(version) is not int or not 1 <= version <= protocol.MAX_VERSION):
+            raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"'version' must be a positive integer, not {version!r:.40}")
+        region = self.door.regions.open(self, meta.get("size"), lane, uid=self.uid, pid=self.pid,
+                                        version=version if lane is not None else None)
         answer = {"id": rid, "region": region.id, "size": region.size}
         if region.is_lane:
-            answer["lane"] = {"model": region.lane_model.name, "data_offset": lanes.DATA_FLOOR,
+            answer["lane"] = {"model": region.lane_model.name, "version": region.lane_model.version,
+                              "data_offset": lanes.DATA_FLOOR,
                               "slots": layout.LANE_SLOTS}
         self.send_with_fd(protocol.encode_frame(Kind.REGION, answer), region.fd)
 

@@ -204,7 +204,10 @@ class World:
         world.supervisor = FakeSupervisor(fe, world._worker_ready, world._worker_exited)
         world.lifecycle = life = Lifecycle(fe.models, world.supervisor, d, regions, lambda: world.config,
                                            clock=fe.clock, startup_timeout=30.0,
-                                           finished=lambda w: fe.arena.worker_counter(w.index, "requests"))
+                                           finished=lambda w: fe.arena.worker_counter(w.index, "requests"),
+                                           lane_counts=lambda w: layout.read_lane_outcomes(fe.arena.buf,
+                                                                                             fe.arena.geometry,
+                                                                                             w.index))
         d.load_on_demand, d.observe = life.load_on_demand, life.observe
         d.offer_shadow = Shadowing(d, fe.models, fe.clock.monotonic).offer
         return world
