@@ -342,17 +342,22 @@ def test_metrics_json_logs_and_reload(tmp_path):
         count = ("shmserve_request_stage_seconds_count", (("model", "identity"), ("stage", "total"), ("version", "1")))
         assert m1[count] - m0.get(count, 0) == 7
         assert m1[("shmserve_slots", ())] > 0 and ("shmserve_arena_bytes_in_use", ()) in m1
+        def total(m, name, **labels):
+            return sum(v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items())
+
+        def lane_calls(m) -> int:
+            return total(m, "shmserve_worker_requests_total", outcome="ok") - \
+                total(m1, "shmserve_worker_requests_total", outcome="ok")
+
         with srv.client() as c:  # lane calls skip the front-end: the workers' counters see them
             with c.zero_copy("identity", {"x": ((10,), np.uint8)}) as call:
                 for _ in range(5):
                     call.run()
-                m2 = scrape(metrics)
+                # (a worker counts a call just after publishing its answer: wait, bounded, for the last)
+                m2 = wait_for(lambda: (lambda m: m if lane_calls(m) >= 5 else None)(scrape(metrics)),
+                              what="the lane calls in shmserve_worker_requests_total")
 
-        def total(m, name, **labels):
-            return sum(v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items())
-
-        assert total(m2, "shmserve_worker_requests_total", outcome="ok") - \
-            total(m1, "shmserve_worker_requests_total", outcome="ok") == 5
+        assert lane_calls(m2) == 5
         assert total(m2, "shmserve_lanes", model="identity") == 1
         # Triton's families count lane calls at once (the workers' counters, read at scrape time; a
         # worker counts a call just after publishing its answer: wait, bounded, for the last one)
