@@ -39,7 +39,9 @@ setup(
                  # deploy/kserve/ checked offline (tests/test_scale_out.py): Kubernetes' published schemas
                  "kubernetes-validate>=1.33,<2", "jsonschema>=4.23,<5", "referencing>=0.35,<1", "PyYAML>=6,<7",
                  # the TensorRT lean runtime: import, runtime creation and error paths run without a GPU
-                 "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'"],
+                 "tensorrt-lean-cu13>=11,<12; platform_machine == 'x86_64'",
+                 # the model zoo (tests/test_zoo.py) builds a small BERT encoder from its config, offline
+                 "transformers>=4.50,<6"],
         "gpu": ["cuda-python>=12.4,<14"],
         # the KServe v2 doors (serve --http/--grpc) and Triton's clients to call them: grpcio, and
         # Triton's generated GRPCInferenceService (shipped in tritonclient); pip install -e '.[v2]'

@@ -204,3 +204,21 @@ def counted_stateful(inputs):
 counted_stateful.calls = 0
 counted_stateful.inputs = counted.inputs
 counted_stateful.outputs = [counted.outputs[0], {"name": "calls", "dtype": "int64", "shape": [1]}]
+
+
+def tag_words(inputs):
+    """A text model of the zoo (tests/test_zoo.py): each string's words upper-cased and joined in
+    reverse order, and its word count.  ``words_reference`` is the same, run in-process."""
+    upper, count = words_reference(inputs["text"])
+    return {"upper": upper, "words": count}
+
+
+def words_reference(text):
+    words = [element.decode("utf-8").split() for element in text]
+    upper = np.array([" ".join(w.upper() for w in reversed(ws)).encode("utf-8") for ws in words], dtype=object)
+    return upper, np.array([len(ws) for ws in words], dtype=np.int64)
+
+
+tag_words.inputs = [{"name": "text", "dtype": "bytes", "shape": ["batch"]}]
+tag_words.outputs = [{"name": "upper", "dtype": "bytes", "shape": ["batch"]},
+                     {"name": "words", "dtype": "int64", "shape": ["batch"]}]

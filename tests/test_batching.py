@@ -6,10 +6,7 @@ counters, and waiting through requests that finish at all.
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ import pytest
 from shmserve import protocol
 from shmserve.protocol import Kind
 
-from helpers.server import DOUBLE_BATCHED, ServerProcess, concurrent_infer
+from helpers.server import DOUBLE_BATCHED, ServerProcess, batch_stats, concurrent_infer
 
 CONFIG = DOUBLE_BATCHED + """
 [[models]]
@@ -45,14 +42,6 @@ def server(tmp_path_factory):
     srv.metrics = str(workdir / "metrics.sock")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-def batch_stats(srv, model: str) -> tuple[int, int]:
-    """(runs, requests) of a model, from the arena's batch-size histogram."""
-    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "inspect", "--instance", srv.instance, "--json"],
-                       capture_output=True, text=True, timeout=60)
-    stage = json.loads(r.stdout)["latency_us"][model]["batch_size"]
-    return stage["count"], round(stage["count"] * (stage["mean_us"] or 0))
 
 
 def concurrent(srv, model: str, inputs: list[np.ndarray]) -> list:

@@ -254,6 +254,16 @@ def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_
     return results
 
 
+def batch_stats(srv: ServerProcess, model: str) -> tuple[int, int]:
+    """(runs, requests) of a model, from the arena's batch-size histogram (``shmserve inspect``)."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "inspect", "--instance", srv.instance, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    stage = json.loads(r.stdout)["latency_us"][model]["batch_size"]
+    return stage["count"], round(stage["count"] * (stage["mean_us"] or 0))
+
+
 def scrape_text(path: str) -> str:
     """The body of one scrape of a server's metrics endpoint (``serve --metrics PATH``, a Unix
     socket); the answer must be a 200."""
