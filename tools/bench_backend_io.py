@@ -99,7 +99,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument("--pin", type=int, help="pin the workers and the in-process cases to this CPU, the client to "
-                    "the next but three (tools/bench_glue.py --pin says why)")
+                    "N + a quarter of the CPUs (tools/bench_glue.py --pin says why)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -175,7 +175,7 @@ def main() -> int:
                 }
                 cpus = None if args.pin is None else {
                     k: args.pin if k == "in-process" or "this process" in k or k.startswith("torch") else
-                    (args.pin + 4) % os.cpu_count() for k in cases}
+                    (args.pin + max(1, os.cpu_count() // 4)) % os.cpu_count() for k in cases}
                 samples = interleaved(cases, args.rounds, args.per_round, SEED, warm=3, cpus=cpus)
                 for call in calls.values():
                     call.release()

@@ -19,8 +19,9 @@ OMP_NUM_THREADS=1 for this process and the server it starts):
                                p50 (target: at most 1 %)
 
 With ``--pin N`` every worker runs on CPU N (its model's ``cpus``), the bare models too, and the
-client on CPU N+4: on a VM whose vCPUs run the same code at different speeds (the H200 host's
-differ up to 1.8x, docs/gpu.md) only that compares a worker with the bare model.
+client on CPU N + a quarter of the CPUs (at least 1): on a VM whose vCPUs run the same code at
+different speeds (the H200 host's differ up to 1.8x, docs/gpu.md) only that compares a worker
+with the bare model.
 
 usage: python tools/bench_glue.py [--rounds 20] [--per-round 100] [--heavy-rounds 30]
                                   [--heavy-per-round 4] [--pin CPU] [--json-out FILE]
@@ -141,7 +142,7 @@ def main() -> int:
     ap.add_argument("--heavy-rounds", type=int, default=30)
     ap.add_argument("--heavy-per-round", type=int, default=4)
     ap.add_argument("--pin", type=int, help="pin every worker and the bare models to this CPU, the client to "
-                    "the next but three (a VM whose vCPUs differ in speed: the fair floor)")
+                    "N + a quarter of the CPUs (a VM whose vCPUs differ in speed: the fair floor)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -199,7 +200,7 @@ def main() -> int:
 
         cfg_path = workdir / "glue.toml"
         cfg_path.write_text(config_text(workdir, add_path, conv_path, args.pin))
-        client_cpu = None if args.pin is None else (args.pin + 4) % os.cpu_count()
+        client_cpu = None if args.pin is None else (args.pin + max(1, os.cpu_count() // 4)) % os.cpu_count()
         report["pin"] = {"workers_and_bare": args.pin, "client": client_cpu}
 
         def cpus_of(cases: dict) -> dict | None:
