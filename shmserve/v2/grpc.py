@@ -34,8 +34,9 @@ posted read lets the client send up to the largest message (twice
 ``max_request_bytes`` plus 1 MiB, 129 MiB at the defaults).  So a read counts
 as that much until it ends, against the door's read pool
 (``max_grpc_read_bytes``, all callers together), of which one caller's reads
-may hold at most half (one read always fits); a call waits for room, in
-order, within ``upload_timeout_s``, and is refused RESOURCE_EXHAUSTED
+may hold at most half (its first read needs only room in the pool; a read
+fits an empty pool whatever its size); a call waits for room, in order,
+within ``upload_timeout_s``, and is refused RESOURCE_EXHAUSTED
 ``[overloaded]`` naming the key if none came.  Once read, the message's own
 size moves to the caller's budget (``Ledger.reserve_bytes``,
 ``max_buffered_bytes_per_uid``: it waits for room, within
@@ -43,7 +44,9 @@ size moves to the caller's budget (``Ledger.reserve_bytes``,
 fits) and the read is given back.  (Counting each read against the
 caller's budget instead, as before, let one caller read one message at a
 time at the defaults: two 129 MiB reads pass 256 MiB, so its calls queued
-for each other.)
+for each other.  No smaller true bound of a message exists while typed
+contents are taken: docs/security.md, "what a caller can make the server
+hold", weighs the choices.)
 
 The server also caps concurrent streams per connection
 (``max_inflight_per_connection``), connections (``max_connections``),
