@@ -111,7 +111,7 @@ def set_spin_hint(buf, spin_us: int) -> None:
 
 
 def set_divert(buf, divert: bool) -> None:
-    """Whether the lane's client should send its calls over the socket rather than through the
+    """Whether ``Client.infer`` should send its requests over the socket rather than through the
     lane (the server is shutting down: the socket answers SHUTTING_DOWN; or a reload put its owner
     under a rate limit, which the socket keeps)."""
     atomics.store32(buf, layout.LANE_DIVERT_OFFSET, 1 if divert else 0)
@@ -231,11 +231,6 @@ class ClientLane:
         buf = self.buf
         return atomics.load32(buf, layout.LANE_WORKER_OFFSET) != layout.NO_WORKER and \
             not atomics.load32(buf, layout.LANE_DIVERT_OFFSET)
-
-    def diverted(self) -> bool:
-        """Whether the front-end wants this lane's calls over the socket (a shutdown, or a rate limit
-        that a reload put its owner under): ``zero_copy`` then sends them as descriptors."""
-        return bool(atomics.load32(self.buf, layout.LANE_DIVERT_OFFSET))
 
     def serves(self) -> int:
         """The version of its model the lane's calls run on now, as the front-end last said (0: not said)."""

@@ -169,11 +169,9 @@ class ZeroCopyOperation:
     # -- the lane -----------------------------------------------------------------------------
 
     def lane_usable(self) -> bool:
-        """Through the region's own queue if it has one with a free slot and the front-end does
-        not divert it (all 16 busy, or diverted — a shutdown, a rate limit —: this call goes over
-        the socket instead, as a descriptor naming the same region)."""
-        lane = self.region.lane
-        return lane is not None and lane.has_free_slot() and not lane.diverted()
+        """Through the region's own queue if it has one with a free slot (all 16 busy: this call
+        goes over the socket instead, as a descriptor naming the same region)."""
+        return self.region.lane is not None and self.region.lane.has_free_slot()
 
     def lane_plan(self) -> CallPlan | None:
         """How this call names its tensors to a lane worker: planned from the client's spec of the

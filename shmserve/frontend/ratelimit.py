@@ -118,6 +118,7 @@ class RateLimiter:
         self.limits = tuple(limits)
         self.buckets = {k: b for k, b in self.buckets.items() if k[0] in kept}
         self._by_model: dict[str | None, tuple[RateLimit, ...]] = {}
+        self._dims = {limit.key: tuple(_dimensions(limit)) for limit in limits}  # (kind, rate, burst) each
 
     def __bool__(self) -> bool:
         return bool(self.limits)
@@ -152,7 +153,7 @@ class RateLimiter:
         for limit in self._of_model(model):
             if not holds(limit, caller):
                 continue
-            for kind, rate, burst in _dimensions(limit):
+            for kind, rate, burst in self._dims[limit.key]:
                 key = (limit.key, caller.key, kind)
                 bucket = self.buckets.get(key)
                 level = burst if bucket is None else bucket.level(rate, burst, now)
@@ -180,7 +181,7 @@ class RateLimiter:
 
     def _forget_full(self, now: float) -> None:
         """Forget buckets that are full again: a fresh one is the same."""
-        limits = {lim.key: dict((kind, (rate, burst)) for kind, rate, burst in _dimensions(lim)) for lim in self.limits}
+        limits = {key: {kind: (rate, burst) for kind, rate, burst in dims} for key, dims in self._dims.items()}
         for key, bucket in list(self.buckets.items()):
             rate, burst = limits[key[0]][key[2]]
             if bucket.level(rate, burst, now) >= burst:

@@ -406,9 +406,9 @@ class RegionTable:
 
     def divert_where(self, diverted) -> int:
         """Set each client lane's divert hint to ``diverted(region)`` (or on, while shutting down):
-        a reload put its owner under a rate limit of its model, so ``Client.infer`` and
-        ``zero_copy`` calls come over the socket (docs/config.md, "Rate limits").  Door lanes
-        (``bell``) are left alone.  How many are diverted."""
+        a reload put its owner under a rate limit of its model, so ``Client.infer`` calls come
+        over the socket (a ``zero_copy`` call's own lane is not checked per call: docs/config.md,
+        "Rate limits").  Door lanes (``bell``) are left alone.  How many are diverted."""
         n = 0
         for region in self.regions.values():
             if region.is_lane and region.bell < 0 and region.lane_model is not None:

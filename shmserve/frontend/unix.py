@@ -353,8 +353,6 @@ class UnixDoor:
     def check_rate(self, conn: "ClientConnection", model: str, nbytes: int) -> None:
         """OVERLOADED, naming the limit and when to retry (``retry_after``), if a rate limit holding
         ``conn``'s peer refuses a request of ``nbytes`` bytes for ``model`` now; else it is charged."""
-        if not self.rate:
-            return
         refusal = self.rate.admit(conn.caller(), model, nbytes, self.clock.monotonic())
         if refusal is not None:
             raise ShmserveError(ErrorCode.OVERLOADED, refusal.message, refusal.retry_after)
@@ -363,7 +361,7 @@ class UnixDoor:
         """OVERLOADED if a rate limit holds ``conn``'s peer's calls of ``model``: such a caller is
         given no lane (a lane call never passes the front-end), so its calls come over the socket,
         where ``check_rate`` keeps the limit (docs/config.md, "Rate limits")."""
-        limit = self.rate.covering(conn.caller(), model) if self.rate else None
+        limit = self.rate.covering(conn.caller(), model) if self.rate.limits else None
         if limit is not None:
             raise ShmserveError(ErrorCode.OVERLOADED, f"rate limit {limit.key!r} holds uid {conn.uid}'s calls of "
                                                       f"model {model!r}: no lane (its calls go over the socket)")
@@ -652,8 +650,9 @@ class ClientConnection(FramePump):
         region = self.door.regions.get(self, parsed.region) if parsed.region is not None else None
         try:
             self.door.check_uid_in_flight(self.uid)
-            self.door.check_rate(self, parsed.model, frame.data_len if region is None else
-                                 sum(t.nbytes for t in parsed.inputs))
+            if self.door.rate.limits:  # (no limits: one attribute test per request)
+                self.door.check_rate(self, parsed.model, frame.data_len if region is None else
+                                     sum(t.nbytes for t in parsed.inputs))
         except ShmserveError as exc:
             self.dispatcher.refused(parsed.model, exc.code, exc.message)
             raise

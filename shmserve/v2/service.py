@@ -460,7 +460,7 @@ class V2Service:
         message's size; None: not known before its body is read) to the rate limits that hold it.
         RateLimited naming the limit and when to retry; V2Error BAD_FRAME for a body of unknown
         size under a bytes/s limit (send Content-Length)."""
-        if not self.rate:
+        if not self.rate.limits:
             return
         caller = rate_caller(identity)
         if nbytes is None:
