@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmserve import config
+from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.config import ConfigError, RateLimit
 from shmserve.frontend.ratelimit import ANONYMOUS, MAX_BUCKETS, Caller, RateLimiter, holds
 
@@ -230,3 +231,39 @@ def test_config_resolves_users_and_groups():
     me, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(os.getgid()).gr_name
     (limit,) = parse({"x": {"users": [me], "groups": [group], "requests_per_s": 1}})
     assert limit.uids == (os.getuid(),) and limit.gids == (os.getgid(),)
+
+
+# -- retry_after on the wire --------------------------------------------------------------------
+
+def answered(data_for_id) -> "ShmserveError":
+    from shmserve.session import ClientSession, RequestFailed
+
+    session = ClientSession()
+    rid = session.health()[0]
+    session.receive_data(data_for_id(rid))
+    event = session.next_event()
+    assert type(event) is RequestFailed
+    return event.error
+
+
+def test_retry_after_travels_in_the_error_frame():
+    from shmserve.protocol import error_frame
+
+    error = answered(lambda rid: error_frame(rid, ErrorCode.OVERLOADED, "slow down", 0.25))
+    assert (error.code, error.message, error.retry_after) == (ErrorCode.OVERLOADED, "slow down", 0.25)
+    assert answered(lambda rid: error_frame(rid, ErrorCode.TIMEOUT, "late")).retry_after is None
+
+
+@pytest.mark.parametrize("literal, read", [(b"3", 3.0), (b"1.5", 1.5), (b"0", 0.0), (b"86400", 86400.0), (b"-1", None),
+                                           (b'"1"', None), (b"true", None), (b"86401", None),
+                                           (b"[1]", None), (b"null", None)])
+def test_the_client_believes_retry_after_only_as_seconds_within_a_day(literal, read):
+    """A hostile server's ``retry_after`` is dropped, the error kept."""
+    from shmserve.protocol import FRAME_HEADER, MAGIC, PROTOCOL_VERSION, Kind
+
+    def frame(rid: int) -> bytes:
+        body = b'{"id": %d, "code": "overloaded", "message": "slow down", "retry_after": %s}' % (rid, literal)
+        return FRAME_HEADER.pack(MAGIC, PROTOCOL_VERSION, Kind.ERROR, len(body), 0) + body
+
+    error = answered(frame)
+    assert error.code is ErrorCode.OVERLOADED and error.message == "slow down" and error.retry_after == read
