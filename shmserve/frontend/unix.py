@@ -11,7 +11,9 @@ server hold (``DoorLimits``): connections in all and per uid, write
 backpressure (a connection whose answers wait unread takes no new frame, and
 is closed after ``stall_timeout_s``), the arena bytes a connection's requests
 may hold before it is read again, and deadlines on a half-sent frame and on a
-stalled upload.
+stalled upload.  It keeps the rate limits (``shmserve.frontend.ratelimit``, shared
+with the v2 doors) as each request enters, from its frame's metadata, before its
+payload is read; a caller a limit holds is given no lane of that model.
 
 Data path: a connection is an ``asyncio.BufferedProtocol``; while an inline
 request's payload arrives, ``get_buffer`` returns the views of arena space

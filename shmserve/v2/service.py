@@ -4,7 +4,8 @@ Owns: what each v2 operation answers (health, server and model metadata,
 model readiness and configuration, inference, the system and CUDA
 shared-memory extensions, the repository extension, statistics), what each
 caller holds across both doors (``Ledger``: requests in flight and request
-bytes buffered, per identity), and the dispatcher ``Door`` of a v2
+bytes buffered, per identity), each infer request's charge to the rate limits
+that hold its caller (``check_rate``; the buckets are the Unix door's), and the dispatcher ``Door`` of a v2
 connection: it copies a request's input bytes (from the message, or read
 from a registered region) into the arena space the dispatcher gives it, and
 takes each answer's outputs out before the space is released.  Who a caller
