@@ -221,6 +221,7 @@ def test_refusals_show_in_info_and_metrics_by_configured_labels(srv):
     labels = {line.split("{")[1].split("}")[0] for line in text.splitlines()
               if line.startswith("shmserve_rate_limited_total{")}
     assert all('limit="' in lab and str(UID) not in lab for lab in labels)
+    assert 'shmserve_rate_limited_total{limit="lane_uid",model="lane"}' in text  # (0 until it refuses)
     shown = subprocess.run([sys.executable, "-m", "shmserve.cli", "inspect", "--instance", srv.instance, "--json"],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr

@@ -33,7 +33,7 @@ from shmserve.frontend.dispatcher import Dispatcher
 from shmserve.frontend.history import STAGES as HISTORY_STAGES
 from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
-from shmserve.frontend.ratelimit import RateLimiter
+from shmserve.frontend.ratelimit import ALL_MODELS, RateLimiter
 from shmserve.frontend.regions import RegionTable
 from shmserve.supervisor import READY, WorkerHandle
 
@@ -173,7 +173,12 @@ class Status:
         return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=dict(self.rate.refused))
+                        lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=self.rate_refusals())
+
+    def rate_refusals(self) -> dict[tuple[str, str], int]:
+        """(limit, model label) -> refusals: every configured limit (0 until it refuses), and any
+        a reload removed that had refused."""
+        return {**{(lim.key, lim.model or ALL_MODELS): 0 for lim in self.rate.limits}, **self.rate.refused}
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""

@@ -204,7 +204,9 @@ class Servicer:
 
     async def ModelInfer(self, request, context, caller):
         # The model and the size are in the message: checked once it is read, before it is parsed.
-        await self._call(context, self.service.check_rate, caller.identity, request.model_name, request.ByteSize())
+        if self.service.rate.limits:
+            await self._call(context, self.service.check_rate, caller.identity, request.model_name,
+                             request.ByteSize())
         parsed = await self._call(context, self._parse, request)
         result = await self._call(context, self.service.infer, caller, parsed)
         try:
