@@ -37,8 +37,8 @@ from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.history import History
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
-from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.ratelimit import RateLimiter
+from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.shadow import Shadowing
 from shmserve.frontend.status import Status
 from shmserve.frontend.unix import ClientConnection, DoorLimits, Listener, UnixDoor, check_socket_path

@@ -299,7 +299,7 @@ async def abort_with(context, exc: V2Error):
     the details, and its shmserve code in the trailing metadata (``CODE_KEY``)."""
     trailing = ((CODE_KEY, exc.code.wire),)
     if isinstance(exc, RateLimited):
-        trailing += ((RETRY_AFTER_KEY, f"{exc.retry_after:.3f}"),)
+        trailing += ((RETRY_AFTER_KEY, f"{max(exc.retry_after, 0.001):.3f}"),)
     await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text, trailing_metadata=trailing)
 
 
