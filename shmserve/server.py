@@ -37,10 +37,11 @@ from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.history import History
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
+from shmserve.frontend.ratelimit import RateLimiter
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.shadow import Shadowing
 from shmserve.frontend.status import Status
-from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
+from shmserve.frontend.unix import ClientConnection, DoorLimits, Listener, UnixDoor, check_socket_path
 from shmserve.lanes import WAIT_SLICE_S
 from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.supervisor import Supervisor, WorkerHandle
@@ -258,7 +259,9 @@ class Frontend:
         self.door = UnixDoor(self.dispatcher, self.regions, self.status, clock=self.dispatcher.clock,
                              limits=door_limits_of(self.config), allow_uids=self.config.allow_uids,
                              allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
-                             admin=(self.config.admin_uids, self.config.admin_gids))
+                             admin=(self.config.admin_uids, self.config.admin_gids),
+                             rate=RateLimiter(self.config.rate_limits))
+        self.status.rate = self.door.rate  # one set of buckets for every door
         loop.add_reader(self.efd, self._on_completions)
 
     def _start_doors(self, loop, n: int) -> None:
@@ -295,6 +298,7 @@ class Frontend:
         ledger = Ledger(lambda: self.config.max_inflight_per_uid, lambda: self.config.max_buffered_bytes_per_uid)
         self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
                             lifecycle=self.lifecycle, shm=shm, auth=auth, ledger=ledger)
+        self.v2.rate = self.door.rate  # a uid is one caller on every door
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 
@@ -394,7 +398,7 @@ class Frontend:
         (``config.CLIENT_LIMIT_KEYS`` and the region limits: for connections already open too, but
         one over a new connection limit is not closed), the allow-lists and admin lists, the v2
         doors' tokens and what anonymous callers may do (``v2_tokens``, ``v2_anonymous``: for the
-        next request), ``max_buffered_bytes_per_uid``,
+        next request), ``max_buffered_bytes_per_uid``, the rate limits (``_apply_rate_limits``),
         restart_healthy_s, the lifecycle keys, and every difference in the models (the config
         file's and the repository's): added ones are loaded, removed ones drained and unloaded,
         changed ones get new workers (started and warmed first), a changed instance count is
@@ -455,6 +459,8 @@ class Frontend:
             door.door_limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         self.door.admin = (self.config.admin_uids, self.config.admin_gids)
+        if new.rate_limits != old.rate_limits:
+            self._apply_rate_limits(new.rate_limits)
         if self.v2 is not None:
             from shmserve.v2.auth import Scope
 
@@ -464,6 +470,19 @@ class Frontend:
         done = await self.lifecycle.apply()
         log.info("reload: done (%s)", "; ".join(done) or "no model changed")
         systemd.notify("READY=1", f"STATUS=serving on {self.socket_path} (reloaded)")
+
+    def _apply_rate_limits(self, limits) -> None:
+        """A reload's ``[rate_limits]``: in force for the next request (an unchanged limit keeps its
+        buckets); lanes whose owners a limit now holds are diverted to the socket, the others not
+        (``RegionTable.divert_where``); door processes relay the models a limit covers."""
+        self.config = dataclasses.replace(self.config, rate_limits=limits)
+        rate = self.door.rate
+        rate.configure(limits)
+        diverted = self.regions.divert_where(
+            lambda r: isinstance(r.owner, ClientConnection) and rate.covering(r.owner.caller(), r.lane_model.name))
+        if self.doors is not None:
+            self.doors.changed()
+        log.info("reload: %d rate limit(s) in force; %d lane(s) diverted to the socket", len(limits), diverted)
 
     # -- shutdown -------------------------------------------------------------------------
 

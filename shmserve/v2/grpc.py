@@ -76,7 +76,7 @@ from shmserve.errors import ErrorCode
 from shmserve.frontend.unix import check_socket_path
 from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
-from shmserve.v2.messages import V2Error
+from shmserve.v2.messages import RateLimited, V2Error
 from shmserve.v2.service import Caller, ReadPool, V2Door, V2Service
 
 log = logging.getLogger("shmserve.v2.grpc")
@@ -225,6 +225,10 @@ class Servicer:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def ModelInfer(self, request, context, caller):
+        # The model and the size are in the message: checked once it is read, before it is parsed.
+        if self.service.rate.limits:
+            await self._call(context, self.service.check_rate, caller.identity, request.model_name,
+                             request.ByteSize())
         parsed = await self._call(context, self._parse, request)
         result = await self._call(context, self.service.infer, caller, parsed)
         try:
@@ -309,13 +313,16 @@ MIN_CLIENT_PING_MS = 10_000  # a client pinging more often than this (3 strikes)
 
 # The trailing metadata key that carries shmserve's stable code beside a refusal's text.
 CODE_KEY = "shmserve-code"
+RETRY_AFTER_KEY = "retry-after"  # beside a rate limit's refusal: the seconds until it would be let in
 
 
 async def abort_with(context, exc: V2Error):
     """End the RPC with ``exc``: its status, its text (Triton's words, or ``[code] message``) as
     the details, and its shmserve code in the trailing metadata (``CODE_KEY``)."""
-    await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text,
-                        trailing_metadata=((CODE_KEY, exc.code.wire),))
+    trailing = ((CODE_KEY, exc.code.wire),)
+    if isinstance(exc, RateLimited):
+        trailing += ((RETRY_AFTER_KEY, f"{max(exc.retry_after, 0.001):.3f}"),)
+    await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text, trailing_metadata=trailing)
 
 
 def _abort_now(code: grpc.StatusCode, message: str):

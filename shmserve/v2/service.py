@@ -5,11 +5,12 @@ model readiness and configuration, inference, the system and CUDA
 shared-memory extensions, the repository extension, statistics), what each
 caller holds across both doors (``Ledger``: requests in flight and request
 bytes buffered, per identity), what a door may be reading at once
-(``ReadPool``: all callers together, and each one's share), and the
-dispatcher ``Door`` of a v2 connection: it copies a request's input bytes
-(from the message, or read from a registered region) into the arena space
-the dispatcher gives it, and takes each answer's outputs out before the
-space is released.  Who a caller
+(``ReadPool``: all callers together, and each one's share), each infer
+request's charge to the rate limits that hold its caller (``check_rate``;
+the buckets are the Unix door's), and the dispatcher ``Door`` of a v2
+connection: it copies a request's input bytes (from the message, or read
+from a registered region) into the arena space the dispatcher gives it, and
+takes each answer's outputs out before the space is released.  Who a caller
 is and what it may do is ``shmserve.v2.auth`` (``V2Service.auth``); the
 doors ask it before they read a body, and the operations that need more than
 inference check again.
@@ -37,12 +38,13 @@ from shmserve import __version__, protocol
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
+from shmserve.frontend.ratelimit import Caller as RateCaller, RateLimiter
 from shmserve.frontend.requests import Request
 from shmserve.frontend.status import triton_counts
 from shmserve.v2 import classify
-from shmserve.v2.auth import Authenticator, Identity
+from shmserve.v2.auth import ADMIN, Authenticator, Identity
 from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
-                                  ShmRef, V2Error)
+                                  RateLimited, ShmRef, V2Error)
 from shmserve.v2.sysshm import SystemShm
 from shmserve.v2.wording import (byte_size_mismatch, check_inputs, triton_unavailable, unexpected_output,
                                  unknown_model)
@@ -514,6 +516,17 @@ def _write_regions(writes: list) -> None:
         SystemShm.write_from(region, ref, view, what)
 
 
+def rate_caller(identity: Identity) -> RateCaller:
+    """``identity`` as rate limits see it: a Unix-socket peer is its uid (the same caller as on the
+    native socket), a token holder its token and role, the anonymous caller one caller."""
+    if identity.anonymous:
+        return RateCaller(identity.key)
+    if identity.key.startswith("token:"):
+        return RateCaller(identity.key, token=identity.key.removeprefix("token:"),
+                          role="admin" if identity.scopes == ADMIN else "client")
+    return RateCaller(identity.key, identity.uid, identity.gids)
+
+
 class V2Service:
     """The v2 operations over one running server (see the module header).
 
@@ -529,6 +542,26 @@ class V2Service:
         self.doors: set[V2Door] = set()
         self.labels: dict[tuple[str, int], tuple[str, ...]] = {}  # (model, version) -> its class labels
         self.started = True
+        self.rate = RateLimiter()  # per-caller rate limits: the server shares the Unix door's
+
+    # -- rate limits ---------------------------------------------------------------------
+
+    def check_rate(self, identity: Identity, model: str, nbytes: int | None) -> None:
+        """Charge an infer request of ``identity`` for ``model`` (``nbytes``: its body's or
+        message's size; None: not known before its body is read) to the rate limits that hold it.
+        RateLimited naming the limit and when to retry; V2Error BAD_FRAME for a body of unknown
+        size under a bytes/s limit (send Content-Length)."""
+        if not self.rate.limits:
+            return
+        caller = rate_caller(identity)
+        if nbytes is None:
+            if self.rate.counts_bytes(caller, model):
+                raise V2Error(ErrorCode.BAD_FRAME, "a bytes/s rate limit holds this caller: send the body with "
+                                                   "Content-Length, not chunked (docs/config.md, 'Rate limits')")
+            nbytes = 0
+        refusal = self.rate.admit(caller, model, nbytes, self.dispatcher.clock.monotonic())
+        if refusal is not None:
+            raise RateLimited(refusal.message, refusal.retry_after)
 
     # -- connections ---------------------------------------------------------------------
 
