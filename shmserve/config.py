@@ -49,6 +49,7 @@ File format::
     v2_tokens = "/etc/shmserve/v2-tokens.toml"   # bearer tokens of TCP callers (0600; shmserve token new)
     v2_anonymous = ["metadata", "infer"]         # what a TCP caller without a token may do
     max_buffered_bytes_per_uid = 268435456       # v2 request bodies held in memory per caller
+    max_grpc_read_bytes = 1073741824             # gRPC messages being read, all callers (each as the largest)
 
     [arena]
     slots = 256
@@ -284,6 +285,11 @@ class ServerConfig:
     # read.  Four default-sized requests; a body or message that would pass it is refused
     # 'overloaded' before it is read (one at a time is always let through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
+    # The gRPC messages being read at once, all callers together: grpc tells no size before a
+    # read, so each read counts as the largest message (twice max_request_bytes plus 1 MiB) until
+    # it is read, then its own size moves to its caller's max_buffered_bytes_per_uid.  One caller's
+    # reads at most half of it; one read always fits.  At the defaults: 7 reads, 3 per caller.
+    max_grpc_read_bytes: int = 1024 * MiB
     # Per-caller rate limits ([rate_limits.NAME] tables; docs/config.md "Rate limits"): token buckets
     # kept by shmserve.frontend.ratelimit, checked where each request enters.
     rate_limits: tuple["RateLimit", ...] = ()
@@ -590,7 +596,8 @@ def _user_ids(names, where: str) -> tuple[int, ...]:
 
 # -- the KServe v2 front door (issue 13) --------------------------------------------------------
 
-V2_KEYS = {"http", "grpc", "v2_system_shared_memory", "v2_tokens", "v2_anonymous", "max_buffered_bytes_per_uid"}
+V2_KEYS = {"http", "grpc", "v2_system_shared_memory", "v2_tokens", "v2_anonymous", "max_buffered_bytes_per_uid",
+           "max_grpc_read_bytes"}
 # What server.v2_anonymous may grant (shmserve.v2.auth.ANONYMOUS_GRANTABLE: a test holds them equal).
 V2_ANONYMOUS_SCOPES = ("metadata", "infer", "statistics")
 
@@ -620,7 +627,8 @@ def _v2(server: dict, base_dir: Path) -> dict:
                 raise ConfigError(f"server.v2_anonymous[{i}]: expected one of {', '.join(V2_ANONYMOUS_SCOPES)}, "
                                   f"got {str(scope)[:40]!r}")
         kw["v2_anonymous"] = tuple(dict.fromkeys(scopes))
-    kw.update(_bounded(server, "server.", _int, (("max_buffered_bytes_per_uid", 1, 1 << 40),)))
+    kw.update(_bounded(server, "server.", _int, (("max_buffered_bytes_per_uid", 1, 1 << 40),
+                                                 ("max_grpc_read_bytes", 1, 1 << 40))))
     return kw
 
 

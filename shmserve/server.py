@@ -312,6 +312,7 @@ class Frontend:
             from shmserve.v2.grpc import GrpcDoor, GrpcLimits
 
             door = GrpcDoor(self.v2, GrpcLimits(max_message_bytes=2 * config.max_request_bytes + (1 << 20),
+                                                max_read_bytes=config.max_grpc_read_bytes,
                                                 max_streams=config.max_inflight_per_connection,
                                                 max_connections=config.max_connections), door_limits_of(config))
             await door.start(config.grpc)
@@ -402,7 +403,8 @@ class Frontend:
         file's and the repository's): added ones are loaded, removed ones drained and unloaded,
         changed ones get new workers (started and warmed first), a changed instance count is
         scaled (``Lifecycle.apply``).  Not applied (logged; needs a restart): instance, socket,
-        arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin.
+        arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin,
+        the v2 doors' addresses and ``max_grpc_read_bytes``.
         """
         if self.config_path is None:
             if self.config.model_repository:  # serve --model-repository alone: look at the repository again
@@ -432,7 +434,7 @@ class Frontend:
         old = self.config
         fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us", "max_workers",
                              "socket_mode", "socket_group", "max_regions", "http", "grpc",
-                             "v2_system_shared_memory") if getattr(new, k) != getattr(old, k)]
+                             "v2_system_shared_memory", "max_grpc_read_bytes") if getattr(new, k) != getattr(old, k)]
         if self.repository_override is not None:  # serve --model-repository wins over the file
             new = dataclasses.replace(new, model_repository=self.repository_override)
         self.config = dataclasses.replace(
