@@ -40,31 +40,12 @@ def p50(values) -> float:
 
 
 def pinned_rounds(cases: dict, rounds: int, per_round: int, seed: int, warm: int = 5) -> dict[str, list[float]]:
-    """``shmserve.bench.interleaved`` with a CPU per case: ``cases`` maps name -> (cpu, callable);
-    this process is pinned to the case's CPU for each block of its calls."""
-    import random
+    """``shmserve.bench.interleaved`` with ``cases`` as name -> (cpu, callable): each case's calls on
+    its CPU."""
+    from shmserve.bench import interleaved
 
-    mine = os.sched_getaffinity(0)
-    samples: dict[str, list[float]] = {k: [] for k in cases}
-    try:
-        for cpu, f in cases.values():
-            os.sched_setaffinity(0, {cpu})
-            for _ in range(warm):
-                f()
-        order, rng = list(cases), random.Random(seed)
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for key in order:
-                cpu, f = cases[key]
-                os.sched_setaffinity(0, {cpu})
-                out = samples[key]
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    f()
-                    out.append(time.perf_counter() - t0)
-    finally:
-        os.sched_setaffinity(0, mine)
-    return samples
+    return interleaved({k: f for k, (_, f) in cases.items()}, rounds, per_round, seed, warm=warm,
+                       cpus={k: cpu for k, (cpu, _) in cases.items()})
 
 
 def load_backend(path: str):
