@@ -535,25 +535,44 @@ path = "{_demo_path()}"
     return serve_config(cfg, sock), sock
 
 
-def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int = 3) -> dict[str, list[float]]:
+def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int = 3,
+                cpus: dict | None = None) -> dict[str, list[float]]:
     """Seconds per call of each of ``cases`` (name -> callable): each warmed ``warm`` times, then
     ``rounds`` rounds, each running every case ``per_round`` times in a shuffled order, so the
-    machine's noise falls on all alike (``tools/bench_backend_io.py``, ``tools/bench_cuda_graphs.py``)."""
+    machine's noise falls on all alike (``tools/bench_backend_io.py``, ``tools/bench_cuda_graphs.py``).
+
+    ``cpus`` (name -> CPU number) pins this process to a case's CPU for its calls (the affinity
+    is put back after): on a VM whose vCPUs run at different speeds, a bare model measured on
+    the CPU its worker is pinned to is the fair floor (``tools/bench_glue.py --pin``)."""
     import random
 
-    for f in cases.values():
-        for _ in range(warm):
-            f()
-    samples: dict[str, list[float]] = {k: [] for k in cases}
-    order, rng = list(cases), random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for key in order:
-            f, out = cases[key], samples[key]
-            for _ in range(per_round):
-                t0 = time.perf_counter()
+    mine = os.sched_getaffinity(0) if cpus else None
+
+    def place(key):
+        if cpus and key in cpus:
+            os.sched_setaffinity(0, {cpus[key]})
+        elif mine is not None:
+            os.sched_setaffinity(0, mine)
+
+    try:
+        for key, f in cases.items():
+            place(key)
+            for _ in range(warm):
                 f()
-                out.append(time.perf_counter() - t0)
+        samples: dict[str, list[float]] = {k: [] for k in cases}
+        order, rng = list(cases), random.Random(seed)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for key in order:
+                place(key)
+                f, out = cases[key], samples[key]
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    f()
+                    out.append(time.perf_counter() - t0)
+    finally:
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
     return samples
 
 

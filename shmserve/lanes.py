@@ -71,6 +71,7 @@ def version_moved(exc) -> bool:
     version's spec (``VERSION_MOVED``): nothing of it ran."""
     return exc.code is ErrorCode.MODEL_UNAVAILABLE and exc.message.startswith(VERSION_MOVED)
 WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
+RECENT_CALLS = 8  # the calls whose waits decide whether a lane's next wait naps before spinning (ClientLane.nap)
 
 _READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)
 _HOT = hotpath.active  # the client's per-call work: compiled, or the reference (SHMSERVE_HOTPATH)
@@ -205,6 +206,8 @@ class ClientLane:
         self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
         self.free = list(range(LANE.slot_count - 1, -1, -1))
         self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
+        self.recent = [0.0] * RECENT_CALLS  # the last calls' waits in seconds (0.0: none yet), in turn
+        self.recent_at = 0
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
                out_offset: int, out_capacity: int) -> tuple[int, int]:
@@ -247,15 +250,25 @@ class ClientLane:
     def wait(self, index: int, generation: int, deadline: float, spin_s: float | None,
              alive: Callable[[], None]) -> None:
         """Block until slot ``index`` finished, spinning ``spin_s`` first (None: the front-end's
-        hint); ``alive()`` is asked every WAIT_SLICE_S whether the server is still there (it
-        raises if not, unless the call has finished meanwhile).  TIMEOUT at ``deadline``
+        hint; after a nap when the lane's calls take long: ``nap``); ``alive()`` is asked every
+        WAIT_SLICE_S whether the server is still there (it raises if not, unless the call has
+        finished meanwhile).  TIMEOUT at ``deadline``
         (monotonic), after which the slot is abandoned."""
         if spin_s is None:
             spin_s = self.spin_hint()
         buf, wait_slice = self.buf, _HOT.wait_slice
+        started = time.monotonic()
+        spin_from = started + self.nap(spin_s)  # before it the wait only sleeps (a long call: see nap)
         while True:
-            remaining = deadline - time.monotonic()
-            if wait_slice(buf, index, generation, min(remaining, WAIT_SLICE_S), spin_s):
+            now = time.monotonic()
+            remaining = deadline - now
+            if now < spin_from:
+                done = wait_slice(buf, index, generation, min(remaining, WAIT_SLICE_S, spin_from - now), 0.0)
+            else:
+                done = wait_slice(buf, index, generation, min(remaining, WAIT_SLICE_S), spin_s)
+                spin_s = 0.0  # one spin a call
+            if done:
+                self.record(time.monotonic() - started)
                 return
             if remaining <= 0:
                 self.abandon(index, generation)
@@ -266,7 +279,23 @@ class ClientLane:
                 if _HOT.finished(buf, index, generation):
                     return  # answered just before the server went (a shutdown fails calls, then closes)
                 raise
-            spin_s = 0.0
+
+    def nap(self, spin_s: float) -> float:
+        """How long a wait sleeps before it starts spinning: a call that takes longer than the spin
+        would end in a futex wake-up (tens of µs on a VM, more than the spin it saves), so when the
+        last RECENT_CALLS calls all took more than twice ``spin_s``, the wait sleeps until half a
+        spin before the shortest of them was due, then spins ``spin_s`` as usual.  A call that
+        finishes during the nap wakes it as before (the worker sees the waiter); one that outlasts
+        the spin is slept for as before.  0.0: spin first (short calls, no spin, no history)."""
+        shortest = min(self.recent)
+        if spin_s <= 0 or shortest <= 2 * spin_s:
+            return 0.0
+        return shortest - spin_s / 2
+
+    def record(self, waited: float) -> None:
+        """Remember one finished call's wait (seconds), for ``nap``."""
+        self.recent[self.recent_at] = waited
+        self.recent_at = (self.recent_at + 1) % RECENT_CALLS
 
     def wait_for_wakeup(self, timeout: float) -> bool:
         """Sleep until a completion is pushed or ``timeout`` passes (for a watcher thread)."""

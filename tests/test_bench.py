@@ -249,3 +249,19 @@ def test_the_backend_io_tool_without_torch_says_what_it_needs_in_one_line():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "it needs torch and onnx" in r.stderr, r.stderr
+
+
+def test_interleaved_runs_each_case_on_its_cpu_and_puts_the_affinity_back():
+    """``interleaved(..., cpus=)``: a case named there runs pinned to its CPU, one not named on the
+    process's own CPUs; the affinity is what it was afterwards (tools/bench_glue.py --pin)."""
+    from shmserve.bench import interleaved
+
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    seen: dict[str, set] = {"pinned": set(), "free": set()}
+    got = interleaved({"pinned": lambda: seen["pinned"].add(frozenset(os.sched_getaffinity(0))),
+                       "free": lambda: seen["free"].add(frozenset(os.sched_getaffinity(0)))},
+                      rounds=3, per_round=2, seed=1, warm=1, cpus={"pinned": cpu})
+    assert seen == {"pinned": {frozenset({cpu})}, "free": {frozenset(mine)}}
+    assert [len(v) for v in got.values()] == [6, 6]
+    assert os.sched_getaffinity(0) == mine

@@ -217,6 +217,38 @@ def test_a_lane_call_that_times_out_leaves_the_lane_usable(server):
         call.release()
 
 
+def test_a_lane_whose_calls_take_long_naps_before_spinning_and_still_answers_every_call(server):
+    """After RECENT_CALLS calls that each took far longer than the spin, a wait sleeps until shortly
+    before the next call is due and spins only then (``ClientLane.nap``); a call that finishes
+    early still wakes it, and a deadline inside the nap still times the call out."""
+    from shmserve import lanes
+
+    with Client(server.socket, spin_us=500) as c:
+        call = c.zero_copy("slow", {"x": ((1,), np.float32)})
+        lane = call.region.lane
+        call.inputs["x"][...] = 0.0
+        assert call.run()["y"].tolist() == [0.0]
+        assert lane.nap(0.0005) == 0.0  # short calls: spin first
+        call.inputs["x"][...] = 0.02
+        for _ in range(lanes.RECENT_CALLS):
+            assert call.run()["y"][0] == np.float32(0.02) * 2
+        assert 0.015 < lane.nap(0.0005) < 1.0  # the shortest recent wait, less half a spin
+        assert lane.nap(0.0) == 0.0  # no spin asked: nothing to place
+        call.inputs["x"][...] = 0.0
+        assert call.run()["y"].tolist() == [0.0]  # finished during the nap: woken by the worker
+        call.inputs["x"][...] = 0.02
+        for _ in range(lanes.RECENT_CALLS):
+            call.run()
+        call.inputs["x"][...] = 1.0
+        with pytest.raises(ShmserveError) as info:
+            call.run(timeout=0.005)  # the deadline falls inside the nap
+        assert info.value.code is ErrorCode.TIMEOUT
+        call.inputs["x"][...] = 0.0
+        wait_for(lambda: call.run()["y"].tolist() == [0.0] and (lane._reclaim() or not lane.abandoned),
+                 "the timed-out slot to come back", timeout=10)
+        call.release()
+
+
 def test_a_worker_killed_under_a_lane_call_fails_it_and_the_lane_moves_on(server):
     with server.client() as c:
         call = c.zero_copy("slow", {"x": ((1,), np.float32)})

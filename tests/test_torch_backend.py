@@ -169,3 +169,51 @@ def test_a_torch_model_with_bytes_tensors_does_not_load(torch_server):
         assert listing["halve_bytes"]["state"] == "unavailable"
         assert "'x' are declared bytes" in listing["halve_bytes"]["error"]
         assert "python or onnxruntime" in listing["halve_bytes"]["error"]
+
+
+TORCHVISION_STUB = '''"""A stand-in for torchvision in this test's server only: importing it registers an operator in
+torchvision's namespace, as importing torchvision registers torchvision::nms."""
+import torch
+
+_lib = torch.library.Library("torchvision", "FRAGMENT")
+_lib.define("shmserve_test_twice(Tensor x) -> Tensor")
+_lib.impl("shmserve_test_twice", lambda x: x * 2, "CompositeExplicitAutograd")
+'''
+
+
+class CallsTorchvisionOp(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.torchvision.shmserve_test_twice(x)
+
+
+def test_a_torchscript_file_that_calls_torchvision_ops_loads_with_them_registered(tmp_path):
+    """A TorchScript file whose code calls an operator of torchvision's namespace (a detector's
+    torchvision::nms) loads only if torchvision was imported first: the backend imports it when
+    the file's code names it.  Here ``torchvision`` is a package on the server's PYTHONPATH that
+    registers such an operator when imported (the real one is not installable beside this CPU
+    torch; tests/test_zoo.py serves the real detector where it is)."""
+    import os
+
+    from helpers.server import TESTS_DIR, serving
+
+    if not hasattr(torch.ops.torchvision, "shmserve_test_twice"):
+        exec(compile(TORCHVISION_STUB, "torchvision stub", "exec"), {})  # to script the model in this process
+    path = tmp_path / "calls_torchvision.pt"
+    torch.jit.script(CallsTorchvisionOp()).save(str(path))
+    stub = tmp_path / "site" / "torchvision"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(TORCHVISION_STUB)
+    pythonpath = os.pathsep.join([str(tmp_path / "site"), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])
+    with serving(tmp_path, f"""
+        [[models]]
+        name = "twice"
+        backend = "torch"
+        path = "{path}"
+        inputs = [{{name = "x", dtype = "float32", shape = ["n"]}}]
+        outputs = [{{name = "y", dtype = "float32", shape = ["n"]}}]
+    """, env={"PYTHONPATH": pythonpath}) as srv:
+        with srv.client() as c:
+            listing = {m["name"]: m for m in c.models()}
+            assert listing["twice"]["state"] == "ready", listing["twice"]
+            x = np.arange(5, dtype=np.float32)
+            np.testing.assert_array_equal(c.infer("twice", {"x": x})["y"], x * 2)

@@ -18,8 +18,8 @@ model run in-process.  No config carries a size hint (no ``max_output_bytes``, n
 * torchvision's resnet18, ssdlite320_mobilenet_v3_large and lraspp_mobilenet_v3_large
   (``weights=None``): skipped where ``import torchvision`` fails (the CPU-only test machine has
   only CUDA builds of torchvision; they run where torchvision works).  The detector's TorchScript
-  calls ``torchvision::nms``, which a torch worker does not load: that case is an expected
-  failure (``TORCHVISION_OPS``) until the backend can load a model's op libraries.
+  calls ``torchvision::nms``: the torch backend imports torchvision before loading a file whose
+  code names it (tests/test_torch_backend.py checks that where torchvision is not installed).
 
 Tolerances: an answer from the torch backend is the same program on the same CPU, so
 ``rtol=1e-5, atol=1e-5`` (thread counts may change the order of sums); onnxruntime runs other
@@ -40,7 +40,6 @@ pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 
 import serving_models  # noqa: E402  (the python model and its in-process reference)
-from shmserve import ShmserveError  # noqa: E402
 
 from helpers.server import batch_stats, serving, wait_for  # noqa: E402
 
@@ -394,12 +393,7 @@ def test_torchvision_classifier_and_segmenter_answer_as_run_in_process(vision_se
         np.testing.assert_allclose(answer[output], run_in_process(module, request["image"])[0], **tolerance)
 
 
-TORCHVISION_OPS = ("the torch backend's workers do not load torchvision's custom ops, so a TorchScript "
-                   "detector calling torchvision::nms is model_unavailable: 'Unknown builtin op: torchvision::nms'")
-
-
-@pytest.mark.parametrize("backend", ["onnx", pytest.param("torch", marks=pytest.mark.xfail(
-    strict=True, raises=ShmserveError, reason=TORCHVISION_OPS))])
+@pytest.mark.parametrize("backend", ["onnx", "torch"])
 def test_torchvision_detector_answers_as_run_in_process(vision_server, vision_files, backend):
     """Its reference is the served file itself run in-process (onnxruntime on one thread, as the
     worker runs it; the TorchScript file): with random weights many scores are nearly equal, so

@@ -14,7 +14,8 @@ falls on every case alike:
 
   in-process          InferenceSession.run, same options as the worker (1 thread)
   lane, <model>       Client.zero_copy: one call reused, inputs written once
-  infer, <model>      Client.infer: inputs sent inline, outputs received into new arrays
+  infer, <model>      Client.infer: through the lane, inputs copied in, outputs copied into new arrays
+  socket, <model>     Client(lanes=False).infer: inputs and outputs inline over the Unix socket
 
 and the worker's own part alone, in this process: the real adapter's ``run_into``
 writing into a shared mapping, bound and copied (what the change saves, free
@@ -22,7 +23,7 @@ of the hand-offs' noise), plus the copy a torch CPU model pays for the same outp
 ``copy_`` into a shared-memory view: a general nn.Module cannot write into a
 preallocated output).
 
-usage: python tools/bench_backend_io.py [--rounds N] [--per-round K] [--json-out FILE]
+usage: python tools/bench_backend_io.py [--rounds N] [--per-round K] [--pin CPU] [--json-out FILE]
 Prints a Markdown table: p50/p90 in ms and the p50 above in-process (ms and %).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import statistics
 import subprocess
 import sys
@@ -78,12 +80,13 @@ def build_model(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def start_server(workdir: Path, model: Path) -> tuple[subprocess.Popen, str]:
+def start_server(workdir: Path, model: Path, pin: int | None = None) -> tuple[subprocess.Popen, str]:
     from shmserve.bench import serve_config
 
     sock = str(workdir / "bench.sock")
     cfg = workdir / "bench.toml"
-    models = "".join(f'[[models]]\nname = "{name}"\nbackend = "onnxruntime"\npath = "{model}"\n'
+    cpus = "" if pin is None else f'cpus = "{pin}"\n'
+    models = "".join(f'[[models]]\nname = "{name}"\nbackend = "onnxruntime"\npath = "{model}"\n{cpus}'
                      f'[models.options]\nio_binding = {flag}\n' for name, flag in (("ocr", "true"),
                                                                                   ("ocr_copy", "false")))
     cfg.write_text(f'[server]\ninstance = "benchio-{uuid.uuid4().hex[:8]}"\nmax_request_bytes = {64 << 20}\n'
@@ -95,6 +98,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=10)
+    ap.add_argument("--pin", type=int, help="pin the workers and the in-process cases to this CPU, the client to "
+                    "N + a quarter of the CPUs (tools/bench_glue.py --pin says why)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -141,9 +146,9 @@ def main() -> int:
                 for name, value in adapter.run({"x": x}).items():
                     np.copyto(allocate(name, value.shape, value.dtype), value, casting="no")
 
-        proc, sock = start_server(workdir, model)
+        proc, sock = start_server(workdir, model, args.pin)
         try:
-            with Client(sock) as c:
+            with Client(sock) as c, Client(sock, lanes=False) as over_socket:
                 wait_models_ready(c, 120)
                 calls = {}
                 for name in ("ocr", "ocr_copy"):
@@ -165,9 +170,13 @@ def main() -> int:
                     "lane + the copies infer makes, ocr (bound)": lambda: copied_lane(calls["ocr"]),
                     "infer, ocr (bound)": lambda: c.infer("ocr", {"x": x}),
                     "infer, ocr_copy (copied)": lambda: c.infer("ocr_copy", {"x": x}),
+                    "socket (infer, lanes=False), ocr (bound)": lambda: over_socket.infer("ocr", {"x": x}),
                     "torch copy_ of the output into shared memory": lambda: torch_out.copy_(torch_value),
                 }
-                samples = interleaved(cases, args.rounds, args.per_round, SEED, warm=3)
+                cpus = None if args.pin is None else {
+                    k: args.pin if k == "in-process" or "this process" in k or k.startswith("torch") else
+                    (args.pin + max(1, os.cpu_count() // 4)) % os.cpu_count() for k in cases}
+                samples = interleaved(cases, args.rounds, args.per_round, SEED, warm=3, cpus=cpus)
                 for call in calls.values():
                     call.release()
         finally:

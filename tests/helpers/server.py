@@ -116,8 +116,8 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
-                   **self.env)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+               **self.env}  # a test's own PYTHONPATH replaces this one
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([*self.launcher, sys.executable, "-m", self.module, "serve", "--config",
                                       str(self.config_path), "--socket", self.socket, *self.extra_args],

@@ -49,6 +49,18 @@ bfloat16 tensors are ``torch.bfloat16`` over the same memory: numpy's side
 (``ml_dtypes.bfloat16``) has no buffer torch can take, so its bytes are
 taken as uint16 and viewed as bfloat16 (no conversion, no copy).  Bytes
 tensors are refused at load: a torch model takes tensors of numbers.
+
+A TorchScript file whose code names torchvision (a scripted or traced
+detector calls ``torchvision::nms``) gets torchvision imported before it is
+loaded, so that its operators are registered; without torchvision installed
+such a file fails to load, naming the operator.
+
+The call path is kept to the bare model's: the TorchScript method is called
+directly (not through ``nn.Module.__call__``'s hook dispatch; an exported
+program's module is, its hooks check its inputs), inference mode is the C++
+guard, and the stream is made current with one call and left so (see
+``run_into``).  Measured in docs/performance.md ("torch and Python backend
+glue").
 """
 
 from __future__ import annotations
@@ -137,10 +149,20 @@ class TorchBackend:
             program = torch.export.load(config.path)
             self.inputs, self.outputs = self._export_specs(program)
             self.module = program.module().to(self.device)
+            self._call = self.module  # through its hooks: an exported module checks its inputs' constraints there
         else:
+            if _names_torchvision(config.path):
+                _import_torchvision()
             self.module = torch.jit.load(config.path, map_location=self.device)
             self.module.eval()
+            self._call = self.module.forward  # the compiled method itself: nn.Module's hook dispatch is pure Python
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._use_stream = _stream_setter(torch, self.stream)
+        self._inference = getattr(torch._C, "_InferenceMode", None)  # the C++ guard torch.inference_mode wraps
+        if self._inference is None:  # pragma: no cover - every torch this supports has it
+            self._inference = lambda mode: torch.inference_mode(mode)
+        self._on_cpu = self.device.type == "cpu"
+        self._numpy_dtypes: dict = {}  # torch dtype -> numpy dtype of an output
         self._bases: dict = {}  # Registration -> flat CUDA tensor over it (mapped mode)
         self._input_names: list[str] | None = None
         self._output_names: list[str] | None = None
@@ -224,7 +246,7 @@ class TorchBackend:
         return self.torch.from_numpy(array)
 
     def _input(self, view: np.ndarray):
-        if self.device.type == "cpu":
+        if self._on_cpu:
             return self._host(view)
         mapped = self._mapped(view)
         if mapped is not None:
@@ -238,7 +260,7 @@ class TorchBackend:
             for start, stop, view in dst.parts:
                 self._write(value[start:stop], view)
             return
-        if value.device.type == "cpu" or self.device.type == "cpu":
+        if self._on_cpu or not value.is_cuda:
             self._host(dst).copy_(value)
             return
         mapped = self._mapped(dst)
@@ -249,7 +271,7 @@ class TorchBackend:
 
     def _forward(self, inputs):
         names = self._input_names or list(inputs)
-        out = self.module(*[self._input(inputs[n]) for n in names])
+        out = self._call(*[self._input(inputs[n]) for n in names])
         out = out if isinstance(out, (tuple, list)) else (out,)
         out_names = self._output_names or [f"output{i}" for i in range(len(out))]
         if len(out) != len(out_names):
@@ -257,10 +279,17 @@ class TorchBackend:
         return dict(zip(out_names, out))
 
     def run_into(self, inputs, allocate) -> None:
-        torch = self.torch
-        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream else _nothing():
+        """Run one request (or batch) and write each output into ``allocate(name, shape, dtype)``.
+
+        On CUDA this makes the backend's stream the current stream of the calling thread on its
+        device and leaves it so (the worker's one thread runs only this model: setting it once a
+        call costs one C call, where ``torch.cuda.stream``'s context costs several Python ones);
+        whoever runs other CUDA work on the same thread names its own stream.  The writes are
+        asynchronous: ``synchronize`` before reading them."""
+        with self._inference(True):
+            self._use_stream()
             graph = bucket_of(tuple(inputs[n].shape for n in self._input_names), self._graphs) \
-                if self._graphs and self.graphs_off is None else None
+                if self._graphs else None
             if graph is _PENDING:
                 graph = self._capture(inputs)
             if graph is not None:
@@ -270,8 +299,11 @@ class TorchBackend:
                 results = self._forward(inputs)
                 self.runs["eager"] += 1
             for name, value in results.items():
-                value = value.contiguous()
-                dtype = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
+                if not value.is_contiguous():
+                    value = value.contiguous()
+                dtype = self._numpy_dtypes.get(value.dtype)
+                if dtype is None:
+                    dtype = self._numpy_dtypes[value.dtype] = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
                 self._write(value, allocate(name, tuple(value.shape), dtype))
 
     def _capture(self, inputs):
@@ -354,12 +386,47 @@ class _Graph:
         return self.outputs
 
 
-class _nothing:
-    def __enter__(self):
-        return None
+def _stream_setter(torch, stream):
+    """A no-argument callable making ``stream`` the calling thread's current stream on its device
+    (nothing for None: a CPU model)."""
+    if stream is None:
+        return lambda: None
+    set_stream = getattr(torch._C, "_cuda_setStream", None)
+    if set_stream is None:  # pragma: no cover - a CUDA build of torch has it
+        return lambda: torch.cuda.set_stream(stream)
+    ids = {"stream_id": stream.stream_id, "device_index": stream.device_index, "device_type": stream.device_type}
+    return lambda: set_stream(**ids)
 
-    def __exit__(self, *exc):
+
+def _names_torchvision(path: str) -> bool:
+    """Whether a TorchScript archive's code names torchvision (its operators, ``ops.torchvision.nms``,
+    or its classes): the code files of the zip are read, not run.  False if it is not a readable
+    zip (``torch.jit.load`` then says what is wrong with it)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith(".py") and "/code/" in f"/{info.filename}":
+                    if b"torchvision" in archive.read(info):
+                        return True
+    except (OSError, zipfile.BadZipFile, RuntimeError):
         return False
+    return False
+
+
+def _import_torchvision() -> None:
+    """Import torchvision if it is installed, before a TorchScript file is loaded: its operators
+    (``torchvision::nms``, ``roi_align``...) register on import, and a scripted or traced
+    torchvision detector names them.  Nothing if it is not installed (such a file then fails to
+    load, naming the missing operator)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    except Exception as exc:  # a torchvision built for another torch: the model may not need it
+        log.warning("torch: torchvision is installed but does not import (%s: %s); TorchScript files that use "
+                    "its operators will not load", type(exc).__name__, exc)
 
 
 def load(config: ModelConfig) -> TorchBackend:
