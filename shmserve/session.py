@@ -30,6 +30,9 @@ CLOSE_REGION    REPLY                  Reply: the answer less its id
 MODELS          REPLY                  Reply: the list of models
 HEALTH, INFO    REPLY                  Reply: the answer less its id
 any of these    ERROR with its id      RequestFailed: the server's code and message
+CANCEL          (nothing)              the request it names stays outstanding: its
+                                       one answer (ERROR ``cancelled``, or what it
+                                       had already) comes and is discarded
 (none)          ERROR with id null     ConnectionFailed: the server's code and message
 (none)          anything else          ConnectionFailed: ConnectionClosed
 ==============  =====================  ==============================================
@@ -345,6 +348,16 @@ class ClientSession:
     def lifecycle(self, kind: Kind, model: str, **fields) -> tuple[int, list]:
         """A LOAD, UNLOAD, SCALE or CANARY call on ``model`` with ``fields`` (None values left out)."""
         return self._control(kind, {"model": model, **{k: v for k, v in fields.items() if v is not None}})
+
+    def cancel(self, request_id: int) -> bytes | None:
+        """The CANCEL frame that tells the server its caller gave up on request ``request_id``
+        (timed out, interrupted, its task cancelled), or None if that request is not outstanding
+        or the connection is over (nothing to tell).  The request stays outstanding: its one
+        answer still comes, and the pump discards it (``discard``).  The pump sends the frame
+        whole, between other requests' frames."""
+        if self._failure is not None or request_id not in self._outstanding:
+            return None
+        return protocol.encode_frame(Kind.CANCEL, {"id": request_id})
 
     def reserve_id(self) -> int:
         """An id for a call that never crosses the socket (a lane call): ids stay unique on a
