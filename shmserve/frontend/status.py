@@ -29,7 +29,7 @@ from typing import Callable
 from shmserve import __version__, layout, protocol, routing
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
-from shmserve.frontend.dispatcher import Dispatcher
+from shmserve.frontend.dispatcher import CANCEL_STAGES, Dispatcher
 from shmserve.frontend.history import STAGES as HISTORY_STAGES
 from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
@@ -92,6 +92,7 @@ class Snapshot:
     batch_items: dict = None  # (model, version) -> batch items beyond one per request (Status.batch_items)
     lane_calls: dict = None  # (model, version) -> (ok, error) lane calls its live workers finished (the lifecycle's)
     doors: tuple = ()  # each door process's state (``DoorHouse.describe``)
+    cancelled: dict = None  # (model, version, stage) -> requests whose caller gave up (``Dispatcher.cancelled``)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class Status:
         return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls, doors=tuple(self.doors()))
+                        lane_calls=lane_calls, doors=tuple(self.doors()), cancelled=dict(self.dispatcher.cancelled))
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
@@ -292,7 +293,8 @@ class Status:
                      "load": v.config.load, "pinned": v.config.pinned, "device": v.config.device,
                      "memory_bytes": v.memory.get("measured_bytes"), "load_seconds":
                          None if v.load_seconds is None else round(v.load_seconds, 3),
-                     "uses": v.uses, "idle_s": round(now - v.last_used, 3) if v.last_used else None}
+                     "uses": v.uses, "idle_s": round(now - v.last_used, 3) if v.last_used else None,
+                     "cancelled": self.cancelled_of(v.name, v.version)}
             if v.state != MODEL_READY and v.phase == SERVING:
                 entry["reason"] = v.unavailable_reason()
             if private:
@@ -311,6 +313,13 @@ class Status:
         entries.sort(key=lambda e: (e["name"], e["version"] or 0))
         return {"models": entries, "canaries": self.canaries(),
                 "events": list(self.lifecycle.events) if self.lifecycle is not None else []}
+
+    def cancelled_of(self, model: str, version: int) -> dict[str, int]:
+        """Requests of ``model`` ``version`` whose caller gave up, by where they were
+        (``dispatcher.CANCEL_STAGES``: before a worker claimed them, while one ran them, once
+        their answer was ready)."""
+        counts = self.dispatcher.cancelled
+        return {stage: counts.get((model, version, stage), 0) for stage in CANCEL_STAGES}
 
     def info(self, peer_uid: int) -> dict:
         """The ``info`` answer for a client of ``peer_uid``: process ids, paths and addresses are
@@ -337,4 +346,6 @@ class Status:
                 "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors),
                 "doors": [d if private else {**d, "pid": None} for d in self.doors()],
                 "limits": self.limits(),
+                "cancelled": [{"model": v.name, "version": v.version, **self.cancelled_of(v.name, v.version)}
+                              for v in self.models.versions()],
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}
