@@ -28,6 +28,15 @@ A call (docs/protocol.md, "Lanes")::
     client: the status word says DONE | ERROR (the entry is only a wake-up);
             read; DONE | ERROR -> FREE
 
+A call its client gives up on (timed out, interrupted, its task cancelled:
+``ClientLane.abandon``) is taken back if no worker has claimed it: READY ->
+ERROR -> FREE by the client (as the front-end takes back an arena slot), so
+the worker's claim of its entry fails and nothing of it runs; its slot is
+free at once.  One a worker has claimed runs to its end
+and its slot is freed once it has finished (its outputs are never read).  A
+taken-back call's entry may still lie on the submission ring: until the ring
+has been emptied once, a call is only submitted while the ring has room.
+
 The status word, not a completion entry, says that a call finished: a
 worker that dies between publishing DONE and pushing its entry loses
 nothing, and a client that never drains its completion ring only costs
@@ -72,7 +81,7 @@ def version_moved(exc) -> bool:
     return exc.code is ErrorCode.MODEL_UNAVAILABLE and exc.message.startswith(VERSION_MOVED)
 WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
 
-_READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)
+_FREE, _READY, _RUNNING = int(SlotState.FREE), int(SlotState.READY), int(SlotState.RUNNING)
 _HOT = hotpath.active  # the client's per-call work: compiled, or the reference (SHMSERVE_HOTPATH)
 
 
@@ -192,8 +201,10 @@ class ClientLane:
 
     ``submit`` publishes one call and returns its (slot, generation); ``wait``
     blocks until that slot finished; ``read`` returns its outputs (or raises
-    its error) and frees the slot.  A call that timed out is ``abandon``ed:
-    its slot stays with the worker and is recycled once it has finished.
+    its error) and frees the slot.  A call given up on is ``abandon``ed: taken
+    back if no worker claimed it (its slot free at once), else its slot stays
+    with the worker and is recycled once it has finished.  ``taken_back``
+    counts the calls taken back, ``given_up`` every call abandoned.
     Not thread-safe (one client, one thread, or one event loop).
     """
 
@@ -204,13 +215,15 @@ class ClientLane:
         self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
         self.free = list(range(LANE.slot_count - 1, -1, -1))
         self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
+        self.stale = False  # a taken-back call's entry may still be on the submission ring
+        self.taken_back = self.given_up = 0
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
                out_offset: int, out_capacity: int) -> tuple[int, int]:
         """Publish one call (``inputs``: (input index, offset in the region, view)); returns
         (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first);
         LayoutError for an input no descriptor can hold (the slot stays free)."""
-        if not self.free and not self.has_free_slot():
+        if (not self.free or self.stale) and not self.has_free_slot():
             raise ShmserveError(ErrorCode.OVERLOADED, f"all {LANE.slot_count} slots of this lane are busy "
                                                       f"(calls that timed out still run)")
         index = self.free.pop()
@@ -280,13 +293,39 @@ class ClientLane:
         raises its error as ShmserveError (BAD_DTYPE for a bytes output).  Frees the slot either way."""
         return _HOT.read(self.buf, self.free, index, generation, self.region_id, out_offset, out_capacity)
 
-    def abandon(self, index: int, generation: int) -> None:
-        """Give up on a call (timed out): its slot is recycled once the worker has finished it."""
+    def abandon(self, index: int, generation: int) -> bool:
+        """Give up on a call (timed out, interrupted, cancelled).  Not claimed by a worker yet: taken
+        back (READY -> ERROR -> FREE: the worker's claim fails, nothing of it runs) and its slot is free at
+        once; True.  Claimed (or finished): its slot is recycled once the worker has finished it;
+        False.  Idempotent: a call already taken back (or a slot reused since) is True again."""
+        status_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
+        if status_generation != generation or state == _FREE:
+            return True  # taken back already: the slot is in ``free``
+        if state == _READY:
+            try:  # as the front-end takes back a request of the arena: READY -> ERROR, then free it
+                transition_slot(self.buf, LANE, index, generation, SlotState.READY, SlotState.ERROR, Actor.CLIENT)
+            except SlotConflict:
+                pass  # the worker claimed it just now
+            else:
+                transition_slot(self.buf, LANE, index, generation, SlotState.ERROR, SlotState.FREE, Actor.CLIENT)
+                self.free.append(index)
+                self.stale = True
+                self.taken_back += 1
+                self.given_up += 1
+                return True
+        if self.abandoned.get(index) != generation:
+            self.given_up += 1
         self.abandoned[index] = generation
+        return False
 
     def has_free_slot(self) -> bool:
         if not self.free:
             self._reclaim()
+        if self.stale and self.free:  # a taken-back call's entry may still take a place on the ring
+            waiting = len(self.submissions)
+            if waiting == 0:
+                self.stale = False
+            return waiting < LANE.ring_capacity
         return bool(self.free)
 
     def finished(self, index: int, generation: int) -> bool:
