@@ -181,6 +181,8 @@ class DoorConnection(FramePump):
 
     def _on_frame(self, frame: Frame) -> None:
         door = self.door
+        if frame.kind is Kind.CANCEL and self._cancel(protocol.request_id(frame.meta)):
+            return
         if frame.kind is Kind.INFER:
             try:
                 parsed = protocol.parse_infer(frame.meta, zero_copy=False)
@@ -217,6 +219,20 @@ class DoorConnection(FramePump):
             return
         self.frame_head, self.payload = head, bytearray(frame.data_len)
         self.proto.accept_payload([self.payload])
+
+    def _cancel(self, rid: int | None) -> bool:
+        """A CANCEL of a lane call this door serves for the connection: taken back if its worker has
+        not claimed it (``LaneDispatcher.abandon``: the lane's slot is free at once), answered
+        CANCELLED in order; whether it was one.  Any other CANCEL goes to main (a relayed request's
+        is main's to drop; one of no request, main ignores or refuses)."""
+        for call in self.calls:
+            if call.parsed.id == rid and call is not self.call and call.entry.parts is None:
+                dispatcher = self.door.dispatcher
+                dispatcher.abandon(call)
+                dispatcher.count(call.plan.view.name, call.plan.view.version, ErrorCode.CANCELLED.wire)
+                self.answer_call(call, [protocol.error_frame(rid, ErrorCode.CANCELLED, "cancelled by the client")])
+                return True
+        return False
 
     def _payload_done(self) -> None:
         if self.call is not None:
