@@ -34,8 +34,9 @@ ERROR -> FREE by the client (as the front-end takes back an arena slot), so
 the worker's claim of its entry fails and nothing of it runs; its slot is
 free at once.  One a worker has claimed runs to its end
 and its slot is freed once it has finished (its outputs are never read).  A
-taken-back call's entry may still lie on the submission ring: until the ring
-has been emptied once, a call is only submitted while the ring has room.
+taken-back call's entry may still lie on the submission ring: its slot is
+used again once the free ones are taken and the ring has room for it (never
+more entries than the ring holds; nothing on a call's own path changes).
 
 The status word, not a completion entry, says that a call finished: a
 worker that dies between publishing DONE and pushing its entry loses
@@ -215,7 +216,7 @@ class ClientLane:
         self.bell, self.inbox = FutexDoorbell(self.submissions), FutexDoorbell(self.completions)
         self.free = list(range(LANE.slot_count - 1, -1, -1))
         self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
-        self.stale = False  # a taken-back call's entry may still be on the submission ring
+        self.retaken: list[int] = []  # slots taken back before a worker claimed them: free once the ring has room
         self.taken_back = self.given_up = 0
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
@@ -223,7 +224,7 @@ class ClientLane:
         """Publish one call (``inputs``: (input index, offset in the region, view)); returns
         (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first);
         LayoutError for an input no descriptor can hold (the slot stays free)."""
-        if (not self.free or self.stale) and not self.has_free_slot():
+        if not self.free and not self.has_free_slot():
             raise ShmserveError(ErrorCode.OVERLOADED, f"all {LANE.slot_count} slots of this lane are busy "
                                                       f"(calls that timed out still run)")
         index = self.free.pop()
@@ -296,11 +297,11 @@ class ClientLane:
     def abandon(self, index: int, generation: int) -> bool:
         """Give up on a call (timed out, interrupted, cancelled).  Not claimed by a worker yet: taken
         back (READY -> ERROR -> FREE: the worker's claim fails, nothing of it runs) and its slot is free at
-        once; True.  Claimed (or finished): its slot is recycled once the worker has finished it;
+        once (``retaken``: used once the free ones are taken, while the ring has room); True.  Claimed (or finished): its slot is recycled once the worker has finished it;
         False.  Idempotent: a call already taken back (or a slot reused since) is True again."""
         status_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
         if status_generation != generation or state == _FREE:
-            return True  # taken back already: the slot is in ``free``
+            return True  # taken back already (or reused since): not ours to hold
         if state == _READY:
             try:  # as the front-end takes back a request of the arena: READY -> ERROR, then free it
                 transition_slot(self.buf, LANE, index, generation, SlotState.READY, SlotState.ERROR, Actor.CLIENT)
@@ -308,8 +309,7 @@ class ClientLane:
                 pass  # the worker claimed it just now
             else:
                 transition_slot(self.buf, LANE, index, generation, SlotState.ERROR, SlotState.FREE, Actor.CLIENT)
-                self.free.append(index)
-                self.stale = True
+                self.retaken.append(index)
                 self.taken_back += 1
                 self.given_up += 1
                 return True
@@ -321,19 +321,26 @@ class ClientLane:
     def has_free_slot(self) -> bool:
         if not self.free:
             self._reclaim()
-        if self.stale and self.free:  # a taken-back call's entry may still take a place on the ring
-            waiting = len(self.submissions)
-            if waiting == 0:
-                self.stale = False
-            return waiting < LANE.ring_capacity
         return bool(self.free)
+
+    def free_slots(self) -> int:
+        """Slots no call holds: free, or taken back (free as soon as the ring has room for them)."""
+        return len(self.free) + len(self.retaken)
 
     def finished(self, index: int, generation: int) -> bool:
         """Whether slot ``index`` of ``generation`` is DONE or ERROR (load-acquire)."""
         return _HOT.finished(self.buf, index, generation)
 
     def _reclaim(self) -> None:
-        """Free the slots of timed-out calls that have finished since."""
+        """Free the slots of timed-out calls that have finished since, and the slots taken back for
+        which the submission ring has room: a taken-back call's entry stays on the ring until the
+        worker reads it, so a slot joins ``free`` only while every slot there could still be
+        pushed (entries on the ring and free slots together at most its capacity)."""
+        if self.retaken:
+            room = LANE.ring_capacity - len(self.submissions) - len(self.free)
+            while self.retaken and room > 0:
+                self.free.append(self.retaken.pop())
+                room -= 1
         for index, generation in list(self.abandoned.items()):
             if self.finished(index, generation):
                 del self.abandoned[index]

@@ -308,7 +308,7 @@ def test_a_lane_call_that_times_out_is_taken_back_and_its_slot_is_free_at_once(s
             with pytest.raises(ShmserveError) as info:
                 c.infer(MODEL, {"x": x(tag)}, timeout=0.5)
             assert info.value.code is ErrorCode.TIMEOUT
-            assert lane.taken_back == 1 and not lane.abandoned and len(lane.free) == LANE_SLOTS
+            assert lane.taken_back == 1 and not lane.abandoned and lane.free_slots() == LANE_SLOTS
         later = next(tags)
         assert c.infer(MODEL, {"x": x(later)})["y"].tolist() == [2 * later, 0]
     assert tag not in ran(srv) and later in ran(srv)
@@ -323,7 +323,7 @@ def test_an_interrupted_lane_call_is_taken_back(srv):
         with held(srv):
             with interrupt_when(lambda: lanes.has_pending(lane.buf)), pytest.raises(Interrupted):
                 c.infer(MODEL, {"x": x(tag)})
-            assert lane.taken_back == 1 and len(lane.free) == LANE_SLOTS
+            assert lane.taken_back == 1 and lane.free_slots() == LANE_SLOTS
     assert tag not in ran(srv)
 
 
@@ -344,7 +344,7 @@ def test_a_cancelled_asyncio_lane_call_is_taken_back(srv):
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                assert lane.taken_back == 1 and len(lane.free) == LANE_SLOTS
+                assert lane.taken_back == 1 and lane.free_slots() == LANE_SLOTS
 
     asyncio.run(main())
     assert tag not in ran(srv)

@@ -347,7 +347,7 @@ def test_a_lane_call_given_up_before_a_worker_claimed_it_is_taken_back_at_once(c
         with pytest.raises(type(failure)):
             op.answer(began, failure)  # (the second time: already taken back, nothing more)
     assert not seat.busy and not region.abandoned and not lane.abandoned
-    assert lane.taken_back == lane.given_up == 1 and len(lane.free) == layout.LANE_SLOTS
+    assert lane.taken_back == lane.given_up == 1 and lane.free_slots() == layout.LANE_SLOTS
     assert hotpath.active.claim(region.buf, layout.LANE, layout.slot_entry(began[1], began[2])) is None
     assert hotpath.PYTHON.claim(region.buf, layout.LANE, layout.slot_entry(began[1], began[2])) is None
     assert infer(op, server, x)["y"].tolist() == [1] * 8  # the next call takes a slot, and is served
