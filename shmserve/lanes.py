@@ -296,9 +296,10 @@ class ClientLane:
 
     def abandon(self, index: int, generation: int) -> bool:
         """Give up on a call (timed out, interrupted, cancelled).  Not claimed by a worker yet: taken
-        back (READY -> ERROR -> FREE: the worker's claim fails, nothing of it runs) and its slot is free at
-        once (``retaken``: used once the free ones are taken, while the ring has room); True.  Claimed (or finished): its slot is recycled once the worker has finished it;
-        False.  Idempotent: a call already taken back (or a slot reused since) is True again."""
+        back (READY -> ERROR -> FREE: the worker's claim fails, nothing of it runs) and its slot is
+        free at once (``retaken``: used once the free ones are taken, while the ring has room);
+        True.  Claimed (or finished): its slot is recycled once the worker has finished it; False.
+        Idempotent: a call already taken back (or a slot reused since) is True again."""
         status_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
         if status_generation != generation or state == _FREE:
             return True  # taken back already (or reused since): not ours to hold

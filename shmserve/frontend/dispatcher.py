@@ -17,9 +17,9 @@ with the ``Door`` methods, and six calls into the dispatcher — ``submit``
 (check), ``admit`` (take space), ``received`` (payload landed), ``release``
 (an answer's views written), ``drop`` (the connection is gone) and ``cancel`` (its caller gave
 up; the connection stays: it is answered CANCELLED).  Both count where the request was
-(``cancelled``, CANCEL_STAGES): one taken back before a worker claimed it never runs.  The dispatcher knows nothing of sockets
-or wire formats: answers are typed values (``Outputs`` or ``Failure``).  Whatever a door does,
-the dispatcher releases what a request holds: a door method that raises has its connection
+(``cancelled``, CANCEL_STAGES): one taken back before a worker claimed it never runs.  The
+dispatcher knows nothing of sockets or wire formats: answers are typed values (``Outputs`` or
+``Failure``).  Whatever a door does, the dispatcher releases what a request holds: a door method that raises has its connection
 ended (``Door.abort``) and the request dropped, and a completion whose collection raises is
 answered INTERNAL, the rest of its drain collected as usual.
 
