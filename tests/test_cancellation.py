@@ -456,7 +456,8 @@ def test_500_cancellations_none_run_that_were_cancelled_before_claim(srv):
 def test_a_door_process_takes_back_the_lane_call_its_client_cancels(tmp_path):
     """With door processes, a socket INFER is a lane call of the door: its CANCEL (read after the
     INFER, on the same connection) takes the lane slot back before the worker claims it, and is
-    answered CANCELLED in order; a closed connection's queued call is taken back too."""
+    answered CANCELLED in order; a closed connection's queued call is taken back too.  The door
+    reports both to main, which counts them with its own (``info``'s ``cancelled``)."""
     record, gates = tmp_path / "record", tmp_path / "gates"
     gates.mkdir()
     record.touch()
@@ -475,6 +476,8 @@ def test_a_door_process_takes_back_the_lane_call_its_client_cancels(tmp_path):
             gone.sendall(infer_frame(3, closed_tag) + protocol.encode_frame(Kind.HEALTH, {"id": 4}))
             raw_frames.read_frames(gone, 1)  # (the health answer: its INFER was taken before it)
             gone.close()
+            wait_for(lambda: cancelled(s) == {"queued": 2, "running": 0, "answered": 0},
+                     "main to count the door's two calls as taken back before claim")
             later = next(tags)
             c.sendall(infer_frame(5, later))
         [result] = raw_frames.read_frames(c, 1)

@@ -135,6 +135,7 @@ class Status:
         self.batch_items: collections.Counter = collections.Counter()
         self.doors = lambda: []  # the door processes' state (frontend/doorhouse.py DoorHouse.describe), if any
         self.door_outcomes = lambda: {}  # what the doors answered themselves: (model, version, outcome) -> n
+        self.door_cancelled = lambda: {}  # the doors' own lane calls given up on: (model, version, stage) -> n
 
     @property
     def config(self) -> ServerConfig:
@@ -171,7 +172,7 @@ class Status:
         return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls, doors=tuple(self.doors()), cancelled=dict(self.dispatcher.cancelled))
+                        lane_calls=lane_calls, doors=tuple(self.doors()), cancelled=self.cancelled())
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
@@ -314,11 +315,18 @@ class Status:
         return {"models": entries, "canaries": self.canaries(),
                 "events": list(self.lifecycle.events) if self.lifecycle is not None else []}
 
+    def cancelled(self) -> dict[tuple, int]:
+        """(model, version, stage) -> requests whose caller gave up: the dispatcher's and the door
+        processes' own lane calls (``dispatcher.CANCEL_STAGES``: before a worker claimed them, while
+        one ran them, once their answer was ready)."""
+        counts = dict(self.dispatcher.cancelled)
+        for key, n in self.door_cancelled().items():
+            counts[key] = counts.get(key, 0) + n
+        return counts
+
     def cancelled_of(self, model: str, version: int) -> dict[str, int]:
-        """Requests of ``model`` ``version`` whose caller gave up, by where they were
-        (``dispatcher.CANCEL_STAGES``: before a worker claimed them, while one ran them, once
-        their answer was ready)."""
-        counts = self.dispatcher.cancelled
+        """``cancelled`` of ``model`` ``version``, by stage."""
+        counts = self.cancelled()
         return {stage: counts.get((model, version, stage), 0) for stage in CANCEL_STAGES}
 
     def info(self, peer_uid: int) -> dict:
