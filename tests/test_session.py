@@ -575,6 +575,9 @@ def test_a_cancel_is_sent_only_for_an_outstanding_request_and_its_answer_is_stil
     [event] = drain(session)
     assert event.request_id == rid and event.error.code is ErrorCode.CANCELLED
     assert session.cancel(rid) is None  # answered: nothing left to cancel
-    rid, _ = session.models()
+    control, _ = session.models()
+    assert session.cancel(control) is None  # a control call runs to its end
+    rid, _ = session.infer_region("m", [], 1, 0, 64, 1.0)
+    assert session.cancel(rid) is not None
     session.fail("gone")
     assert session.cancel(rid) is None
