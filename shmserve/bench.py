@@ -508,6 +508,7 @@ def spawn_server(workdir: Path, swap: bool = False, doors: int | str | None = No
     server = f"""[server]
 instance = "{instance}"
 max_request_bytes = {200 << 20}
+max_grpc_read_bytes = {7 * (401 << 20)}
 http = "127.0.0.1:0"
 grpc = "127.0.0.1:0"
 v2_system_shared_memory = true

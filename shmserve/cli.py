@@ -611,7 +611,8 @@ def _with_lifecycle(snap: dict) -> dict:
             with Client(snap["socket"], timeout=2.0) as client:
                 answer = client.repository()
             snap["lifecycle"] = {"models": answer.get("models", []), "canaries": answer.get("canaries", {}),
-                                 "events": answer.get("events", [])[-50:]}
+                                 "events": answer.get("events", [])[-50:],
+                                 "rate_limits": answer.get("rate_limits", [])}
         except (ShmserveError, OSError, ValueError):
             pass
     return snap

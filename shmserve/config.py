@@ -49,6 +49,7 @@ File format::
     v2_tokens = "/etc/shmserve/v2-tokens.toml"   # bearer tokens of TCP callers (0600; shmserve token new)
     v2_anonymous = ["metadata", "infer"]         # what a TCP caller without a token may do
     max_buffered_bytes_per_uid = 268435456       # v2 request bodies held in memory per caller
+    max_grpc_read_bytes = 1073741824             # gRPC messages being read, all callers (each as the largest)
 
     [arena]
     slots = 256
@@ -75,6 +76,12 @@ File format::
     load = "startup"                # or "on_demand": loaded by its first request, evicted under memory_budget
     pinned = false                  # true: never evicted
     warmup = {requests = 1, inputs = {x = "x.npy"}, batch_sizes = [1, 8]}   # before a version takes traffic
+
+    [rate_limits.batch]             # a named limit (the name is what refusals and metrics say)
+    users = ["batch"]               # who: uids, users, groups, tokens, roles, anonymous = true, or each_caller = true
+    model = "resnet"                # default: every model
+    requests_per_s = 20             # and/or bytes_per_s = "64MiB"; each caller matched has its own bucket
+    burst = 40                      # requests at once (default: one second's); burst_bytes likewise
 """
 
 from __future__ import annotations
@@ -278,6 +285,14 @@ class ServerConfig:
     # read.  Four default-sized requests; a body or message that would pass it is refused
     # 'overloaded' before it is read (one at a time is always let through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
+    # The gRPC messages being read at once, all callers together: grpc tells no size before a
+    # read, so each read counts as the largest message (twice max_request_bytes plus 1 MiB) until
+    # it is read, then its own size moves to its caller's max_buffered_bytes_per_uid.  One caller's
+    # reads at most half of it; one read always fits.  At the defaults: 7 reads, 3 per caller.
+    max_grpc_read_bytes: int = 1024 * MiB
+    # Per-caller rate limits ([rate_limits.NAME] tables; docs/config.md "Rate limits"): token buckets
+    # kept by shmserve.frontend.ratelimit, checked where each request enters.
+    rate_limits: tuple["RateLimit", ...] = ()
 
     def effective_doors(self) -> int:
         """How many door processes to start: ``doors``, or ``doors_default()`` when it is None (auto)."""
@@ -405,7 +420,7 @@ REGION_KEYS = {"max_regions", "max_regions_per_connection", "max_regions_per_uid
 
 def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
           repository_given: bool = False) -> ServerConfig:
-    _keys(raw, "", {"server", "arena", "models"})
+    _keys(raw, "", {"server", "arena", "models", "rate_limits"})
     server = _table(raw, "server")
     arena = _table(raw, "arena")
     _keys(server, "server.", {"instance", "socket", "request_timeout_s", "max_request_bytes", "allow_uids",
@@ -478,12 +493,111 @@ def parse(raw: dict, *, base_dir: Path = Path("."), instance: str | None = None,
             raise ConfigError(f"models[{i}].name: {mc.name!r} is used twice")
         names.add(mc.name)
         parsed.append(mc)
+    kw["rate_limits"] = rate_limits(_table(raw, "rate_limits"))
     return ServerConfig(models=tuple(parsed), **kw)
+
+
+# -- per-caller rate limits (issue 29, part 2; docs/config.md "Rate limits") -------------------
+
+RATE_LIMIT_KEYS = {"uids", "users", "groups", "tokens", "roles", "anonymous", "each_caller", "model",
+                   "requests_per_s", "burst", "bytes_per_s", "burst_bytes"}
+_LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_RATE_WHO = ("uids = [1001], users = [\"batch\"], groups = [\"ml\"], tokens = [\"ingest\"], "
+             "roles = [\"client\"], anonymous = true or each_caller = true")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """One ``[rate_limits.NAME]`` table: who it holds (each caller matched has its own buckets:
+    a uid, a v2 token, or the anonymous TCP caller, one caller for all), which model (None:
+    every model), requests and/or bytes per second and their bursts (a full bucket's size)."""
+
+    key: str  # NAME: what refusals, metrics and info call it
+    uids: tuple[int, ...] = ()  # uids = [...] and users = [...] (resolved when the file is read)
+    gids: tuple[int, ...] = ()  # groups = [...]: a Unix-socket caller in one (primary or supplementary)
+    tokens: tuple[str, ...] = ()  # v2 token names (server.v2_tokens)
+    roles: tuple[str, ...] = ()  # v2 token roles: "client", "admin"
+    anonymous: bool = False  # the v2 doors' anonymous TCP caller (all of them: one caller)
+    each_caller: bool = False  # every caller
+    model: str | None = None
+    requests_per_s: float | None = None
+    burst: float = 0.0  # requests a full bucket holds (requests_per_s set: at least 1)
+    bytes_per_s: float | None = None
+    burst_bytes: float = 0.0  # bytes a full bucket holds
+
+
+def rate_limits(table: dict) -> tuple[RateLimit, ...]:
+    """The ``[rate_limits]`` tables, each checked; ConfigError naming the key and the fix."""
+    limits = []
+    for name, t in table.items():
+        where = f"rate_limits.{name}"
+        if not _LIMIT_NAME_RE.match(name):
+            raise ConfigError(f"{where}: a limit's name is 1-64 of A-Z a-z 0-9 _ . - (it becomes a metrics label)")
+        if not isinstance(t, dict):
+            raise ConfigError(f"{where}: expected a table like {{users = [\"batch\"], requests_per_s = 20}}")
+        _keys(t, f"{where}.", RATE_LIMIT_KEYS)
+        kw: dict = {"key": name}
+        if "uids" in t:
+            if not isinstance(t["uids"], list):
+                raise ConfigError(f"{where}.uids: expected a list of uids")
+            kw["uids"] = tuple(_int(v, f"{where}.uids[{i}]", 0, 2**32 - 2) for i, v in enumerate(t["uids"]))
+        if "users" in t:
+            kw["uids"] = kw.get("uids", ()) + _user_ids(t["users"], f"{where}.users")
+        if "groups" in t:
+            kw["gids"] = _group_ids(t["groups"], f"{where}.groups")
+        for key in ("tokens", "roles"):
+            if key in t:
+                if not isinstance(t[key], list):
+                    raise ConfigError(f"{where}.{key}: expected a list of names")
+                kw[key] = tuple(_str(v, f"{where}.{key}[{i}]") for i, v in enumerate(t[key]))
+        for i, role in enumerate(kw.get("roles", ())):
+            if role not in ("client", "admin"):
+                raise ConfigError(f"{where}.roles[{i}]: a v2 token's role is 'client' or 'admin', got {role[:20]!r}")
+        for key in ("anonymous", "each_caller"):
+            if key in t:
+                if type(t[key]) is not bool:
+                    raise ConfigError(f"{where}.{key}: expected true or false, got {t[key]!r}")
+                kw[key] = t[key]
+        if not (kw.get("uids") or kw.get("gids") or kw.get("tokens") or kw.get("roles") or kw.get("anonymous")
+                or kw.get("each_caller")):
+            raise ConfigError(f"{where}: names no caller; add {_RATE_WHO}")
+        if "model" in t:
+            kw["model"] = _str(t["model"], f"{where}.model")
+        if "requests_per_s" in t:
+            kw["requests_per_s"] = float(_num(t["requests_per_s"], f"{where}.requests_per_s", 0.001, 1e9))
+        if "bytes_per_s" in t:
+            kw["bytes_per_s"] = float(parse_size(t["bytes_per_s"], f"{where}.bytes_per_s"))
+            if not kw["bytes_per_s"]:
+                raise ConfigError(f"{where}.bytes_per_s: must be more than 0 (leave it out for no byte limit)")
+        if "requests_per_s" not in kw and "bytes_per_s" not in kw:
+            raise ConfigError(f"{where}: limits nothing; add requests_per_s = N and/or bytes_per_s = \"64MiB\"")
+        if "burst" in t:
+            if "requests_per_s" not in kw:
+                raise ConfigError(f"{where}.burst: a burst of requests needs requests_per_s")
+            kw["burst"] = float(_num(t["burst"], f"{where}.burst", 1, 1e9))
+        elif "requests_per_s" in kw:
+            kw["burst"] = max(1.0, kw["requests_per_s"])  # one second's requests
+        if "burst_bytes" in t:
+            if "bytes_per_s" not in kw:
+                raise ConfigError(f"{where}.burst_bytes: a burst of bytes needs bytes_per_s")
+            kw["burst_bytes"] = float(parse_size(t["burst_bytes"], f"{where}.burst_bytes"))
+            if not kw["burst_bytes"]:
+                raise ConfigError(f"{where}.burst_bytes: must be more than 0")
+        elif "bytes_per_s" in kw:
+            kw["burst_bytes"] = kw["bytes_per_s"]  # one second's bytes
+        limits.append(RateLimit(**kw))
+    return tuple(limits)
+
+
+def _user_ids(names, where: str) -> tuple[int, ...]:
+    """The uids of a list of user names; ConfigError naming ``where`` and a name no user has."""
+    return _named_ids(names, where, "user")
 
 
 # -- the KServe v2 front door (issue 13) --------------------------------------------------------
 
-V2_KEYS = {"http", "grpc", "v2_system_shared_memory", "v2_tokens", "v2_anonymous", "max_buffered_bytes_per_uid"}
+V2_KEYS = {"http", "grpc", "v2_system_shared_memory", "v2_tokens", "v2_anonymous", "max_buffered_bytes_per_uid",
+           "max_grpc_read_bytes"}
 # What server.v2_anonymous may grant (shmserve.v2.auth.ANONYMOUS_GRANTABLE: a test holds them equal).
 V2_ANONYMOUS_SCOPES = ("metadata", "infer", "statistics")
 
@@ -513,7 +627,8 @@ def _v2(server: dict, base_dir: Path) -> dict:
                 raise ConfigError(f"server.v2_anonymous[{i}]: expected one of {', '.join(V2_ANONYMOUS_SCOPES)}, "
                                   f"got {str(scope)[:40]!r}")
         kw["v2_anonymous"] = tuple(dict.fromkeys(scopes))
-    kw.update(_bounded(server, "server.", _int, (("max_buffered_bytes_per_uid", 1, 1 << 40),)))
+    kw.update(_bounded(server, "server.", _int, (("max_buffered_bytes_per_uid", 1, 1 << 40),
+                                                 ("max_grpc_read_bytes", 1, 1 << 40))))
     return kw
 
 
@@ -562,17 +677,24 @@ def _lifecycle(server: dict, base_dir: Path) -> dict:
 def _group_ids(names, where: str) -> tuple[int, ...]:
     """The gids of a list of group names (``allow_groups``, ``admin_groups``); ConfigError naming
     ``where`` and the index of a name no group on this machine has."""
+    return _named_ids(names, where, "group")
+
+
+def _named_ids(names, where: str, kind: str) -> tuple[int, ...]:
+    """The ids of a list of ``kind`` ("user" or "group") names on this machine."""
     import grp
+    import pwd
 
     if not isinstance(names, list):
-        raise ConfigError(f"{where}: expected a list of group names")
-    gids = []
+        raise ConfigError(f"{where}: expected a list of {kind} names")
+    look_up = (lambda n: pwd.getpwnam(n).pw_uid) if kind == "user" else (lambda n: grp.getgrnam(n).gr_gid)
+    ids = []
     for i, name in enumerate(names):
         try:
-            gids.append(grp.getgrnam(_str(name, f"{where}[{i}]")).gr_gid)
+            ids.append(look_up(_str(name, f"{where}[{i}]")))
         except KeyError:
-            raise ConfigError(f"{where}[{i}]: no group {name!r} on this machine") from None
-    return tuple(gids)
+            raise ConfigError(f"{where}[{i}]: no {kind} {name!r} on this machine") from None
+    return tuple(ids)
 
 
 _POLICY_HELP = 'expected {latest = N}, "all", or {versions = [1, 3]}'

@@ -69,12 +69,16 @@ class ErrorCode(enum.IntEnum):
 
 class ShmserveError(Exception):
     """An error with a stable code and a human message; raised by the client library and
-    used inside the server to turn a failure into an error response."""
+    used inside the server to turn a failure into an error response.
 
-    def __init__(self, code: ErrorCode, message: str):
+    ``retry_after``: seconds after which the same request would be let in (a rate limit's
+    refusal, OVERLOADED: docs/config.md "Rate limits"); None when the server said nothing."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after: float | None = None):
         super().__init__(f"[{code.wire}] {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after
 
 
 class ConnectionClosed(ShmserveError):

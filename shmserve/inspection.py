@@ -206,7 +206,7 @@ def _batch_range(upper: int) -> str:
 def render_lifecycle(lifecycle: dict):
     """A rich renderable of a live server's model lifecycle (its ``repository`` answer): versions
     (with their cancelled requests: taken back before a worker claimed them / while one ran them /
-    once answered), canaries, and the latest decisions."""
+    once answered), canaries, the latest decisions, and the rate limits with their refusals."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -230,6 +230,14 @@ def render_lifecycle(lifecycle: dict):
         events.add_row(time.strftime("%H:%M:%S", time.localtime(e["time_unix"])), Text(e["model"]),
                        str(e["version"]), e["event"], Text(e["reason"]))
     parts.append(events)
+    if lifecycle.get("rate_limits"):
+        limits = Table(title="rate limits ([rate_limits]): refusals since start", title_justify="left")
+        for col in ("limit", "model", "requests/s", "burst", "bytes/s", "burst bytes", "callers", "refused"):
+            limits.add_column(col, justify="left" if col in ("limit", "model") else "right")
+        for r in lifecycle["rate_limits"]:
+            limits.add_row(Text(r["limit"]), Text(r["model"]), *("-" if r[k] is None else f"{r[k]:g}" for k in (
+                "requests_per_s", "burst", "bytes_per_s", "burst_bytes")), str(r["callers"]), str(r["refused"]))
+        parts.append(limits)
     return Group(*parts)
 
 

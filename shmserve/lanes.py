@@ -122,7 +122,8 @@ def set_spin_hint(buf, spin_us: int) -> None:
 
 def set_divert(buf, divert: bool) -> None:
     """Whether ``Client.infer`` should send its requests over the socket rather than through the
-    lane (the server is shutting down: the socket answers SHUTTING_DOWN)."""
+    lane (the server is shutting down: the socket answers SHUTTING_DOWN; or a reload put its owner
+    under a rate limit, which the socket keeps)."""
     atomics.store32(buf, layout.LANE_DIVERT_OFFSET, 1 if divert else 0)
 
 

@@ -136,6 +136,13 @@ class StatusCollector:
             yield conns
             yield door_restarts
 
+        limited = CounterMetricFamily("shmserve_rate_limited", "Requests a rate limit refused ([rate_limits]), "
+                                      "by the limit's name and its model (* : every model), as configured",
+                                      labels=["limit", "model"])
+        for (limit, model), n in sorted((snap.rate_limited or {}).items()):
+            limited.add_metric([limit, model], n)
+        yield limited
+
         yield GaugeMetricFamily("shmserve_arena_bytes_in_use", "Arena data bytes held by requests",
                                 value=snap.stats["extent_bytes_in_use"])
         yield GaugeMetricFamily("shmserve_arena_data_bytes", "Arena data region size", value=snap.data_bytes)

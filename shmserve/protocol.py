@@ -169,8 +169,12 @@ def encode_frame(kind: Kind, meta: dict, data_len: int = 0) -> bytes:
     return FRAME_HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), data_len) + body
 
 
-def error_frame(request_id: int | None, code: ErrorCode, message: str) -> bytes:
-    return encode_frame(Kind.ERROR, {"id": request_id, "code": code.wire, "message": message})
+def error_frame(request_id: int | None, code: ErrorCode, message: str, retry_after: float | None = None) -> bytes:
+    """An ERROR frame; ``retry_after`` (seconds, a rate limit's refusal) travels as its own field."""
+    meta = {"id": request_id, "code": code.wire, "message": message}
+    if retry_after is not None:
+        meta["retry_after"] = round(retry_after, 6)
+    return encode_frame(Kind.ERROR, meta)
 
 
 # -- receiving ----------------------------------------------------------------------------

@@ -37,10 +37,11 @@ from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.history import History
 from shmserve.frontend.lifecycle import Lifecycle
 from shmserve.frontend.models import MODEL_READY, ModelState, Models
+from shmserve.frontend.ratelimit import RateLimiter
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.shadow import Shadowing
 from shmserve.frontend.status import Status
-from shmserve.frontend.unix import DoorLimits, Listener, UnixDoor, check_socket_path
+from shmserve.frontend.unix import ClientConnection, DoorLimits, Listener, UnixDoor, check_socket_path
 from shmserve.lanes import WAIT_SLICE_S
 from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.supervisor import Supervisor, WorkerHandle
@@ -258,7 +259,9 @@ class Frontend:
         self.door = UnixDoor(self.dispatcher, self.regions, self.status, clock=self.dispatcher.clock,
                              limits=door_limits_of(self.config), allow_uids=self.config.allow_uids,
                              allow_gids=self.config.allow_gids, lifecycle=self.lifecycle,
-                             admin=(self.config.admin_uids, self.config.admin_gids))
+                             admin=(self.config.admin_uids, self.config.admin_gids),
+                             rate=RateLimiter(self.config.rate_limits))
+        self.status.rate = self.door.rate  # one set of buckets for every door
         loop.add_reader(self.efd, self._on_completions)
 
     def _start_doors(self, loop, n: int) -> None:
@@ -296,6 +299,7 @@ class Frontend:
         ledger = Ledger(lambda: self.config.max_inflight_per_uid, lambda: self.config.max_buffered_bytes_per_uid)
         self.v2 = V2Service(dispatcher=self.dispatcher, models=self.models, status=self.status,
                             lifecycle=self.lifecycle, shm=shm, auth=auth, ledger=ledger)
+        self.v2.rate = self.door.rate  # a uid is one caller on every door
         if config.http:
             from shmserve.v2.http import HttpDoor, HttpLimits
 
@@ -309,6 +313,7 @@ class Frontend:
             from shmserve.v2.grpc import GrpcDoor, GrpcLimits
 
             door = GrpcDoor(self.v2, GrpcLimits(max_message_bytes=2 * config.max_request_bytes + (1 << 20),
+                                                max_read_bytes=config.max_grpc_read_bytes,
                                                 max_streams=config.max_inflight_per_connection,
                                                 max_connections=config.max_connections), door_limits_of(config))
             await door.start(config.grpc)
@@ -394,12 +399,13 @@ class Frontend:
         (``config.CLIENT_LIMIT_KEYS`` and the region limits: for connections already open too, but
         one over a new connection limit is not closed), the allow-lists and admin lists, the v2
         doors' tokens and what anonymous callers may do (``v2_tokens``, ``v2_anonymous``: for the
-        next request), ``max_buffered_bytes_per_uid``,
+        next request), ``max_buffered_bytes_per_uid``, the rate limits (``_apply_rate_limits``),
         restart_healthy_s, the lifecycle keys, and every difference in the models (the config
         file's and the repository's): added ones are loaded, removed ones drained and unloaded,
         changed ones get new workers (started and warmed first), a changed instance count is
         scaled (``Lifecycle.apply``).  Not applied (logged; needs a restart): instance, socket,
-        arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin.
+        arena geometry (slots, size classes, max_request_bytes, max_workers, max_regions), spin,
+        the v2 doors' addresses and ``max_grpc_read_bytes``.
         """
         if self.config_path is None:
             if self.config.model_repository:  # serve --model-repository alone: look at the repository again
@@ -429,7 +435,7 @@ class Frontend:
         old = self.config
         fixed = [k for k in ("socket", "arena_slots", "size_classes", "max_request_bytes", "spin_us", "max_workers",
                              "socket_mode", "socket_group", "max_regions", "http", "grpc",
-                             "v2_system_shared_memory") if getattr(new, k) != getattr(old, k)]
+                             "v2_system_shared_memory", "max_grpc_read_bytes") if getattr(new, k) != getattr(old, k)]
         if self.repository_override is not None:  # serve --model-repository wins over the file
             new = dataclasses.replace(new, model_repository=self.repository_override)
         self.config = dataclasses.replace(
@@ -454,6 +460,8 @@ class Frontend:
             door.door_limits = door_limits_of(self.config)
         self.door.set_access(self.config.allow_uids, self.config.allow_gids)
         self.door.admin = (self.config.admin_uids, self.config.admin_gids)
+        if new.rate_limits != old.rate_limits:
+            self._apply_rate_limits(new.rate_limits)
         if self.v2 is not None:
             from shmserve.v2.auth import Scope
 
@@ -463,6 +471,19 @@ class Frontend:
         done = await self.lifecycle.apply()
         log.info("reload: done (%s)", "; ".join(done) or "no model changed")
         systemd.notify("READY=1", f"STATUS=serving on {self.socket_path} (reloaded)")
+
+    def _apply_rate_limits(self, limits) -> None:
+        """A reload's ``[rate_limits]``: in force for the next request (an unchanged limit keeps its
+        buckets); lanes whose owners a limit now holds are diverted to the socket, the others not
+        (``RegionTable.divert_where``); door processes relay the models a limit covers."""
+        self.config = dataclasses.replace(self.config, rate_limits=limits)
+        rate = self.door.rate
+        rate.configure(limits)
+        diverted = self.regions.divert_where(
+            lambda r: isinstance(r.owner, ClientConnection) and rate.covering(r.owner.caller(), r.lane_model.name))
+        if self.doors is not None:
+            self.doors.changed()
+        log.info("reload: %d rate limit(s) in force; %d lane(s) diverted to the socket", len(limits), diverted)
 
     # -- shutdown -------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ CLOSE_REGION    REPLY                  Reply: the answer less its id
 MODELS          REPLY                  Reply: the list of models
 HEALTH, INFO    REPLY                  Reply: the answer less its id
 any of these    ERROR with its id      RequestFailed: the server's code and message
+                                       (and its retry_after, if any: a rate limit)
 CANCEL          (nothing)              the INFER or INFER_REGION it names stays
                                        outstanding: its one answer (ERROR
                                        ``cancelled``, or what it had already)
@@ -233,6 +234,18 @@ class ConnectionFailed:
     def error(self) -> ShmserveError:
         """A new exception each time (one per caller that raises it)."""
         return ConnectionClosed(self.message) if self.code is None else ShmserveError(self.code, self.message)
+
+
+MAX_RETRY_AFTER_S = 86400.0  # a server's retry_after beyond a day is not believed
+
+
+def _retry_after(meta: dict) -> float | None:
+    """An error's ``retry_after`` (seconds, a rate limit's refusal), or None when the server said
+    none or said something that is not a number of seconds in [0, MAX_RETRY_AFTER_S]."""
+    value = meta.get("retry_after")
+    if type(value) not in (int, float) or not 0 <= value <= MAX_RETRY_AFTER_S:
+        return None
+    return float(value)
 
 
 class _Unreadable(Exception):
@@ -486,7 +499,7 @@ class ClientSession:
         rule, output_area = expected
         if kind is _ERROR:
             return RequestFailed(rid, ShmserveError(ErrorCode.from_wire(str(meta.get("code"))),
-                                                    str(meta.get("message"))))
+                                                    str(meta.get("message")), _retry_after(meta)))
         if kind is not rule.answer:
             return self.fail(f"server answered {rule.request.name} with {kind.name}")
         try:

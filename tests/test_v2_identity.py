@@ -207,9 +207,9 @@ def rss_kib(pid: int) -> int:
 def test_unfinished_grpc_messages_hold_bounded_memory_and_others_are_served(tmp_path):
     """Finding 3: one connection opens 40 ModelInfer streams and sends 15 MiB of each message,
     never finishing one (600 MiB buffered before any check in the old door).  Streams past
-    max_inflight_per_connection are refused, unread ones hold one flow-control window, one is read
-    at a time per caller, and that read ends at upload_timeout_s: the front-end grows by little,
-    and a token holder is served all along."""
+    max_inflight_per_connection are refused, unread ones hold one flow-control window, a caller's
+    reads are bounded (half of max_grpc_read_bytes), and a read ends at upload_timeout_s: the
+    front-end grows by little, and a token holder is served all along."""
     extra = "max_inflight_per_connection = 8\nupload_timeout_s = 3\n"
     with v2_serving(tmp_path, models=MODELS, extra=extra) as small:
         still_serving(small)

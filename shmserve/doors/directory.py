@@ -6,14 +6,15 @@ version its model id, spec, whether it serves now and how many workers it has;
 and the door's routing decision (``Directory.route``), by the rule of
 ``shmserve.frontend.models.Models.resolve`` for the requests a door may serve
 itself.  Every case that rule decides otherwise than "this serving version" —
-a rollout (its split and sticky keys are main's), an unknown model or
+a rollout (its split and sticky keys are main's), a model some rate limit
+covers (main keeps the buckets: ``limited``), an unknown model or
 version, one loading, draining, evicted or unavailable, a stopping server —
 is ``None``: the request is relayed and main answers it, with main's words.
 
 The message (``frontend/doorhouse.py`` ``models_message``)::
 
     {"op": "models", "stopping": bool, "max_request_bytes": n,
-     "models": {name: {"default": v | null, "rollout": bool,
+     "models": {name: {"default": v | null, "rollout": bool, "limited": bool,
                        "versions": {"v": {"id": n, "serving": bool, "workers": n,
                                           "max_output_bytes": n, "spec": {...} | null}}}}}
 
@@ -73,8 +74,8 @@ class Directory:
         if self.stopping:
             return None
         model = self.models.get(name)
-        if model is None:
-            return None
+        if model is None or model.get("limited"):
+            return None  # (limited: a rate limit covers it, which main keeps: docs/doors.md)
         if version is None:
             if model.get("rollout"):
                 return None  # the split (and a key's stickiness) is main's

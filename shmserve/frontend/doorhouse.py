@@ -261,7 +261,8 @@ class DoorHouse:
                                          "workers": len(v.workers), "max_output_bytes": v.config.max_output_bytes,
                                          "spec": spec.to_dict() if spec is not None else None}
             models[name] = {"default": model.default, "versions": versions,
-                            "rollout": model.rollout is not None or regions.divert_every}
+                            "rollout": model.rollout is not None or regions.divert_every,
+                            "limited": self.unix.rate.model_limited(name)}  # main keeps its rate limits
         config = self.config()
         return {"op": "models", "seq": self.seq, "stopping": dispatcher.stopping or self.stopping,
                 "max_request_bytes": dispatcher.max_request, "models": models,

@@ -404,6 +404,19 @@ class RegionTable:
             if region.is_lane:
                 lanes.set_divert(region.lane_buf, True)
 
+    def divert_where(self, diverted) -> int:
+        """Set each client lane's divert hint to ``diverted(region)`` (or on, while shutting down):
+        a reload put its owner under a rate limit of its model, so ``Client.infer`` calls come
+        over the socket (a ``zero_copy`` call's own lane is not checked per call: docs/config.md,
+        "Rate limits").  Door lanes (``bell``) are left alone.  How many are diverted."""
+        n = 0
+        for region in self.regions.values():
+            if region.is_lane and region.bell < 0 and region.lane_model is not None:
+                divert = self.divert_every or bool(diverted(region))
+                lanes.set_divert(region.lane_buf, divert)
+                n += divert
+        return n
+
     def fail_pending_lanes(self, code: ErrorCode, message: str) -> int:
         """Every worker has stopped (a shutdown) with lane calls still queued or running: fail them
         with ``code``; how many."""

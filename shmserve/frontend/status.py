@@ -33,6 +33,7 @@ from shmserve.frontend.dispatcher import CANCEL_STAGES, Dispatcher
 from shmserve.frontend.history import STAGES as HISTORY_STAGES
 from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
+from shmserve.frontend.ratelimit import ALL_MODELS, RateLimiter
 from shmserve.frontend.regions import RegionTable
 from shmserve.supervisor import READY, WorkerHandle
 
@@ -93,6 +94,7 @@ class Snapshot:
     lane_calls: dict = None  # (model, version) -> (ok, error) lane calls its live workers finished (the lifecycle's)
     doors: tuple = ()  # each door process's state (``DoorHouse.describe``)
     cancelled: dict = None  # (model, version, stage) -> requests whose caller gave up (``Dispatcher.cancelled``)
+    rate_limited: dict = None  # (limit, model label) -> requests a rate limit refused (configured labels only)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class Status:
         self.doors = lambda: []  # the door processes' state (frontend/doorhouse.py DoorHouse.describe), if any
         self.door_outcomes = lambda: {}  # what the doors answered themselves: (model, version, outcome) -> n
         self.door_cancelled = lambda: {}  # the doors' own lane calls given up on: (model, version, stage) -> n
+        self.rate = RateLimiter()  # the rate limits every door keeps (the server sets the one it shares)
 
     @property
     def config(self) -> ServerConfig:
@@ -172,7 +175,13 @@ class Status:
         return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls, doors=tuple(self.doors()), cancelled=self.cancelled())
+                        lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=self.rate_refusals(),
+                        cancelled=self.cancelled())
+
+    def rate_refusals(self) -> dict[tuple[str, str], int]:
+        """(limit, model label) -> refusals: every configured limit (0 until it refuses), and any
+        a reload removed that had refused."""
+        return {**{(lim.key, lim.model or ALL_MODELS): 0 for lim in self.rate.limits}, **self.rate.refused}
 
     def sample(self, now: float) -> Sample:
         """Every worker's cumulative stage histograms and the answers so far, for ``History``."""
@@ -313,7 +322,8 @@ class Status:
                                                                 if ver.version not in model.selected else "")})
         entries.sort(key=lambda e: (e["name"], e["version"] or 0))
         return {"models": entries, "canaries": self.canaries(),
-                "events": list(self.lifecycle.events) if self.lifecycle is not None else []}
+                "events": list(self.lifecycle.events) if self.lifecycle is not None else [],
+                "rate_limits": self.rate.describe()}
 
     def cancelled(self) -> dict[tuple, int]:
         """(model, version, stage) -> requests whose caller gave up: the dispatcher's and the door
@@ -356,4 +366,5 @@ class Status:
                 "limits": self.limits(),
                 "cancelled": [{"model": v.name, "version": v.version, **self.cancelled_of(v.name, v.version)}
                               for v in self.models.versions()],
+                "rate_limits": self.rate.describe(),
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}

@@ -12,7 +12,9 @@ server hold (``DoorLimits``): connections in all and per uid, write
 backpressure (a connection whose answers wait unread takes no new frame, and
 is closed after ``stall_timeout_s``), the arena bytes a connection's requests
 may hold before it is read again, and deadlines on a half-sent frame and on a
-stalled upload.
+stalled upload.  It keeps the rate limits (``shmserve.frontend.ratelimit``, shared
+with the v2 doors) as each request enters, from its frame's metadata, before its
+payload is read; a caller a limit holds is given no lane of that model.
 
 Data path: a connection is an ``asyncio.BufferedProtocol``; while an inline
 request's payload arrives, ``get_buffer`` returns the views of arena space
@@ -53,6 +55,7 @@ from pathlib import Path
 from shmserve import lanes, layout, protocol
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs
+from shmserve.frontend.ratelimit import Caller, RateLimiter
 from shmserve.frontend.regions import RegionTable
 from shmserve.frontend.requests import Request, RequestState
 from shmserve.frontend.status import Status
@@ -283,9 +286,11 @@ class UnixDoor:
     each peer uid has open."""
 
     def __init__(self, dispatcher: Dispatcher, regions: RegionTable, status: Status, *, clock: Clock,
-                 limits: DoorLimits, allow_uids=(), allow_gids=(), lifecycle=None, admin=((), ())):
+                 limits: DoorLimits, allow_uids=(), allow_gids=(), lifecycle=None, admin=((), ()),
+                 rate: RateLimiter | None = None):
         self.dispatcher, self.regions, self.status, self.clock = dispatcher, regions, status, clock
         self.limits = limits
+        self.rate = rate if rate is not None else RateLimiter()  # per-caller rate limits ([rate_limits])
         self.lifecycle = lifecycle  # the model lifecycle: control calls (load, unload, scale, canary)
         self.admin = admin  # (uids, gids) allowed control calls besides our own uid and root
         self.connections: set[ClientConnection] = set()
@@ -347,6 +352,22 @@ class UnixDoor:
         if held >= limit:
             raise ShmserveError(ErrorCode.OVERLOADED, f"uid {uid} has {held} requests in flight on its "
                                                       f"{len(conns)} connections (server.max_inflight_per_uid)")
+
+    def check_rate(self, conn: "ClientConnection", model: str, nbytes: int) -> None:
+        """OVERLOADED, naming the limit and when to retry (``retry_after``), if a rate limit holding
+        ``conn``'s peer refuses a request of ``nbytes`` bytes for ``model`` now; else it is charged."""
+        refusal = self.rate.admit(conn.caller(), model, nbytes, self.clock.monotonic())
+        if refusal is not None:
+            raise ShmserveError(ErrorCode.OVERLOADED, refusal.message, refusal.retry_after)
+
+    def check_lane(self, conn: "ClientConnection", model: str) -> None:
+        """OVERLOADED if a rate limit holds ``conn``'s peer's calls of ``model``: such a caller is
+        given no lane (a lane call never passes the front-end), so its calls come over the socket,
+        where ``check_rate`` keeps the limit (docs/config.md, "Rate limits")."""
+        limit = self.rate.covering(conn.caller(), model) if self.rate.limits else None
+        if limit is not None:
+            raise ShmserveError(ErrorCode.OVERLOADED, f"rate limit {limit.key!r} holds uid {conn.uid}'s calls of "
+                                                      f"model {model!r}: no lane (its calls go over the socket)")
 
     def protocol(self) -> "ClientConnection":
         return ClientConnection(self)
@@ -451,6 +472,7 @@ class ClientConnection(FramePump):
         self.closed = False
         self.pid = self.uid = -1
         self.groups: set[int] = set()
+        self._caller: Caller | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -470,6 +492,12 @@ class ClientConnection(FramePump):
         refusal = self.door.enter(self, pid, uid, gid, self.groups)
         if refusal is not None:
             self._close(refusal)
+
+    def caller(self) -> Caller:
+        """Its peer as rate limits see it (its uid and groups, as the kernel said at connect)."""
+        if self._caller is None or self._caller.uid != self.uid:
+            self._caller = Caller.of_uid(self.uid, self.groups)
+        return self._caller
 
     # -- reading --------------------------------------------------------------------------
 
@@ -612,7 +640,7 @@ class ClientConnection(FramePump):
             elif kind in protocol.CONTROL_KINDS:
                 self._control(rid, protocol.parse_control(kind, meta))
         except (ProtocolViolation, ShmserveError) as exc:
-            answer = protocol.error_frame(rid, exc.code, exc.message)
+            answer = protocol.error_frame(rid, exc.code, exc.message, getattr(exc, "retry_after", None))
             if frame.data_len and self.proto.state is protocol.State.AWAIT:
                 self.proto.discard_payload()
             if infer:
@@ -627,6 +655,9 @@ class ClientConnection(FramePump):
         region = self.door.regions.get(self, parsed.region) if parsed.region is not None else None
         try:
             self.door.check_uid_in_flight(self.uid)
+            if self.door.rate.limits:  # (no limits: one attribute test per request)
+                self.door.check_rate(self, parsed.model, frame.data_len if region is None else
+                                     sum(t.nbytes for t in parsed.inputs))
         except ShmserveError as exc:
             self.dispatcher.refused(parsed.model, exc.code, exc.message)
             raise
@@ -682,6 +713,8 @@ class ClientConnection(FramePump):
         version = meta.get("version")
         if version is not None and (type(version) is not int or not 1 <= version <= protocol.MAX_VERSION):
             raise ShmserveError(ErrorCode.BAD_ARGUMENT, f"'version' must be a positive integer, not {version!r:.40}")
+        if lane is not None:
+            self.door.check_lane(self, lane)
         region = self.door.regions.open(self, meta.get("size"), lane, uid=self.uid, pid=self.pid,
                                         version=version if lane is not None else None)
         answer = {"id": rid, "region": region.id, "size": region.size}

@@ -100,6 +100,7 @@ class Identity:
     uid: int | None
     scopes: frozenset[Scope]
     who: str
+    gids: frozenset[int] = frozenset()  # a Unix-socket peer's groups (SO_PEERCRED, SO_PEERGROUPS)
 
     @property
     def anonymous(self) -> bool:
@@ -225,7 +226,7 @@ class Authenticator:
         if not self.allowed(uid, set(groups)):
             raise V2Error(ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
         scopes = ADMIN if self.is_admin(uid, set(groups)) else CLIENT
-        return Identity(f"uid:{uid}", uid, scopes, f"uid {uid}")
+        return Identity(f"uid:{uid}", uid, scopes, f"uid {uid}", frozenset(groups))
 
     def bearer(self, authorization: str | None) -> Identity:
         """The identity an ``Authorization`` value proves (None or absent: anonymous).

@@ -24,18 +24,37 @@ method is served by a handler that reads its one request message itself
    can connect);
 2. **may it**: the operation's scope (``Authenticator.check``);
 3. **how much**: its RPCs in progress (``max_inflight_per_uid``) and room
-   for the largest message in its buffered bytes (``Ledger.reserve_bytes``,
-   ``max_buffered_bytes_per_uid``: it waits for room, within
-   ``upload_timeout_s``; one message at a time always fits).
+   to read a message (``ReadPool``, below).
 
 Until then a stream holds only what HTTP/2 flow control lets its client
-send: BDP probing is off, so an unread stream's window stays at 64 KiB.  The
-server also caps concurrent streams per connection
+send: BDP probing is off, so an unread stream's window stays at 64 KiB.
+
+Reading.  grpc's Python server tells no message size before the read, and a
+posted read lets the client send up to the largest message (twice
+``max_request_bytes`` plus 1 MiB, 129 MiB at the defaults).  So a read counts
+as that much until it ends, against the door's read pool
+(``max_grpc_read_bytes``, all callers together), of which one caller's reads
+may hold at most half (its first read needs only room in the pool; a read
+fits an empty pool whatever its size); a call waits for room, in order,
+within ``upload_timeout_s``, and is refused RESOURCE_EXHAUSTED
+``[overloaded]`` naming the key if none came.  Once read, the message's own
+size moves to the caller's budget (``Ledger.reserve_bytes``,
+``max_buffered_bytes_per_uid``: it waits for room, within
+``upload_timeout_s``, still holding its read; one message at a time always
+fits) and the read is given back.  (Counting each read against the
+caller's budget instead, as before, let one caller read one message at a
+time at the defaults: two 129 MiB reads pass 256 MiB, so its calls queued
+for each other.  No smaller true bound of a message exists while typed
+contents are taken: docs/security.md, "what a caller can make the server
+hold", weighs the choices.)
+
+The server also caps concurrent streams per connection
 (``max_inflight_per_connection``), connections (``max_connections``),
-message size (twice ``max_request_bytes`` plus 1 MiB), and idles out silent
-connections (keepalive).  A message must arrive within
-``upload_timeout_s``.  So one connection holds at most streams × 64 KiB
-unread, and one caller its buffered-bytes budget plus one message.
+message size, and idles out silent connections (keepalive).  A message must
+arrive within ``upload_timeout_s`` of its read.  So one connection holds at
+most streams × 64 KiB unread; one caller, its buffered-bytes budget plus
+one message, plus half the read pool; all callers together, their budgets
+plus the read pool.
 
 Must not: decide anything about a request (``shmserve.v2.service``), trust
 anything about a peer but what the kernel or a token says, or block the loop.
@@ -57,8 +76,8 @@ from shmserve.errors import ErrorCode
 from shmserve.frontend.unix import check_socket_path
 from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
-from shmserve.v2.messages import V2Error
-from shmserve.v2.service import Caller, V2Door, V2Service
+from shmserve.v2.messages import RateLimited, V2Error
+from shmserve.v2.service import Caller, ReadPool, V2Door, V2Service
 
 log = logging.getLogger("shmserve.v2.grpc")
 
@@ -76,10 +95,13 @@ CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_conte
 class GrpcLimits:
     """What the gRPC server itself is told (at start; a reload does not change them):
     ``max_message_bytes``, the largest message either way (twice ``server.max_request_bytes``
-    plus 1 MiB); ``max_streams``, concurrent RPCs per connection
-    (``server.max_inflight_per_connection``); ``max_connections`` (``server.max_connections``)."""
+    plus 1 MiB); ``max_read_bytes``, the messages being read at once, all callers together, each
+    counted as the largest (``server.max_grpc_read_bytes``); ``max_streams``, concurrent RPCs per
+    connection (``server.max_inflight_per_connection``); ``max_connections``
+    (``server.max_connections``)."""
 
     max_message_bytes: int
+    max_read_bytes: int = 1 << 30
     max_streams: int = 64
     max_connections: int = 512
 
@@ -203,6 +225,10 @@ class Servicer:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def ModelInfer(self, request, context, caller):
+        # The model and the size are in the message: checked once it is read, before it is parsed.
+        if self.service.rate.limits:
+            await self._call(context, self.service.check_rate, caller.identity, request.model_name,
+                             request.ByteSize())
         parsed = await self._call(context, self._parse, request)
         result = await self._call(context, self.service.infer, caller, parsed)
         try:
@@ -287,13 +313,16 @@ MIN_CLIENT_PING_MS = 10_000  # a client pinging more often than this (3 strikes)
 
 # The trailing metadata key that carries shmserve's stable code beside a refusal's text.
 CODE_KEY = "shmserve-code"
+RETRY_AFTER_KEY = "retry-after"  # beside a rate limit's refusal: the seconds until it would be let in
 
 
 async def abort_with(context, exc: V2Error):
     """End the RPC with ``exc``: its status, its text (Triton's words, or ``[code] message``) as
     the details, and its shmserve code in the trailing metadata (``CODE_KEY``)."""
-    await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text,
-                        trailing_metadata=((CODE_KEY, exc.code.wire),))
+    trailing = ((CODE_KEY, exc.code.wire),)
+    if isinstance(exc, RateLimited):
+        trailing += ((RETRY_AFTER_KEY, f"{max(exc.retry_after, 0.001):.3f}"),)
+    await context.abort(getattr(grpc.StatusCode, exc.grpc_status), exc.text, trailing_metadata=trailing)
 
 
 def _abort_now(code: grpc.StatusCode, message: str):
@@ -336,6 +365,7 @@ class GrpcDoor:
         self.unix_identity = None
         self.doors: dict[str, tuple[V2Door, float]] = {}  # peer -> (its requests' bookkeeping, last use)
         self.rpcs: collections.Counter[str] = collections.Counter()  # identity key -> RPCs in progress
+        self.reads = ReadPool(lambda: limits.max_read_bytes, "server.max_grpc_read_bytes")  # messages being read
         self.stopping: asyncio.Task | None = None
 
     async def start(self, address: str) -> None:
@@ -407,19 +437,20 @@ class GrpcDoor:
             except V2Error as exc:
                 await abort_with(context, exc)
             self.rpcs[key] += 1
-            reserved = held = 0
+            reading = held = 0
             try:
                 deadline = self.door_limits.upload_timeout_s
-                # The message, at most.  Its parsed form is made on the loop (FromString), so no
-                # other call reads or parses meanwhile: at any instant one message at most is held
-                # twice, across all callers.  (Reserving both here, twice the largest message, took
-                # more than the default budget, so one caller's calls never overlapped.)
+                # While it is read, the message counts as the largest one (grpc tells no size before)
+                # against the door's read pool, not the caller's budget (ReadPool: the caller's share
+                # is half the pool).  Once read, its own size moves to the caller's budget.  Its
+                # parsed form is made on the loop (FromString), so no other call reads or parses
+                # meanwhile: at any instant one message at most is held twice, across all callers.
                 need = self.limits.max_message_bytes
                 try:
-                    await ledger.reserve_bytes(identity, need, deadline)
+                    await self.reads.take(identity, need, deadline)
                 except V2Error as exc:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"[{exc.code.wire}] {exc.message}")
-                reserved = need
+                reading = need
                 try:
                     raw = await asyncio.wait_for(context.read(), deadline)
                 except asyncio.TimeoutError:
@@ -428,9 +459,13 @@ class GrpcDoor:
                                         "(server.upload_timeout_s)")
                 if raw is grpc.aio.EOF:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "[bad_frame] no request message")
-                held = len(raw)  # the message, then its parsed form
-                ledger.give_bytes(identity, reserved - held)
-                reserved = 0
+                try:  # the message, then its parsed form; its read is held until its bytes are counted
+                    await ledger.reserve_bytes(identity, len(raw), deadline)
+                except V2Error as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"[{exc.code.wire}] {exc.message}")
+                held = len(raw)
+                self.reads.give(identity, reading)
+                reading = 0
                 try:
                     request = request_type.FromString(raw)
                 except Exception:  # protobuf's DecodeError
@@ -439,7 +474,10 @@ class GrpcDoor:
                 del raw
                 return await method(request, context, Caller(identity, self.door_of(context.peer())))
             finally:
-                ledger.give_bytes(identity, reserved + held)
+                if reading:
+                    self.reads.give(identity, reading)
+                if held:
+                    ledger.give_bytes(identity, held)
                 _uncount_key(self.rpcs, key)
 
         return behavior

@@ -61,6 +61,7 @@ import collections
 import enum
 import functools
 import logging
+import math
 import mmap
 import socket
 import zlib
@@ -72,7 +73,7 @@ from shmserve.errors import ErrorCode
 from shmserve.frontend.unix import DoorLimits, Listener
 from shmserve.v2 import peer, rest
 from shmserve.v2.auth import Identity
-from shmserve.v2.messages import Incoming, V2Error
+from shmserve.v2.messages import Incoming, RateLimited, V2Error
 from shmserve.v2.service import Caller, V2Service
 
 log = logging.getLogger("shmserve.v2.http")
@@ -88,7 +89,7 @@ INLINE_DECODE_BYTES = 64 * 1024
 INFLATE_PIECE = 1 << 20  # bytes inflated, then copied, at a time
 MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
+           405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
@@ -636,7 +637,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         service = self.service
         identity = self.peer if self.peer is not None else service.auth.bearer(msg.headers.get("authorization"))
         try:
-            op, _ = rest.route(msg.method, msg.url.decode("latin-1"))[:2]
+            op, params = rest.route(msg.method, msg.url.decode("latin-1"))[:2]
         except (V2Error, UnicodeDecodeError):
             op = None
         if op is not None:
@@ -646,6 +647,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 if ledger.requests[identity.key] >= ledger.max_requests():
                     raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} has {ledger.requests[identity.key]} v2 "
                                                         "requests in flight (server.max_inflight_per_uid)")
+                service.check_rate(identity, params.get("m") or "", msg.length)  # before its body is read
         return Caller(identity, self.v2door)
 
     def _let_go(self, msg: _Message) -> None:
@@ -888,6 +890,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             extra = ((b"allow", ", ".join(error.allow).encode()),)
         elif error.code is ErrorCode.UNAUTHENTICATED:
             extra = ((b"www-authenticate", b'Bearer realm="shmserve"'),)
+        elif isinstance(error, RateLimited):  # whole seconds (RFC 9110 10.2.3), never 0 for a wait
+            extra = ((b"retry-after", b"%d" % max(1, math.ceil(error.retry_after))),)
         else:
             extra = ()
         self._respond(error.http_status, "application/json", [rest.error_body(error)], extra, None)

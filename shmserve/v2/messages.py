@@ -180,6 +180,23 @@ class V2Error(Exception):
         return GRPC_STATUS.get(self.code, "INVALID_ARGUMENT")
 
 
+class RateLimited(V2Error):
+    """A rate limit's refusal (OVERLOADED): HTTP 429 with ``Retry-After``, gRPC
+    RESOURCE_EXHAUSTED with ``retry-after`` in the trailing metadata; ``retry_after`` in seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(ErrorCode.OVERLOADED, message)
+        self.retry_after = retry_after
+
+    @property
+    def http_status(self) -> int:
+        return 429
+
+    @property
+    def grpc_status(self) -> str:
+        return "RESOURCE_EXHAUSTED"
+
+
 # Triton's status classes (TRITONSERVER_Error_Code) -> (HTTP status, gRPC status) as Triton's own
 # doors answer them (server src/http_server.cc HttpCodeFromError, src/grpc/grpc_utils.cc).
 TRITON_STATUS: dict[str, tuple[int, str]] = {

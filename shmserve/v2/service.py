@@ -4,7 +4,10 @@ Owns: what each v2 operation answers (health, server and model metadata,
 model readiness and configuration, inference, the system and CUDA
 shared-memory extensions, the repository extension, statistics), what each
 caller holds across both doors (``Ledger``: requests in flight and request
-bytes buffered, per identity), and the dispatcher ``Door`` of a v2
+bytes buffered, per identity), what a door may be reading at once
+(``ReadPool``: all callers together, and each one's share), each infer
+request's charge to the rate limits that hold its caller (``check_rate``;
+the buckets are the Unix door's), and the dispatcher ``Door`` of a v2
 connection: it copies a request's input bytes (from the message, or read
 from a registered region) into the arena space the dispatcher gives it, and
 takes each answer's outputs out before the space is released.  Who a caller
@@ -35,12 +38,13 @@ from shmserve import __version__, protocol
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
+from shmserve.frontend.ratelimit import Caller as RateCaller, RateLimiter
 from shmserve.frontend.requests import Request
 from shmserve.frontend.status import triton_counts
 from shmserve.v2 import classify
-from shmserve.v2.auth import Authenticator, Identity
+from shmserve.v2.auth import ADMIN, Authenticator, Identity
 from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
-                                  ShmRef, V2Error)
+                                  RateLimited, ShmRef, V2Error)
 from shmserve.v2.sysshm import SystemShm
 from shmserve.v2.wording import (byte_size_mismatch, check_inputs, triton_unavailable, unexpected_output,
                                  unknown_model)
@@ -121,27 +125,21 @@ class Ledger:
         if key not in self.waiting and self.bytes_fit(identity, nbytes):
             self.bytes[key] += nbytes
             return
-        granted = asyncio.get_running_loop().create_future()
-        entry = [nbytes, granted]
+        entry = [nbytes, asyncio.get_running_loop().create_future()]
         self.waiting.setdefault(key, collections.deque()).append(entry)
-        try:
-            await asyncio.wait_for(asyncio.shield(granted), timeout)
-        except BaseException as exc:
-            if granted.done() and not granted.cancelled():
-                self.give_bytes(identity, nbytes)  # granted just as the wait ended
-            else:
-                granted.cancel()
-                queue = self.waiting.get(key)
-                if queue is not None and entry in queue:
-                    queue.remove(entry)
-                    if not queue:
-                        del self.waiting[key]
-                    self._wake(key)  # it may have held up smaller ones behind it
-            if isinstance(exc, asyncio.TimeoutError):
-                raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} had {self.bytes[key]} bytes of v2 requests "
-                                                    f"held in memory for {timeout:g} s; {nbytes} more would pass "
-                                                    "server.max_buffered_bytes_per_uid") from None
-            raise
+
+        def leave() -> None:
+            queue = self.waiting.get(key)
+            if queue is not None and entry in queue:
+                queue.remove(entry)
+                if not queue:
+                    del self.waiting[key]
+                self._wake(key)  # it may have held up smaller ones behind it
+
+        if not await _granted(entry[1], timeout, lambda: self.give_bytes(identity, nbytes), leave):
+            raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} had {self.bytes[key]} bytes of v2 requests "
+                                                f"held in memory for {timeout:g} s; {nbytes} more would pass "
+                                                "server.max_buffered_bytes_per_uid")
 
     def give_bytes(self, identity: Identity, nbytes: int) -> None:
         _uncount(self.bytes, identity.key, nbytes)
@@ -162,6 +160,100 @@ class Ledger:
                 granted.set_result(None)
         if queue is not None and not queue:
             del self.waiting[key]
+
+
+class ReadPool:
+    """The bytes one door may be reading at once for all its callers together, and each caller's
+    share of them (the gRPC door's: grpc tells no message size before a read, so a read counts
+    as the largest message until it is read; then the message's own size moves to the caller's
+    ``Ledger`` budget and its read is given back here).
+
+    A read fits when the pool has room for it (``capacity()``, read on every use) and its caller's
+    reads stay within half of it, so no caller holds the whole pool; whatever its size, a read
+    fits the pool when nothing is being read, and its caller's share when that caller reads
+    nothing (so a pool smaller than two reads still serves one at a time).  Waiters are
+    granted in order, except that one held back only by its own caller's share does not hold up
+    other callers' (one caller's queue cannot starve the others; a read is bounded in time by its
+    door, so a waiter's turn comes).  ``what``: the configuration key named in refusals.  Counts
+    only; whoever takes gives back, exactly once."""
+
+    def __init__(self, capacity: Callable[[], int], what: str):
+        self.capacity, self.what = capacity, what
+        self.total = 0
+        self.held: collections.Counter[str] = collections.Counter()  # key -> bytes of its reads
+        self.waiting: collections.deque = collections.deque()  # [key, nbytes, future], in order
+
+    def _room(self, nbytes: int) -> bool:
+        return self.total == 0 or self.total + nbytes <= self.capacity()
+
+    def _within_share(self, key: str, nbytes: int) -> bool:
+        mine = self.held[key]
+        return mine == 0 or mine + nbytes <= self.capacity() // 2
+
+    async def take(self, identity: Identity, nbytes: int, timeout: float) -> None:
+        """Take ``nbytes`` of the pool for one read of ``identity`` once it fits (see the class),
+        waiting at most ``timeout`` seconds.  V2Error OVERLOADED naming ``what`` if it did not fit
+        in time (nothing is taken then); cancelling the wait takes nothing either."""
+        key = identity.key
+        entry = [key, nbytes, asyncio.get_running_loop().create_future()]
+        self.waiting.append(entry)
+        self._wake()
+        if entry[2].done():
+            return
+
+        def leave() -> None:
+            if entry in self.waiting:
+                self.waiting.remove(entry)
+                self._wake()  # it may have held up others behind it
+
+        if not await _granted(entry[2], timeout, lambda: self.give(identity, nbytes), leave):
+            raise V2Error(ErrorCode.OVERLOADED, f"{identity.who} waited {timeout:g} s for room to read a message: "
+                                                f"{self.total} bytes are being read, {self.held[key]} of them "
+                                                f"for {identity.who}; each read counts as the largest message "
+                                                f"({nbytes} bytes), all callers' within {self.what}, one "
+                                                "caller's within half of it")
+
+    def give(self, identity: Identity, nbytes: int) -> None:
+        """Give back ``nbytes`` that ``take`` took for ``identity``; grant the waiters that fit now."""
+        self.total -= nbytes
+        _uncount(self.held, identity.key, nbytes)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Grant the waiters that fit, in order: one held back by its caller's share is passed
+        over; one the pool has no room for stops the rest (they wait their turn behind it)."""
+        for entry in list(self.waiting):
+            key, nbytes, granted = entry
+            if granted.done():  # given up (its waiter removes it)
+                continue
+            if not self._within_share(key, nbytes):
+                continue
+            if not self._room(nbytes):
+                break
+            self.waiting.remove(entry)
+            self.total += nbytes
+            self.held[key] += nbytes
+            granted.set_result(None)
+
+
+async def _granted(granted: asyncio.Future, timeout: float, undo: Callable[[], None],
+                   leave: Callable[[], None]) -> bool:
+    """Wait at most ``timeout`` seconds for a waiter's ``granted``: True once granted, False if the
+    time ran out.  If the wait ends otherwise (cancelled, or out of time): ``undo()`` gives back
+    a grant that came just as it ended, else ``leave()`` takes the waiter out of its queue; a
+    cancellation is raised on."""
+    try:
+        await asyncio.wait_for(asyncio.shield(granted), timeout)
+        return True
+    except BaseException as exc:
+        if granted.done() and not granted.cancelled():
+            undo()
+        else:
+            granted.cancel()
+            leave()
+        if isinstance(exc, asyncio.TimeoutError):
+            return False
+        raise
 
 
 def _uncount(counter: collections.Counter, key: str, n: int) -> None:
@@ -424,6 +516,17 @@ def _write_regions(writes: list) -> None:
         SystemShm.write_from(region, ref, view, what)
 
 
+def rate_caller(identity: Identity) -> RateCaller:
+    """``identity`` as rate limits see it: a Unix-socket peer is its uid (the same caller as on the
+    native socket), a token holder its token and role, the anonymous caller one caller."""
+    if identity.anonymous:
+        return RateCaller(identity.key)
+    if identity.key.startswith("token:"):
+        return RateCaller(identity.key, token=identity.key.removeprefix("token:"),
+                          role="admin" if identity.scopes == ADMIN else "client")
+    return RateCaller(identity.key, identity.uid, identity.gids)
+
+
 class V2Service:
     """The v2 operations over one running server (see the module header).
 
@@ -439,6 +542,26 @@ class V2Service:
         self.doors: set[V2Door] = set()
         self.labels: dict[tuple[str, int], tuple[str, ...]] = {}  # (model, version) -> its class labels
         self.started = True
+        self.rate = RateLimiter()  # per-caller rate limits: the server shares the Unix door's
+
+    # -- rate limits ---------------------------------------------------------------------
+
+    def check_rate(self, identity: Identity, model: str, nbytes: int | None) -> None:
+        """Charge an infer request of ``identity`` for ``model`` (``nbytes``: its body's or
+        message's size; None: not known before its body is read) to the rate limits that hold it.
+        RateLimited naming the limit and when to retry; V2Error BAD_FRAME for a body of unknown
+        size under a bytes/s limit (send Content-Length)."""
+        if not self.rate.limits:
+            return
+        caller = rate_caller(identity)
+        if nbytes is None:
+            if self.rate.counts_bytes(caller, model):
+                raise V2Error(ErrorCode.BAD_FRAME, "a bytes/s rate limit holds this caller: send the body with "
+                                                   "Content-Length, not chunked (docs/config.md, 'Rate limits')")
+            nbytes = 0
+        refusal = self.rate.admit(caller, model, nbytes, self.dispatcher.clock.monotonic())
+        if refusal is not None:
+            raise RateLimited(refusal.message, refusal.retry_after)
 
     # -- connections ---------------------------------------------------------------------
 
