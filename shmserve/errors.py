@@ -29,6 +29,7 @@ class ErrorCode(enum.IntEnum):
     BAD_ARGUMENT = 11  # a client library call's own argument (a timeout of 0): refused before sending
     UNAUTHENTICATED = 12  # a credential that proves nothing (a v2 bearer token this server does not know)
     NOT_FOUND = 13  # a v2 door has no route at that path (HTTP 404)
+    CANCELLED = 14  # the client gave up on the request (a CANCEL frame, a closed connection, a cancelled RPC)
     # Ours, or the situation's: retry later or tell an operator.
     TIMEOUT = 20
     OVERLOADED = 21

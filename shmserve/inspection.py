@@ -205,16 +205,19 @@ def _batch_range(upper: int) -> str:
 
 def render_lifecycle(lifecycle: dict):
     """A rich renderable of a live server's model lifecycle (its ``repository`` answer): versions
-    not plainly ready, canaries, the latest decisions, and the rate limits with their refusals."""
+    (with their cancelled requests: taken back before a worker claimed them / while one ran them /
+    once answered), canaries, the latest decisions, and the rate limits with their refusals."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     versions = Table(title="model versions", title_justify="left")
-    for col in ("model", "version", "state", "default", "reason"):
+    for col in ("model", "version", "state", "default", "cancelled q/r/a", "reason"):
         versions.add_column(col)
     for m in lifecycle.get("models", []):
+        c = m.get("cancelled") or {}
         versions.add_row(Text(m["name"]), str(m.get("version") or "-"), m["state"], "yes" if m.get("default") else "",
+                         "/".join(str(c.get(stage, 0)) for stage in ("queued", "running", "answered")) if c else "",
                          Text(m.get("reason") or ""))
     parts = [versions]
     for name, c in sorted(lifecycle.get("canaries", {}).items()):

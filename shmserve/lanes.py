@@ -28,6 +28,16 @@ A call (docs/protocol.md, "Lanes")::
     client: the status word says DONE | ERROR (the entry is only a wake-up);
             read; DONE | ERROR -> FREE
 
+A call its client gives up on (timed out, interrupted, its task cancelled:
+``ClientLane.abandon``) is taken back if no worker has claimed it: READY ->
+ERROR -> FREE by the client (as the front-end takes back an arena slot), so
+the worker's claim of its entry fails and nothing of it runs; its slot is
+free at once.  One a worker has claimed runs to its end
+and its slot is freed once it has finished (its outputs are never read).  A
+taken-back call's entry may still lie on the submission ring: its slot is
+used again once the free ones are taken and the ring has room for it (never
+more entries than the ring holds; nothing on a call's own path changes).
+
 The status word, not a completion entry, says that a call finished: a
 worker that dies between publishing DONE and pushing its entry loses
 nothing, and a client that never drains its completion ring only costs
@@ -73,7 +83,7 @@ def version_moved(exc) -> bool:
 WAIT_SLICE_S = 0.05  # a waiting client asks whether the server is still there this often
 RECENT_CALLS = 8  # the calls whose waits decide whether a lane's next wait naps before spinning (ClientLane.nap)
 
-_READY, _RUNNING = int(SlotState.READY), int(SlotState.RUNNING)
+_FREE, _READY, _RUNNING = int(SlotState.FREE), int(SlotState.READY), int(SlotState.RUNNING)
 _HOT = hotpath.active  # the client's per-call work: compiled, or the reference (SHMSERVE_HOTPATH)
 
 
@@ -194,8 +204,10 @@ class ClientLane:
 
     ``submit`` publishes one call and returns its (slot, generation); ``wait``
     blocks until that slot finished; ``read`` returns its outputs (or raises
-    its error) and frees the slot.  A call that timed out is ``abandon``ed:
-    its slot stays with the worker and is recycled once it has finished.
+    its error) and frees the slot.  A call given up on is ``abandon``ed: taken
+    back if no worker claimed it (its slot free at once), else its slot stays
+    with the worker and is recycled once it has finished.  ``taken_back``
+    counts the calls taken back, ``given_up`` every call abandoned.
     Not thread-safe (one client, one thread, or one event loop).
     """
 
@@ -208,6 +220,8 @@ class ClientLane:
         self.abandoned: dict[int, int] = {}  # timed out: slot -> generation, freed once finished
         self.recent = [0.0] * RECENT_CALLS  # the last calls' waits in seconds (0.0: none yet), in turn
         self.recent_at = 0
+        self.retaken: list[int] = []  # slots taken back before a worker claimed them: free once the ring has room
+        self.taken_back = self.given_up = 0
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
                out_offset: int, out_capacity: int) -> tuple[int, int]:
@@ -310,21 +324,54 @@ class ClientLane:
         raises its error as ShmserveError (BAD_DTYPE for a bytes output).  Frees the slot either way."""
         return _HOT.read(self.buf, self.free, index, generation, self.region_id, out_offset, out_capacity)
 
-    def abandon(self, index: int, generation: int) -> None:
-        """Give up on a call (timed out): its slot is recycled once the worker has finished it."""
+    def abandon(self, index: int, generation: int) -> bool:
+        """Give up on a call (timed out, interrupted, cancelled).  Not claimed by a worker yet: taken
+        back (READY -> ERROR -> FREE: the worker's claim fails, nothing of it runs) and its slot is
+        free at once (``retaken``: used once the free ones are taken, while the ring has room);
+        True.  Claimed (or finished): its slot is recycled once the worker has finished it; False.
+        Idempotent: a call already taken back (or a slot reused since) is True again."""
+        status_generation, state = layout.unpack_status(atomics.load64(self.buf, LANE.slot_off(index)))
+        if status_generation != generation or state == _FREE:
+            return True  # taken back already (or reused since): not ours to hold
+        if state == _READY:
+            try:  # as the front-end takes back a request of the arena: READY -> ERROR, then free it
+                transition_slot(self.buf, LANE, index, generation, SlotState.READY, SlotState.ERROR, Actor.CLIENT)
+            except SlotConflict:
+                pass  # the worker claimed it just now
+            else:
+                transition_slot(self.buf, LANE, index, generation, SlotState.ERROR, SlotState.FREE, Actor.CLIENT)
+                self.retaken.append(index)
+                self.taken_back += 1
+                self.given_up += 1
+                return True
+        if self.abandoned.get(index) != generation:
+            self.given_up += 1
         self.abandoned[index] = generation
+        return False
 
     def has_free_slot(self) -> bool:
         if not self.free:
             self._reclaim()
         return bool(self.free)
 
+    def free_slots(self) -> int:
+        """Slots no call holds: free, or taken back (free as soon as the ring has room for them)."""
+        return len(self.free) + len(self.retaken)
+
     def finished(self, index: int, generation: int) -> bool:
         """Whether slot ``index`` of ``generation`` is DONE or ERROR (load-acquire)."""
         return _HOT.finished(self.buf, index, generation)
 
     def _reclaim(self) -> None:
-        """Free the slots of timed-out calls that have finished since."""
+        """Free the slots of timed-out calls that have finished since, and the slots taken back for
+        which the submission ring has room: a taken-back call's entry stays on the ring until the
+        worker reads it, so a slot joins ``free`` only while every slot there could still be
+        pushed (entries on the ring and free slots together at most its capacity)."""
+        if self.retaken:
+            room = LANE.ring_capacity - len(self.submissions) - len(self.free)
+            while self.retaken and room > 0:
+                self.free.append(self.retaken.pop())
+                room -= 1
         for index, generation in list(self.abandoned.items()):
             if self.finished(index, generation):
                 del self.abandoned[index]

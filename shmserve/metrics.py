@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from shmserve import layout
+from shmserve.frontend.dispatcher import CANCEL_STAGES
 from shmserve.frontend.status import triton_counts
 
 log = logging.getLogger("shmserve.metrics")
@@ -52,6 +53,18 @@ class StatusCollector:
         for (model, version, outcome), n in sorted(outcomes.items(), key=lambda kv: str(kv[0])):
             requests.add_metric([model, str(version), outcome], n)
         yield requests
+        cancelled = CounterMetricFamily("shmserve_cancelled_requests", "Requests whose caller gave up (a CANCEL, "
+                                        "a closed connection, a cancelled RPC, an HTTP client gone), by model, "
+                                        "version and stage: queued (taken back before a worker claimed it: never "
+                                        "run), running (a worker ran it: its result discarded), answered (its "
+                                        "answer was ready)", labels=["model", "version", "stage"])
+        counts = dict(snap.cancelled or {})
+        for m in snap.models:  # every stage of every version, from 0
+            for stage in CANCEL_STAGES:
+                counts.setdefault((m.name, m.version, stage), 0)
+        for (model, version, stage), n in sorted(counts.items(), key=lambda kv: str(kv[0])):
+            cancelled.add_metric([model, str(version), stage], n)
+        yield cancelled
         yield from self._lifecycle(snap)
 
         stages = HistogramMetricFamily("shmserve_request_stage_seconds",

@@ -91,6 +91,7 @@ class Kind(enum.IntEnum):
     UNLOAD = 10
     SCALE = 11
     CANARY = 12
+    CANCEL = 13  # the client gave up on request ``id``: drop it (answered CANCELLED, or as it already was)
     # server -> client
     RESULT = 64  # inline result: output bytes follow
     RESULT_REGION = 65  # zero-copy result: outputs are in the client's region
@@ -100,7 +101,8 @@ class Kind(enum.IntEnum):
 
 
 CLIENT_KINDS = frozenset({Kind.INFER, Kind.INFER_REGION, Kind.OPEN_REGION, Kind.CLOSE_REGION, Kind.MODELS,
-                          Kind.HEALTH, Kind.INFO, Kind.REPOSITORY, Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY})
+                          Kind.HEALTH, Kind.INFO, Kind.REPOSITORY, Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY,
+                          Kind.CANCEL})
 CONTROL_KINDS = frozenset({Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY})  # admin only
 SERVER_KINDS = frozenset({Kind.RESULT, Kind.RESULT_REGION, Kind.REPLY, Kind.REGION, Kind.ERROR})
 KINDS_WITH_DATA = frozenset({Kind.INFER, Kind.RESULT})
@@ -424,6 +426,14 @@ def request_id(meta: dict) -> int | None:
     """The request id of a message if it has a valid one (to address an error answer), else None."""
     value = meta.get("id")
     return value if type(value) is int and 0 <= value <= MAX_REQUEST_ID else None
+
+
+def parse_cancel(meta: dict) -> int:
+    """The request id a CANCEL names.  ProtocolViolation (BAD_FRAME) unless ``id`` is an integer in
+    [0, MAX_REQUEST_ID].  Whether that id is a request of the connection, still unanswered, is the
+    receiver's to look up: a CANCEL for an id it does not hold (answered already, never sent) is
+    ignored, and a CANCEL itself is never answered."""
+    return _int(meta, "id", 0, MAX_REQUEST_ID)
 
 
 def parse_name(value, what: str) -> str:

@@ -279,6 +279,7 @@ class Frontend:
         self.lifecycle.on_change = self.doors.changed
         self.status.doors = self.doors.describe
         self.status.door_outcomes = self.doors.counts
+        self.status.door_cancelled = self.doors.cancelled
         self.doors.start()
         log.info("doors: %d door processes serve %s", n, self.socket_path)
 

@@ -31,6 +31,10 @@ MODELS          REPLY                  Reply: the list of models
 HEALTH, INFO    REPLY                  Reply: the answer less its id
 any of these    ERROR with its id      RequestFailed: the server's code and message
                                        (and its retry_after, if any: a rate limit)
+CANCEL          (nothing)              the INFER or INFER_REGION it names stays
+                                       outstanding: its one answer (ERROR
+                                       ``cancelled``, or what it had already)
+                                       comes and is discarded
 (none)          ERROR with id null     ConnectionFailed: the server's code and message
 (none)          anything else          ConnectionFailed: ConnectionClosed
 ==============  =====================  ==============================================
@@ -359,6 +363,17 @@ class ClientSession:
         """A LOAD, UNLOAD, SCALE or CANARY call on ``model`` with ``fields`` (None values left out)."""
         return self._control(kind, {"model": model, **{k: v for k, v in fields.items() if v is not None}})
 
+    def cancel(self, request_id: int) -> bytes | None:
+        """The CANCEL frame that tells the server its caller gave up on inference request
+        ``request_id`` (timed out, interrupted, its task cancelled), or None if that is no
+        outstanding INFER or INFER_REGION (a control call runs to its end: nothing to tell) or the
+        connection is over.  The request stays outstanding: its one answer still comes, and the
+        pump discards it (``discard``).  The pump sends the frame whole, between other frames."""
+        expected = self._outstanding.get(request_id) if self._failure is None else None
+        if expected is None or expected[0].request not in _INFERS:
+            return None
+        return protocol.encode_frame(Kind.CANCEL, {"id": request_id})
+
     def reserve_id(self) -> int:
         """An id for a call that never crosses the socket (a lane call): ids stay unique on a
         connection, so a slot in an arena or lane can be told apart by its request id."""
@@ -584,6 +599,7 @@ _RULES = {rule.request: rule for rule in (  # the module docstring's table
       for kind in (Kind.REPOSITORY, Kind.LOAD, Kind.UNLOAD, Kind.SCALE, Kind.CANARY)),
 )}
 _INFER, _INFER_REGION, _ERROR = _RULES[Kind.INFER], _RULES[Kind.INFER_REGION], Kind.ERROR  # Kind.X costs ~0.2 us
+_INFERS = (Kind.INFER, Kind.INFER_REGION)  # what a CANCEL may name
 
 
 # -- answers' metadata --------------------------------------------------------------------

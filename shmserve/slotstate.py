@@ -25,7 +25,10 @@ WRITING -> FREE       front-end   abandoned before submission (bad input,
                       client      (a lane slot)
 READY   -> RUNNING    worker      claimed from the submission ring
 READY   -> ERROR      front-end   failed while queued (worker died, timeout,
-                                  shutdown)
+                                  shutdown, its caller gone)
+                      client      a lane call taken back before a worker
+                                  claimed it (its caller gave up; then
+                                  ERROR -> FREE): the claim fails, it never runs
 RUNNING -> DONE       worker      outputs written (GPU: stream synchronized)
 RUNNING -> ERROR      worker      the backend failed on this request
 RUNNING -> ERROR      front-end   only once the claiming worker is dead
@@ -70,7 +73,7 @@ TRANSITIONS: dict[tuple[SlotState, SlotState], frozenset[Actor]] = {
     (S.WRITING, S.READY): frozenset({A.FRONTEND, A.CLIENT}),
     (S.WRITING, S.FREE): frozenset({A.FRONTEND, A.CLIENT}),
     (S.READY, S.RUNNING): frozenset({A.WORKER}),
-    (S.READY, S.ERROR): frozenset({A.FRONTEND}),
+    (S.READY, S.ERROR): frozenset({A.FRONTEND, A.CLIENT}),
     (S.RUNNING, S.DONE): frozenset({A.WORKER}),
     (S.RUNNING, S.ERROR): frozenset({A.WORKER, A.FRONTEND}),
     (S.DONE, S.FREE): frozenset({A.FRONTEND, A.CLIENT}),

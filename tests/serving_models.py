@@ -222,3 +222,32 @@ def words_reference(text):
 tag_words.inputs = [{"name": "text", "dtype": "bytes", "shape": ["batch"]}]
 tag_words.outputs = [{"name": "upper", "dtype": "bytes", "shape": ["batch"]},
                      {"name": "words", "dtype": "int64", "shape": ["batch"]}]
+
+
+def gated(config):
+    """Records every run and can hold one: x = [tag, hold] (float32).  Each run appends its tag as
+    a line to the file ``options.record`` (what a worker ran, in order); with ``hold`` > 0 it then
+    waits, at most 60 s, until the file ``<options.gates>/<tag>`` exists; with ``hold`` < 0 it
+    sleeps -``hold`` seconds (a slow model: tools/bench_cancel.py).  Returns 2x.  The
+    cancellation tests (tests/test_cancellation.py) hold the one worker with a call while they
+    give up on others.  ``options = {factory = true, record = ..., gates = ...}``."""
+    import os
+
+    record, gates = config.options["record"], config.options["gates"]
+
+    def run(inputs):
+        x = inputs["x"]
+        tag = int(x[0])
+        with open(record, "a") as f:
+            f.write(f"{tag}\n")
+        if x[1] > 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(gates, str(tag))) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        elif x[1] < 0:
+            time.sleep(float(-x[1]))
+        return {"y": x * 2}
+
+    run.inputs = [{"name": "x", "dtype": "float32", "shape": [2]}]
+    run.outputs = [{"name": "y", "dtype": "float32", "shape": [2]}]
+    return run

@@ -305,19 +305,52 @@ def test_a_zero_copy_call_short_of_space_moves_its_output_area_and_its_client_re
     assert op.region.allocator.free == [(layout.LANE_BYTES, LANE_SIZE - layout.LANE_BYTES)]  # nothing leaked
 
 
+def claim_only(call: tuple) -> None:
+    """A worker claims the lane call ``call`` (READY -> RUNNING) and has not finished it."""
+    region, index, generation = call[0], call[1], call[2]
+    assert hotpath.active.claim(region.buf, layout.LANE, layout.slot_entry(index, generation)) == index
+
+
 def test_a_lane_call_that_timed_out_keeps_its_space_until_the_worker_is_done(core):
+    """Claimed by a worker when it timed out: its space and slot wait until the worker is done."""
     op, server = InferOperation(core), Server(core, regions=[served_lane])
     x = np.ones(8, np.uint8)
     infer(op, server, x)
     began = op.begin(("m", {"x": x}, None, None, None))
     region, seat = began[0], began[4]
+    claim_only(began)
     timeout = ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
     with pytest.raises(ShmserveError) as raised:
         op.answer(began, timeout)
     assert raised.value is timeout and seat.busy and region.abandoned
-    play_worker(began)  # the worker finishes it later
+    region, index, generation = began[:3]
+    buf, entry = region.buf, layout.slot_entry(index, generation)
+    arena = bytearray(64 + layout.HIST_WORKER_SIZE)  # the worker finishes it later
+    _, completions, _ = lanes.worker_rings(buf)
+    assert hotpath.active.publish(buf, layout.LANE, index, entry, 0, (ErrorCode.MODEL_ERROR, "late"), completions,
+                                  True, arena, 0, 8, 64)
     assert infer(op, server, x)["y"].tolist() == [1] * 8
     assert not region.abandoned and not seat.busy
+
+
+def test_a_lane_call_given_up_before_a_worker_claimed_it_is_taken_back_at_once(core):
+    """Timed out (or interrupted, or its task cancelled) before a worker claimed it: the client takes
+    its slot back (READY -> ERROR -> FREE), so the worker's claim fails and it never runs; its slot
+    and space are free at once (issue 29)."""
+    op, server = InferOperation(core), Server(core, regions=[served_lane])
+    x = np.ones(8, np.uint8)
+    infer(op, server, x)
+    began = op.begin(("m", {"x": x}, None, None, None))
+    region, seat = began[0], began[4]
+    lane = region.lane
+    for failure in (ShmserveError(ErrorCode.TIMEOUT, "no answer"), KeyboardInterrupt()):
+        with pytest.raises(type(failure)):
+            op.answer(began, failure)  # (the second time: already taken back, nothing more)
+    assert not seat.busy and not region.abandoned and not lane.abandoned
+    assert lane.taken_back == lane.given_up == 1 and lane.free_slots() == layout.LANE_SLOTS
+    assert hotpath.active.claim(region.buf, layout.LANE, layout.slot_entry(began[1], began[2])) is None
+    assert hotpath.PYTHON.claim(region.buf, layout.LANE, layout.slot_entry(began[1], began[2])) is None
+    assert infer(op, server, x)["y"].tolist() == [1] * 8  # the next call takes a slot, and is served
 
 
 def test_a_version_without_a_spec_goes_over_the_socket_a_key_through_the_lane_and_timeouts_are_checked_first(core):

@@ -1061,6 +1061,125 @@ def test_a_lost_connection_drops_all_its_requests_and_leaves_others_alone(make):
         np.testing.assert_array_equal(bystander.results[req]["y"], floats(start=7) + 1)
 
 
+# -- cancellation (issue 29): a caller that gives up frees the work it asked for --------------
+
+DROP_STAGES = {"waiting": "queued", "admitted mid-upload": "queued", "queued, not claimed": "queued",
+               "running": "running", "flushing": "answered"}
+
+
+def cancelled(fe) -> dict:
+    return {stage: n for (model, version, stage), n in fe.dispatcher.cancelled.items() if n}
+
+
+@pytest.mark.parametrize("case", list(DROPS))
+def test_a_dropped_request_is_counted_as_cancelled_where_it_was(fe, case):
+    """A lost connection is a caller that gave up: each request it drops is counted once, by where
+    it was; the worker never claims one taken back before it did."""
+    make_it, _, _ = DROPS[case]
+    door, jobs = fe.door(receive_now=False), []
+    req = make_it(fe, door, jobs)
+    door.drop(req)
+    assert cancelled(fe) == {DROP_STAGES[case]: 1}
+    assert all(k[:2] == ("add", 1) for k in fe.dispatcher.cancelled)
+    skipped = list(fe.workers[0].skipped)
+    fe.settle()
+    for job in jobs:
+        fe.workers[0].complete(job)
+    fe.settle()
+    assert req.state is RS.DONE and held(fe)[0] == 0
+    if case == "queued, not claimed":  # its entry was still on the ring: the worker's claim failed
+        assert fe.workers[0].skipped == skipped + [(req.slot if req.slot is not None else
+                                                    fe.workers[0].skipped[-1][0], req.generation)]
+    assert cancelled(fe) == {DROP_STAGES[case]: 1}  # (counted once: the late completion is not a second)
+
+
+def _cancel_queued(fe, door, jobs):
+    return _drop_queued(fe, door, jobs)
+
+
+def _cancel_parked(fe, door, jobs):
+    fe.kill(fe.workers[0])
+    req = door.infer("add", {"x": floats()})
+    assert req in parked(fe, "add")
+    return req
+
+
+CANCELS = {
+    # where it is: (how to get it there, its state right after the cancel, the stage counted)
+    "waiting for space": (_drop_waiting, RS.DONE, "queued"),
+    "parked for a worker": (_cancel_parked, RS.DONE, "queued"),
+    "queued, not claimed": (_cancel_queued, RS.DONE, "queued"),
+    "running": (_drop_running, RS.ABANDONED, "running"),
+    "flushing": (_drop_flushing, RS.FLUSHING, "answered"),
+}
+
+
+@pytest.mark.parametrize("case", list(CANCELS))
+def test_a_cancelled_request_is_answered_cancelled_at_once_and_counted(fe, case):
+    """A CANCEL (the door stays): a request no worker claimed is answered CANCELLED and freed now
+    (a worker's claim of its entry fails: it never runs); one a worker runs is answered CANCELLED
+    at once, its slot freed when the worker finishes and its outputs never read; one whose
+    answer is ready keeps it.  Each is counted once, by where it was."""
+    make_it, after, stage = CANCELS[case]
+    door, jobs = fe.door(receive_now=False), []
+    req = make_it(fe, door, jobs)
+    bytes_out = fe.arena.stat("bytes_out")
+    fe.dispatcher.cancel(req)
+    assert req.state is after
+    if stage == "answered":
+        assert isinstance(door.answer_of(req), Outputs)  # the answer stands
+    else:
+        assert door.failure(req).code is ErrorCode.CANCELLED
+    assert cancelled(fe) == {stage: 1}
+    fe.dispatcher.cancel(req)  # a second CANCEL of the same request changes nothing
+    if case == "parked for a worker":
+        fe.restart(fe.workers[0])
+    fe.settle()
+    for job in jobs:
+        fe.workers[0].complete(job)
+    fe.settle()
+    door.write_all()
+    assert req.state is RS.DONE and held(fe) == (0, 0)
+    if stage == "running":
+        assert fe.arena.stat("bytes_out") == bytes_out  # its result was discarded, never copied
+    assert cancelled(fe) == {stage: 1 + (stage == "answered")}  # (flushing: each CANCEL is counted)
+    assert fe.dispatcher.outcomes[("add", 1, "cancelled")] == (stage != "answered")
+
+
+def test_a_request_cancelled_before_claim_is_never_run_and_its_neighbours_are(make):
+    """Of eight queued requests, the odd ones cancelled before any worker looked: the worker runs
+    exactly the even ones (its claims of the others fail), and only those are answered with outputs."""
+    fe = make(slot_count=12)
+    door, w = fe.door(), fe.workers[0]
+    reqs = [door.infer("add", {"x": floats(start=i)}) for i in range(8)]
+    for req in reqs[1::2]:
+        fe.dispatcher.cancel(req)
+    ran = w.claim()
+    assert len(ran) == 4 and len(w.skipped) == 4
+    for job in ran:
+        w.complete(job)
+    fe.settle()
+    door.write_all()
+    assert [isinstance(door.answer_of(r), Outputs) for r in reqs] == [True, False] * 4
+    assert cancelled(fe) == {"queued": 4} and held(fe) == (0, 0)
+
+
+def test_what_the_server_ends_itself_is_not_counted_as_cancelled(fe):
+    """A request that timed out, then had its connection dropped, was not given up by its caller
+    a second time; nor is a request of a door that raised (the server's fault)."""
+    door = fe.door()
+    late = door.infer("add", {"x": floats()}, timeout_s=1)
+    fe.clock.advance(1)
+    assert door.failure(late).code is ErrorCode.TIMEOUT
+    door.drop(late)
+    other = fe.door()
+    req = other.infer("add", {"x": floats()})
+    other.dropped.add(req)  # (as ``FakeDoor.drop``, with the server's reason)
+    fe.dispatcher.drop(req, cancelled=False)
+    fe.settle()
+    assert cancelled(fe) == {} and held(fe) == (0, 0)
+
+
 # -- a door that raises ---------------------------------------------------------------------
 
 

@@ -336,6 +336,40 @@ def test_a_refused_submit_leaves_its_slot_free_and_in_the_free_list(impl, monkey
     assert refused.value.code is ErrorCode.INTERNAL and free[-2] not in lane.free
 
 
+@pytest.mark.parametrize("impl", [PY, C], ids=["python", "c"])
+def test_a_call_given_up_before_its_claim_is_taken_back_and_never_overfills_the_ring(impl, monkeypatch):
+    """Issue 29: ``abandon`` takes an unclaimed call back (the worker's claim of its entry then fails)
+    and its slot is free at once; a claimed one waits for its worker.  A taken-back call's entry
+    still lies on the submission ring: a client that gives up on every call and submits again
+    must not push more entries than the ring holds (a taken-back slot is used again only while
+    the ring has room for it; it says no free slot until the worker has read the stale entries)."""
+    monkeypatch.setattr(lanes, "_HOT", impl)
+    lane = lanes.ClientLane(bytearray(LANE_SIZE), REGION, "m")
+    lanes.init_header(lane.buf, 0)
+    submissions, _, _ = lanes.worker_rings(lane.buf)
+    x = np.zeros(2, np.float32)
+    calls = [lane.submit(i, 0, [(0, FLOOR, x)], FLOOR, 64) for i in range(layout.LANE_SLOTS)]
+    claimed = impl.claim(lane.buf, layout.LANE, submissions.pop())  # the worker takes the first
+    assert claimed == calls[0][0]
+    assert lane.abandon(*calls[0]) is False and lane.abandoned == {calls[0][0]: calls[0][1]}
+    assert all(lane.abandon(*call) for call in calls[1:])  # the rest: taken back
+    assert lane.abandon(*calls[1]) is True and lane.taken_back == layout.LANE_SLOTS - 1  # (idempotent)
+    assert lane.free_slots() == layout.LANE_SLOTS - 1 and lane.given_up == layout.LANE_SLOTS
+    assert len(submissions) == layout.LANE_SLOTS - 1  # their stale entries
+    assert lane.has_free_slot()  # one place left on the ring
+    again = lane.submit(99, 0, [(0, FLOOR, x)], FLOOR, 64)
+    assert not lane.has_free_slot()  # the ring is full of entries: no more until the worker reads them
+    with pytest.raises(ShmserveError) as busy:
+        lane.submit(100, 0, [(0, FLOOR, x)], FLOOR, 64)
+    assert busy.value.code is ErrorCode.OVERLOADED
+    runs = [impl.claim(lane.buf, layout.LANE, entry) for entry in submissions.pop_all()]
+    assert runs == [None] * (layout.LANE_SLOTS - 1) + [again[0]]  # only the new call is claimed
+    assert lane.has_free_slot() and len(lane.free) == layout.LANE_SLOTS - 2  # (again's slot and the claimed one)
+    for i in range(layout.LANE_SLOTS - 2):  # every slot no call holds takes a call; the ring holds them all
+        lane.submit(200 + i, 0, [(0, FLOOR, x)], FLOOR, 64)
+    assert len(submissions) == layout.LANE_SLOTS - 2 and not lane.has_free_slot()
+
+
 # -- the C module's own guards ----------------------------------------------------------------
 
 def test_the_compiled_module_holds_exactly_layouts_constants():

@@ -286,3 +286,38 @@ def test_tensor_descriptors_are_accepted_only_with_a_size_that_can_hold_them(dty
         assert t.nbytes == nbytes and 4 * int(np.prod(shape, dtype=object)) <= nbytes <= protocol.MAX_DATA
     else:
         assert nbytes is None and t.nbytes == protocol.tensor_nbytes(dtype, shape)
+
+
+# -- CANCEL (issue 29) ------------------------------------------------------------------------
+
+def test_a_cancel_frame_names_one_request_and_carries_nothing_else():
+    """A CANCEL is a client kind with an id and no payload; a server reads it whole, however
+    split; a client never accepts one (it is never an answer)."""
+    wire = protocol.encode_frame(Kind.CANCEL, {"id": 7})
+    for cut in range(len(wire) + 1):
+        conn = Connection(Role.SERVER)
+        conn.receive_data(wire[:cut])
+        conn.receive_data(wire[cut:])
+        ev = conn.next_event()
+        assert ev == Frame(Kind.CANCEL, {"id": 7}, 0)
+        assert protocol.parse_cancel(ev.meta) == 7
+    conn = Connection(Role.SERVER)
+    conn.receive_data(protocol.encode_frame(Kind.CANCEL, {"id": 7}, 8) + b"\0" * 8)
+    assert ev_code(conn) is ErrorCode.BAD_FRAME  # a CANCEL carries no payload
+    conn = Connection(Role.CLIENT)
+    conn.receive_data(wire)
+    assert ev_code(conn) is ErrorCode.BAD_FRAME
+
+
+def ev_code(conn: Connection) -> ErrorCode:
+    ev = conn.next_event()
+    assert isinstance(ev, ProtocolError), ev
+    return ev.code
+
+
+@pytest.mark.parametrize("meta", [{}, {"id": -1}, {"id": 2**63}, {"id": "7"}, {"id": 7.0}, {"id": None},
+                                  {"id": True}])
+def test_a_cancel_without_a_request_id_is_bad_frame(meta):
+    with pytest.raises(ProtocolViolation) as info:
+        protocol.parse_cancel(meta)
+    assert info.value.code is ErrorCode.BAD_FRAME

@@ -556,3 +556,28 @@ def test_fuzzed_answers_never_raise(data):
     s.close()
     assert all_closed(read_end)
     os.close(read_end)
+
+
+# -- CANCEL (issue 29) ------------------------------------------------------------------------
+
+def test_a_cancel_is_sent_only_for_an_outstanding_request_and_its_answer_is_still_taken():
+    """The session makes a CANCEL for a request it waits for; the request stays outstanding, so
+    its one answer (CANCELLED, or the result it had) is read in step; nothing for a request not
+    outstanding, nor once the connection is over."""
+    session = ClientSession()
+    rid, _ = session.infer("m", {"x": np.zeros(2, np.float32)}, 1.0)
+    wire = session.cancel(rid)
+    header = FRAME_HEADER.unpack_from(wire)
+    assert header[2] == Kind.CANCEL and header[4] == 0
+    assert orjson.loads(wire[FRAME_HEADER.size:]) == {"id": rid}
+    assert session.cancel(rid + 1) is None  # never sent
+    session.receive_data(protocol.error_frame(rid, ErrorCode.CANCELLED, "cancelled by the client"))
+    [event] = drain(session)
+    assert event.request_id == rid and event.error.code is ErrorCode.CANCELLED
+    assert session.cancel(rid) is None  # answered: nothing left to cancel
+    control, _ = session.models()
+    assert session.cancel(control) is None  # a control call runs to its end
+    rid, _ = session.infer_region("m", [], 1, 0, 64, 1.0)
+    assert session.cancel(rid) is not None
+    session.fail("gone")
+    assert session.cancel(rid) is None

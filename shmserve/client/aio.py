@@ -108,6 +108,7 @@ class AsyncPump(Pump):
         self.send_lock = asyncio.Lock()  # frames of concurrent calls must not interleave
         self.reader_task: asyncio.Task | None = None
         self.connecting: asyncio.Lock | None = None  # one new connection at a time (made in the loop)
+        self.cancels: set[asyncio.Task] = set()  # CANCEL frames being sent (``give_up``)
 
     # -- carrying out the core's steps (as BlockingPump's, awaiting where it blocks) -----------
 
@@ -243,7 +244,8 @@ class AsyncPump(Pump):
         await self.ensure_connected()
         core = self.core
         for attempt in (0, 1):
-            rid, parts = build(core.session)
+            session = core.session
+            rid, parts = build(session)
             future = asyncio.get_running_loop().create_future()
             self.waiters[rid] = future
             unsent = False
@@ -259,10 +261,33 @@ class AsyncPump(Pump):
                     try:
                         return await asyncio.wait_for(future, core.timeout_of(timeout) + ANSWER_GRACE_S)
                     except asyncio.TimeoutError:
+                        self.give_up(rid, session)
                         raise ShmserveError(ErrorCode.TIMEOUT, "no answer from the server in time") from None
+                    except asyncio.CancelledError:
+                        self.give_up(rid, session)
+                        raise
             finally:
                 self.waiters.pop(rid, None)
             await self.ensure_connected()  # it never reached the server: again, on a new connection
+
+    def give_up(self, rid: int, session) -> None:
+        """The caller no longer waits for request ``rid`` of ``session`` (its task was cancelled, or its wait timed
+        out): a CANCEL goes to the server at once, in a task of its own (after any frame being
+        sent: frames must not interleave), so that the server drops the request.  Its answer,
+        when it comes, is discarded (no waiter)."""
+        frame = session.cancel(rid) if session is self.core.session else None
+        if frame is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_cancel(frame))
+        self.cancels.add(task)
+        task.add_done_callback(self.cancels.discard)
+
+    async def _send_cancel(self, frame: bytes) -> None:
+        try:
+            async with self.send_lock:
+                await self.send([frame])
+        except OSError:
+            pass  # the connection is going: the server drops the request with it
 
     async def send(self, parts: list) -> None:
         """Send every part; OSError if the socket refuses, its ``sent`` saying whether any byte went."""

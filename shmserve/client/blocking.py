@@ -162,7 +162,29 @@ class BlockingPump(Pump):
                 else:
                     raise self.fail(f"connection to {core.path} lost while sending: {exc}") from None
                 self.ensure_connected()
-        return self.receive(rid, _monotonic() + core.timeout_of(timeout) + ANSWER_GRACE_S)
+        session = core.session
+        try:
+            return self.receive(rid, _monotonic() + core.timeout_of(timeout) + ANSWER_GRACE_S)
+        except BaseException:
+            if core.session is session:
+                self.give_up(rid)
+            raise
+
+    def give_up(self, rid: int) -> None:
+        """The caller no longer waits for request ``rid`` (interrupted, or its wait timed out): tell
+        the server at once, so that it drops the request (a CANCEL, if the connection goes on),
+        or close the socket now if the connection is over (the server drops what it held).  Never
+        raises: the caller's own exception is the one that matters."""
+        frame = self.core.session.cancel(rid)
+        try:
+            if frame is None:
+                if self.core.session.failure is not None:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                return
+            self.sock.settimeout(1.0)
+            self.sock.sendall(frame)  # (a few dozen bytes: the socket's buffer takes them)
+        except OSError:
+            pass
 
     def send(self, parts: list) -> None:
         """Send every part; OSError if the socket refuses, its ``sent`` saying whether any byte went."""

@@ -98,9 +98,12 @@ class InferOperation:
         lane = region.lane
         if failure is not None:
             if lane is not None and not lane.finished(index, generation):
-                # Timed out, interrupted or cancelled: the worker may still write its outputs there.
-                lane.abandon(index, generation)
-                region.defer_release(seat, index, generation)
+                # Timed out, interrupted or cancelled: taken back if no worker claimed it (nothing of
+                # it runs), else the worker may still write its outputs there.
+                if lane.abandon(index, generation):
+                    seat.release()
+                else:
+                    region.defer_release(seat, index, generation)
                 raise failure
             if lane is None:
                 seat.release()

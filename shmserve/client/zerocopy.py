@@ -93,13 +93,22 @@ class ZeroCopyOperation:
         """The outputs of the lane call ``begin`` submitted, or, if a worker of another version
         refused it, the steps that plan it again; any other error is raised."""
         if failure is not None:
-            raise failure  # (the lane abandoned the slot of a call that timed out)
+            self.give_up(call[1], call[2])
+            raise failure
         try:
             return self.lane_collect(call[1], call[2])
         except ShmserveError as exc:
             if not self.stale(exc, 0):
                 raise
             return self.steps(call[3], exc)
+
+    def give_up(self, index: int, generation: int) -> None:
+        """Waiting for lane slot ``index`` failed (timed out, interrupted, cancelled): the call is
+        taken back if no worker claimed it, else its slot is recycled once it has finished
+        (``ClientLane.abandon``; a call that finished meanwhile too)."""
+        lane = self.region.lane
+        if lane is not None:
+            lane.abandon(index, generation)
 
     def answered(self, event) -> dict[str, np.ndarray]:
         """The outputs of the INFER_REGION request that ended the call: read-only views."""
@@ -126,7 +135,11 @@ class ZeroCopyOperation:
             if plan is None:
                 break  # the model lists no spec now: the socket says why
             index, generation = self.lane_submit(plan)
-            yield self.region, index, generation, deadline
+            try:
+                yield self.region, index, generation, deadline
+            except BaseException:
+                self.give_up(index, generation)
+                raise
             try:
                 return self.lane_collect(index, generation)
             except ShmserveError as exc:

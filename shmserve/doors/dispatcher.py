@@ -150,14 +150,20 @@ class LaneDispatcher:
             return
         assert slot == call.slot
 
-    def abandon(self, call: Call) -> None:
-        """Its connection is gone: the slot is recycled once the worker has finished with it."""
-        if call in self.calls:
-            if call.generation >= 0:
-                call.lane.lane.abandon(call.slot, call.generation)
-            else:  # never submitted: the slot it reserved is free again
-                call.lane.lane.free.append(call.slot)
-            self._forget(call)
+    def abandon(self, call: Call) -> str | None:
+        """Its caller gave up (its connection is gone, a CANCEL) or its deadline passed: taken back
+        if its worker has not claimed it (``ClientLane.abandon``: the slot is free at once), else
+        the slot is recycled once the worker has finished with it.  Where it was, as main's
+        ``dispatcher.CANCEL_STAGES``: "queued" (never runs) or "running"; None if not this door's."""
+        if call not in self.calls:
+            return None
+        if call.generation >= 0:
+            stage = "queued" if call.lane.lane.abandon(call.slot, call.generation) else "running"
+        else:  # never submitted: the slot it reserved is free again
+            call.lane.lane.free.append(call.slot)
+            stage = "queued"
+        self._forget(call)
+        return stage
 
     # -- completions ------------------------------------------------------------------------
 

@@ -181,6 +181,8 @@ class DoorConnection(FramePump):
 
     def _on_frame(self, frame: Frame) -> None:
         door = self.door
+        if frame.kind is Kind.CANCEL and self._cancel(protocol.request_id(frame.meta)):
+            return
         if frame.kind is Kind.INFER:
             try:
                 parsed = protocol.parse_infer(frame.meta, zero_copy=False)
@@ -217,6 +219,20 @@ class DoorConnection(FramePump):
             return
         self.frame_head, self.payload = head, bytearray(frame.data_len)
         self.proto.accept_payload([self.payload])
+
+    def _cancel(self, rid: int | None) -> bool:
+        """A CANCEL of a lane call this door serves for the connection: taken back if its worker has
+        not claimed it (``LaneDispatcher.abandon``: the lane's slot is free at once), answered
+        CANCELLED in order; whether it was one.  Any other CANCEL goes to main (a relayed request's
+        is main's to drop; one of no request, main ignores or refuses)."""
+        for call in self.calls:
+            if call.parsed.id == rid and call is not self.call and call.entry.parts is None:
+                dispatcher = self.door.dispatcher
+                self.door.count_cancel(call, dispatcher.abandon(call))
+                dispatcher.count(call.plan.view.name, call.plan.view.version, ErrorCode.CANCELLED.wire)
+                self.answer_call(call, [protocol.error_frame(rid, ErrorCode.CANCELLED, "cancelled by the client")])
+                return True
+        return False
 
     def _payload_done(self) -> None:
         if self.call is not None:
@@ -347,9 +363,9 @@ class DoorConnection(FramePump):
         self.proto.close()
         door = self.door
         for call in list(self.calls):
-            door.dispatcher.abandon(call)
+            door.count_cancel(call, door.dispatcher.abandon(call))
         if self.call is not None:
-            door.dispatcher.abandon(self.call)
+            door.count_cancel(self.call, door.dispatcher.abandon(self.call))
             self.call = None
         self.calls.clear()
         for _, fds in self.held:
@@ -373,6 +389,7 @@ class Door:
         self.pool = LanePool(self._ask_lane, lambda region: self.link.send({"op": "close_lane", "region": region}))
         self.dispatcher = LaneDispatcher(self.directory, self.pool, self._count, self._limits, self.clock)
         self.counts: collections.Counter = collections.Counter()  # (model, version, outcome) -> n
+        self.cancelled: collections.Counter = collections.Counter()  # (model, version, stage) -> n
         self.relayed = 0
         self.max_inflight = 64
         self.max_request_bytes = 64 << 20
@@ -392,6 +409,12 @@ class Door:
 
     def _count(self, name: str, version: int, outcome: str) -> None:
         self.counts[(name, version, outcome)] += 1
+
+    def count_cancel(self, call: Call, stage: str | None) -> None:
+        """A lane call of this door its caller gave up on, where it was (``LaneDispatcher.abandon``);
+        main adds these to its own (``cancelled`` in ``info`` and metrics)."""
+        if stage is not None:
+            self.cancelled[(call.plan.view.name, call.plan.view.version, stage)] += 1
 
     def _ask_lane(self, view) -> None:
         self.link.send({"op": "open_lane", "model": view.name, "version": view.version}, fds=[self.efd])
@@ -481,7 +504,8 @@ class Door:
 
     def report(self) -> None:
         counts = [[name, version, outcome, n] for (name, version, outcome), n in self.counts.items()]
-        self.link.send({"op": "report", "counts": counts,
+        cancelled = [[name, version, stage, n] for (name, version, stage), n in self.cancelled.items()]
+        self.link.send({"op": "report", "counts": counts, "cancelled": cancelled,
                         "stats": {"connections": len(self.connections), "in_flight": self.dispatcher.in_flight,
                                   "lanes": len(self.pool.by_region), "relayed": self.relayed}})
 

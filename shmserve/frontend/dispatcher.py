@@ -13,11 +13,13 @@ table in ``shmserve.frontend.requests``.
 
 Front doors (the Unix socket's native protocol today; KServe v2 over HTTP and
 gRPC next) plug in through one small interface: per connection, an object
-with the ``Door`` methods, and five calls into the dispatcher — ``submit``
+with the ``Door`` methods, and six calls into the dispatcher — ``submit``
 (check), ``admit`` (take space), ``received`` (payload landed), ``release``
-(an answer's views written) and ``drop`` (the connection is gone).  The dispatcher knows nothing of sockets
-or wire formats: answers are typed values (``Outputs`` or ``Failure``).  Whatever a door does,
-the dispatcher releases what a request holds: a door method that raises has its connection
+(an answer's views written), ``drop`` (the connection is gone) and ``cancel`` (its caller gave
+up; the connection stays: it is answered CANCELLED).  Both count where the request was
+(``cancelled``, CANCEL_STAGES): one taken back before a worker claimed it never runs.  The
+dispatcher knows nothing of sockets or wire formats: answers are typed values (``Outputs`` or
+``Failure``).  Whatever a door does, the dispatcher releases what a request holds: a door method that raises has its connection
 ended (``Door.abort``) and the request dropped, and a completion whose collection raises is
 answered INTERNAL, the rest of its drain collected as usual.
 
@@ -68,6 +70,12 @@ log = logging.getLogger("shmserve.dispatcher")
 _READY = int(SlotState.READY)
 _ERROR = int(SlotState.ERROR)
 _FREE = int(SlotState.FREE)
+
+# Where a request was when its caller gave up (``Dispatcher.cancelled``): before a worker claimed it
+# (waiting, receiving, parked, or READY and taken back: no worker runs it), while a worker ran it
+# (answered at once, its slot freed when the worker finishes, its outputs never read), or once its
+# answer was ready (being written to its door: nothing to save).
+CANCEL_STAGES = ("queued", "running", "answered")
 
 
 def _size(nbytes: int) -> str:
@@ -222,6 +230,8 @@ class Dispatcher:
         self.draw = random.random  # uniform [0, 1) for a canary's split
         self.door_faults = 0  # door methods that raised (``_door_raised``)
         self.reruns: collections.Counter = collections.Counter()  # version key -> requests run again (short answers)
+        # (model, version, stage) -> requests whose caller gave up (``drop``, ``cancel``): CANCEL_STAGES
+        self.cancelled: collections.Counter = collections.Counter()
         self.stopping = False
         self._polling = False
         self._poll_until = 0.0
@@ -359,9 +369,56 @@ class Dispatcher:
             req.advance(Event.RELEASE)
             self._free(req)
 
-    def drop(self, req: Request) -> None:
+    def drop(self, req: Request, *, cancelled: bool = True) -> None:
         """``req``'s door is gone: nobody is left to answer.  What it holds is freed now, or when
-        its worker finishes with it."""
+        its worker finishes with it.  ``cancelled``: its caller gave up (a closed connection, a
+        cancelled call), counted in ``cancelled`` by where it was (CANCEL_STAGES); False when the
+        server ended it (an upload past its deadline, a door that raised)."""
+        stage = self._drop(req)
+        if cancelled and stage is not None:
+            self._count_cancel(req, stage)
+
+    def cancel(self, req: Request) -> None:
+        """``req``'s caller gave up on it, and its door is still there (a CANCEL frame): it is
+        answered CANCELLED and what it holds freed now if no worker has claimed it; one a worker
+        runs is answered CANCELLED at once and its slot freed when the worker finishes (its outputs
+        are never read); one already answered keeps its answer.  Counted in ``cancelled``.  The
+        door must not cancel a request still receiving its payload (ADMITTED, not parked): it would
+        land in freed space; its deadline ends it."""
+        state = req.state
+        if state is RequestState.FLUSHING:
+            self._count_cancel(req, "answered")
+            return
+        failure = Failure(ErrorCode.CANCELLED, "cancelled by the client")
+        if self._unpark(req):
+            self._count_cancel(req, "queued")
+            self._answer_unclaimed(req, failure)
+            self._admit_waiting()
+        elif state is RequestState.WAITING:
+            self.waiting.remove(req)
+            self._count_cancel(req, "queued")
+            self._end(req, failure)
+            self._admit_waiting()
+        elif state is RequestState.QUEUED:
+            if self._take_back(req):
+                self._count_cancel(req, "queued")
+                self._end(req, failure)
+                return
+            generation, slot_state = self.arena.slot_status(req.slot)
+            if generation == req.generation and slot_state in FINISHED:  # its answer is ready: it stands
+                self._count_cancel(req, "answered")
+                self._complete(req.worker, req.slot, generation)
+                return
+            self._count_cancel(req, "running")
+            self._abandon(req, failure)
+
+    def _count_cancel(self, req: Request, stage: str) -> None:
+        if req.shadow is None:  # a canary's shadow copy is the server's, not a caller's
+            self.cancelled[(req.model.name, req.model.version, stage)] += 1
+
+    def _drop(self, req: Request) -> str | None:
+        """``drop``'s work; the CANCEL_STAGES stage ``req`` was dropped at, None if it was
+        answered already (timed out, failed) and held nothing a caller waits for."""
         self._cancel_timer(req)
         parked = self._unpark(req)
         state = req.state
@@ -379,10 +436,15 @@ class Dispatcher:
                 self._free(req)
             else:
                 req.advance(Event.ABANDON)  # the worker has it: freed on completion
+                return "running"
         elif state is RequestState.FLUSHING:
             self.release(req)
+            return "answered"
         elif state is RequestState.NEW:
             req.advance(Event.END)
+        else:
+            return None
+        return "queued"
 
     def refused(self, model_name, code: ErrorCode, message: str = "") -> None:
         """Count a request refused before it was admitted (by the door or by ``submit``), and log it
@@ -808,7 +870,7 @@ class Dispatcher:
                 view.release()
             except BufferError:  # exported (a transport's write in progress): abort has dropped it
                 pass
-        self.drop(req)
+        self.drop(req, cancelled=False)
 
     def _free(self, req: Request) -> None:
         """Return a request's slot and extent (whatever state the slot reached) and admit waiters."""

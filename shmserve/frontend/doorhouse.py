@@ -65,6 +65,7 @@ class DoorDesk:
         self.started_at = 0.0
         self.bells: dict[int, int] = {}  # lane region -> the door's eventfd (ours to close with the lane)
         self.counts: dict[tuple, int] = {}  # (model, version, outcome) -> n, as the door last reported
+        self.cancelled: dict[tuple, int] = {}  # (model, version, stage) -> its lane calls given up on, likewise
         self.stats: dict = {}
         self.synced_seq = 0
         self.drained = asyncio.Event()
@@ -110,6 +111,7 @@ class DoorDesk:
                 relay.eof(meta.get("c"))
             elif op == "report":
                 self.counts = {(m, v, o): n for m, v, o, n in meta.get("counts", ())}
+                self.cancelled = {(m, v, s): n for m, v, s, n in meta.get("cancelled", ())}
                 self.stats = meta.get("stats", {})
             elif op == "open_lane":
                 self.open_lane(meta, fds)
@@ -307,6 +309,13 @@ class DoorHouse:
         total: collections.Counter = collections.Counter()
         for desk in self.desks:
             total.update(desk.counts)
+        return total
+
+    def cancelled(self) -> collections.Counter:
+        """Every door's lane calls given up on, summed: (model, version, stage) -> n."""
+        total: collections.Counter = collections.Counter()
+        for desk in self.desks:
+            total.update(desk.cancelled)
         return total
 
     # -- the end --------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Callable
 from shmserve import __version__, layout, protocol, routing
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
-from shmserve.frontend.dispatcher import Dispatcher
+from shmserve.frontend.dispatcher import CANCEL_STAGES, Dispatcher
 from shmserve.frontend.history import STAGES as HISTORY_STAGES
 from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
@@ -93,6 +93,7 @@ class Snapshot:
     batch_items: dict = None  # (model, version) -> batch items beyond one per request (Status.batch_items)
     lane_calls: dict = None  # (model, version) -> (ok, error) lane calls its live workers finished (the lifecycle's)
     doors: tuple = ()  # each door process's state (``DoorHouse.describe``)
+    cancelled: dict = None  # (model, version, stage) -> requests whose caller gave up (``Dispatcher.cancelled``)
     rate_limited: dict = None  # (limit, model label) -> requests a rate limit refused (configured labels only)
 
 
@@ -136,6 +137,7 @@ class Status:
         self.batch_items: collections.Counter = collections.Counter()
         self.doors = lambda: []  # the door processes' state (frontend/doorhouse.py DoorHouse.describe), if any
         self.door_outcomes = lambda: {}  # what the doors answered themselves: (model, version, outcome) -> n
+        self.door_cancelled = lambda: {}  # the doors' own lane calls given up on: (model, version, stage) -> n
         self.rate = RateLimiter()  # the rate limits every door keeps (the server sets the one it shares)
 
     @property
@@ -173,7 +175,8 @@ class Status:
         return Snapshot(models=models, outcomes=outcomes, lifecycle=lifecycle,
                         stats={n: self.arena.stat(n) for n in layout.STAT_NAMES}, lanes=self.regions.lane_count,
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
-                        lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=self.rate_refusals())
+                        lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=self.rate_refusals(),
+                        cancelled=self.cancelled())
 
     def rate_refusals(self) -> dict[tuple[str, str], int]:
         """(limit, model label) -> refusals: every configured limit (0 until it refuses), and any
@@ -300,7 +303,8 @@ class Status:
                      "load": v.config.load, "pinned": v.config.pinned, "device": v.config.device,
                      "memory_bytes": v.memory.get("measured_bytes"), "load_seconds":
                          None if v.load_seconds is None else round(v.load_seconds, 3),
-                     "uses": v.uses, "idle_s": round(now - v.last_used, 3) if v.last_used else None}
+                     "uses": v.uses, "idle_s": round(now - v.last_used, 3) if v.last_used else None,
+                     "cancelled": self.cancelled_of(v.name, v.version)}
             if v.state != MODEL_READY and v.phase == SERVING:
                 entry["reason"] = v.unavailable_reason()
             if private:
@@ -320,6 +324,20 @@ class Status:
         return {"models": entries, "canaries": self.canaries(),
                 "events": list(self.lifecycle.events) if self.lifecycle is not None else [],
                 "rate_limits": self.rate.describe()}
+
+    def cancelled(self) -> dict[tuple, int]:
+        """(model, version, stage) -> requests whose caller gave up: the dispatcher's and the door
+        processes' own lane calls (``dispatcher.CANCEL_STAGES``: before a worker claimed them, while
+        one ran them, once their answer was ready)."""
+        counts = dict(self.dispatcher.cancelled)
+        for key, n in self.door_cancelled().items():
+            counts[key] = counts.get(key, 0) + n
+        return counts
+
+    def cancelled_of(self, model: str, version: int) -> dict[str, int]:
+        """``cancelled`` of ``model`` ``version``, by stage."""
+        counts = self.cancelled()
+        return {stage: counts.get((model, version, stage), 0) for stage in CANCEL_STAGES}
 
     def info(self, peer_uid: int) -> dict:
         """The ``info`` answer for a client of ``peer_uid``: process ids, paths and addresses are
@@ -346,5 +364,7 @@ class Status:
                 "lanes": self.regions.lane_count, "workers": workers, "v2": dict(self.front_doors),
                 "doors": [d if private else {**d, "pid": None} for d in self.doors()],
                 "limits": self.limits(),
+                "cancelled": [{"model": v.name, "version": v.version, **self.cancelled_of(v.name, v.version)}
+                              for v in self.models.versions()],
                 "rate_limits": self.rate.describe(),
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}

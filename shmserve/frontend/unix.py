@@ -4,7 +4,8 @@ Owns: the listening socket (its path, mode, group, a dead predecessor's
 socket file, and a directory for it that nobody else controls), who may connect (``SO_PEERCRED`` against the allow-lists), and
 each connection: it pumps bytes between the socket and the sans-I/O protocol
 (``shmserve.protocol``), hands inference requests to the dispatcher, answers
-control messages (models, health, info, regions), keeps answers in the order
+control messages (models, health, info, regions), drops a request its client
+cancels (CANCEL: ``Dispatcher.cancel``), keeps answers in the order
 the requests came, passes region descriptors (``SCM_RIGHTS``), and frees
 what a connection held when it goes.  It bounds what one client can make the
 server hold (``DoorLimits``): connections in all and per uid, write
@@ -56,7 +57,7 @@ from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs
 from shmserve.frontend.ratelimit import Caller, RateLimiter
 from shmserve.frontend.regions import RegionTable
-from shmserve.frontend.requests import Request
+from shmserve.frontend.requests import Request, RequestState
 from shmserve.frontend.status import Status
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError, ProtocolViolation
 
@@ -610,7 +611,7 @@ class ClientConnection(FramePump):
         self._close(frame)  # first: nothing more is received into the request's space
         if req is not None:
             self.order.remove(self.entries.pop(req))
-            self.dispatcher.drop(req)  # answered here; its space is free for others now
+            self.dispatcher.drop(req, cancelled=False)  # answered here; its space is free for others now
 
     def on_frame(self, frame: Frame) -> None:
         kind, meta = frame.kind, frame.meta
@@ -621,6 +622,8 @@ class ClientConnection(FramePump):
                 self._on_infer(frame)
             elif rid is None:
                 raise ShmserveError(ErrorCode.BAD_FRAME, "'id' must be an integer in [0, 2**63)")
+            elif kind == Kind.CANCEL:
+                self._cancel(protocol.parse_cancel(meta))
             elif kind == Kind.MODELS:
                 self.reply(rid, {"models": self.door.status.model_listing()})
             elif kind == Kind.HEALTH:
@@ -663,6 +666,18 @@ class ClientConnection(FramePump):
         self.order.append(entry)
         self.entries[req] = entry
         self.dispatcher.admit(req)
+
+    def _cancel(self, rid: int) -> None:
+        """A CANCEL: this connection's request ``rid`` is dropped if it is still unanswered
+        (``Dispatcher.cancel``: answered CANCELLED, in order); never answered itself.  An id this
+        connection does not hold — answered already, never sent, another connection's — is
+        ignored, and so is a request still receiving its payload (its deadline ends it)."""
+        for entry in self.order:  # (at most max_inflight_per_connection requests and their refusals)
+            req = entry.req
+            if req is not None and req.id == rid and req is not self.receiving:
+                if entry.parts is None or req.state is RequestState.FLUSHING:  # (flushing: counted, kept)
+                    self.dispatcher.cancel(req)
+                return
 
     def _control(self, rid: int, call: protocol.ControlCall) -> None:
         """A model-lifecycle call: PERMISSION_DENIED unless the peer is an admin; it runs as a task

@@ -226,6 +226,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.WORKER_CRASHED: 500,
     ErrorCode.INTERNAL: 500,
     ErrorCode.MODEL_ERROR: 500,
+    ErrorCode.CANCELLED: 499,  # nginx's "client closed request": nobody reads it, but a log says why
 }
 
 # shmserve error code -> grpc.StatusCode name.
@@ -245,4 +246,5 @@ GRPC_STATUS: dict[ErrorCode, str] = {
     ErrorCode.WORKER_CRASHED: "INTERNAL",
     ErrorCode.INTERNAL: "INTERNAL",
     ErrorCode.MODEL_ERROR: "INTERNAL",
+    ErrorCode.CANCELLED: "CANCELLED",
 }
