@@ -84,7 +84,8 @@ import numpy as np
 from shmserve import _atomics as atomics
 
 MAGIC = b"SHMSERVE"
-LAYOUT_VERSION = 4  # 3: the worker table's entries grew to 256 B for the CPU mask; 4: lane outcomes per worker
+LAYOUT_VERSION = 5  # 3: the worker table's entries grew to 256 B for the CPU mask; 4: lane outcomes per worker;
+# 5: a slot's scheduling fields (priority, caller, deadline) and the scheduling counters per worker
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024  # larger size classes align to this (THP / DMA friendly)
@@ -425,7 +426,17 @@ LANE_TIME_SHIFT = 7  # 128 ns units: 1 us is bucket 7, 20 us bucket 45; the top 
 LANE_FAULT_CODES = (25, 27)  # ErrorCode.MODEL_ERROR, ErrorCode.INTERNAL (layout imports nothing of errors.py)
 LANE_OUTCOME_OFFSET = HIST_STAGE_SIZE * len(HIST_STAGES)  # within a worker's histogram block
 LANE_OUTCOME_SIZE = 8 * (1 + LANE_OUTCOME_BUCKETS)
-HIST_WORKER_SIZE = LANE_OUTCOME_OFFSET + LANE_OUTCOME_SIZE
+# A worker's scheduling counters, after its lane outcomes (``shmserve.scheduling``; written by the worker,
+# read by metrics, ``info``, ``inspect`` and ``bench``): u64 ``expired`` (requests answered TIMEOUT
+# unrun: their deadline passed before a claim), u64 ``demoted`` (requests whose queue timeout passed under
+# ``timeout_action = "delay"``: moved behind every other), then per priority level 1..SCHED_LEVELS three
+# u64: ``queued`` (a gauge: held by the worker, unclaimed, now), ``claimed`` (a total) and ``wait_us``
+# (the sum of their ready-to-claim waits, microseconds).
+SCHED_LEVELS = 16  # priority levels 1 (first) .. 16; a model's priority_levels is at most this
+SCHED_OFFSET = LANE_OUTCOME_OFFSET + LANE_OUTCOME_SIZE
+SCHED_LEVEL_SIZE = 24
+SCHED_SIZE = 16 + SCHED_LEVELS * SCHED_LEVEL_SIZE
+HIST_WORKER_SIZE = SCHED_OFFSET + SCHED_SIZE
 
 
 def hist_bucket(value: int) -> int:
@@ -477,6 +488,37 @@ def record_lane_outcome(arena_buf, hist_base: int, ns: int, fault: bool) -> None
 _LANE_OUTCOMES = struct.Struct(f"<{1 + LANE_OUTCOME_BUCKETS}Q")
 
 
+SchedLevel = namedtuple("SchedLevel", "queued claimed wait_us")
+SchedCounters = namedtuple("SchedCounters", "expired demoted levels")  # levels: SCHED_LEVELS SchedLevel, 1 first
+_SCHED = struct.Struct(f"<{2 + 3 * SCHED_LEVELS}Q")
+
+
+def sched_base(geometry: "Geometry", worker: int) -> int:
+    """Offset of worker ``worker``'s scheduling counters (LayoutError if out of range)."""
+    return geometry.hist_off(worker, HIST_STAGES[0]) + SCHED_OFFSET
+
+
+def sched_level_off(base: int, level: int, field: str) -> int:
+    """Offset of ``field`` (queued, claimed, wait_us) of priority ``level`` (1..SCHED_LEVELS) in the
+    counters at ``base``; ValueError for a level out of range."""
+    if not 1 <= level <= SCHED_LEVELS:
+        raise ValueError(f"priority level {level} out of range 1..{SCHED_LEVELS}")
+    return base + 16 + (level - 1) * SCHED_LEVEL_SIZE + 8 * SchedLevel._fields.index(field)
+
+
+SCHED_EXPIRED_OFF, SCHED_DEMOTED_OFF = 0, 8  # within the counters
+
+
+def read_sched_counters(buf, geometry: "Geometry", worker: int) -> SchedCounters:
+    """A moment's copy of worker ``worker``'s scheduling counters; LayoutError if out of range."""
+    try:
+        expired, demoted, *rest = _SCHED.unpack_from(buf, sched_base(geometry, worker))
+    except struct.error:
+        raise LayoutError(f"scheduling counters of worker {worker} lie outside the arena") from None
+    levels = tuple(SchedLevel(*rest[3 * i:3 * i + 3]) for i in range(SCHED_LEVELS))
+    return SchedCounters(expired, demoted, levels)
+
+
 def hist_upper_bound(bucket: int) -> int:
     """The exclusive upper bound of ``bucket`` (the top bucket also holds everything above it)."""
     return 2 ** (bucket + 1)
@@ -521,6 +563,10 @@ SLOT = Record("Slot", TENSORS_OFFSET, [
     ("t_compute_start", "Q"),
     ("t_compute_end", "Q"),
     ("t_done", "Q"),
+    # scheduling (LAYOUT_VERSION 5; ``shmserve.scheduling``): written with the request, read by its worker
+    ("priority", "I"),  # level 1 (first) .. SCHED_LEVELS; 0: the model's default_priority_level
+    ("caller", "I"),  # who asked, for fairness between callers of one model: a uid, connection or lane; 0: unknown
+    ("deadline_ns", "Q"),  # CLOCK_MONOTONIC ns after which no worker starts it (answered TIMEOUT); 0: none
 ])
 STAGE_FIELDS = ("t_acquired", "t_ready", "t_claimed", "t_compute_start", "t_compute_end", "t_done")
 
@@ -532,11 +578,25 @@ assert SLOT.offset("request_id") + _SLOT_REQUEST.size == SLOT.offset("error_len"
 assert [SLOT.offset(f) for f in STAGE_FIELDS] == [SLOT.offset("t_acquired") + 8 * i for i in range(6)]
 
 
+_SLOT_SCHED = struct.Struct("<IIQ")  # priority, caller, deadline_ns
+assert SLOT.offset("caller") == SLOT.offset("priority") + 4 and SLOT.offset("deadline_ns") == SLOT.offset("priority") + 8
+SlotSched = namedtuple("SlotSched", "priority caller deadline_ns")
+
+
 def encode_slot_request(buf, geometry: "Geometry", index: int, *, request_id: int, model_id: int, worker: int,
-                        n_inputs: int, out_region: int, out_off: int, out_capacity: int) -> None:
-    """Write what a worker needs to run slot ``index`` (outputs and error cleared), in one store."""
-    _SLOT_REQUEST.pack_into(buf, geometry.slot_off(index) + SLOT.offset("request_id"), request_id, model_id,
+                        n_inputs: int, out_region: int, out_off: int, out_capacity: int,
+                        priority: int = 0, caller: int = 0, deadline_ns: int = 0) -> None:
+    """Write what a worker needs to run slot ``index`` (outputs and error cleared) and how to schedule
+    it (``priority`` 0: the model's default level; ``caller`` 0: unknown; ``deadline_ns`` 0: none)."""
+    off = geometry.slot_off(index)
+    _SLOT_REQUEST.pack_into(buf, off + SLOT.offset("request_id"), request_id, model_id,
                             worker, n_inputs, 0, 0, out_region, out_off, out_capacity, 0, 0)
+    _SLOT_SCHED.pack_into(buf, off + SLOT.offset("priority"), priority, caller, deadline_ns)
+
+
+def decode_slot_sched(buf, geometry, index: int) -> SlotSched:
+    """How slot ``index`` asks to be scheduled, as written (untrusted: the reader clamps the level)."""
+    return SlotSched._make(_SLOT_SCHED.unpack_from(buf, geometry.slot_off(index) + SLOT.offset("priority")))
 
 
 def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready: int = 0) -> None:
