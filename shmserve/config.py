@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from shmserve import placement
+from shmserve import layout, placement
 from shmserve.layout import validate_instance
 from shmserve.spec import PLACEHOLDER_DIMS, TensorSpec
 from shmserve.workerlink import backend_names
@@ -139,6 +139,15 @@ class ModelConfig:
     devices: tuple[str, ...] = ()  # device = [...]: its workers spread over these (device is the first); ()
     cpus: str = placement.AUTO  # a cpulist (canonical), placement.INHERIT, or AUTO: a GPU's local CPUs
     cpus_per_worker: int = 0  # split the CPU set: each worker its own N CPUs; 0: every worker the whole set
+    # -- scheduling (issue 29; shmserve.scheduling): Triton's priority_levels / default_queue_policy --
+    priority_levels: int = 0  # 0: one level (arrival order within fairness); else 1 (first) .. N
+    default_priority_level: int = 0  # a request's level when it names none (0: the lowest, N)
+    priority_starvation_limit: int = 32  # the most times a waiting request is passed over by higher levels
+    fairness: str = "callers"  # within a level: "callers" (round-robin across callers) or "arrival"
+    max_queue_size: int = 0  # the most requests waiting for this model's workers; 0: no limit of its own
+    default_timeout_us: int = 0  # a request's queue timeout when it sets none; 0: none
+    timeout_action: str = "reject"  # a request whose queue timeout passed: "reject" (TIMEOUT) or "delay" (last)
+    allow_timeout_override: bool = True  # a request's own timeout replaces default_timeout_us
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "path": self.path, "device": self.device,
@@ -152,6 +161,10 @@ class ModelConfig:
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
                 "io_mode": self.io_mode, "devices": list(self.devices), "cpus": self.cpus,
                 "cpus_per_worker": self.cpus_per_worker,
+                "priority_levels": self.priority_levels, "default_priority_level": self.default_priority_level,
+                "priority_starvation_limit": self.priority_starvation_limit, "fairness": self.fairness,
+                "max_queue_size": self.max_queue_size, "default_timeout_us": self.default_timeout_us,
+                "timeout_action": self.timeout_action, "allow_timeout_override": self.allow_timeout_override,
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "options": self.options}
 
@@ -785,7 +798,7 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
     _keys(m, f"{where}.", {"name", "backend", "path", "device", "instances", "max_batch_size",
                            "max_queue_delay_us", "max_output_bytes", "io_mode", "inputs", "outputs", "options",
                            "preferred_batch_sizes", "check_dims", "cpus", "cpus_per_worker",
-                           *MODEL_LIFECYCLE_KEYS})
+                           *MODEL_LIFECYCLE_KEYS, *SCHEDULING_KEYS})
     for key in ("name", "backend", "path"):
         if key not in m:
             raise ConfigError(f"{where}.{key}: required")
@@ -840,7 +853,55 @@ def _model(m, where: str, base_dir: Path | None) -> ModelConfig:
             raise ConfigError(f"{where}.options: expected a table")
         kw["options"] = dict(m["options"])
     kw.update(_lifecycle_model(m, where, base_dir))
+    kw.update(_scheduling(m, where))
     return ModelConfig(**kw)
+
+
+# -- scheduling (issue 29): priorities, fairness and the queue policy ---------------------------
+
+SCHEDULING_KEYS = ("priority_levels", "default_priority_level", "priority_starvation_limit", "fairness",
+                   "default_queue_policy")
+QUEUE_POLICY_KEYS = {"max_queue_size", "default_timeout_microseconds", "timeout_action", "allow_timeout_override"}
+FAIRNESS = ("callers", "arrival")
+TIMEOUT_ACTIONS = ("reject", "delay")
+
+
+def _scheduling(m: dict, where: str) -> dict:
+    """``priority_levels``, ``default_priority_level``, ``priority_starvation_limit``, ``fairness``
+    and the ``[models.default_queue_policy]`` table (Triton's names; docs/config.md)."""
+    kw = _bounded(m, f"{where}.", _int, (
+        ("priority_levels", 0, layout.SCHED_LEVELS), ("priority_starvation_limit", 1, 1 << 20)))
+    levels = kw.get("priority_levels", 0)
+    if "default_priority_level" in m:
+        kw["default_priority_level"] = _int(m["default_priority_level"], f"{where}.default_priority_level",
+                                            0, max(levels, 0))
+        if kw["default_priority_level"] and not levels:
+            raise ConfigError(f"{where}.default_priority_level: set priority_levels first (1-{layout.SCHED_LEVELS})")
+    if "fairness" in m:
+        kw["fairness"] = _str(m["fairness"], f"{where}.fairness")
+        if kw["fairness"] not in FAIRNESS:
+            raise ConfigError(f"{where}.fairness: expected one of {', '.join(map(repr, FAIRNESS))}, "
+                              f"got {kw['fairness']!r}")
+    if "default_queue_policy" in m:
+        q, qw = m["default_queue_policy"], f"{where}.default_queue_policy"
+        if not isinstance(q, dict):
+            raise ConfigError(f"{qw}: expected a table with {', '.join(sorted(QUEUE_POLICY_KEYS))}")
+        _keys(q, f"{qw}.", QUEUE_POLICY_KEYS)
+        if "max_queue_size" in q:
+            kw["max_queue_size"] = _int(q["max_queue_size"], f"{qw}.max_queue_size", 0, 1 << 24)
+        if "default_timeout_microseconds" in q:
+            kw["default_timeout_us"] = _int(q["default_timeout_microseconds"], f"{qw}.default_timeout_microseconds",
+                                            0, 86_400_000_000)
+        if "timeout_action" in q:
+            action = _str(q["timeout_action"], f"{qw}.timeout_action").lower()
+            if action not in TIMEOUT_ACTIONS:
+                raise ConfigError(f"{qw}.timeout_action: expected 'reject' or 'delay', got {q['timeout_action']!r}")
+            kw["timeout_action"] = action
+        if "allow_timeout_override" in q:
+            if not isinstance(q["allow_timeout_override"], bool):
+                raise ConfigError(f"{qw}.allow_timeout_override: expected true or false")
+            kw["allow_timeout_override"] = q["allow_timeout_override"]
+    return kw
 
 
 # -- placement: devices and CPUs (issue 14, part 4) ------------------------------------------
