@@ -583,14 +583,21 @@ assert SLOT.offset("caller") == SLOT.offset("priority") + 4 and SLOT.offset("dea
 SlotSched = namedtuple("SlotSched", "priority caller deadline_ns")
 
 
+# A slot's ``flags``: SLOT_FLAG_OWN_TIMEOUT: its ``deadline_ns`` is a timeout its caller chose (a queue
+# policy's ``allow_timeout_override`` lets it replace the model's ``default_timeout_microseconds``), not
+# only the server's default request timeout.
+SLOT_FLAG_OWN_TIMEOUT = 1
+
+
 def encode_slot_request(buf, geometry: "Geometry", index: int, *, request_id: int, model_id: int, worker: int,
                         n_inputs: int, out_region: int, out_off: int, out_capacity: int,
-                        priority: int = 0, caller: int = 0, deadline_ns: int = 0) -> None:
+                        priority: int = 0, caller: int = 0, deadline_ns: int = 0, flags: int = 0) -> None:
     """Write what a worker needs to run slot ``index`` (outputs and error cleared) and how to schedule
-    it (``priority`` 0: the model's default level; ``caller`` 0: unknown; ``deadline_ns`` 0: none)."""
+    it (``priority`` 0: the model's default level; ``caller`` 0: unknown; ``deadline_ns`` 0: none;
+    ``flags``: SLOT_FLAG_*)."""
     off = geometry.slot_off(index)
     _SLOT_REQUEST.pack_into(buf, off + SLOT.offset("request_id"), request_id, model_id,
-                            worker, n_inputs, 0, 0, out_region, out_off, out_capacity, 0, 0)
+                            worker, n_inputs, 0, flags, out_region, out_off, out_capacity, 0, 0)
     _SLOT_SCHED.pack_into(buf, off + SLOT.offset("priority"), priority, caller, deadline_ns)
 
 
