@@ -45,7 +45,9 @@ against one model, each level's clients alone for ``--duration`` seconds (the
 others idle: that level's floor, in the same run), then every client together.
 Per level it reports both phases' req/s, p50 and p99, the p99 together over
 alone, its share of the req/s and the req/s it lost, beside the share the
-levels above it took.  ``--spawn-server`` serves ``sleepy`` (one worker that
+levels above it took, and what the server counted meanwhile (its ``info``:
+each level's queue, claims and mean wait; expired, demoted, cancelled and
+rate-limited requests).  ``--spawn-server`` serves ``sleepy`` (one worker that
 sleeps ``--model-us`` a request: saturated by a few clients, the CPUs left to
 them) with the levels named; against a running server ``--model`` names a
 model with ``priority_levels``.  ``--mix`` reports every client's req/s too:
@@ -323,6 +325,81 @@ def level_summary(reports: list[dict]) -> dict:
             "failed": sum(n for r in reports for n in r["errors"].values())}
 
 
+class ServerCounts:
+    """What the server at ``path`` counts of ``model`` while a phase runs (its ``info``, over a
+    control connection of its own): per priority level the requests its workers claimed and their
+    mean wait, and the queue held at each level sampled every ``every`` seconds (mean and max);
+    its expired, demoted and cancelled requests, and those its rate limits refused (``model``'s
+    limits and the global ones).  A server without ``queues`` in ``info`` (older than issue 29's)
+    gives None."""
+
+    def __init__(self, path: str, model: str, every: float = 0.25):
+        from shmserve import Client
+
+        self.model, self.every = model, every
+        self.client = Client(path, timeout=30, lanes=False)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def take(self) -> dict | None:
+        """The counts now: {"levels": {level: (queued, claimed, wait_us)}, "expired", "demoted",
+        "cancelled", "rate_limited"}, summed over the model's versions; None if the server has no
+        ``queues``."""
+        info = self.client.info()
+        if "queues" not in info:
+            return None
+        levels: dict[int, tuple[int, int, int]] = {}
+        out = {"expired": 0, "demoted": 0}
+        for q in info["queues"]:
+            if q["model"] == self.model:
+                out["expired"] += q["expired"]
+                out["demoted"] += q["demoted"]
+                for lv in q["levels"]:
+                    old = levels.get(lv["level"], (0, 0, 0))
+                    levels[lv["level"]] = (old[0] + lv["queued"], old[1] + lv["claimed"], old[2] + lv["wait_us"])
+        out["levels"] = levels
+        out["cancelled"] = sum(c.get(stage, 0) for c in info.get("cancelled", []) if c["model"] == self.model
+                               for stage in ("queued", "running", "answered"))
+        out["rate_limited"] = sum(r.get("refused", 0) for r in info.get("rate_limits", [])
+                                  if r.get("model") in (self.model, "*"))
+        return out
+
+    def during(self, run):
+        """(``run()``'s result, what the server counted while it ran: per level ``claimed``,
+        ``mean_wait_us``, ``queued_mean`` and ``queued_max``; and the run's ``expired``, ``demoted``,
+        ``cancelled``, ``rate_limited``), or (result, None) for a server without ``queues``."""
+        import threading
+
+        before = self.take()
+        if before is None:
+            return run(), None
+        samples: list[dict] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(self.every):
+                samples.append(self.take()["levels"])
+
+        sampler = threading.Thread(target=sample, name="bench-info", daemon=True)
+        sampler.start()
+        try:
+            result = run()
+        finally:
+            stop.set()
+            sampler.join()
+        after = self.take()
+        levels = {}
+        for level, (_, claimed, waited) in after["levels"].items():
+            claimed -= before["levels"].get(level, (0, 0, 0))[1]
+            waited -= before["levels"].get(level, (0, 0, 0))[2]
+            depths = [s.get(level, (0,))[0] for s in samples] or [after["levels"][level][0]]
+            levels[level] = {"claimed": claimed, "mean_wait_us": round(waited / claimed, 1) if claimed > 0 else None,
+                             "queued_mean": round(sum(depths) / len(depths), 1), "queued_max": max(depths)}
+        return result, {"levels": levels, **{k: after[k] - before[k] for k in
+                                             ("expired", "demoted", "cancelled", "rate_limited")}}
+
+
 def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]], duration: float, model: str,
                      progress: "Progress") -> dict:
     """``--priority-mix``: one client process per (level, count) of ``mix``, all started and
@@ -331,7 +408,9 @@ def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]]
     ``duration`` s.  Per level (1, the highest, first): both phases' req/s, p50 and p99; the
     p99 together over alone; its share of the req/s together; the req/s it lost (1 - together /
     alone); and the share the levels above it took (the target of issue 29: a level loses no
-    more than that).  RuntimeError if a client fails, with its reason if it said one."""
+    more than that).  Beside each, what the server counted (``ServerCounts``: its queue at each
+    level, the claims and their mean wait; the run's expired, demoted, cancelled and rate-limited
+    requests).  RuntimeError if a client fails, with its reason if it said one."""
     from shmserve.inspection import plural
 
     procs = [(level, subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--priority-client", path, mode,
@@ -340,10 +419,12 @@ def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]]
                                       start_new_session=True))
              for level, n in mix for _ in range(n)]
 
-    def phase(members: list[subprocess.Popen]) -> list[dict]:
+    def phase(members: list[subprocess.Popen]) -> tuple[list[dict], dict | None]:
         tell(members, f"go {duration}")
-        return read_reports(members)
+        return counts.during(lambda: read_reports(members))
 
+    counts = ServerCounts(path, model)
+    seen = {}  # phase ("together" or a level) -> what the server counted during it
     try:
         for level, p in procs:
             said = p.stdout.readline().strip()
@@ -353,14 +434,15 @@ def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]]
         alone = {}
         for level, n in mix:
             progress.step(f"priority {level} alone ({plural(n, 'client')}, {duration:g} s)")
-            alone[level] = phase([p for lv, p in procs if lv == level])
+            alone[level], seen[level] = phase([p for lv, p in procs if lv == level])
         progress.step(f"every level together ({plural(len(procs), 'client')}, {duration:g} s)")
-        together = phase([p for _, p in procs])
+        together, seen["together"] = phase([p for _, p in procs])
         tell([p for _, p in procs], "end")
         for _, p in procs:
             if p.wait(60) != 0:
                 raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
     finally:
+        counts.close()
         for _, p in procs:
             if p.poll() is None:
                 p.kill()
@@ -369,7 +451,9 @@ def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]]
     rows = []
     for level, n in sorted(mix):
         rows.append({"level": level, "clients": n, "alone": level_summary(alone[level]),
-                     "together": level_summary(by_level[level])})
+                     "together": level_summary(by_level[level]),
+                     "server": None if seen["together"] is None else {
+                         "alone": seen[level]["levels"].get(level), "together": seen["together"]["levels"].get(level)}})
     total = sum(r["together"]["rps"] for r in rows)
     for i, r in enumerate(rows):
         a, t = r["alone"], r["together"]
@@ -383,9 +467,12 @@ def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]]
         for code, n in r["errors"].items():
             errors[code] = errors.get(code, 0) + n
     first = next((r["first_error"] for r in everyone if r["first_error"]), None)
+    server = None
+    if seen["together"] is not None:
+        server = {k: sum(seen[ph][k] for ph in seen) for k in ("expired", "demoted", "cancelled", "rate_limited")}
     return {"payload": size, "tensor_bytes": together[0]["nbytes"], "mode": mode, "duration_s": duration,
             "mix": [list(m) for m in mix], "levels": rows, "rps": round(total, 1),
-            "failed": sum(errors.values()), "errors": errors, "first_error": first}
+            "failed": sum(errors.values()), "errors": errors, "first_error": first, "server": server}
 
 
 def summarize(samples: list[float], wall: float, size: int) -> dict:
@@ -1307,12 +1394,30 @@ def main_priority(args: argparse.Namespace, size: int, path: str, model: str) ->
                   f"took {_percent(row['share_above'])} of the req/s together")
         print("\nalone: that level's clients only (the others idle), the floor measured in the same run; "
               "together: every client at once")
+        if r["server"] is not None:
+            print("\nas the server counted (info's queues): requests its workers claimed, their mean wait ready to "
+                  "claimed, the queue held at that level (sampled every 0.25 s)\n")
+            print("| priority | claimed alone | mean wait alone µs | claimed together | mean wait together µs "
+                  "| queued together, mean | queued together, max |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for row in r["levels"]:
+                a, t = (row["server"][ph] or {} for ph in ("alone", "together"))
+                print(f"| {row['level']} | {a.get('claimed', '-')} | {_or_dash(a.get('mean_wait_us'))} | "
+                      f"{t.get('claimed', '-')} | {_or_dash(t.get('mean_wait_us'))} | {t.get('queued_mean', '-')} | "
+                      f"{t.get('queued_max', '-')} |")
+            sv = r["server"]
+            print(f"\nduring the run: {sv['expired']} expired (deadline passed unclaimed), {sv['demoted']} demoted, "
+                  f"{sv['cancelled']} cancelled, {sv['rate_limited']} refused by rate limits")
     if r["failed"]:
         errors = ", ".join(f"{code} {n}" for code, n in r["errors"].items())
         print(f"shmserve bench: FAILED: {r['failed']} requests failed ({errors}); first: {r['first_error']}",
               file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _or_dash(x) -> str:
+    return "-" if x is None else str(x)
 
 
 def _percent(x: float | None) -> str:

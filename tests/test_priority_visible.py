@@ -209,6 +209,12 @@ def test_bench_priority_mix_measures_each_level_alone_then_together(tmp_path):
             assert row[phase]["n"] > 0
         assert {"p99_ratio", "share", "lost", "share_above"} <= set(row)
     assert pm["levels"][0]["share_above"] == 0 and pm["failed"] == 0
+    # what the server counted meanwhile (info's queues): each level's claims, their wait, its queue
+    assert set(pm["server"]) == {"expired", "demoted", "cancelled", "rate_limited"}
+    for row in pm["levels"]:
+        for phase in ("alone", "together"):
+            assert {"claimed", "mean_wait_us", "queued_mean", "queued_max"} <= set(row["server"][phase])
+    assert "as the server counted" in r.stdout and "refused by rate limits" in r.stdout
     assert "| priority | clients | alone req/s" in r.stdout and "p99 together / alone" in r.stdout
     assert "[3/3] every level together (3 clients, 0.5 s)" in r.stderr
 
