@@ -378,8 +378,13 @@ class ServerCounts:
         stop = threading.Event()
 
         def sample() -> None:
+            from shmserve.errors import ShmserveError
+
             while not stop.wait(self.every):
-                samples.append(self.take()["levels"])
+                try:
+                    samples.append(self.take()["levels"])
+                except (ShmserveError, OSError):  # the server is gone: the phase's clients say so
+                    return
 
         sampler = threading.Thread(target=sample, name="bench-info", daemon=True)
         sampler.start()
