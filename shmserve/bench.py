@@ -39,6 +39,20 @@ lanes, the clients' calls go through the lane of the version the split picks
 (docs/models.md, "Canaries and lanes"): the table's "during / steady" p50 is
 the cost of a canary to lane traffic.  The answers by version show the split.
 
+``--priority-mix LEVEL:CLIENTS[,...]`` (e.g. ``1:2,9:6``) measures priorities
+(issue 29): client processes at each level (``Client.infer(..., priority=)``)
+against one model, each level's clients alone for ``--duration`` seconds (the
+others idle: that level's floor, in the same run), then every client together.
+Per level it reports both phases' req/s, p50 and p99, the p99 together over
+alone, its share of the req/s and the req/s it lost, beside the share the
+levels above it took, and what the server counted meanwhile (its ``info``:
+each level's queue, claims and mean wait; expired, demoted, cancelled and
+rate-limited requests).  ``--spawn-server`` serves ``sleepy`` (one worker that
+sleeps ``--model-us`` a request: saturated by a few clients, the CPUs left to
+them) with the levels named; against a running server ``--model`` names a
+model with ``priority_levels``.  ``--mix`` reports every client's req/s too:
+the least and most served, and their ratio.
+
 Must not: start anything it does not own (``--spawn-server`` starts and stops
 its own server on a temporary socket), or leave segments in /dev/shm.  Every
 process it starts runs in a session of its own and is stopped by it (its
@@ -117,11 +131,13 @@ def make_input(spec: dict, size: int, rng) -> tuple[str, np.ndarray]:
 WARMUP = 20  # requests per client before it reports ready
 
 
-def prepare(c, mode: str, size: int, model: str, protocol: str = "unix"):
+def prepare(c, mode: str, size: int, model: str, protocol: str = "unix", priority: int = 0):
     """(run, call, x): one request of ``model`` on client ``c`` as a callable (``call``: what to
     release or close at the end, None inline; ``x``: the input), after ``WARMUP`` of them; then
     says "ready" on stdout.  ``protocol`` http or grpc: the request goes through that v2 door of
-    the same server (its address from ``info``), ``mode`` inline or shm."""
+    the same server (its address from ``info``), ``mode`` inline or shm.  ``priority``: the
+    level of each native call (``Client.infer(..., priority=)``; 0: none named)."""
+    asked = {"priority": priority} if priority else {}
     spec = next(m for m in c.models() if m["name"] == model)
     name, x = make_input(spec, size, np.random.default_rng(os.getpid()))
     if protocol != "unix":
@@ -132,10 +148,10 @@ def prepare(c, mode: str, size: int, model: str, protocol: str = "unix"):
             raise SystemExit(f"the server does not serve {protocol} (serve --{protocol} ADDR)")
         call = run = v2_call(protocol, address, model, spec, name, x, mode)
     elif mode in ("inline", "socket"):  # the client was made with lanes=False for socket
-        run = lambda: c.infer(model, {name: x})  # noqa: E731
+        run = lambda: c.infer(model, {name: x}, **asked)  # noqa: E731
         call = None
     else:
-        call = c.zero_copy(model, {name: (x.shape, x.dtype)})
+        call = c.zero_copy(model, {name: (x.shape, x.dtype)}, **asked)
         call.inputs[name][...] = x
         run = call.run
     for _ in range(WARMUP):
@@ -208,6 +224,7 @@ def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, m
                      "client_rps_min": round(min(rates), 1), "client_rps_max": round(max(rates), 1),
                      "rps": round(sum(rates), 1)})
     return {"payload": size, "duration_s": duration, "modes": rows,
+            "client_rps_min": round(min(shares), 1), "client_rps_max": round(max(shares), 1),
             "fairness": round(max(shares) / max(min(shares), 1e-9), 2)}
 
 
@@ -238,6 +255,229 @@ def run_clients(path: str, modes: list[str], size: int, requests: int, duration:
                 p.kill()
                 p.wait()
     return reports
+
+
+# -- --priority-mix ----------------------------------------------------------------------------
+
+def priority_client_main(path: str, mode: str, size: int, model: str, level: int) -> None:
+    """One client of ``--priority-mix`` (a child process): connects and warms up at priority
+    ``level``, says "ready" (or "failed: why", exit 1); then for each "go SECONDS" line on stdin
+    sends back to back for that long and prints its JSON (latencies in µs, its window, failed
+    requests by error code and the first one's message); any other line, or the end, ends it."""
+    from shmserve import Client
+    from shmserve.errors import ShmserveError
+
+    with Client(path, timeout=120, lanes=mode != "socket") as c:
+        try:
+            run, call, x = prepare(c, mode, size, model, priority=level)
+        except ShmserveError as exc:
+            print(f"failed: {exc.code.name}: {exc}", flush=True)
+            sys.exit(1)
+        for line in sys.stdin:
+            word, _, seconds = line.partition(" ")
+            if word != "go":
+                break
+            samples, errors, first_error = [], {}, None
+            start = time.monotonic()
+            deadline = start + float(seconds)
+            while time.monotonic() < deadline:
+                t0 = time.perf_counter_ns()
+                try:
+                    run()
+                    samples.append((time.perf_counter_ns() - t0) / 1e3)
+                except ShmserveError as exc:
+                    errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                    first_error = first_error or f"{exc.code.name}: {exc}"
+            print(json.dumps({"samples": samples, "errors": errors, "first_error": first_error,
+                              "nbytes": int(x.nbytes), "start": start, "end": time.monotonic()}), flush=True)
+        if call is not None:
+            call.release()
+
+
+def tell(procs: list[subprocess.Popen], line: str) -> None:
+    """Say ``line`` to each client process on its stdin."""
+    for p in procs:
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+
+
+def read_reports(procs: list[subprocess.Popen]) -> list[dict]:
+    """The next JSON line of each client process; RuntimeError (its exit status) if one ended."""
+    reports = []
+    for p in procs:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a benchmark client failed (exit {p.wait()})")
+        reports.append(json.loads(line))
+    return reports
+
+
+def level_summary(reports: list[dict]) -> dict:
+    """One level's clients' reports of one phase: requests, req/s over their common window, p50
+    and p99 µs, the least and most req/s of one client, failed requests."""
+    samples = [s for r in reports for s in r["samples"]]
+    wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    rates = [len(r["samples"]) / max(r["end"] - r["start"], 1e-9) for r in reports]
+    arr = np.asarray(samples or [0.0])
+    return {"n": len(samples), "rps": round(len(samples) / wall, 1) if wall else 0.0,
+            "p50_us": round(float(np.percentile(arr, 50)), 1), "p99_us": round(float(np.percentile(arr, 99)), 1),
+            "client_rps_min": round(min(rates), 1), "client_rps_max": round(max(rates), 1),
+            "failed": sum(n for r in reports for n in r["errors"].values())}
+
+
+class ServerCounts:
+    """What the server at ``path`` counts of ``model`` while a phase runs (its ``info``, over a
+    control connection of its own): per priority level the requests its workers claimed and their
+    mean wait, and the queue held at each level sampled every ``every`` seconds (mean and max);
+    its expired, demoted and cancelled requests, and those its rate limits refused (``model``'s
+    limits and the global ones).  A server without ``queues`` in ``info`` (older than issue 29's)
+    gives None."""
+
+    def __init__(self, path: str, model: str, every: float = 0.25):
+        from shmserve import Client
+
+        self.model, self.every = model, every
+        self.client = Client(path, timeout=30, lanes=False)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def take(self) -> dict | None:
+        """The counts now: {"levels": {level: (queued, claimed, wait_us)}, "expired", "demoted",
+        "cancelled", "rate_limited"}, summed over the model's versions; None if the server has no
+        ``queues``."""
+        info = self.client.info()
+        if "queues" not in info:
+            return None
+        levels: dict[int, tuple[int, int, int]] = {}
+        out = {"expired": 0, "demoted": 0}
+        for q in info["queues"]:
+            if q["model"] == self.model:
+                out["expired"] += q["expired"]
+                out["demoted"] += q["demoted"]
+                for lv in q["levels"]:
+                    old = levels.get(lv["level"], (0, 0, 0))
+                    levels[lv["level"]] = (old[0] + lv["queued"], old[1] + lv["claimed"], old[2] + lv["wait_us"])
+        out["levels"] = levels
+        out["cancelled"] = sum(c.get(stage, 0) for c in info.get("cancelled", []) if c["model"] == self.model
+                               for stage in ("queued", "running", "answered"))
+        out["rate_limited"] = sum(r.get("refused", 0) for r in info.get("rate_limits", [])
+                                  if r.get("model") in (self.model, "*"))
+        return out
+
+    def during(self, run):
+        """(``run()``'s result, what the server counted while it ran: per level ``claimed``,
+        ``mean_wait_us``, ``queued_mean`` and ``queued_max``; and the run's ``expired``, ``demoted``,
+        ``cancelled``, ``rate_limited``), or (result, None) for a server without ``queues``."""
+        import threading
+
+        before = self.take()
+        if before is None:
+            return run(), None
+        samples: list[dict] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            from shmserve.errors import ShmserveError
+
+            while not stop.wait(self.every):
+                try:
+                    samples.append(self.take()["levels"])
+                except (ShmserveError, OSError):  # the server is gone: the phase's clients say so
+                    return
+
+        sampler = threading.Thread(target=sample, name="bench-info", daemon=True)
+        sampler.start()
+        try:
+            result = run()
+        finally:
+            stop.set()
+            sampler.join()
+        after = self.take()
+        levels = {}
+        for level, (_, claimed, waited) in after["levels"].items():
+            claimed -= before["levels"].get(level, (0, 0, 0))[1]
+            waited -= before["levels"].get(level, (0, 0, 0))[2]
+            depths = [s.get(level, (0,))[0] for s in samples] or [after["levels"][level][0]]
+            levels[level] = {"claimed": claimed, "mean_wait_us": round(waited / claimed, 1) if claimed > 0 else None,
+                             "queued_mean": round(sum(depths) / len(depths), 1), "queued_max": max(depths)}
+        return result, {"levels": levels, **{k: after[k] - before[k] for k in
+                                             ("expired", "demoted", "cancelled", "rate_limited")}}
+
+
+def run_priority_mix(path: str, mode: str, size: int, mix: list[tuple[int, int]], duration: float, model: str,
+                     progress: "Progress") -> dict:
+    """``--priority-mix``: one client process per (level, count) of ``mix``, all started and
+    warmed at once; then each level's clients alone for ``duration`` s (the others idle: that
+    level's floor, measured in the same run on the same server), then every client together for
+    ``duration`` s.  Per level (1, the highest, first): both phases' req/s, p50 and p99; the
+    p99 together over alone; its share of the req/s together; the req/s it lost (1 - together /
+    alone); and the share the levels above it took (the target of issue 29: a level loses no
+    more than that).  Beside each, what the server counted (``ServerCounts``: its queue at each
+    level, the claims and their mean wait; the run's expired, demoted, cancelled and rate-limited
+    requests).  RuntimeError if a client fails, with its reason if it said one."""
+    from shmserve.inspection import plural
+
+    procs = [(level, subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--priority-client", path, mode,
+                                       str(size), model, str(level)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+             for level, n in mix for _ in range(n)]
+
+    def phase(members: list[subprocess.Popen]) -> tuple[list[dict], dict | None]:
+        tell(members, f"go {duration}")
+        return counts.during(lambda: read_reports(members))
+
+    counts = ServerCounts(path, model)
+    seen = {}  # phase ("together" or a level) -> what the server counted during it
+    try:
+        for level, p in procs:
+            said = p.stdout.readline().strip()
+            if said != "ready":
+                why = said.removeprefix("failed: ") if said.startswith("failed: ") else f"exit {p.wait()}"
+                raise RuntimeError(f"a benchmark client at priority {level} failed to start: {why}")
+        alone = {}
+        for level, n in mix:
+            progress.step(f"priority {level} alone ({plural(n, 'client')}, {duration:g} s)")
+            alone[level], seen[level] = phase([p for lv, p in procs if lv == level])
+        progress.step(f"every level together ({plural(len(procs), 'client')}, {duration:g} s)")
+        together, seen["together"] = phase([p for _, p in procs])
+        tell([p for _, p in procs], "end")
+        for _, p in procs:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"a benchmark client failed (exit {p.returncode})")
+    finally:
+        counts.close()
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    by_level = {level: [r for (lv, _), r in zip(procs, together) if lv == level] for level, _ in mix}
+    rows = []
+    for level, n in sorted(mix):
+        rows.append({"level": level, "clients": n, "alone": level_summary(alone[level]),
+                     "together": level_summary(by_level[level]),
+                     "server": None if seen["together"] is None else {
+                         "alone": seen[level]["levels"].get(level), "together": seen["together"]["levels"].get(level)}})
+    total = sum(r["together"]["rps"] for r in rows)
+    for i, r in enumerate(rows):
+        a, t = r["alone"], r["together"]
+        r["p99_ratio"] = round(t["p99_us"] / a["p99_us"], 2) if a["p99_us"] else None
+        r["share"] = round(t["rps"] / total, 3) if total else None
+        r["lost"] = round(1 - t["rps"] / a["rps"], 3) if a["rps"] else None
+        r["share_above"] = round(sum(x["together"]["rps"] for x in rows[:i]) / total, 3) if total else None
+    errors: dict[str, int] = {}
+    everyone = [*together, *(r for rs in alone.values() for r in rs)]
+    for r in everyone:
+        for code, n in r["errors"].items():
+            errors[code] = errors.get(code, 0) + n
+    first = next((r["first_error"] for r in everyone if r["first_error"]), None)
+    server = None
+    if seen["together"] is not None:
+        server = {k: sum(seen[ph][k] for ph in seen) for k in ("expired", "demoted", "cancelled", "rate_limited")}
+    return {"payload": size, "tensor_bytes": together[0]["nbytes"], "mode": mode, "duration_s": duration,
+            "mix": [list(m) for m in mix], "levels": rows, "rps": round(total, 1),
+            "failed": sum(errors.values()), "errors": errors, "first_error": first, "server": server}
 
 
 def summarize(samples: list[float], wall: float, size: int) -> dict:
@@ -314,25 +554,14 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
              for _ in range(clients)]
 
     def phase() -> list[dict]:
-        reports = []
-        for p in procs:
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"a benchmark client failed (exit {p.wait()})")
-            reports.append(json.loads(line))
-        return reports
-
-    def tell(word: str) -> None:
-        for p in procs:
-            p.stdin.write(word + "\n")
-            p.stdin.flush()
+        return read_reports(procs)
 
     swap_seconds, swap_error = [], None
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a benchmark client failed to start (exit {p.wait()})")
-        tell("go")
+        tell(procs, "go")
         steady = phase()
         if canary is not None:
             with Client(path, timeout=120) as control:
@@ -342,14 +571,14 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
                     swap_seconds.append(time.monotonic() - t0)
                 except ShmserveError as exc:
                     swap_error = f"the canary of version {versions[0]} did not start: {exc}"
-                tell("go")
+                tell(procs, "go")
                 time.sleep(duration)
-                tell("stop")
+                tell(procs, "stop")
                 during = phase()
                 if not swap_error:
                     control.canary(model, "abort")
         else:
-            tell("go")
+            tell(procs, "go")
             try:
                 with Client(path, timeout=120) as control:
                     for i in range(swaps):
@@ -358,7 +587,7 @@ def run_swap(path: str, mode: str, size: int, clients: int, duration: float, mod
                         swap_seconds.append(time.monotonic() - t0)
             except ShmserveError as exc:
                 swap_error = f"swap {len(swap_seconds) + 1} to version {versions[len(swap_seconds) % 2]}: {exc}"
-            tell("stop")
+            tell(procs, "stop")
             during = phase()
         for p in procs:
             if p.wait(60) != 0:
@@ -488,10 +717,29 @@ def swap_repository(workdir: Path) -> Path:
     return root
 
 
-def spawn_server(workdir: Path, swap: bool = False, doors: int | str | None = None) -> tuple[subprocess.Popen, str]:
+PRIORITY_MODEL = "sleepy"  # --priority-mix --spawn-server: one worker of shmserve.models:sleepy
+MODEL_US = 1000  # its time a request (--model-us), so that a few clients saturate it
+
+
+def priority_model(levels: int, model_us: int) -> str:
+    """The ``[[models]]`` table of ``--priority-mix --spawn-server``: ``PRIORITY_MODEL``, one worker
+    taking ``model_us`` µs a request (sleeping: the clients keep the CPUs), ``levels`` priority
+    levels, no batching (each request its own run: a level's turn is one request)."""
+    return f"""[[models]]
+name = "{PRIORITY_MODEL}"
+backend = "python"
+path = "shmserve.models:sleepy"
+options = {{factory = true, sleep_us = {model_us}}}
+instances = 1
+priority_levels = {levels}
+"""
+
+
+def spawn_server(workdir: Path, swap: bool = False, doors: int | str | None = None,
+                 models: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start a server of its own on a socket in ``workdir``: the benchmark models, or with
-    ``swap`` only the model repository of ``swap_repository``; ``doors``: its ``[server] doors``
-    (None: the default)."""
+    ``swap`` only the model repository of ``swap_repository``, or ``models`` (``[[models]]``
+    tables) alone; ``doors``: its ``[server] doors`` (None: the default)."""
     import secrets
 
     from shmserve.bench_v2 import TOKEN_ENV
@@ -515,7 +763,7 @@ v2_system_shared_memory = true
 v2_tokens = "tokens.toml"
 """ + (f"doors = {json.dumps(doors)}\n" if doors is not None else "")
     cfg.write_text(server + f"model_repository = {json.dumps(str(swap_repository(workdir)))}\n" if swap else
-                   server + f"""[[models]]
+                   server + models if models else server + f"""[[models]]
 name = "identity"
 backend = "python"
 path = "shmserve.models:identity"
@@ -576,14 +824,14 @@ def interleaved(cases: dict, rounds: int, per_round: int, seed: int, warm: int =
     return samples
 
 
-def spawn_server_saying(workdir: Path, swap: bool = False,
-                        doors: int | str | None = None) -> tuple[subprocess.Popen, str]:
+def spawn_server_saying(workdir: Path, swap: bool = False, doors: int | str | None = None,
+                        models: str | None = None) -> tuple[subprocess.Popen, str]:
     """``spawn_server``, saying so while it waits (its models load and warm up: seconds, more on a
     busy host) as a step of its own (``Progress``)."""
     progress = Progress(1)
     try:
         progress.step("starting a server of its own (its workers load and warm up their models)")
-        return spawn_server(workdir, swap, doors)
+        return spawn_server(workdir, swap, doors, models)
     finally:
         progress.close()
 
@@ -686,6 +934,39 @@ def parse_mix(text: str) -> list[tuple[str, int]]:
                                              f"{', '.join(MODES['unix'])})")
         mix.append((mode, int(count)))
     return mix
+
+
+def parse_priority_mix(text: str) -> list[tuple[int, int]]:
+    """``1:2,9:6`` as [(level, clients)]: levels 1 (the highest) to ``layout.SCHED_LEVELS``, each
+    once, two of them or more; client counts of 1 or more."""
+    from shmserve.layout import SCHED_LEVELS
+
+    mix = []
+    for part in text.split(","):
+        level, _, count = part.strip().partition(":")
+        if not (level.isascii() and level.isdigit() and count.isascii() and count.isdigit()) \
+                or not 1 <= int(level) <= SCHED_LEVELS or int(count) < 1 or int(level) in dict(mix):
+            mix = None
+            break
+        mix.append((int(level), int(count)))
+    if not mix or len(mix) < 2:
+        raise argparse.ArgumentTypeError(
+            f"bad priority mix {text!r}: use LEVEL:CLIENTS[,LEVEL:CLIENTS...] with two levels or more, e.g. 1:2,9:6 "
+            f"(2 clients at level 1, the highest, and 6 at level 9; levels 1-{SCHED_LEVELS}, each once)")
+    return mix
+
+
+def priority_support(mode: str) -> str | None:
+    """Why this shmserve's client cannot send ``--priority-mix``'s calls in ``mode``, or None."""
+    import inspect
+
+    from shmserve.client import Client
+
+    method = Client.zero_copy if mode == "zero-copy" else Client.infer
+    if "priority" not in inspect.signature(method).parameters:
+        return (f"--priority-mix needs Client.{method.__name__}(..., priority=), which this shmserve's client "
+                "lacks (issue 29's priorities)")
+    return None
 
 
 def pick_model(path: str, wanted: str | None) -> tuple[str | None, tuple[int, str] | None]:
@@ -823,7 +1104,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "  shmserve bench --payload 4KiB --clients 1,2,4,8 --plot latency.png\n"
                                        "  shmserve bench --payload 4KiB --clients 4 --rate 2000\n"
                                        "  shmserve bench --spawn-server --during-swap 20 --clients 2\n"
-                                       "  shmserve bench --spawn-server --during-canary 30 --json-out canary.json\n\n"
+                                       "  shmserve bench --spawn-server --during-canary 30 --json-out canary.json\n"
+                                       "  shmserve bench --spawn-server --priority-mix 1:2,9:6 --duration 10\n\n"
                                        + EXIT_CODES)
     p.add_argument("--socket", help="server to measure (default: $SHMSERVE_SOCKET, else the --instance's socket "
                                     "in $XDG_RUNTIME_DIR/shmserve/ or /tmp/shmserve-<uid>/)")
@@ -863,6 +1145,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="one run with clients of several unix modes at once (e.g. inline:4,zero-copy:4,socket:2), "
                         "each back to back for --duration s (default 10): every client's share of requests/s "
                         "and the fairness, the most any client got over the fewest")
+    p.add_argument("--priority-mix", type=parse_priority_mix, metavar="LEVEL:CLIENTS[,LEVEL:CLIENTS...]",
+                   help="clients at several priority levels against one model (e.g. 1:2,9:6: 2 at level 1, the "
+                        "highest, and 6 at level 9): each level alone, then all together, --duration s each "
+                        "(default 5); per level req/s, p50, p99, p99 together over alone, its share and the req/s "
+                        f"it lost; --spawn-server serves model {PRIORITY_MODEL!r} (one worker, --model-us a "
+                        "request, the levels named), else --model names one with priority_levels")
+    p.add_argument("--model-us", type=int, metavar="US",
+                   help=f"--priority-mix --spawn-server: the spawned model's time a request in µs (it sleeps, "
+                        f"leaving the CPUs to the clients; default {MODEL_US}): slow enough that the clients "
+                        "saturate it")
     p.add_argument("--doors", metavar="N|auto", help="--spawn-server: its door processes ([server] doors; "
                                                       "docs/doors.md; default: the server's default)")
     p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
@@ -900,8 +1192,23 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"{flag} takes no {option} (one payload, mode and client count, back to back)")
         if args.duration < 0:
             p.error("--duration must be 0 or more")
-    args.payload = args.payload or ("4KiB" if swapping or args.mix else "64,4KiB,1MiB,16MiB")
-    args.mode = args.mode or ("inline" if swapping else "both")
+    if args.priority_mix:
+        for option, given in (("--during-swap or --during-canary", swapping), ("--mix", args.mix),
+                              ("--rate", args.rate), ("--plot", args.plot),
+                              ("a list of --clients", len(args.clients) > 1), ("--protocol", args.protocol != ["unix"]),
+                              ("--mode both or shm", args.mode in ("both", "shm")),
+                              ("--model with --spawn-server (it serves its own)", args.spawn_server and args.model)):
+            if given:
+                p.error(f"--priority-mix takes no {option} (one payload and unix mode; clients per level in the mix)")
+        if args.duration < 0:
+            p.error("--duration must be 0 or more")
+    if args.model_us is not None:
+        if not (args.priority_mix and args.spawn_server):
+            p.error("--model-us is for --priority-mix --spawn-server (the model bench spawns)")
+        if not 0 <= args.model_us <= 10_000_000:
+            p.error(f"--model-us: expected microseconds in [0, 10000000], got {args.model_us}")
+    args.payload = args.payload or ("4KiB" if swapping or args.mix or args.priority_mix else "64,4KiB,1MiB,16MiB")
+    args.mode = args.mode or ("inline" if swapping or args.priority_mix else "both")
     try:
         sizes = [parse_size(s) for s in args.payload.split(",")]
     except argparse.ArgumentTypeError as exc:
@@ -928,11 +1235,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.mix:
         if len(sizes) > 1 or args.protocol != ["unix"] or args.rate:
             p.error("--mix takes one --payload size, the unix protocol and no --rate")
+    if args.priority_mix:
+        if len(sizes) > 1:
+            p.error("--priority-mix takes one --payload size")
+        unsupported = priority_support(args.mode)
+        if unsupported:
+            from shmserve.console import EXIT_FAILURE
+
+            print(f"shmserve bench: {unsupported}", file=sys.stderr)
+            return EXIT_FAILURE
     tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
     proc = None
     if args.spawn_server:
-        proc, path = spawn_server_saying(Path(tmp.name), doors=args.doors)
-        model = args.model or MODEL
+        levels = max(level for level, _ in args.priority_mix) if args.priority_mix else 0
+        proc, path = spawn_server_saying(Path(tmp.name), doors=args.doors, models=priority_model(
+            levels, MODEL_US if args.model_us is None else args.model_us) if levels else None)
+        model = args.model or (PRIORITY_MODEL if levels else MODEL)
+        args.model_us = MODEL_US if args.model_us is None else args.model_us
     else:
         from shmserve.config import resolve_socket
 
@@ -946,6 +1265,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.mix:
         try:
             return main_mix(args, sizes[0], path, model)
+        finally:
+            _stop(proc, tmp)
+    if args.priority_mix:
+        try:
+            return main_priority(args, sizes[0], path, model)
         finally:
             _stop(proc, tmp)
     results = []
@@ -1033,8 +1357,76 @@ def main_mix(args: argparse.Namespace, size: int, path: str, model: str) -> int:
     for r in result["modes"]:
         print(f"| {r['mode']} | {r['clients']} | {r['p50_us']} | {r['p99_us']} | {r['rps']} | "
               f"{r['client_rps_min']} – {r['client_rps_max']} |")
-    print(f"\nfairness: the busiest client got {result['fairness']}× the requests/s of the least served")
+    print(f"\nper client: {result['client_rps_min']} req/s the least served, {result['client_rps_max']} req/s the "
+          f"busiest; fairness: the busiest client got {result['fairness']}× the requests/s of the least served")
     return 0
+
+
+def main_priority(args: argparse.Namespace, size: int, path: str, model: str) -> int:
+    """``shmserve bench --priority-mix``: each level alone, then all together, on the server at
+    ``path``; exit 0, or 1 when a request failed (said loudly)."""
+    from shmserve.console import EXIT_FAILURE
+    from shmserve.inspection import plural
+
+    duration = args.duration or 5.0
+    progress = Progress(len(args.priority_mix) + 1)
+    try:
+        r = run_priority_mix(path, args.mode, size, args.priority_mix, duration, model, progress)
+    except RuntimeError as exc:
+        print(f"shmserve bench: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        progress.close()
+    r["model_us"] = args.model_us if args.spawn_server else None
+    if not _report(args, model, priority_mix=r):
+        mix = ",".join(f"{level}:{n}" for level, n in args.priority_mix)
+        slow = f" ({r['model_us']} µs a request)" if r["model_us"] is not None else ""
+        print(f"\nshmserve bench --priority-mix {mix}, model {model}{slow}, {human(r['tensor_bytes'])} {r['mode']}, "
+              f"{duration:g} s a phase, {plural(os.cpu_count(), 'CPU')}, {time.strftime('%Y-%m-%d')}\n")
+        print("| priority | clients | alone req/s | alone p50 µs | alone p99 µs | together req/s | together p50 µs "
+              "| together p99 µs | p99 together / alone | share of req/s | req/s lost | share of the levels above |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in r["levels"]:
+            a, t = row["alone"], row["together"]
+            print(f"| {row['level']} | {row['clients']} | {a['rps']} | {a['p50_us']} | {a['p99_us']} | {t['rps']} | "
+                  f"{t['p50_us']} | {t['p99_us']} | {row['p99_ratio']} | {_percent(row['share'])} | "
+                  f"{_percent(row['lost'])} | {_percent(row['share_above'])} |")
+        top, rest = r["levels"][0], r["levels"][1:]
+        print(f"\npriority {top['level']} (the highest here): p99 {top['together']['p99_us']} µs among every level, "
+              f"{top['alone']['p99_us']} µs alone: x{top['p99_ratio']}")
+        for row in rest:
+            print(f"priority {row['level']}: lost {_percent(row['lost'])} of its req/s alone; the levels above "
+                  f"took {_percent(row['share_above'])} of the req/s together")
+        print("\nalone: that level's clients only (the others idle), the floor measured in the same run; "
+              "together: every client at once")
+        if r["server"] is not None:
+            print("\nas the server counted (info's queues): requests its workers claimed, their mean wait ready to "
+                  "claimed, the queue held at that level (sampled every 0.25 s)\n")
+            print("| priority | claimed alone | mean wait alone µs | claimed together | mean wait together µs "
+                  "| queued together, mean | queued together, max |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for row in r["levels"]:
+                a, t = (row["server"][ph] or {} for ph in ("alone", "together"))
+                print(f"| {row['level']} | {a.get('claimed', '-')} | {_or_dash(a.get('mean_wait_us'))} | "
+                      f"{t.get('claimed', '-')} | {_or_dash(t.get('mean_wait_us'))} | {t.get('queued_mean', '-')} | "
+                      f"{t.get('queued_max', '-')} |")
+            sv = r["server"]
+            print(f"\nduring the run: {sv['expired']} expired (deadline passed unclaimed), {sv['demoted']} demoted, "
+                  f"{sv['cancelled']} cancelled, {sv['rate_limited']} refused by rate limits")
+    if r["failed"]:
+        errors = ", ".join(f"{code} {n}" for code, n in r["errors"].items())
+        print(f"shmserve bench: FAILED: {r['failed']} requests failed ({errors}); first: {r['first_error']}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+def _or_dash(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
 
 
 def main_swap(args: argparse.Namespace, size: int) -> int:
@@ -1090,6 +1482,8 @@ if __name__ == "__main__":
         if len(sys.argv) > 1 and sys.argv[1] == "--client":
             client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
                         sys.argv[7], float(sys.argv[8]), sys.argv[9])
+        elif len(sys.argv) > 1 and sys.argv[1] == "--priority-client":
+            priority_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
         elif len(sys.argv) > 1 and sys.argv[1] == "--swap-client":
             swap_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
                              sys.argv[7] == "check")

@@ -465,6 +465,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for key, value in answer.get("stats", {}).items():
         _row(stats, key, value)
     tables = [facts, workers, stats]
+    if answer.get("queues"):  # each model version's queue by priority level, and what was not run as asked
+        from shmserve.inspection import render_queues
+
+        tables.append(render_queues(answer["queues"]))
+    if answer.get("cancelled") or answer.get("rate_limits"):
+        given_up = _table("model", "version", "cancelled queued", "running", "answered",
+                          title="cancelled requests (before a worker claimed them, while one ran them, once answered)")
+        for c in answer.get("cancelled", []):
+            _row(given_up, c["model"], c["version"], c.get("queued", 0), c.get("running", 0), c.get("answered", 0))
+        tables.append(given_up)
+        if answer.get("rate_limits"):
+            limited = _table("limit", "model", "refused", title="rate limits (\\[rate_limits]): refusals since start")
+            for r in answer["rate_limits"]:
+                _row(limited, r["limit"], r["model"], r.get("refused", 0))
+            tables.append(limited)
     if answer.get("doors"):  # door processes (docs/doors.md); this connection's is door_process
         doors = _table("door", "pid", "up", "connections", "lanes", "restarts", title="door processes")
         for d in answer["doors"]:

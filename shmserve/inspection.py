@@ -2,7 +2,8 @@
 
 Owns: turning an arena (mapped read-only, decoded only through
 ``shmserve.layout``) into a snapshot (header, owner liveness, workers, slots by
-state, stuck slots, per-model stage latencies, occupancy, leftover arenas),
+state, stuck slots, per-model stage latencies, queues by priority level,
+occupancy, leftover arenas),
 its health verdict for ``--check``, and its rendering as a rich table or JSON.
 
 Must not: write to the arena, or trust it: a corrupt or foreign segment is
@@ -120,6 +121,7 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
                                 "p99_us": _percentile(buckets, 0.99)}
         latency[model] = per_stage
     out["latency_us"] = latency
+    out["queues"] = queues(buf, g, workers)
     out["occupancy"] = {"slots_in_use": arena.stat("slots_in_use"), "slots": g.slot_count,
                         "bytes_in_use": arena.stat("extent_bytes_in_use"), "data_bytes": g.data_size}
     out["stats"] = {name: arena.stat(name) for name in layout.STAT_NAMES}
@@ -130,6 +132,21 @@ def _read(arena: Arena, stuck_after_s: float) -> dict:
         "age_s": round((now_wall - r.created_unix_ns) / 1e9, 1)} for r in layout.read_regions(buf, g)]
     out["problems"] = problems(out)
     return out
+
+
+def queues(buf, g, workers: list[dict]) -> list[dict]:
+    """Each model version's queue by priority level, from its workers' scheduling counters
+    (``status.queue_status``): levels 1 up to the highest with any count (the arena does not say a
+    model's priority_levels); a worker that is not starting or ready, or whose pid is gone, holds
+    no queue (its gauge is its last word)."""
+    from shmserve.frontend.status import queue_status
+
+    groups: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+    for w in workers:
+        live = w["state"] in ("starting", "ready") and w["alive"]
+        groups.setdefault((w["model"], w["version"]), []).append((w["index"], live))
+    return [{"model": model, "version": version, **queue_status(buf, g, members).to_dict()}
+            for (model, version), members in sorted(groups.items())]
 
 
 def problems(snap: dict) -> list[str]:
@@ -231,7 +248,7 @@ def render_lifecycle(lifecycle: dict):
                        str(e["version"]), e["event"], Text(e["reason"]))
     parts.append(events)
     if lifecycle.get("rate_limits"):
-        limits = Table(title="rate limits ([rate_limits]): refusals since start", title_justify="left")
+        limits = Table(title="rate limits (\\[rate_limits]): refusals since start", title_justify="left")
         for col in ("limit", "model", "requests/s", "burst", "bytes/s", "burst bytes", "callers", "refused"):
             limits.add_column(col, justify="left" if col in ("limit", "model") else "right")
         for r in lifecycle["rate_limits"]:
@@ -242,6 +259,24 @@ def render_lifecycle(lifecycle: dict):
 
 
 EVENTS_SHOWN = 20
+
+
+def render_queues(queues: list[dict], title: str = "queues by priority level (1 is claimed first): held "
+                                                      "unclaimed now, claimed so far, their mean wait"):
+    """A rich table of ``queues`` (``inspect``'s and ``info``'s): a row per model version and level,
+    the version's expired and demoted requests on its first row."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left")
+    for col in ("model", "priority", "queued", "claimed", "mean wait", "expired", "demoted"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for q in queues:
+        for i, lv in enumerate(q["levels"]):
+            wait = "-" if lv["mean_wait_us"] is None else f"{lv['mean_wait_us']:.0f} µs"
+            table.add_row(Text(f"{q['model']}:{q['version']}") if i == 0 else "", str(lv["level"]), str(lv["queued"]),
+                          str(lv["claimed"]), wait, *((str(q["expired"]), str(q["demoted"])) if i == 0 else ("", "")))
+    return table
 
 
 def render(snap: dict):
@@ -291,7 +326,10 @@ def render(snap: dict):
                 lat.add_row(Text(model), f"{stage} time", plural(v["count"], "request"), f"{v['mean_us']:.0f} µs",
                             *(f"{q:.0f} µs" for q in quantiles))
     occ = snap["occupancy"]
-    parts = [head, workers, slots, lat,
+    parts = [head, workers, slots, lat]
+    if snap.get("queues"):
+        parts.append(render_queues(snap["queues"]))
+    parts += [
              Text(f"arena occupancy: {occ['slots_in_use']} of {plural(occ['slots'], 'slot')} in use, "
                   f"{occ['bytes_in_use'] >> 20} of {occ['data_bytes'] >> 20} MiB of data")]
     if snap["regions"]:

@@ -3,7 +3,9 @@
 Owns: metric names and labels (Prometheus conventions: ``shmserve_`` prefix,
 base units, ``_total`` counters), Triton's metric families beside them
 (``nv_inference_*``, with Triton's names, units and ``model``/``version``
-labels, so dashboards made for Triton read shmserve: ``triton_families``) and
+labels, so dashboards made for Triton read shmserve: ``triton_families``), the
+queues by priority level (``_priorities``: depth, and the waits of claimed
+requests as a summary's ``_sum``/``_count``) and
 the small HTTP endpoint
 (``--metrics ADDR``: a Unix socket path, or a loopback ``host:port``).  Values
 are read at scrape time from one ``shmserve.frontend.status`` snapshot (which
@@ -22,7 +24,8 @@ import logging
 import os
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    SummaryMetricFamily)
 
 from shmserve import layout
 from shmserve.frontend.dispatcher import CANCEL_STAGES
@@ -91,6 +94,7 @@ class StatusCollector:
             inflight.add_metric([m.name, str(m.version)], m.inflight)
         yield queued
         yield inflight
+        yield from self._priorities(snap)
 
         served = CounterMetricFamily("shmserve_worker_requests", "Requests a worker finished, socket and lane "
                                      "calls alike (outcome ok or error), since the worker started",
@@ -149,6 +153,39 @@ class StatusCollector:
         yield GaugeMetricFamily("shmserve_slots_in_use", "Arena slots held by requests", value=snap.stats["slots_in_use"])
         yield GaugeMetricFamily("shmserve_slots", "Arena slots", value=snap.slots)
 
+
+    @staticmethod
+    def _priorities(snap):
+        """Each model version's queue by priority level (only the levels it has: 1..max(priority_levels,
+        1)), summed over its workers' scheduling counters: the depth now, and the wait of the requests
+        claimed as a summary (``_count``: requests claimed, ``_sum``: their waits; mean wait =
+        ``rate(_sum) / rate(_count)``); requests expired unrun and demoted."""
+        depth = GaugeMetricFamily("shmserve_priority_queue_depth", "Requests a model's workers hold unclaimed "
+                                  "now, by priority level (1: claimed first; a model without priority_levels "
+                                  "has level 1 alone; lane and socket calls alike)",
+                                  labels=["model", "version", "priority"])
+        wait = SummaryMetricFamily("shmserve_queue_wait_seconds", "Time from ready to claimed of the requests "
+                                   "a model's workers claimed, by priority level (_count: requests claimed, "
+                                   "_sum: their waits)", labels=["model", "version", "priority"])
+        expired = CounterMetricFamily("shmserve_queue_expired", "Requests answered timeout unrun: their "
+                                      "deadline passed before a worker claimed them", labels=["model", "version"])
+        demoted = CounterMetricFamily("shmserve_queue_demoted", "Requests whose queue timeout passed under "
+                                      "timeout_action = \"delay\": moved behind every other",
+                                      labels=["model", "version"])
+        for m in snap.models:
+            if m.queue is None:
+                continue
+            v = str(m.version)
+            for lv in m.queue.levels:
+                labels = [m.name, v, str(lv.level)]
+                depth.add_metric(labels, lv.queued)
+                wait.add_metric(labels, count_value=lv.claimed, sum_value=lv.wait_us / 1e6)
+            expired.add_metric([m.name, v], m.queue.expired)
+            demoted.add_metric([m.name, v], m.queue.demoted)
+        yield depth
+        yield wait
+        yield expired
+        yield demoted
 
     @staticmethod
     def _lifecycle(snap):

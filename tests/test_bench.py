@@ -221,6 +221,7 @@ def test_bench_mix_runs_several_kinds_of_client_at_once_and_reports_each_ones_sh
     assert [(m["mode"], m["clients"]) for m in mix["modes"]] == [("inline", 2), ("socket", 1), ("zero-copy", 1)]
     assert all(0 < m["client_rps_min"] <= m["client_rps_max"] for m in mix["modes"])
     assert mix["fairness"] >= 1.0 and "fairness: the busiest client got" in r.stdout
+    assert 0 < mix["client_rps_min"] <= mix["client_rps_max"] and "req/s the least served" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--mix", "inline:0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "bad mix" in bad.stderr and "Traceback" not in bad.stderr

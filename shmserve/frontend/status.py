@@ -4,7 +4,9 @@ Owns: the shapes of the model listing (with each model's route for lane
 clients, ``route_of``), the health answer and the ``info``
 answer (with the limits and the last hour's windows ``shmserve doctor``
 reads), ``snapshot()`` (typed values for metrics) and ``sample()`` (what the
-server's ``History`` keeps a minute of).  Everything is read
+server's ``History`` keeps a minute of), and the sum of a model's workers'
+scheduling counters by priority level (``queue_status``, which ``inspect``
+also reads from a dead arena).  Everything is read
 at the moment it is asked for, from the parts that own it: models and their
 workers, the dispatcher's queues and outcome counts, the region table's
 lanes, and the arena's counters and worker table.
@@ -35,7 +37,7 @@ from shmserve.frontend.history import History, Sample, WorkerSample
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.ratelimit import ALL_MODELS, RateLimiter
 from shmserve.frontend.regions import RegionTable
-from shmserve.supervisor import READY, WorkerHandle
+from shmserve.supervisor import READY, STARTING, WorkerHandle
 
 
 GPU_ADDRESSES = ("arena_host", "arena_device")  # keys of a GPU worker's registration that are addresses
@@ -79,6 +81,73 @@ class ModelStatus:
     workers: tuple[WorkerStatus, ...]
     histograms: dict[str, tuple[tuple[int, ...], int]]  # stage -> (bucket counts, sum) over its workers
     memory_bytes: int | None = None  # measured after its load
+    queue: "QueueStatus | None" = None  # its workers' queues by priority level (``queue_status``)
+
+
+@dataclass(frozen=True)
+class QueueLevel:
+    """One priority level of a model's queue, summed over its workers' scheduling counters
+    (``layout.read_sched_counters``)."""
+
+    level: int  # 1 (claimed first) .. the model's priority_levels
+    queued: int  # held by its workers, unclaimed, now (a gauge)
+    claimed: int  # claimed since each worker entry was taken (a total)
+    wait_us: int  # the claimed requests' ready-to-claim waits, summed (microseconds)
+
+    @property
+    def mean_wait_us(self) -> float | None:
+        return round(self.wait_us / self.claimed, 1) if self.claimed else None
+
+    def to_dict(self) -> dict:
+        return {"level": self.level, "queued": self.queued, "claimed": self.claimed, "wait_us": self.wait_us,
+                "mean_wait_us": self.mean_wait_us}
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """A model version's queue by priority level, and its requests not run as asked."""
+
+    levels: tuple[QueueLevel, ...]  # level 1 first
+    expired: int  # answered TIMEOUT unrun: their deadline passed before a claim
+    demoted: int  # queue timeout passed under timeout_action = "delay": moved behind every other
+
+    def to_dict(self) -> dict:
+        return {"levels": [lv.to_dict() for lv in self.levels], "expired": self.expired, "demoted": self.demoted}
+
+
+# A u64 counter at or above this is no count (a gauge taken below zero, or bytes that are not
+# counters: a foreign or torn arena): it is read as 0.
+SANE_COUNT = 1 << 62
+
+
+def queue_status(buf, geometry: layout.Geometry, workers, levels: int | None = None) -> QueueStatus:
+    """The scheduling counters of ``workers`` (pairs: worker table index, whether its process
+    holds a queue now: a gone worker's ``queued`` gauge is its last word, counted 0), summed.
+
+    ``levels``: the levels shown, 1..``levels`` (a model's ``max(priority_levels, 1)``: a worker
+    counts a model without levels at level 1); None (a dead arena's reader, who has no config):
+    1 up to the highest level with any count.  The arena is untrusted: a worker index out of
+    range is LayoutError, a count of ``SANE_COUNT`` or more reads as 0."""
+    def sane(n: int) -> int:
+        return n if n < SANE_COUNT else 0
+
+    queued = [0] * layout.SCHED_LEVELS
+    claimed = [0] * layout.SCHED_LEVELS
+    waited = [0] * layout.SCHED_LEVELS
+    expired = demoted = 0
+    for index, live in workers:
+        c = layout.read_sched_counters(buf, geometry, index)
+        expired += sane(c.expired)
+        demoted += sane(c.demoted)
+        for i, lv in enumerate(c.levels):
+            queued[i] += sane(lv.queued) if live else 0
+            claimed[i] += sane(lv.claimed)
+            waited[i] += sane(lv.wait_us)
+    if levels is None:
+        levels = max([i + 1 for i in range(layout.SCHED_LEVELS) if queued[i] or claimed[i] or waited[i]] or [1])
+    levels = min(max(levels, 1), layout.SCHED_LEVELS)
+    return QueueStatus(tuple(QueueLevel(i + 1, queued[i], claimed[i], waited[i]) for i in range(levels)),
+                       expired, demoted)
 
 
 @dataclass(frozen=True)
@@ -164,7 +233,8 @@ class Status:
         models = tuple(ModelStatus(v.name, v.version, v.phase, self._is_default(v), v.state,
                                    *depths.get(v.key, (0, 0)), tuple(self.worker(w) for w in v.workers),
                                    {stage: layout.read_histograms(self.arena.buf, g, [w.index for w in v.workers], stage)
-                                    for stage in layout.HIST_STAGES}, v.memory.get("measured_bytes"))
+                                    for stage in layout.HIST_STAGES}, v.memory.get("measured_bytes"),
+                                   self.queue_of(v))
                        for v in self.models.versions())
         lifecycle = {"counts": dict(self.lifecycle.counts), "seconds": dict(self.lifecycle.seconds),
                      "canaries": self.canaries()} if self.lifecycle is not None else {}
@@ -177,6 +247,20 @@ class Status:
                         slots=g.slot_count, data_bytes=g.data_size, batch_items=dict(self.batch_items),
                         lane_calls=lane_calls, doors=tuple(self.doors()), rate_limited=self.rate_refusals(),
                         cancelled=self.cancelled())
+
+    def queue_of(self, v: ModelState) -> QueueStatus:
+        """Version ``v``'s queue by priority level (1..``max(priority_levels, 1)``), summed over
+        its workers; a worker not starting or ready (gone, waiting to restart, stopped) holds no
+        queue.  A worker entry taken anew starts from zero (``Supervisor.new_handle`` clears it);
+        a retired worker takes its counts with it."""
+        return queue_status(self.arena.buf, self.arena.geometry,
+                            [(w.index, w.state in (STARTING, READY)) for w in v.workers],
+                            max(v.config.priority_levels, 1))
+
+    def queues(self) -> list[dict]:
+        """``info``'s ``queues``: each model version's queue by priority level (``QueueStatus``)."""
+        return [{"model": v.name, "version": v.version, "priority_levels": v.config.priority_levels,
+                 **self.queue_of(v).to_dict()} for v in self.models.versions()]
 
     def rate_refusals(self) -> dict[tuple[str, str], int]:
         """(limit, model label) -> refusals: every configured limit (0 until it refuses), and any
@@ -366,5 +450,6 @@ class Status:
                 "limits": self.limits(),
                 "cancelled": [{"model": v.name, "version": v.version, **self.cancelled_of(v.name, v.version)}
                               for v in self.models.versions()],
+                "queues": self.queues(),
                 "rate_limits": self.rate.describe(),
                 "history": None if self.history is None else self.history.windows(self.sample(time.monotonic()))}

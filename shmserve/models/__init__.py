@@ -18,6 +18,12 @@
 
   - ``bytes_reverse``: each element of a bytes vector (shape ``["n"]``)
     reversed, so a test sees that the model really ran.
+  - ``sleepy``: ``identity`` that takes ``sleep_us`` microseconds a run,
+    sleeping (a model bound by something other than this CPU, a GPU say), so
+    a few clients saturate it (``shmserve bench --priority-mix``)::
+
+        path = "shmserve.models:sleepy"
+        options = {factory = true, sleep_us = 1000}
 
   A bfloat16 tensor is a numpy array of ``ml_dtypes.bfloat16``; a bytes tensor
   an object array of ``bytes`` (a model may return ``str`` elements: they are
@@ -25,6 +31,8 @@
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -81,3 +89,19 @@ def bytes_reverse(inputs):
 
 bytes_reverse.inputs = [{"name": "x", "dtype": "bytes", "shape": ["n"]}]
 bytes_reverse.outputs = [{"name": "y", "dtype": "bytes", "shape": ["n"]}]
+
+
+def sleepy(config):
+    """A factory (``options = {factory = true, sleep_us = N}``): ``identity`` that sleeps ``N``
+    microseconds (0-10 s) a run.  ValueError for a missing or bad ``sleep_us``."""
+    us = config.options.get("sleep_us")
+    if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= 10_000_000:
+        raise ValueError(f"sleepy needs options.sleep_us, microseconds a run (0-10000000); got {us!r}")
+
+    def model(inputs):
+        time.sleep(us / 1e6)
+        return {"y": inputs["x"]}
+
+    model.inputs = identity.inputs
+    model.outputs = identity.outputs
+    return model
