@@ -11,6 +11,7 @@ its door got is DONE.  Nothing here spawns a process (it is refused); the proces
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import mmap
 import os
@@ -24,7 +25,7 @@ from shmserve import _atomics as atomics
 from shmserve import layout, reservations, workerlink
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Failure, Outputs
+from shmserve.frontend.dispatcher import Failure, LoopClock, Outputs
 from shmserve.frontend.regions import REGION_SLACK, Region, RegionLimits, check_request
 from shmserve.frontend.requests import HOLDING, UNANSWERED, IllegalTransition
 from shmserve.frontend.requests import RequestState as RS
@@ -2010,4 +2011,21 @@ def test_no_max_queue_size_no_limit_of_its_own(fe):
     door = fe.door()
     reqs = fill_slots(fe, door)
     assert fe.dispatcher.queued_for_workers(fe.models.get("add").current) == len(reqs)
+    fe.settle()
+
+
+def test_on_the_servers_clock_a_deadline_is_written_as_it_is_kept(fe):
+    """The server's ``LoopClock`` reads time.monotonic (CLOCK_MONOTONIC): a request's deadline is
+    written in ns as the dispatcher keeps it, with no conversion."""
+    loop = asyncio.new_event_loop()
+    try:
+        assert LoopClock(loop).monotonic is time.monotonic
+    finally:
+        loop.close()
+    fe.clock.now = time.monotonic()
+    fe.dispatcher._monotonic_clock = True  # as a Dispatcher over a LoopClock finds
+    door = fe.door()
+    req = door.infer("add", {"x": floats()}, timeout_s=2)
+    assert sched_of(fe, req)[0].deadline_ns == int(req.deadline * 1e9)
+    assert req.deadline == fe.clock.now + 2
     fe.settle()
