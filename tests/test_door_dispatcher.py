@@ -214,6 +214,7 @@ def test_a_lane_call_carries_its_priority_and_deadline_into_its_lane_slot():
     assert not conn.frames  # served through the lane, not relayed
     sched = layout.decode_slot_sched(lanes_made[0].buf, layout.LANE, call.slot)
     assert sched.priority == 2
+    assert layout.decode_slot_request(lanes_made[0].buf, layout.LANE, call.slot).flags == layout.SLOT_FLAG_OWN_TIMEOUT
     assert before + 2e9 < sched.deadline_ns <= after + 3e9
     d.abandon(call)
     del call

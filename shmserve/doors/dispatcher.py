@@ -11,7 +11,8 @@ looks once more, so a completion published between the look and the arming
 is not lost.
 
 A lane call carries its request's priority and deadline into its lane slot
-(``ClientLane.submit``'s ``priority`` and ``deadline_ns``), as main's
+(``ClientLane.submit``'s ``priority``, ``deadline_ns`` and ``flags``: whether the
+deadline is the client's own timeout), as main's
 dispatcher writes them into an arena slot; a relayed request keeps its
 meta, ``priority`` included.
 
@@ -151,7 +152,9 @@ class LaneDispatcher:
         try:
             slot, call.generation = lane.lane.submit(request_id, plan.view.version, inputs,
                                                      call.base + plan.out_offset, plan.out_capacity,
-                                                     priority=call.parsed.priority, deadline_ns=deadline_ns)
+                                                     priority=call.parsed.priority, deadline_ns=deadline_ns,
+                                                     flags=layout.SLOT_FLAG_OWN_TIMEOUT
+                                                     if call.parsed.timeout_s is not None else 0)
         except Exception as exc:  # noqa: BLE001 - a lane we cannot use: main serves the request
             log.warning("lane %d refused a call (%s); relaying it", lane.region, exc)
             self._forget(call)
