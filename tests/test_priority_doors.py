@@ -212,7 +212,8 @@ def test_a_priority_the_model_has_no_level_for_is_served_at_its_default_level(sr
         assert answer.kind is Kind.RESULT and answer.meta["id"] == rid
     s.sendall(infer_frame(RANKED, 4, next(tags), priority=-1))
     [refusal] = raw_frames.read_frames(s, 1)
-    assert refusal.kind is Kind.ERROR and refusal.meta["code"] == "bad_input" and "'priority'" in refusal.meta["message"]
+    assert refusal.kind is Kind.ERROR and refusal.meta["code"] == "bad_input"
+    assert "'priority'" in refusal.meta["message"]
     s.close()
     h = raw_http.connect(srv.http)
     h.sendall(raw_http.json_infer(RANKED, http_body(next(tags), priority=99), auth()))

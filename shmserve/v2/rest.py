@@ -243,9 +243,9 @@ def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
     dispatcher's.
 
     V2Error: BAD_INPUT (a field of the wrong type, an unknown key or parameter, a timeout or a
-    priority out of range (negative, or not an integer), data and binary_data_size both or neither, binary sizes that do not add up to the
-    bytes after the header), BAD_DTYPE, BAD_SHAPE, BAD_REGION (a shared-memory reference that is
-    incomplete)."""
+    priority out of range or not an integer, data and binary_data_size both or neither, binary
+    sizes that do not add up to the bytes after the header), BAD_DTYPE, BAD_SHAPE, BAD_REGION (a
+    shared-memory reference that is incomplete)."""
     unknown = [k for k in header if k not in REQUEST_KEYS]
     if unknown:
         raise _bad(f"the request has unknown field {_show(unknown[0])} (it takes {', '.join(sorted(REQUEST_KEYS))})")
