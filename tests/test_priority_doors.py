@@ -5,8 +5,9 @@ model's file; a run with ``hold`` waits for the test to open its gate), so the w
 while a test queues requests behind it:
 
 * ``ranked`` (``priority_levels = 3``): low requests (level 3) queued, then a high one (level 1):
-  the high one runs before the queued lows — over the socket (INFER meta ``priority``), over
-  HTTP and over gRPC (Triton's ``priority`` parameter).  The order is observed, never a duration.
+  the high one runs before the queued lows — over the socket (INFER meta ``priority``; main's
+  door, and a door process's on a second server: its lane or a relay to main), over HTTP and
+  over gRPC (Triton's ``priority`` parameter).  The order is observed, never a duration.
 * ``capped`` (``default_queue_policy.max_queue_size = 2``): a third request waiting for its
   worker is refused ``overloaded`` naming the model and ``max_queue_size`` (HTTP 503, as Triton's
   UNAVAILABLE), never run, and nothing stays held.
@@ -51,7 +52,22 @@ tags = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    work = tmp_path_factory.mktemp("prio")
+    with prio_serving(tmp_path_factory.mktemp("prio"), doors=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def door_srv(tmp_path_factory):
+    """The socket served by a door process: an INFER goes through the door's own lane (its
+    priority into the lane slot), or is relayed to main with its meta."""
+    with prio_serving(tmp_path_factory.mktemp("prio-door"), doors=1) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def prio_serving(work, doors: int):
+    """The server of this module's models, its socket served by ``doors`` door processes (0: main's
+    own door)."""
     gates = work / "gates"
     gates.mkdir()
     keys = {RANKED: {"priority_levels": 3, "default_priority_level": 2},
@@ -63,8 +79,7 @@ def srv(tmp_path_factory):
     models = "".join(python_model(name, "serving_models:gated", instances=1, **extra,
                                   options={"factory": True, "record": str(records[name]), "gates": str(gates)})
                      for name, extra in keys.items())
-    # Main's own door serves the socket (a door process's lane calls: tests/test_door_dispatcher.py).
-    with v2_serving(work, models=models, deadlines=30, extra="doors = 0\n") as s:
+    with v2_serving(work, models=models, deadlines=30, extra=f"doors = {doors}\n") as s:
         s.records, s.gates = records, gates
         yield s
 
@@ -92,10 +107,12 @@ def ran(srv, model: str) -> list[int]:
 
 
 def with_worker(srv, model: str, n: int) -> None:
-    """Until ``model``'s worker holds ``n`` requests of the front-end (its running one and those queued)."""
+    """Until ``model``'s worker holds ``n`` requests (its running one and those queued): the
+    front-end's, and a door process's lane calls (as the doors last reported them)."""
     def count():
-        [w] = [w for w in srv.info()["workers"] if w["model"] == model]
-        return w["inflight"]
+        info = srv.info()
+        [w] = [w for w in info["workers"] if w["model"] == model]
+        return w["inflight"] + sum(d["in_flight"] for d in info["doors"])
     wait_for(lambda: count() == n, f"{n} requests with {model}'s worker")
 
 
@@ -146,7 +163,12 @@ def assert_high_first(srv, first: int, high: int, lows: list[int]) -> None:
 # -- priorities ------------------------------------------------------------------------------
 
 @needs_worker_scheduler
-def test_a_high_priority_socket_request_runs_before_the_low_ones_queued_before_it(srv):
+@pytest.mark.parametrize("server", ["srv", "door_srv"], ids=["main's door", "a door process"])
+def test_a_high_priority_socket_request_runs_before_the_low_ones_queued_before_it(server, request):
+    """INFER meta ``priority``, each request on a connection of its own: through main's door (the
+    arena's ring), and through a door process (its lane, once it has one, or relayed to main)."""
+    srv = request.getfixturevalue(server)
+
     def send(tag: int, level: int):
         s = raw_frames.connect(srv.socket)
         s.sendall(infer_frame(RANKED, tag, tag, priority=level))
