@@ -250,10 +250,14 @@ def test_a_priority_the_model_has_no_level_for_is_served_at_its_default_level(sr
 # -- max_queue_size --------------------------------------------------------------------------
 
 def test_past_max_queue_size_a_request_is_refused_overloaded_and_nothing_leaks(srv):
-    """Two requests wait for ``capped``'s busy worker: a third (socket, then HTTP) is refused
-    ``overloaded`` naming the model and max_queue_size (HTTP 503), before a byte of it reaches
-    the arena; it never runs, the two queued do, and the server ends with no slot or space held."""
-    queued, refused = [next(tags), next(tags)], [next(tags), next(tags)]
+    """Two requests wait for ``capped``'s busy worker: a third (socket, HTTP, gRPC) is refused
+    ``overloaded`` naming the model and max_queue_size (HTTP 503, gRPC UNAVAILABLE), before a
+    byte of it reaches the arena; it never runs, the two queued do, and the server ends with no
+    slot or space held."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    queued, refused = [next(tags), next(tags)], [next(tags), next(tags), next(tags)]
     conns = []
     with held(srv, CAPPED):
         for tag in queued:
@@ -273,6 +277,12 @@ def test_past_max_queue_size_a_request_is_refused_overloaded_and_nothing_leaks(s
         answer = raw_http.Reader(h).one()
         assert answer.status == 503 and "max_queue_size" in answer.error and "capped" in answer.error
         h.close()
+        with triton_client(grpcclient, srv.grpc) as client:
+            inp = grpcclient.InferInput("x", [2], "FP32")
+            inp.set_data_from_numpy(np.array(x(refused[2]), np.float32))
+            with pytest.raises(InferenceServerException) as refusal:
+                client.infer(CAPPED, [inp])
+        assert refusal.value.status() == "StatusCode.UNAVAILABLE" and "max_queue_size" in str(refusal.value)
         stats = srv.info()["stats"]
         assert stats["slots_in_use"] == 3  # the held call and the two queued: the refusals hold nothing
     for s, tag in zip(conns, queued):
