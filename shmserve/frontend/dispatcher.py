@@ -333,7 +333,8 @@ class Dispatcher:
             raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
                                                       f"this connection (server.max_inflight_per_connection)")
         limit = model.config.max_queue_size
-        if limit:
+        # (what its workers hold bounds it from above: each slot is looked at only near the limit)
+        if limit and len(self.parked.get(model) or ()) + sum(len(w.inflight) for w in model.workers) >= limit:
             queued = self.queued_for_workers(model)
             if queued >= limit:
                 raise ShmserveError(ErrorCode.OVERLOADED, f"model {model.name!r} has {queued} requests waiting for "
