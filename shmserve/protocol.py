@@ -70,6 +70,7 @@ MAX_DIMS = 8
 MAX_REQUEST_ID = 2**63 - 1
 MAX_TIMEOUT_S = 86400  # a request's timeout_s: a day is longer than any inference should wait
 MAX_VERSION = 2**31 - 1  # a model version: a positive integer
+MAX_PRIORITY = 2**32 - 1  # a request's priority: a slot's u32 (levels above the model's are its default level)
 MAX_INSTANCES = 64  # workers of one model version (config's bound on instances)
 REGION_SLACK = 1 << 20  # a region may hold one largest request (server.max_request_bytes) plus this much
 SUPPORTED_DTYPES = tuple(layout.DTYPE_CODES)  # bool, ints, floats, bfloat16, bytes (docs/protocol.md)
@@ -394,6 +395,7 @@ class InferRequest:
     output_capacity: int | None = None
     version: int | None = None  # the model version asked for (None: the model's default)
     key: str | None = None  # a routing key: a canary sends the same key to the same version
+    priority: int = 0  # its priority level: 1 is served first; 0 (or above the model's levels): the model's default
 
 
 _ITEMSIZE = layout.ITEMSIZES
@@ -481,7 +483,8 @@ def parse_tensor_list(items, what: str, *, with_offset: bool) -> tuple[TensorMet
 
 
 def parse_infer(meta: dict, *, zero_copy: bool) -> InferRequest:
-    """Validate an INFER or INFER_REGION message.  Raises ProtocolViolation naming the field."""
+    """Validate an INFER or INFER_REGION message.  Raises ProtocolViolation naming the field
+    (BAD_INPUT for a ``priority`` that is not an integer in [0, MAX_PRIORITY])."""
     rid = _int(meta, "id", 0, MAX_REQUEST_ID)
     model = parse_name(meta.get("model"), "'model'")
     inputs = parse_tensor_list(meta.get("inputs"), "inputs", with_offset=zero_copy)
@@ -490,12 +493,13 @@ def parse_infer(meta: dict, *, zero_copy: bool) -> InferRequest:
              f"'timeout_s' must be a number of seconds in (0, {MAX_TIMEOUT_S}]")
     version = _int(meta, "version", 1, MAX_VERSION) if meta.get("version") is not None else None
     key = parse_name(meta["key"], "'key'") if meta.get("key") is not None else None
+    priority = _int(meta, "priority", 0, MAX_PRIORITY, ErrorCode.BAD_INPUT) if "priority" in meta else 0
     if not zero_copy:
-        return InferRequest(rid, model, inputs, timeout, version=version, key=key)
+        return InferRequest(rid, model, inputs, timeout, version=version, key=key, priority=priority)
     region = _int(meta, "region", 1, 2**32 - 1, ErrorCode.BAD_REGION)
     out_off = _int(meta, "output_offset", 0, MAX_DATA, ErrorCode.BAD_REGION)
     out_cap = _int(meta, "output_capacity", 0, MAX_DATA, ErrorCode.BAD_REGION)
-    return InferRequest(rid, model, inputs, timeout, region, out_off, out_cap, version, key)
+    return InferRequest(rid, model, inputs, timeout, region, out_off, out_cap, version, key, priority)
 
 
 @dataclass(frozen=True)

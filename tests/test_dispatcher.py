@@ -11,10 +11,12 @@ its door got is DONE.  Nothing here spawns a process (it is refused); the proces
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import mmap
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from shmserve import _atomics as atomics
 from shmserve import layout, reservations, workerlink
 from shmserve.config import spin_default_us
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Failure, Outputs
+from shmserve.frontend.dispatcher import Failure, LoopClock, Outputs
 from shmserve.frontend.regions import REGION_SLACK, Region, RegionLimits, check_request
 from shmserve.frontend.requests import HOLDING, UNANSWERED, IllegalTransition
 from shmserve.frontend.requests import RequestState as RS
@@ -1893,3 +1895,137 @@ def test_lane_churn_on_a_busy_worker_cannot_crowd_requests_off_its_ring(make):
         np.testing.assert_array_equal(door.results[r]["y"], floats(start=i) + 1)
     w.read_commands()
     assert not recorded(fe) and not fe.regions.closing
+
+
+# -- scheduling: what a slot carries, max_queue_size (issue 29) --------------------------------
+
+def configure(fe, name: str = "add", **changes):
+    """Change ``name``'s current version's config (``priority_levels``, ``max_queue_size``...)."""
+    version = fe.models.get(name).current
+    version.config = dataclasses.replace(version.config, **changes)
+    return version
+
+
+def sched_of(fe, req) -> tuple[layout.SlotSched, int]:
+    """(priority, caller, deadline_ns) and flags, as ``req``'s slot holds them."""
+    g = fe.arena.geometry
+    return layout.decode_slot_sched(fe.arena.buf, g, req.slot), layout.decode_slot_request(fe.arena.buf, g,
+                                                                                           req.slot).flags
+
+
+def test_a_slot_carries_its_priority_its_caller_and_its_deadline_on_clock_monotonic(fe):
+    """Each published slot holds the client's level (0, and one above the model's priority_levels,
+    written as 0: the model's default, Triton's rule), its door's caller key, and its deadline
+    converted from the dispatcher's clock (a fake one here) to CLOCK_MONOTONIC ns, flagged
+    SLOT_FLAG_OWN_TIMEOUT only when the client set its own timeout."""
+    configure(fe, priority_levels=3)
+    door, other = fe.door(), fe.door()
+    door.caller, other.caller = 7, 8
+    before = time.monotonic_ns()
+    high = door.infer("add", {"x": floats()}, priority=1, timeout_s=2)
+    low = other.infer("add", {"x": floats()}, priority=3)
+    default = door.infer("add", {"x": floats()})
+    above = door.infer("add", {"x": floats()}, priority=4, timeout_s=0.5)
+    after = time.monotonic_ns()
+    cap = fe.dispatcher.limits.request_timeout_s
+    expected = [(high, 1, 7, 2.0, layout.SLOT_FLAG_OWN_TIMEOUT), (low, 3, 8, cap, 0), (default, 0, 7, cap, 0),
+                (above, 0, 7, 0.5, layout.SLOT_FLAG_OWN_TIMEOUT)]
+    for req, level, caller, timeout, flags in expected:
+        sched, slot_flags = sched_of(fe, req)
+        assert (sched.priority, sched.caller, slot_flags) == (level, caller, flags)
+        assert before + timeout * 1e9 <= sched.deadline_ns <= after + timeout * 1e9
+    fe.settle()
+    assert all(isinstance(door.answer_of(r) if r in door.answers else other.answer_of(r), Outputs)
+               for r, *_ in expected)
+
+
+def test_without_priority_levels_every_request_is_the_default_level(fe):
+    """A model of one level (priority_levels 0): whatever a client asks, its slot says 0."""
+    door = fe.door()
+    req = door.infer("add", {"x": floats()}, priority=2)
+    assert sched_of(fe, req)[0].priority == 0 and sched_of(fe, req)[0].caller == 0  # a door without a key
+    fe.settle()
+
+
+def test_a_request_republished_after_its_worker_died_keeps_its_priority_caller_and_deadline(fe):
+    """Unclaimed on a dead worker's ring, it goes to the restarted one with the same level, caller
+    and deadline: the deadline on CLOCK_MONOTONIC is the one set at submission, the time the
+    restart took gone from it."""
+    configure(fe, priority_levels=2)
+    door, w = fe.door(), fe.workers[0]
+    door.caller = 42
+    before = time.monotonic_ns()
+    req = door.infer("add", {"x": floats()}, priority=2, timeout_s=3)
+    fe.kill(w)
+    assert list(parked(fe, "add")) == [req]
+    fe.clock.advance(1)
+    fe.restart(w)
+    after = time.monotonic_ns()
+    sched, flags = sched_of(fe, req)
+    assert (sched.priority, sched.caller, flags) == (2, 42, layout.SLOT_FLAG_OWN_TIMEOUT)
+    assert before + 2e9 <= sched.deadline_ns <= after + 2e9
+    fe.settle()
+    np.testing.assert_array_equal(door.results[req]["y"], floats() + 1)
+
+
+def test_max_queue_size_refuses_past_the_requests_waiting_for_the_models_workers(fe):
+    """Published and unclaimed requests count; one claimed (RUNNING) does not.  One past the limit
+    is refused OVERLOADED at submission, naming the model and max_queue_size, holding nothing; the
+    door never receives its payload."""
+    configure(fe, max_queue_size=2)
+    door, w = fe.door(), fe.workers[0]
+    first, second = door.infer("add", {"x": floats()}), door.infer("add", {"x": floats(start=1)})
+    assert fe.dispatcher.queued_for_workers(fe.models.get("add").current) == 2
+    with pytest.raises(ShmserveError) as refused:
+        door.infer("add", {"x": floats(start=2)})
+    assert refused.value.code is ErrorCode.OVERLOADED
+    assert "'add'" in refused.value.message and "max_queue_size (2)" in refused.value.message
+    assert held(fe) == (2, 2 * 4096) and len(door.requests) == 2
+    jobs = w.claim()  # both RUNNING: nothing waits for a worker now
+    third = door.infer("add", {"x": floats(start=3)})
+    assert third.state is RS.QUEUED
+    for job in jobs:
+        w.complete(job)
+    fe.settle()
+    for i, r in enumerate((first, second, third)):
+        np.testing.assert_array_equal(door.results[r]["y"], floats(start=(0, 1, 3)[i]) + 1)
+
+
+def test_max_queue_size_counts_requests_parked_while_the_workers_restart(fe):
+    """Parked requests wait for the model's workers too: they count against max_queue_size."""
+    configure(fe, max_queue_size=1)
+    door, w = fe.door(), fe.workers[0]
+    fe.kill(w)
+    parked_req = door.infer("add", {"x": floats()})
+    assert parked_req.state is RS.WAITING
+    with pytest.raises(ShmserveError) as refused:
+        door.infer("add", {"x": floats()})
+    assert refused.value.code is ErrorCode.OVERLOADED and "max_queue_size" in refused.value.message
+    fe.restart(w)
+    fe.settle()
+    np.testing.assert_array_equal(door.results[parked_req]["y"], floats() + 1)
+
+
+def test_no_max_queue_size_no_limit_of_its_own(fe):
+    """max_queue_size 0 (the default): only the arena and server.max_waiting bound the queue."""
+    door = fe.door()
+    reqs = fill_slots(fe, door)
+    assert fe.dispatcher.queued_for_workers(fe.models.get("add").current) == len(reqs)
+    fe.settle()
+
+
+def test_on_the_servers_clock_a_deadline_is_written_as_it_is_kept(fe):
+    """The server's ``LoopClock`` reads time.monotonic (CLOCK_MONOTONIC): a request's deadline is
+    written in ns as the dispatcher keeps it, with no conversion."""
+    loop = asyncio.new_event_loop()
+    try:
+        assert LoopClock(loop).monotonic is time.monotonic
+    finally:
+        loop.close()
+    fe.clock.now = time.monotonic()
+    fe.dispatcher._monotonic_clock = True  # as a Dispatcher over a LoopClock finds
+    door = fe.door()
+    req = door.infer("add", {"x": floats()}, timeout_s=2)
+    assert sched_of(fe, req)[0].deadline_ns == int(req.deadline * 1e9)
+    assert req.deadline == fe.clock.now + 2
+    fe.settle()

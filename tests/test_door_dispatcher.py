@@ -6,8 +6,10 @@ itself, through real servers: tests/test_doors.py."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
+import time
 
 import pytest
 
@@ -119,9 +121,9 @@ def test_the_link_carries_messages_data_and_descriptors_in_order():
     asyncio.run(run())
 
 
-def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
-    """Two connections' calls begun on one lane before either's payload has arrived: each has its
-    own slot (and part of the lane); one abandoned before it was submitted gives its slot back."""
+def lane_dispatcher() -> tuple[LaneDispatcher, LanePool, list, list]:
+    """A lane dispatcher whose pool opens a lane (a memfd, a worker assigned) the first time one
+    is asked for: (dispatcher, pool, views asked for, lanes made)."""
     directory = Directory()
     directory.update(models_message())
     asked = []
@@ -139,7 +141,14 @@ def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
         lanes_made.append(lane)
 
     pool.ask = ask
-    d = LaneDispatcher(directory, pool, count=lambda *a: None, limits=lambda: (30.0, 1 << 20))
+    return LaneDispatcher(directory, pool, count=lambda *a: None, limits=lambda: (30.0, 1 << 20)), pool, asked, \
+        lanes_made
+
+
+def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
+    """Two connections' calls begun on one lane before either's payload has arrived: each has its
+    own slot (and part of the lane); one abandoned before it was submitted gives its slot back."""
+    d, pool, asked, lanes_made = lane_dispatcher()
     parsed = infer(n=8)
     plan = d.carries(parsed, 32)
     assert d.begin("conn", "entry", parsed, plan) is None and len(asked) == 1  # no lane yet: relayed, one asked
@@ -153,4 +162,60 @@ def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
     del a, b  # their input views of the lane, before it is unmapped
     d.calls.clear()
     lane.calls.clear()
+    pool.close_all()
+
+
+class Relays:
+    """A door connection as the lane dispatcher sees it: what it relays to main."""
+
+    def __init__(self):
+        self.frames = []
+
+    def relay_call(self, call, frame: bytes) -> None:
+        self.frames.append(frame)
+
+
+def relayed_meta(frame: bytes) -> dict:
+    conn = protocol.Connection(protocol.Role.SERVER)
+    conn.receive_data(frame)
+    return conn.next_event().meta
+
+
+def test_a_lane_call_relayed_to_main_keeps_its_priority():
+    """A call the door relays after all (its lane refused it) is sent to main with the client's
+    meta: its priority too, so main schedules it as the client asked."""
+    d, pool, _, _ = lane_dispatcher()
+    parsed = infer(n=8, priority=2, timeout_s=3)
+    plan = d.carries(parsed, 32)
+    d.begin("conn", "entry", parsed, plan)  # asks for a lane
+    call = d.begin(Relays(), "entry", parsed, plan)
+    meta = relayed_meta(d._frame_of(call))
+    assert meta["priority"] == 2 and meta["timeout_s"] == 3 and meta["id"] == 7
+    assert "priority" not in relayed_meta(d._frame_of(d.begin(Relays(), "e", infer(n=8), plan)))
+    del call
+    d.calls.clear()
+    pool.close_all()
+
+
+@pytest.mark.skipif("priority" not in inspect.signature(lanes.ClientLane.submit).parameters,
+                    reason="needs the worker side's ClientLane.submit(priority=, deadline_ns=) (issue 29, schedw)")
+def test_a_lane_call_carries_its_priority_and_deadline_into_its_lane_slot():
+    """A call the door serves through its own lane writes the client's level and its deadline on
+    CLOCK_MONOTONIC into the lane slot, as main's dispatcher does into an arena slot."""
+    d, pool, _, lanes_made = lane_dispatcher()
+    parsed = infer(n=8, priority=2, timeout_s=3)
+    plan = d.carries(parsed, 32)
+    d.begin("conn", "entry", parsed, plan)  # asks for a lane
+    conn = Relays()
+    call = d.begin(conn, "entry", parsed, plan)
+    before = time.monotonic_ns()
+    d.submit(call)
+    after = time.monotonic_ns()
+    assert not conn.frames  # served through the lane, not relayed
+    sched = layout.decode_slot_sched(lanes_made[0].buf, layout.LANE, call.slot)
+    assert sched.priority == 2
+    assert layout.decode_slot_request(lanes_made[0].buf, layout.LANE, call.slot).flags == layout.SLOT_FLAG_OWN_TIMEOUT
+    assert before + 2e9 < sched.deadline_ns <= after + 3e9
+    d.abandon(call)
+    del call
     pool.close_all()

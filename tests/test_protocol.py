@@ -203,6 +203,22 @@ def test_parse_infer_schema():
         assert info.value.code is ErrorCode.BAD_REGION
 
 
+def test_parse_infer_priority():
+    """``priority``: an integer in [0, 2**32 - 1], 0 when left out, on INFER and INFER_REGION;
+    anything else is BAD_INPUT naming the field."""
+    good = {"id": 5, "model": "demo", "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}]}
+    assert protocol.parse_infer(good, zero_copy=False).priority == 0
+    for value in (0, 1, 7, 2**32 - 1):
+        assert protocol.parse_infer(good | {"priority": value}, zero_copy=False).priority == value
+    zc = good | {"inputs": [{"name": "x", "dtype": "float32", "shape": [2], "offset": 0}], "region": 1,
+                 "output_offset": 64, "output_capacity": 64, "priority": 3}
+    assert protocol.parse_infer(zc, zero_copy=True).priority == 3
+    for value in (-1, 2**32, 1.0, "1", True, None, [1]):
+        with pytest.raises(ProtocolViolation) as info:
+            protocol.parse_infer(good | {"priority": value}, zero_copy=False)
+        assert info.value.code is ErrorCode.BAD_INPUT and "'priority'" in info.value.message, value
+
+
 def test_encode_frame_layout():
     raw = protocol.encode_frame(Kind.MODELS, {"id": 1}, 0)
     magic, version, kind, meta_len, data_len = protocol.FRAME_HEADER.unpack_from(raw)

@@ -301,8 +301,9 @@ def test_errors_carry_tritons_words_and_statuses(hc, gc):
         with pytest.raises(InferenceServerException, match="Request for unknown model: 'no_such_model'") as e:
             client.infer("no_such_model", [missing])
         assert e.value.status() == status
-        with pytest.raises(InferenceServerException, match=r"\] \[bad_input\] parameter 'priority'"):
-            client.infer("identity", [inp], priority=3)
+        good = mod.InferInput("x", [4], "UINT8")  # a priority is taken (a level above the model's: its default)
+        good.set_data_from_numpy(np.arange(4, dtype=np.uint8))
+        assert (client.infer("identity", [good], priority=3).as_numpy("y") == np.arange(4, dtype=np.uint8)).all()
 
 
 # -- system shared memory ----------------------------------------------------------------------------

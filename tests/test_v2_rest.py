@@ -261,8 +261,11 @@ def test_bytes_after_the_header_with_no_binary_input_are_refused():
     (request(parameters={"sequence_id": "corr-1"}), ErrorCode.BAD_INPUT, ["sequence_id"]),
     (request(parameters={"sequence_start": True}), ErrorCode.BAD_INPUT, ["sequence_start"]),
     (request(parameters={"sequence_end": 1}), ErrorCode.BAD_INPUT, ["sequence_end"]),
-    (request(parameters={"priority": 1}), ErrorCode.BAD_INPUT, ["priority"]),
-    (request(parameters={"priority": -1}), ErrorCode.BAD_INPUT, ["priority"]),
+    (request(parameters={"priority": -1}), ErrorCode.BAD_INPUT, ["'priority'"]),
+    (request(parameters={"priority": 1.0}), ErrorCode.BAD_INPUT, ["'priority'"]),
+    (request(parameters={"priority": "1"}), ErrorCode.BAD_INPUT, ["'priority'"]),
+    (request(parameters={"priority": True}), ErrorCode.BAD_INPUT, ["'priority'"]),
+    (request(parameters={"priority": 2**64}), ErrorCode.BAD_INPUT, ["'priority'"]),
     (request(parameters={"timeout": -1}), ErrorCode.BAD_INPUT, ["'timeout'", "[0, 86400000000]"]),
     (request(parameters={"timeout": 86_400_000_001}), ErrorCode.BAD_INPUT, ["'timeout'"]),
     (request(parameters={"timeout": 2**64}), ErrorCode.BAD_INPUT, ["'timeout'"]),
@@ -341,6 +344,14 @@ def test_every_field_is_checked(header, code, words):
     message = refused(code, rest.parse_infer, "m", None, header)
     assert all(w in message for w in words), message
     assert len(message) < 400 and "n" * 100 not in message and "i" * 100 not in message
+
+
+def test_priority_is_taken_as_triton_takes_it():
+    """Triton's ``priority`` is a uint64: a level (1 first), or 0 (or left out) for the model's
+    default; one that no slot's u32 holds is above every model's levels: the default level too."""
+    for given, level in ((None, 0), (0, 0), (1, 1), (3, 3), (2**32 - 1, 2**32 - 1), (2**32, 0), (2**64 - 1, 0)):
+        params = {} if given is None else {"priority": given}
+        assert rest.parse_infer("m", None, request(parameters=params)).priority == level, given
 
 
 def test_zero_and_absent_optional_parameters_are_taken():

@@ -10,6 +10,12 @@ a call of one of its lanes if the door armed that lane's completion ring
 looks once more, so a completion published between the look and the arming
 is not lost.
 
+A lane call carries its request's priority and deadline into its lane slot
+(``ClientLane.submit``'s ``priority``, ``deadline_ns`` and ``flags``: whether the
+deadline is the client's own timeout), as main's
+dispatcher writes them into an arena slot; a relayed request keeps its
+meta, ``priority`` included.
+
 What the door serves itself is only what main would accept as it is: an
 INFER (inline) whose model and version the directory routes (no rollout, a
 serving version with a spec), every input a fixed-size dtype the spec
@@ -140,9 +146,15 @@ class LaneDispatcher:
         request_id, self.next_id = self.next_id, self.next_id + 1
         lane.arm()  # before it is published: its worker rings the door's eventfd when it is done
         lane.lane.free.append(call.slot)  # the slot it reserved: the one ClientLane.submit takes next
+        # Scheduled as main's requests are (``Dispatcher._publish``): the client's level (its worker
+        # takes 0 or one above the model's levels as the default) and the deadline on CLOCK_MONOTONIC.
+        deadline_ns = time.monotonic_ns() + max(1, int((call.deadline - self.clock()) * 1e9))
         try:
             slot, call.generation = lane.lane.submit(request_id, plan.view.version, inputs,
-                                                     call.base + plan.out_offset, plan.out_capacity)
+                                                     call.base + plan.out_offset, plan.out_capacity,
+                                                     priority=call.parsed.priority, deadline_ns=deadline_ns,
+                                                     flags=layout.SLOT_FLAG_OWN_TIMEOUT
+                                                     if call.parsed.timeout_s is not None else 0)
         except Exception as exc:  # noqa: BLE001 - a lane we cannot use: main serves the request
             log.warning("lane %d refused a call (%s); relaying it", lane.region, exc)
             self._forget(call)
@@ -234,6 +246,8 @@ class LaneDispatcher:
             value = getattr(parsed, field)
             if value is not None:
                 meta[field] = value
+        if parsed.priority:
+            meta["priority"] = parsed.priority
         payload = b"".join(bytes(s) for s in call.sinks)
         return protocol.encode_frame(Kind.INFER, meta, len(payload)) + payload
 

@@ -33,6 +33,17 @@ ready worker of the model, or is parked too.  A model whose workers failed
 for good (they cannot load it) answers MODEL_UNAVAILABLE, parked requests
 included.
 
+Scheduling (issue 29): every request's slot carries what its worker orders
+it by (``shmserve.scheduling``): its priority level (the client's, 0 or one
+above its model's ``priority_levels`` written as 0: the model's default
+level), a caller key its door assigned (``Door.caller``: per connection,
+never chosen by a client; 0: unknown) and its deadline on CLOCK_MONOTONIC ns
+(a worker never starts a request past it), flagged SLOT_FLAG_OWN_TIMEOUT
+when the client set its own timeout.  A model version's
+``max_queue_size`` bounds its requests waiting for its workers (published
+and not yet claimed, and parked): one more is refused OVERLOADED at
+``submit``, before its payload is received.
+
 Data path (the copies are the product): an inline request's inputs are
 received by its door straight into arena space (``Door.admitted`` hands it
 views of the extent), and its outputs are answered as views of the arena
@@ -46,6 +57,7 @@ anything about lanes (``shmserve.frontend.regions``).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import random
 import time
@@ -129,7 +141,13 @@ class Door(Protocol):
     A method that raises is a broken door: the dispatcher calls its ``abort`` and drops the
     request, whatever state it was in (``Dispatcher._door_raised``), so no exception of a door
     can leak a slot, an extent or a place in a queue, nor reach the completion loop.
+
+    ``caller``: the key its requests are scheduled under for fairness between callers of one
+    model (``new_caller``: one per connection, or per peer), never chosen by a client; a door
+    without one is caller 0 (unknown).
     """
+
+    caller: int
 
     def in_flight(self) -> int:
         """Requests submitted through this door and not yet written back (the per-door limit)."""
@@ -155,6 +173,15 @@ class Door(Protocol):
         transport aborted drops what it had not sent); its requests are dropped as when the
         connection is lost (now or later), and a caller it can still answer is answered.  The
         dispatcher then drops the request the raise was about.  Must not raise."""
+
+
+_callers = itertools.count(1)
+
+
+def new_caller() -> int:
+    """A caller key for a new connection (``Door.caller``): nonzero, fits a slot's u32, and
+    reused only after 2**32 - 1 others."""
+    return next(_callers) % 0xFFFF_FFFF + 1
 
 
 class Clock(Protocol):
@@ -233,6 +260,7 @@ class Dispatcher:
         # (model, version, stage) -> requests whose caller gave up (``drop``, ``cancel``): CANCEL_STAGES
         self.cancelled: collections.Counter = collections.Counter()
         self.stopping = False
+        self._monotonic_clock = clock.monotonic is time.monotonic  # its times are CLOCK_MONOTONIC seconds
         self._polling = False
         self._poll_until = 0.0
 
@@ -304,7 +332,17 @@ class Dispatcher:
         if door.in_flight() >= self.limits.max_inflight_per_door:
             raise ShmserveError(ErrorCode.OVERLOADED, f"{self.limits.max_inflight_per_door} requests in flight on "
                                                       f"this connection (server.max_inflight_per_connection)")
+        limit = model.config.max_queue_size
+        # (what its workers hold bounds it from above: each slot is looked at only near the limit)
+        if limit and len(self.parked.get(model) or ()) + sum(len(w.inflight) for w in model.workers) >= limit:
+            queued = self.queued_for_workers(model)
+            if queued >= limit:
+                raise ShmserveError(ErrorCode.OVERLOADED, f"model {model.name!r} has {queued} requests waiting for "
+                                                          f"its workers, its default_queue_policy's max_queue_size "
+                                                          f"({limit}): retry later, or raise max_queue_size")
         now = self.clock.monotonic()
+        sched = {"priority": parsed.priority, "caller": getattr(door, "caller", 0),
+                 "own_timeout": parsed.timeout_s is not None}
         if model.phase in (EVICTED, UNLOADED):  # loaded on demand (Models.resolve let only such through)
             self.load_on_demand(model)
         if model.spec is None or not model.waitable:
@@ -315,12 +353,23 @@ class Dispatcher:
                 raise ShmserveError(ErrorCode.BAD_REGION, f"region {parsed.region} is not open on this connection")
             model.last_used = now
             return Request(door, parsed.id, model, parsed.inputs, timeout, deadline=now + timeout, started=now,
-                           named_version=parsed.version is not None, unchecked=(parsed, payload_bytes, region))
+                           named_version=parsed.version is not None, unchecked=(parsed, payload_bytes, region),
+                           **sched)
         req = Request(door, parsed.id, model, parsed.inputs, timeout, deadline=now + timeout, started=now,
-                      named_version=parsed.version is not None)
+                      named_version=parsed.version is not None, **sched)
         self._check_inputs(req, parsed, payload_bytes, region)
         model.last_used = now
         return req
+
+    def queued_for_workers(self, version: ModelState) -> int:
+        """``version``'s requests waiting for its workers: on their rings and not yet claimed (READY),
+        and parked (waiting for a ready worker).  What ``max_queue_size`` bounds."""
+        status, ready = self.arena.slot_status, _READY
+        count = len(self.parked.get(version) or ())
+        for w in version.workers:
+            for index in w.inflight:
+                count += status(index)[1] == ready
+        return count
 
     def _check_inputs(self, req: Request, parsed: InferRequest, payload_bytes: int, region: Region | None) -> None:
         """Check ``req``'s inputs against its version's spec and its size against the limits
@@ -540,11 +589,20 @@ class Dispatcher:
                 self._answer_unclaimed(req, Failure(*refusal))
                 return
         buf, g, index = self.buf, self.geometry, req.slot
+        priority = req.priority
+        if not 0 < priority <= req.model.config.priority_levels:  # Triton's rule: the model's default level
+            priority = 0
+        # The deadline on CLOCK_MONOTONIC: the loop's clock is time.monotonic, which reads it; any other
+        # (a test's) is converted by what is left of the request's time.
+        deadline_ns = int(req.deadline * 1e9) if self._monotonic_clock else \
+            time.monotonic_ns() + max(1, int((req.deadline - self.clock.monotonic()) * 1e9))
         # A QUEUED request's slot is READY on no live ring: nobody else can touch its record now.
         layout.encode_slot_request(buf, g, index, request_id=req.id, model_id=req.model.index,
                                    worker=worker.index, n_inputs=len(req.inputs),
                                    out_region=req.region.id if req.zero_copy else 0, out_off=req.out_offset,
-                                   out_capacity=req.out_capacity)
+                                   out_capacity=req.out_capacity, priority=priority, caller=req.caller,
+                                   deadline_ns=deadline_ns,
+                                   flags=layout.SLOT_FLAG_OWN_TIMEOUT if req.own_timeout else 0)
         if req.state is RequestState.ADMITTED:
             self.arena.stamp(index, "t_ready")
             # Order matters here: descriptors and (inline) input bytes are complete before READY.

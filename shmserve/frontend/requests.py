@@ -158,6 +158,9 @@ class Request:
     started: float = 0.0  # the clock's time at submission (latency for canary analysis)
     unchecked: "Any" = None  # (parsed, payload_bytes, region): inputs to check once its version has loaded (on demand)
     shadow: "Any" = None  # a shadow copy's comparison (canary shadow mode), set on the copy only
+    priority: int = 0  # the level its client asked for (0: the model's default; written to its slot)
+    caller: int = 0  # its door's caller key (fairness between callers; 0: unknown)
+    own_timeout: bool = False  # its client set its own timeout (SLOT_FLAG_OWN_TIMEOUT)
 
     @property
     def zero_copy(self) -> bool:

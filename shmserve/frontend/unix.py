@@ -54,7 +54,7 @@ from pathlib import Path
 
 from shmserve import lanes, layout, protocol
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs
+from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs, new_caller
 from shmserve.frontend.ratelimit import Caller, RateLimiter
 from shmserve.frontend.regions import RegionTable
 from shmserve.frontend.requests import Request, RequestState
@@ -473,6 +473,7 @@ class ClientConnection(FramePump):
         self.pid = self.uid = -1
         self.groups: set[int] = set()
         self._caller: Caller | None = None
+        self.caller = new_caller()  # its requests' key for fairness between callers (Door.caller)
 
     def connection_made(self, transport) -> None:
         self.transport = transport

@@ -115,6 +115,7 @@ class InferRequest:
     binary_outputs: bool = False  # HTTP: the request's parameters.binary_data_output
     timeout_s: float | None = None  # parameters.timeout (microseconds on the wire); None: the server's
     key: str | None = None  # parameters.routing_key: a canary sends the same key to the same version
+    priority: int = 0  # parameters.priority: 1 is served first; 0 (or above the model's levels): its default level
     body: BodyReceiver | None = None  # receives the inputs whose data is ``Incoming``
 
 

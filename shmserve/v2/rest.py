@@ -218,6 +218,7 @@ def _shm_ref(params: dict, what: str) -> ShmRef | None:
 
 # -- infer requests --------------------------------------------------------------------------------
 
+MAX_V2_PRIORITY = 2**64 - 1  # Triton's priority is a uint64; a level above the model's is its default level
 REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs", "model_name", "model_version"})
 REQUEST_PARAMETERS = frozenset({"binary_data_output", "timeout", "routing_key", "priority", "sequence_id",
                                 "sequence_start", "sequence_end"})
@@ -237,10 +238,14 @@ def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
     ``raw_input_contents``); or, with ``streamed`` (how many bytes follow the header, still in
     the socket), they are ``Incoming``.
 
-    V2Error: BAD_INPUT (a field of the wrong type, an unknown key or parameter, a timeout out of
-    range, data and binary_data_size both or neither, binary sizes that do not add up to the
-    bytes after the header), BAD_DTYPE, BAD_SHAPE, BAD_REGION (a shared-memory reference that is
-    incomplete)."""
+    ``priority`` (Triton's: a uint64; 0, left out, or a level above the model's
+    ``priority_levels``: its default level) is checked here; which level it means is the
+    dispatcher's.
+
+    V2Error: BAD_INPUT (a field of the wrong type, an unknown key or parameter, a timeout or a
+    priority out of range or not an integer, data and binary_data_size both or neither, binary
+    sizes that do not add up to the bytes after the header), BAD_DTYPE, BAD_SHAPE, BAD_REGION (a
+    shared-memory reference that is incomplete)."""
     unknown = [k for k in header if k not in REQUEST_KEYS]
     if unknown:
         raise _bad(f"the request has unknown field {_show(unknown[0])} (it takes {', '.join(sorted(REQUEST_KEYS))})")
@@ -251,8 +256,9 @@ def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
     for key in ("sequence_id", "sequence_start", "sequence_end"):
         if params.get(key) not in (None, 0, "", False):
             raise _bad(f"parameter {key!r}: shmserve has no sequence batching (stateful models are not served)")
-    if params.get("priority") not in (None, 0):
-        raise _bad("parameter 'priority': shmserve serves requests in arrival order (give 0 or leave it out)")
+    priority = _int_param(params, "priority", "the request", MAX_V2_PRIORITY) or 0
+    if priority > protocol.MAX_PRIORITY:  # above every model's levels: its default level, as Triton does
+        priority = 0
     timeout_us = _int_param(params, "timeout", "the request", protocol.MAX_TIMEOUT_S * 1_000_000)
     key = _str_param(params, "routing_key", "the request")
     binary_out = bool(_bool_param(params, "binary_data_output", "the request"))
@@ -292,7 +298,7 @@ def parse_infer(model: str, version: str | None, header: dict, *, binary=None,
             raise _bad(f"'outputs' must be a list of at most {protocol.MAX_TENSORS_PER_MESSAGE} tensors")
         outputs = [_parse_output(i, item) for i, item in enumerate(raw_out)]
     return InferRequest(model, version, rid, inputs, outputs, binary_out,
-                        timeout_us / 1e6 if timeout_us else None, key)
+                        timeout_us / 1e6 if timeout_us else None, key, priority=priority)
 
 
 def _tensor_object(item, where: str, keys: frozenset[str], kind: str) -> tuple[str, str]:

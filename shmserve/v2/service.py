@@ -36,7 +36,7 @@ from typing import Callable
 
 from shmserve import __version__, protocol
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs
+from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs, new_caller
 from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
 from shmserve.frontend.ratelimit import Caller as RateCaller, RateLimiter
 from shmserve.frontend.requests import Request
@@ -303,6 +303,7 @@ class V2Door:
         self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
         self.ids = itertools.count(1)
         self.on_abort: Callable[[Exception], None] | None = None  # the connection's end (HTTP)
+        self.caller = new_caller()  # its requests' key for fairness between callers (Door.caller)
 
     def in_flight(self) -> int:
         return len(self.pending)
@@ -769,7 +770,8 @@ class V2Service:
                 call.outputs[o.name] = region = self.shm.take(caller.key, o.shm, 0, f"output {o.name!r}")
                 call.held.append(region)
         parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
-                                       version=version_number(request.model, request.version), key=request.key)
+                                       version=version_number(request.model, request.version), key=request.key,
+                                       priority=request.priority)
         try:
             call.req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
         except ShmserveError as exc:

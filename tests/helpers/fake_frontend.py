@@ -270,13 +270,15 @@ class FakeDoor:
     # -- what a connection does -------------------------------------------------------------
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], *, timeout_s: float | None = None,
-              rid: int | None = None, payload: bytes | None = None) -> Request:
+              rid: int | None = None, payload: bytes | None = None, priority: int = 0) -> Request:
         """Submit and admit an inline request (its payload: the inputs' bytes, in order, unless
         ``payload`` says otherwise); returns it.  Raises the ShmserveError of a refusal."""
         meta = {"id": next(self._ids) if rid is None else rid, "model": model,
                 "inputs": [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in inputs.items()]}
         if timeout_s is not None:
             meta["timeout_s"] = timeout_s
+        if priority:
+            meta["priority"] = priority
         parsed = protocol.parse_infer(meta, zero_copy=False)
         data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values()) if payload is None else payload
         req = self.dispatcher.submit(self, parsed, payload_bytes=len(data))
