@@ -212,7 +212,8 @@ def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, m
     per mode its latencies and each of its clients' requests/s; ``fairness``, the most requests/s
     any client got over the fewest (1.0: every client the same share)."""
     modes = [mode for mode, n in mix for _ in range(n)]
-    reports = run_clients(path, modes, size, 1 << 62, duration, model, 0.0, "unix")
+    reports = run_clients(path, [MIX_V2.get(m, m) for m in modes], size, 1 << 62, duration, model, 0.0,
+                          [m if m in MIX_V2 else "unix" for m in modes])
     rows, shares = [], []
     for mode, _ in mix:
         mine = [r for m, r in zip(modes, reports) if m == mode]
@@ -229,13 +230,15 @@ def run_mix(path: str, mix: list[tuple[str, int]], size: int, duration: float, m
 
 
 def run_clients(path: str, modes: list[str], size: int, requests: int, duration: float, model: str,
-                rate_each: float, protocol: str) -> list[dict]:
-    """One client process per entry of ``modes``, released together; their reports (client_main)."""
+                rate_each: float, protocol: str | list[str]) -> list[dict]:
+    """One client process per entry of ``modes``, released together; their reports (client_main).
+    ``protocol``: every client's, or a list of one per client."""
+    protocols = protocol if isinstance(protocol, list) else [protocol] * len(modes)
     procs = [subprocess.Popen([sys.executable, "-P", "-m", "shmserve.bench", "--client", path, mode, str(size),
                                str(requests if not duration else 1 << 62), str(duration), model,
-                               str(rate_each), protocol],
+                               str(rate_each), proto],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-             for mode in modes]
+             for mode, proto in zip(modes, protocols)]
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":
@@ -923,15 +926,21 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
+# --mix's modes beyond the unix ones: the v2 doors' binary inline calls (the mode their clients run)
+MIX_V2 = {"http": "inline", "grpc": "inline"}
+
+
 def parse_mix(text: str) -> list[tuple[str, int]]:
-    """``inline:4,zero-copy:4`` as [(mode, count)]: unix modes, counts of 1 or more, each mode once."""
+    """``inline:4,zero-copy:4,http:2`` as [(mode, count)]: unix modes or a v2 door (``MIX_V2``),
+    counts of 1 or more, each mode once."""
     mix = []
+    known = (*MODES["unix"], *MIX_V2)
     for part in text.split(","):
         mode, _, count = part.partition(":")
-        if mode not in MODES["unix"] or not count.isascii() or not count.isdigit() or int(count) < 1 \
+        if mode not in known or not count.isascii() or not count.isdigit() or int(count) < 1 \
                 or mode in dict(mix):
-            raise argparse.ArgumentTypeError(f"bad mix {text!r} (use e.g. inline:4,zero-copy:4,socket:2; modes: "
-                                             f"{', '.join(MODES['unix'])})")
+            raise argparse.ArgumentTypeError(f"bad mix {text!r} (use e.g. inline:4,zero-copy:4,socket:2,http:2; "
+                                             f"modes: {', '.join(known)})")
         mix.append((mode, int(count)))
     return mix
 
@@ -1142,9 +1151,10 @@ def main(argv: list[str] | None = None) -> int:
                         "PERCENT %% (default 30) of the traffic (aborted after: the candidate is unloaded); "
                         "prints both p50s and their ratio; options as --during-swap's")
     p.add_argument("--mix", type=parse_mix, metavar="MODE:N[,MODE:N...]",
-                   help="one run with clients of several unix modes at once (e.g. inline:4,zero-copy:4,socket:2), "
-                        "each back to back for --duration s (default 10): every client's share of requests/s "
-                        "and the fairness, the most any client got over the fewest")
+                   help="one run with clients of several modes at once (e.g. inline:4,zero-copy:4,socket:2,http:2: "
+                        "unix modes, or http/grpc for the v2 doors' binary calls), each back to back for --duration "
+                        "s (default 10): every client's share of requests/s and the fairness, the most any client "
+                        "got over the fewest")
     p.add_argument("--priority-mix", type=parse_priority_mix, metavar="LEVEL:CLIENTS[,LEVEL:CLIENTS...]",
                    help="clients at several priority levels against one model (e.g. 1:2,9:6: 2 at level 1, the "
                         "highest, and 6 at level 9): each level alone, then all together, --duration s each "
@@ -1152,9 +1162,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"it lost; --spawn-server serves model {PRIORITY_MODEL!r} (one worker, --model-us a "
                         "request, the levels named), else --model names one with priority_levels")
     p.add_argument("--model-us", type=int, metavar="US",
-                   help=f"--priority-mix --spawn-server: the spawned model's time a request in µs (it sleeps, "
-                        f"leaving the CPUs to the clients; default {MODEL_US}): slow enough that the clients "
-                        "saturate it")
+                   help=f"--priority-mix or --mix with --spawn-server: the spawned model's time a request in µs "
+                        f"(it sleeps, leaving the CPUs to the clients; --priority-mix's default {MODEL_US}): slow "
+                        f"enough that the clients saturate it; --mix then measures {PRIORITY_MODEL!r} instead of "
+                        "identity")
     p.add_argument("--doors", metavar="N|auto", help="--spawn-server: its door processes ([server] doors; "
                                                       "docs/doors.md; default: the server's default)")
     p.add_argument("--json", action="store_true", help="print the results as one line of JSON instead of the table")
@@ -1203,8 +1214,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.duration < 0:
             p.error("--duration must be 0 or more")
     if args.model_us is not None:
-        if not (args.priority_mix and args.spawn_server):
-            p.error("--model-us is for --priority-mix --spawn-server (the model bench spawns)")
+        if not ((args.priority_mix or args.mix) and args.spawn_server):
+            p.error("--model-us is for --priority-mix or --mix with --spawn-server (the model bench spawns)")
         if not 0 <= args.model_us <= 10_000_000:
             p.error(f"--model-us: expected microseconds in [0, 10000000], got {args.model_us}")
     args.payload = args.payload or ("4KiB" if swapping or args.mix or args.priority_mix else "64,4KiB,1MiB,16MiB")
@@ -1248,10 +1259,12 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     if args.spawn_server:
         levels = max(level for level, _ in args.priority_mix) if args.priority_mix else 0
+        slow = bool(levels) or (args.mix is not None and args.model_us is not None)  # the sleepy model
         proc, path = spawn_server_saying(Path(tmp.name), doors=args.doors, models=priority_model(
-            levels, MODEL_US if args.model_us is None else args.model_us) if levels else None)
-        model = args.model or (PRIORITY_MODEL if levels else MODEL)
-        args.model_us = MODEL_US if args.model_us is None else args.model_us
+            levels, MODEL_US if args.model_us is None else args.model_us) if slow else None)
+        model = args.model or (PRIORITY_MODEL if slow else MODEL)
+        if levels:
+            args.model_us = MODEL_US if args.model_us is None else args.model_us
     else:
         from shmserve.config import resolve_socket
 

@@ -227,6 +227,24 @@ def test_bench_mix_runs_several_kinds_of_client_at_once_and_reports_each_ones_sh
     assert bad.returncode == 2 and "bad mix" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_bench_mix_takes_the_v2_doors_and_a_slow_model(tmp_path):
+    """Issue 29's fairness target mixes lane, socket and HTTP clients on a model they saturate:
+    ``--mix`` takes ``http`` (and ``grpc``) clients beside the unix modes, and ``--model-us``
+    has the spawned server serve the sleeping model instead of identity."""
+    out = tmp_path / "mix.json"
+    r = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--model-us", "500",
+                        "--mix", "inline:1,socket:1,http:1", "--duration", "1", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["model"] == "sleepy", result.get("model")
+    assert [(m["mode"], m["clients"]) for m in result["mix"]["modes"]] == [("inline", 1), ("socket", 1), ("http", 1)]
+    assert all(m["rps"] > 0 for m in result["mix"]["modes"])
+    bad = subprocess.run([sys.executable, "-m", "shmserve.cli", "bench", "--mix", "inline:1", "--model-us", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--model-us is for" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_the_handoff_tool_says_each_case_before_it():
     """tools/bench_handoff.py (docs/performance.md) said a case only once it was measured: 13-76 s
     of nothing per case on a busy host in the issue 28 run-through.  Each case's line now comes
