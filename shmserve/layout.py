@@ -606,6 +606,21 @@ def decode_slot_sched(buf, geometry, index: int) -> SlotSched:
     return SlotSched._make(_SLOT_SCHED.unpack_from(buf, geometry.slot_off(index) + SLOT.offset("priority")))
 
 
+# t_ready .. deadline_ns in one read (the stage times between skipped), and the flags
+_SLOT_SCHEDULE = struct.Struct(f"<Q{SLOT.offset('priority') - SLOT.offset('t_ready') - 8}xIIQ")
+_SCHEDULE_OFF, _FLAGS_OFF = SLOT.offset("t_ready"), SLOT.offset("flags")
+assert _SLOT_SCHEDULE.size == SLOT.offset("deadline_ns") + 8 - _SCHEDULE_OFF
+
+
+def read_slot_schedule(buf, geometry, index: int) -> tuple[int, int, int, int, int]:
+    """(t_ready, priority, caller, deadline_ns, flags) of slot ``index``, as written: what a worker
+    reads of a request it holds before claiming it (untrusted in a lane: ``shmserve.scheduling``
+    clamps).  LayoutError for an index out of range."""
+    off = geometry.slot_off(index)
+    t_ready, priority, caller, deadline = _SLOT_SCHEDULE.unpack_from(buf, off + _SCHEDULE_OFF)
+    return t_ready, priority, caller, deadline, _U32.unpack_from(buf, off + _FLAGS_OFF)[0]
+
+
 def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready: int = 0) -> None:
     """Clear a slot's stage times and set when it was acquired (and made ready), in one store."""
     _SLOT_STAGES.pack_into(buf, geometry.slot_off(index) + SLOT.offset("t_acquired"), t_acquired, t_ready, 0, 0, 0, 0)
@@ -613,6 +628,7 @@ def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready
 
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 _STAGE_OFFSETS = {stage: SLOT.offset(stage) for stage in STAGE_FIELDS}
 SlotRequest = namedtuple("SlotRequest", "request_id model_id worker n_inputs n_outputs flags out_region out_off "
                                         "out_capacity")
@@ -1284,6 +1300,7 @@ def hotpath_constants() -> dict:
         lane_outcome_off=LANE_OUTCOME_OFFSET, lane_outcome_buckets=LANE_OUTCOME_BUCKETS,
         lane_sub_bits=LANE_SUB_BITS, lane_time_shift=LANE_TIME_SHIFT,
         lane_fault_mask=sum(1 << code for code in LANE_FAULT_CODES),
+        priority_off=SLOT.offset("priority"), deadline_off=SLOT.offset("deadline_ns"),
         bytes_code=BYTES_CODE,
         itemsizes=tuple(_ITEMSIZE.get(code, 0) for code in range(dtypes)),
         dtypes=tuple(_DTYPES.get(code) for code in range(dtypes)),

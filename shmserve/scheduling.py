@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator
 from shmserve import layout
 
 WAITING, TAKEN, EXPIRED, REFUSED = 0, 1, 2, 3  # a Ticket's state
+DEADLINE_PASSED = "the request's deadline passed before a worker could start it (it did not run)"  # TIMEOUT's
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ class Scheduler:
 
     ``hold`` adds one (returns the tickets refused by ``max_queue_size``: maybe the new one);
     ``take`` returns the next to run (None: none waits); ``expired`` hands over, once, those
-    that expired meanwhile.  ``len()`` is how many wait.  Counters: ``demoted`` (delayed by
+    that expired meanwhile.  ``len()`` is how many wait; ``last_level`` is the level ``hold``
+    gave the request it held last.  Counters: ``demoted`` (delayed by
     their queue timeout), ``expired_count``, ``refused``.  Not thread-safe (the serve loop's).
     """
 
@@ -193,6 +195,7 @@ class Scheduler:
         self.seq = 0
         self.count = 0
         self.demoted = self.expired_count = self.refused = 0
+        self.last_level = 1  # the level of the request held last
         self._timeout_ns = policy.default_timeout_us * 1000
         self._own = policy.allow_timeout_override
         self._arrival = policy.fairness == "arrival"
@@ -220,6 +223,7 @@ class Scheduler:
             timeout_at = t_ready_ns + self._timeout_ns
         else:
             timeout_at = 0
+        self.last_level = level
         self.seq += 1
         ticket = Ticket(item, level, caller, self.seq, t_ready_ns, deadline_ns, timeout_at, self.above[level])
         lv = self.levels[level]
@@ -372,7 +376,7 @@ class Scheduler:
     def expiry_message(self, ticket: Ticket) -> str:
         """The TIMEOUT message of an expired request."""
         if ticket.why == "deadline":
-            return "the request's deadline passed before a worker could start it (it did not run)"
+            return DEADLINE_PASSED
         return (f"model {self.policy.model!r}: the request waited longer than its queue timeout "
                 f"(default_timeout_microseconds = {self.policy.default_timeout_us}) and did not run: "
                 f"raise it, or set timeout_action = \"delay\" in the model's default_queue_policy")

@@ -34,6 +34,8 @@ from shmserve import _atomics as atomics
 from shmserve import lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
+from shmserve.errors import ErrorCode
+from shmserve.scheduling import DEADLINE_PASSED, Policy, Scheduler
 from shmserve.rings import EventfdDoorbell, Ring, wait_any
 from workers import memory
 from workers.adapter import BackendAdapter
@@ -45,6 +47,7 @@ CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
+LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
 
 
 class StartFailed(Exception):
@@ -168,37 +171,62 @@ class Worker:
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
         self.ppid = os.getppid()
+        # What it holds, in the order it takes them (shmserve.scheduling), and its counters in the arena.
+        self.sched = Scheduler(Policy.of(config))
+        self._told_demoted = self._told_expired = 0
+        base = layout.sched_base(arena.geometry, index)
+        self._expired_off, self._demoted_off = base + layout.SCHED_EXPIRED_OFF, base + layout.SCHED_DEMOTED_OFF
+        levels = range(1, max(config.priority_levels, 1) + 1)
+        self._queued_off = [0, *(layout.sched_level_off(base, level, "queued") for level in levels)]
+        self._claimed_off = [0, *(layout.sched_level_off(base, level, "claimed") for level in levels)]
+        self._wait_off = [0, *(layout.sched_level_off(base, level, "wait_us") for level in levels)]
 
     def serve(self) -> int:
         """Serve until a stop command (EXIT_OK) or until the front-end is gone (EXIT_ORPHANED)."""
         atomics.store32(self.buf, self.state_off, layout.WORKER_READY)
-        serve_one, batcher = self.step.serve, self.batcher
-        backlog: list[tuple[Space, int]] = []  # gathered but not yet run (a batch was full)
+        batcher, sched = self.batcher, self.sched
+        solo = batcher is None and sched.policy.trivial  # one request alone needs no scheduler then
         while True:
             if self.step.new_signatures != self._told_signatures or self.step.short_answers != self._told_short:
                 # a short answer is told at once (each cost a run, which a message does not outweigh)
                 self.tell_signatures_now(idle=self.step.short_answers != self._told_short)
-            if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
+            if not sched and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
                 if self.step.new_signatures != self._told_signatures:
                     self.tell_signatures_now(idle=True)
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
                 continue
             work, stop = self.gather()
-            if backlog:
-                work, backlog = backlog + work, []
+            if solo and len(work) == 1 and not stop and not sched:
+                self.serve_solo(*work[0])  # the common case, as cheap as before scheduling
+                if self.dropped:
+                    self._unmap_dropped()
+                continue
+            self.hold(work)
             if batcher is not None and not stop:
-                backlog, stop = batcher.run(work, self)
-                self._unmap_dropped(backlog)
+                _, stop = batcher.run([], self)
+                self._unmap_dropped()
                 if not stop:
                     continue
-                work, backlog = backlog, []  # a stop came while a batch gathered: run the rest, then stop
-            for space, entry in work:
-                serve_one(space, entry)
-            self._unmap_dropped(backlog)
+                # a stop came while a batch gathered: run the rest, then stop
+            stop = self.serve_held(stop)
+            self._unmap_dropped()
             if stop:
                 atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
+
+    def serve_held(self, stopping: bool) -> bool:
+        """Serve what the worker holds one by one, in the scheduler's order, taking in what arrives
+        meanwhile (unless ``stopping``: then only what it holds); whether a stop came."""
+        serve_claimed = self.step.serve_claimed
+        while True:
+            taken = self.take()
+            if taken is None:
+                return stopping
+            serve_claimed(*taken)
+            if not stopping and self.pending():
+                more, stopping = self.gather()
+                self.hold(more)
 
     def tell_signatures_now(self, idle: bool) -> None:
         """Tell the front-end the input-signature counts and the short answers (at most once a second
@@ -239,6 +267,101 @@ class Worker:
             except RuntimeError:  # the client corrupted its ring indices: resynchronize, drop them
                 lane.submissions.discard()
         return work, stop
+
+    # -- the order it serves them in (shmserve.scheduling) --------------------------------------
+
+    def hold(self, work: list[tuple[Space, int]]) -> None:
+        """Hand gathered entries to the scheduler, each with what its slot asks (priority, deadline,
+        flags, ready time; untrusted in a lane: the scheduler clamps).  The caller is the slot's
+        ``caller`` for the arena's (the front-end wrote it), the lane's region for a lane's (its
+        client's own word is not taken).  A request ``max_queue_size`` refuses is answered
+        OVERLOADED here."""
+        sched, buf, queued = self.sched, self.buf, self._queued_off
+        read = layout.read_slot_schedule
+        for item in work:
+            space, entry = item
+            index = entry & layout.GENERATION_MASK
+            if index < space.geometry.slot_count:
+                t_ready, priority, caller, deadline, flags = read(space.buf, space.geometry, index)
+            else:  # a hostile entry: its claim fails, nothing is answered
+                t_ready = priority = caller = deadline = flags = 0
+            if space.is_lane:
+                caller = LANE_CALLERS + space.region
+            refused = sched.hold(item, priority, caller, deadline, flags, t_ready)
+            atomics.fetch_add64(buf, queued[sched.last_level], 1)
+            for ticket in refused:
+                atomics.fetch_add64(buf, queued[ticket.level], -1)
+                self._answer(ticket.item, ErrorCode.OVERLOADED, sched.refusal_message())
+
+    def serve_solo(self, space: Space, entry: int) -> None:
+        """Serve the one request gathered, nothing else held, under a policy of one level without
+        queue timeout or limit (``Policy.trivial``): its order is settled, only its deadline is
+        checked (TIMEOUT unrun if it passed), and it is counted as level 1 (never queued)."""
+        index = entry & layout.GENERATION_MASK
+        t_ready = deadline = 0
+        if index < space.geometry.slot_count:
+            t_ready, _, _, deadline, _ = layout.read_slot_schedule(space.buf, space.geometry, index)
+        now = time.monotonic_ns()
+        if deadline and deadline <= now:
+            atomics.fetch_add64(self.buf, self._expired_off, 1)
+            self._answer((space, entry), ErrorCode.TIMEOUT, DEADLINE_PASSED)
+            return
+        index = self.step.claim(space, entry)
+        if index is None:
+            return
+        buf = self.buf
+        atomics.fetch_add64(buf, self._claimed_off[1], 1)
+        if 0 < t_ready < now:
+            atomics.fetch_add64(buf, self._wait_off[1], (now - t_ready) // 1000)
+        self.step.serve_claimed(space, entry, index)
+
+    def take(self) -> tuple[Space, int, int] | None:
+        """The next request in the scheduler's order, claimed: (space, entry, slot index); None when
+        none is held.  Those expired on the way are answered TIMEOUT unrun; requests claimed are
+        counted (claimed, their wait) by level."""
+        sched, buf = self.sched, self.buf
+        claim = self.step.claim
+        while True:
+            ticket = sched.take()
+            if sched.expired_count != self._told_expired or sched.demoted != self._told_demoted:
+                self._expired_and_demoted()
+            if ticket is None:
+                return None
+            level = ticket.level
+            atomics.fetch_add64(buf, self._queued_off[level], -1)
+            space, entry = ticket.item
+            index = claim(space, entry)
+            if index is None:  # taken back by its client or the front-end, or a hostile entry
+                continue
+            atomics.fetch_add64(buf, self._claimed_off[level], 1)
+            wait = time.monotonic_ns() - ticket.t_ready
+            if wait > 0:
+                atomics.fetch_add64(buf, self._wait_off[level], wait // 1000)
+            return space, entry, index
+
+    def _expired_and_demoted(self) -> None:
+        """Answer TIMEOUT what expired unrun, and count it and what was delayed."""
+        sched, buf = self.sched, self.buf
+        if sched.demoted != self._told_demoted:
+            atomics.fetch_add64(buf, self._demoted_off, sched.demoted - self._told_demoted)
+            self._told_demoted = sched.demoted
+        self._told_expired = sched.expired_count
+        for ticket in sched.expired():
+            atomics.fetch_add64(buf, self._queued_off[ticket.level], -1)
+            atomics.fetch_add64(buf, self._expired_off, 1)
+            self._answer(ticket.item, ErrorCode.TIMEOUT, sched.expiry_message(ticket))
+
+    def _answer(self, item: tuple[Space, int], code: ErrorCode, message: str) -> None:
+        """Answer a held request with an error without running it (nothing if it is not ours to
+        claim: taken back meanwhile)."""
+        space, entry = item
+        index = self.step.claim(space, entry)
+        if index is not None:
+            self.step.finish(space, entry, index, 0, (code, message))
+
+    def held(self) -> list[tuple[Space, int]]:
+        """What the worker holds and has not run yet, in no order."""
+        return [ticket.item for ticket in self.sched.waiting()]
 
     def wait_for_more(self, timeout: float) -> bool:
         # Spinning here would take the CPU from the very clients whose requests we wait for
@@ -284,11 +407,10 @@ class Worker:
             self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
         self.dropped.add(region)
 
-    def _unmap_dropped(self, backlog: list[tuple[Space, int]]) -> None:
-        """Unmap (or close, if never mapped) dropped regions that no work still in hand
-        (``backlog``) uses."""
+    def _unmap_dropped(self) -> None:
+        """Unmap (or close, if never mapped) dropped regions that no work still held uses."""
         if self.dropped:
-            keep = set().union(*(self.step.regions_of(space, entry) for space, entry in backlog))
+            keep = set().union(*(self.step.regions_of(space, entry) for space, entry in self.held()))
             for region in self.dropped - keep:
                 self.regions.forget(region)
                 self.tell_dropped(region)
