@@ -280,7 +280,7 @@ class Worker:
         read = layout.read_slot_schedule
         for item in work:
             space, entry = item
-            index = entry & layout.GENERATION_MASK
+            index, _ = layout.split_entry(entry)
             if index < space.geometry.slot_count:
                 t_ready, priority, caller, deadline, flags = read(space.buf, space.geometry, index)
             else:  # a hostile entry: its claim fails, nothing is answered
@@ -297,7 +297,7 @@ class Worker:
         """Serve the one request gathered, nothing else held, under a policy of one level without
         queue timeout or limit (``Policy.trivial``): its order is settled, only its deadline is
         checked (TIMEOUT unrun if it passed), and it is counted as level 1 (never queued)."""
-        index = entry & layout.GENERATION_MASK
+        index, _ = layout.split_entry(entry)
         t_ready = deadline = 0
         if index < space.geometry.slot_count:
             t_ready, _, _, deadline, _ = layout.read_slot_schedule(space.buf, space.geometry, index)
