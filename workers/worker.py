@@ -12,14 +12,19 @@ arena is unregistered and only then unmapped.  And the serve loop
 submission ring and its lanes' at once, the front-end's commands on its
 ring (stop, attach a lane — again: look at its queue again —, drop a region:
 unmapped as soon as no request in hand uses it, busy or idle), orphan
-detection, handing requests to ``workers.step`` one by one or to
-``workers.batching``, and when to tell the front-end the step's
+detection, holding what it gathered in a ``shmserve.scheduling.Scheduler``
+(each slot's priority, deadline and flags read, untrusted, before the
+claim; the caller: an arena slot's ``caller`` field, a lane's region) and
+handing requests in its order to ``workers.step`` one by one or to
+``workers.batching``, answering those it expired or refused (``timeout``,
+``overloaded``) unrun, the scheduling counters in the arena
+(``layout.sched_base``), and when to tell the front-end the step's
 input-signature counts (at most once a second while busy, at once when
 idle: ``tell_signatures_now``).
 
 Must not: parse arguments, handle signals or talk on the control socket
-(``workers.main`` hands it the callables that do), or look inside a request
-(``workers.step``).
+(``workers.main`` hands it the callables that do), look inside a request
+(``workers.step``), or decide the order of requests (``shmserve.scheduling``).
 """
 
 from __future__ import annotations
