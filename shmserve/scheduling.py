@@ -87,11 +87,6 @@ class Policy:
                    config.fairness, config.max_queue_size, config.default_timeout_us, config.timeout_action,
                    config.allow_timeout_override, config.name)
 
-    @property
-    def trivial(self) -> bool:
-        """One level, no queue timeout, no queue limit: only fairness and deadlines matter."""
-        return self.levels <= 1 and not self.default_timeout_us and not self.max_queue_size
-
 
 def effective_level(priority: int, levels: int, default: int) -> int:
     """The level (1 first .. max(levels, 1)) a request's ``priority`` field stands for: ``levels``
@@ -247,6 +242,28 @@ class Scheduler:
             return [self._refuse()]
         return []
 
+    def alone(self, priority: int = 0, deadline_ns: int = 0, flags: int = 0, t_ready_ns: int = 0) -> tuple[int, str]:
+        """``hold`` then ``take`` for a request that nothing else waits beside (nothing held): the
+        same rule without holding it.  Returns (its level, why it expired: "deadline" or "queue
+        timeout" under timeout_action "reject" — counted in ``expired_count`` —, or "": run it; a
+        queue timeout passed under "delay" is counted in ``demoted``, and it runs, behind
+        nothing)."""
+        policy = self.policy
+        level = effective_level(priority, policy.levels, policy.default_level)
+        if not (deadline_ns or self._timeout_ns):
+            return level, ""
+        now = self.clock()
+        if deadline_ns and deadline_ns <= now:
+            self.expired_count += 1
+            return level, "deadline"
+        if self._timeout_ns and not (self._own and flags & layout.SLOT_FLAG_OWN_TIMEOUT):
+            if (t_ready_ns if 0 < t_ready_ns <= now else now) + self._timeout_ns <= now:
+                if policy.timeout_action != "delay":
+                    self.expired_count += 1
+                    return level, "queue timeout"
+                self.demoted += 1
+        return level, ""
+
     def _refuse(self) -> Ticket:
         """Drop the newest request of the lowest level (the delayed ones lowest of all)."""
         if self.n_delayed:
@@ -373,9 +390,9 @@ class Scheduler:
         return (f"model {p.model!r}: more than its max_queue_size ({p.max_queue_size}) requests wait for this "
                 f"worker: try again later, or raise max_queue_size in the model's default_queue_policy")
 
-    def expiry_message(self, ticket: Ticket) -> str:
-        """The TIMEOUT message of an expired request."""
-        if ticket.why == "deadline":
+    def expiry_message(self, why: str) -> str:
+        """The TIMEOUT message of a request that expired ``why`` (a Ticket's ``why``)."""
+        if why == "deadline":
             return DEADLINE_PASSED
         return (f"model {self.policy.model!r}: the request waited longer than its queue timeout "
                 f"(default_timeout_microseconds = {self.policy.default_timeout_us}) and did not run: "

@@ -59,7 +59,6 @@ def test_the_policy_of_a_model_config():
                          priority_starvation_limit=5, fairness="arrival", max_queue_size=7, default_timeout_us=9,
                          timeout_action="delay", allow_timeout_override=False)
     assert Policy.of(config) == Policy(3, 2, 5, "arrival", 7, 9, "delay", False, "m")
-    assert Policy().trivial and not Policy(levels=2).trivial
 
 
 # -- order ----------------------------------------------------------------------------------------
@@ -157,7 +156,7 @@ def test_a_request_whose_deadline_passed_is_expired_never_taken():
     assert drain(s) == ["later", "never"]
     (gone,) = s.expired()
     assert gone.item == "soon" and gone.state == EXPIRED and gone.why == "deadline"
-    assert "deadline passed" in s.expiry_message(gone)
+    assert "deadline passed" in s.expiry_message(gone.why)
     assert s.expired() == [] and s.expired_count == 1
 
 
@@ -168,8 +167,8 @@ def test_queue_timeout_reject_answers_timeout():
     assert drain(s) == ["fresh"]
     (gone,) = s.expired()
     assert gone.item == "old" and gone.why == "queue timeout"
-    assert "max_queue_size" not in s.expiry_message(gone) and "default_timeout_microseconds = 1000" in \
-        s.expiry_message(gone)
+    assert "max_queue_size" not in s.expiry_message(gone.why) and "default_timeout_microseconds = 1000" in \
+        s.expiry_message(gone.why)
 
 
 def test_queue_timeout_delay_demotes_behind_every_other():
@@ -205,6 +204,18 @@ def test_a_ready_time_in_the_future_is_clamped_to_now():
     s.hold("liar", t_ready_ns=2**64 - 1)  # would never time out
     clock.now += 2 * MS
     assert drain(s) == [] and [t.item for t in s.expired()] == ["liar"]
+
+
+def test_a_request_alone_follows_the_same_rule_without_being_held():
+    s, clock = scheduler(levels=3, default_level=2, default_timeout_us=1000)
+    assert s.alone(1) == (1, "") and s.alone(0) == (2, "") and s.alone(2**32 - 1) == (2, "")
+    assert s.alone(1, deadline_ns=clock.now) == (1, "deadline")
+    assert s.alone(3, t_ready_ns=clock.now - 2 * MS) == (3, "queue timeout")
+    assert s.alone(3, t_ready_ns=clock.now - 2 * MS, flags=layout.SLOT_FLAG_OWN_TIMEOUT) == (3, "")
+    assert s.alone(3, t_ready_ns=2**64 - 1) == (3, "")  # (a ready time to come is now)
+    assert s.expired_count == 2 and len(s) == 0
+    d, clock = scheduler(default_timeout_us=1000, timeout_action="delay")
+    assert d.alone(t_ready_ns=clock.now - 2 * MS) == (1, "") and d.demoted == 1
 
 
 # -- max_queue_size -------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from shmserve import lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
-from shmserve.scheduling import DEADLINE_PASSED, Policy, Scheduler
+from shmserve.scheduling import Policy, Scheduler
 from shmserve.rings import EventfdDoorbell, Ring, wait_any
 from workers import memory
 from workers.adapter import BackendAdapter
@@ -190,7 +190,7 @@ class Worker:
         """Serve until a stop command (EXIT_OK) or until the front-end is gone (EXIT_ORPHANED)."""
         atomics.store32(self.buf, self.state_off, layout.WORKER_READY)
         batcher, sched = self.batcher, self.sched
-        solo = batcher is None and sched.policy.trivial  # one request alone needs no scheduler then
+        solo = batcher is None  # one request alone needs no scheduler: Scheduler.alone
         while True:
             if self.step.new_signatures != self._told_signatures or self.step.short_answers != self._told_short:
                 # a short answer is told at once (each cost a run, which a message does not outweigh)
@@ -203,7 +203,7 @@ class Worker:
                 continue
             work, stop = self.gather()
             if solo and len(work) == 1 and not stop and not sched:
-                self.serve_solo(*work[0])  # the common case, as cheap as before scheduling
+                self.serve_solo(*work[0])  # the common case, nearly as cheap as before scheduling
                 if self.dropped:
                     self._unmap_dropped()
                 continue
@@ -299,25 +299,27 @@ class Worker:
                 self._answer(ticket.item, ErrorCode.OVERLOADED, sched.refusal_message())
 
     def serve_solo(self, space: Space, entry: int) -> None:
-        """Serve the one request gathered, nothing else held, under a policy of one level without
-        queue timeout or limit (``Policy.trivial``): its order is settled, only its deadline is
-        checked (TIMEOUT unrun if it passed), and it is counted as level 1 (never queued)."""
+        """Serve the one request gathered, nothing else held (``Scheduler.alone``: its order is
+        settled, only its deadline and queue timeout are checked; expired, it is answered TIMEOUT
+        unrun), counted as claimed at its level, never queued."""
+        sched = self.sched
         index, _ = layout.split_entry(entry)
-        t_ready = deadline = 0
+        t_ready = priority = deadline = flags = 0
         if index < space.geometry.slot_count:
-            t_ready, _, _, deadline, _ = layout.read_slot_schedule(space.buf, space.geometry, index)
-        now = time.monotonic_ns()
-        if deadline and deadline <= now:
-            atomics.fetch_add64(self.buf, self._expired_off, 1)
-            self._answer((space, entry), ErrorCode.TIMEOUT, DEADLINE_PASSED)
-            return
+            t_ready, priority, _, deadline, flags = layout.read_slot_schedule(space.buf, space.geometry, index)
+        level, why = sched.alone(priority, deadline, flags, t_ready)
+        if why or sched.demoted != self._told_demoted:
+            self._expired_and_demoted()
+            if why:
+                self._answer((space, entry), ErrorCode.TIMEOUT, sched.expiry_message(why))
+                return
         index = self.step.claim(space, entry)
         if index is None:
             return
-        buf = self.buf
-        atomics.fetch_add64(buf, self._claimed_off[1], 1)
+        buf, now = self.buf, time.monotonic_ns()
+        atomics.fetch_add64(buf, self._claimed_off[level], 1)
         if 0 < t_ready < now:
-            atomics.fetch_add64(buf, self._wait_off[1], (now - t_ready) // 1000)
+            atomics.fetch_add64(buf, self._wait_off[level], (now - t_ready) // 1000)
         self.step.serve_claimed(space, entry, index)
 
     def take(self) -> tuple[Space, int, int] | None:
@@ -345,16 +347,17 @@ class Worker:
             return space, entry, index
 
     def _expired_and_demoted(self) -> None:
-        """Answer TIMEOUT what expired unrun, and count it and what was delayed."""
+        """Answer TIMEOUT what expired unrun, and count in the arena what expired and was delayed."""
         sched, buf = self.sched, self.buf
         if sched.demoted != self._told_demoted:
             atomics.fetch_add64(buf, self._demoted_off, sched.demoted - self._told_demoted)
             self._told_demoted = sched.demoted
-        self._told_expired = sched.expired_count
+        if sched.expired_count != self._told_expired:
+            atomics.fetch_add64(buf, self._expired_off, sched.expired_count - self._told_expired)
+            self._told_expired = sched.expired_count
         for ticket in sched.expired():
             atomics.fetch_add64(buf, self._queued_off[ticket.level], -1)
-            atomics.fetch_add64(buf, self._expired_off, 1)
-            self._answer(ticket.item, ErrorCode.TIMEOUT, sched.expiry_message(ticket))
+            self._answer(ticket.item, ErrorCode.TIMEOUT, sched.expiry_message(ticket.why))
 
     def _answer(self, item: tuple[Space, int], code: ErrorCode, message: str) -> None:
         """Answer a held request with an error without running it (nothing if it is not ours to
