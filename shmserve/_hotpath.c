@@ -789,15 +789,15 @@ failed:
 static PyObject *
 submit(PyObject *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (not_ready() || !nargs("submit", n, 8, 12)) return NULL;
+    if (not_ready() || !nargs("submit", n, 8, 13)) return NULL;
     Py_ssize_t index;
-    uint64_t region, request_id, model_id, out_off, out_cap, now, priority = 0, deadline = 0, flags = 0;
+    uint64_t region, request_id, model_id, out_off, out_cap, now, priority = 0, deadline = 0, flags = 0, caller = 0;
     if (slot_index(lane_table(), args[1], &index) < 0 || u64_arg(args[2], UINT32_MAX, &region) < 0 ||
         u64_arg(args[3], UINT64_MAX, &request_id) < 0 || u64_arg(args[4], UINT32_MAX, &model_id) < 0 ||
         u64_arg(args[6], UINT64_MAX, &out_off) < 0 || u64_arg(args[7], UINT64_MAX, &out_cap) < 0 ||
         now_arg(args, n, 8, &now) < 0 || (n > 9 && u64_arg(args[9], UINT32_MAX, &priority) < 0) ||
         (n > 10 && u64_arg(args[10], UINT64_MAX, &deadline) < 0) ||
-        (n > 11 && u64_arg(args[11], UINT32_MAX, &flags) < 0))
+        (n > 11 && u64_arg(args[11], UINT32_MAX, &flags) < 0) || (n > 12 && u64_arg(args[12], UINT32_MAX, &caller) < 0))
         return NULL;
     PyObject *inputs = PySequence_Fast(args[5], "inputs must be a sequence of (input index, offset, view)");
     if (inputs == NULL) return NULL;
@@ -850,7 +850,7 @@ submit(PyObject *self, PyObject *const *args, Py_ssize_t n)
     put64(slot + K.out_capacity_off, out_cap);
     put32(slot + K.flags_off, (uint32_t)flags);
     put32(slot + K.priority_off, (uint32_t)priority); /* how to schedule it: layout.encode_slot_request */
-    put32(slot + K.priority_off + 4, 0);               /* caller: a lane's is its region, the worker's word */
+    put32(slot + K.priority_off + 4, (uint32_t)caller); /* caller: heeded in a door's lane only */
     put64(slot + K.deadline_off, deadline);
     memset(slot + K.stages_off, 0, 8 * K.n_stages); /* layout.reset_stages */
     put64(slot + K.stages_off + 8 * K.stage_acquired, now);

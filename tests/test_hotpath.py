@@ -157,9 +157,9 @@ messages = st.one_of(st.text(max_size=40), st.text(min_size=150, max_size=260),
                      st.just("é" * 100), st.just("x" * 191 + "€"))
 failures = st.one_of(st.none(), st.tuples(st.sampled_from(list(ErrorCode)), messages))
 HYPOTHESIS = settings(max_examples=250, deadline=None)
-# submit's scheduling fields: (), or priority, deadline_ns, flags (any prefix), in range or not
+# submit's scheduling fields: (), or priority, deadline_ns, flags, caller (any prefix), in range or not
 unsigned = st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1), st.integers(-2, 2**65), st.just("1"))
-schedules = st.lists(unsigned, max_size=3).map(tuple)
+schedules = st.lists(unsigned, max_size=4).map(tuple)
 
 
 # -- a whole call, through both ---------------------------------------------------------------
@@ -321,16 +321,18 @@ def test_an_error_is_read_back_with_its_code_and_the_slot_freed(twin):
     assert twin.free["c"] == [0]
 
 
-def test_submit_writes_the_scheduling_fields_and_caller_zero(twin):
-    """priority, deadline_ns and flags land in the slot as layout encodes them; the caller word
-    is cleared whatever was there (a worker keys a lane's calls by its region)."""
+def test_submit_writes_the_scheduling_fields(twin):
+    """priority, deadline_ns, flags and caller land in the slot as layout encodes them, whatever
+    was there (the caller 0 when not given)."""
     x = np.zeros(4, np.float32)
-    twin.scribble([(layout.LANE.slot_off(1) + layout.SLOT.offset("caller"), b"\xff" * 4)])
+    twin.scribble([(layout.LANE.slot_off(i) + layout.SLOT.offset("caller"), b"\xff" * 4) for i in (0, 1)])
     _, generation = twin.call("submit", "buf", 1, REGION, 5, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW,
                               3, 2**64 - 1, layout.SLOT_FLAG_OWN_TIMEOUT)
     buf = twin.bufs["c"]
     assert layout.decode_slot_sched(buf, layout.LANE, 1) == (3, 0, 2**64 - 1)
     assert layout.read_slot_schedule(buf, layout.LANE, 1) == (NOW, 3, 0, 2**64 - 1, layout.SLOT_FLAG_OWN_TIMEOUT)
+    twin.call("submit", "buf", 0, REGION, 6, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW, 0, 0, 0, 2**32 - 1)
+    assert layout.decode_slot_sched(buf, layout.LANE, 0) == (0, 2**32 - 1, 0)
     for bad in (-1, 2**32, "3"):
         assert twin.call("submit", "buf", 2, REGION, 6, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW, bad)[0] == \
             "raised"

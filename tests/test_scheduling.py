@@ -12,7 +12,9 @@ import random
 
 import pytest
 
-from shmserve import layout
+import types
+
+from shmserve import hotpath, layout
 from shmserve.config import ModelConfig
 from shmserve.scheduling import EXPIRED, REFUSED, TAKEN, Policy, Scheduler, effective_level
 
@@ -242,6 +244,23 @@ def test_delayed_requests_are_refused_first():
     (refused,) = s.hold("d")
     assert refused.item == "old"  # delayed: below every level
     assert drain(s) == ["b", "c", "d"]
+
+
+def test_a_lane_is_one_caller_and_a_doors_lane_one_per_connection():
+    """The worker's caller keys: an arena slot's field as written; a client's lane its region
+    whatever its client wrote; a door process's lane (eventfd) its region and the connection the
+    door wrote; none of them equal."""
+    from workers.worker import caller_key
+
+    arena = types.SimpleNamespace(is_lane=False, region=0, wake=hotpath.ARENA)
+    lane7 = types.SimpleNamespace(is_lane=True, region=7, wake=hotpath.LANE_FUTEX)
+    door7 = types.SimpleNamespace(is_lane=True, region=7, wake=hotpath.LANE_EVENTFD)
+    assert caller_key(arena, 5) == 5
+    assert caller_key(lane7, 5) == caller_key(lane7, 2**32 - 1) == caller_key(lane7, 0)
+    keys = {caller_key(arena, c) for c in (0, 7, 2**32 - 1)} | {caller_key(lane7, 0)} | \
+        {caller_key(door7, c) for c in (0, 1, 2**32 - 1)} | {caller_key(types.SimpleNamespace(
+            is_lane=True, region=8, wake=hotpath.LANE_FUTEX), 0)}
+    assert len(keys) == 8
 
 
 # -- hostile fields -------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from shmserve import _atomics as atomics
-from shmserve import lanes, layout, workerlink
+from shmserve import hotpath, lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
@@ -53,6 +53,18 @@ IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for or
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
 LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
+
+
+def caller_key(space: Space, caller: int) -> int:
+    """The key a request is scheduled under for fairness (``shmserve.scheduling``), from its slot's
+    ``caller`` field: an arena slot's as written (the front-end wrote it); a client's lane is one
+    caller, its region (what its client writes is not taken); a door process's lane (the
+    server's own) is one caller per connection the door wrote, apart from every other lane."""
+    if not space.is_lane:
+        return caller
+    if space.wake == hotpath.LANE_EVENTFD:
+        return LANE_CALLERS + space.region + ((caller + 1) << 33)
+    return LANE_CALLERS + space.region
 
 
 class StartFailed(Exception):
@@ -277,9 +289,8 @@ class Worker:
 
     def hold(self, work: list[tuple[Space, int]]) -> None:
         """Hand gathered entries to the scheduler, each with what its slot asks (priority, deadline,
-        flags, ready time; untrusted in a lane: the scheduler clamps).  The caller is the slot's
-        ``caller`` for the arena's (the front-end wrote it), the lane's region for a lane's (its
-        client's own word is not taken).  A request ``max_queue_size`` refuses is answered
+        flags, ready time; untrusted in a lane: the scheduler clamps), under its ``caller_key``.
+        A request ``max_queue_size`` refuses is answered
         OVERLOADED here."""
         sched, buf, queued = self.sched, self.buf, self._queued_off
         read = layout.read_slot_schedule
@@ -290,9 +301,7 @@ class Worker:
                 t_ready, priority, caller, deadline, flags = read(space.buf, space.geometry, index)
             else:  # a hostile entry: its claim fails, nothing is answered
                 t_ready = priority = caller = deadline = flags = 0
-            if space.is_lane:
-                caller = LANE_CALLERS + space.region
-            refused = sched.hold(item, priority, caller, deadline, flags, t_ready)
+            refused = sched.hold(item, priority, caller_key(space, caller), deadline, flags, t_ready)
             atomics.fetch_add64(buf, queued[sched.last_level], 1)
             for ticket in refused:
                 atomics.fetch_add64(buf, queued[ticket.level], -1)
@@ -387,8 +396,9 @@ class Worker:
         looked at again: the front-end says a call has waited READY in it too long
         (``RegionTable.watch_lanes``); a claim of one in hand already fails, harmlessly."""
         space = self.lanes.get(region)
-        if space is not None:
-            return [(space, entry) for entry in lanes.queued_entries(space.buf)]
+        if space is not None:  # (those it holds already are not held twice: they would count twice)
+            held = set(self.held())
+            return [(space, entry) for entry in lanes.queued_entries(space.buf) if (space, entry) not in held]
         try:
             self.regions.ensure(region)
         except RequestFailed as exc:  # not mapped (no memory, no descriptor left) or not page-locked
