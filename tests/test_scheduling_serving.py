@@ -41,7 +41,9 @@ MODELS = {
     "delay": {"default_queue_policy": {"default_timeout_microseconds": 1_500_000, "timeout_action": "delay"}},
     "limit": {"default_queue_policy": {"max_queue_size": 2}},
     "fair": {},
+    "batched": {"priority_levels": 2, "max_batch_size": 2, "max_queue_delay_us": 0},
 }
+ROWS = {"batched"}  # models of serving_models.gated_rows: x is [[tag, hold]], a run's tags one line
 tags = itertools.count(1)  # every call of this module its own tag
 WARM = 100_000  # warm-up calls' tags are above this
 
@@ -53,15 +55,27 @@ def srv(tmp_path_factory):
     for name, keys in MODELS.items():
         (work / f"gates-{name}").mkdir()
         (work / f"record-{name}").touch()
-        text += python_model(name, GATED, options={"factory": True, "record": str(work / f"record-{name}"),
+        text += python_model(name, "serving_models:gated_rows" if name in ROWS else GATED, options={"factory": True, "record": str(work / f"record-{name}"),
                                                    "gates": str(work / f"gates-{name}")}, **keys)
     with serving(work, text) as s:
         s.work = work
         yield s
 
 
-def x(tag: int, hold: bool = False) -> np.ndarray:
-    return np.array([tag, 1.0 if hold else 0.0], np.float32)
+def x(tag: int, hold: bool = False, model: str = "") -> np.ndarray:
+    """The input of a call of ``tag`` (``hold``: wait for its gate) to ``model``."""
+    row = np.array([tag, 1.0 if hold else 0.0], np.float32)
+    return row[None] if model in ROWS else row
+
+
+def tag_of(y: np.ndarray) -> int:
+    return int(y.reshape(-1)[0]) // 2
+
+
+def runs(srv, model: str) -> list[list[int]]:
+    """The tags of each run of ``model``'s worker, in order (warm-ups left out)."""
+    lines = (srv.work / f"record-{model}").read_text().splitlines()
+    return [[int(t) for t in line.split()] for line in lines if line and int(line.split()[0]) < WARM]
 
 
 def ran(srv, model: str) -> list[int]:
@@ -85,7 +99,7 @@ def in_flight(client, model: str) -> int:
 def held(srv, model: str):
     """``model``'s one worker busy with a held call (over the socket) until the block ends."""
     tag = next(tags)
-    with held_call(srv, model, x(tag, hold=True), lambda: tag in ran(srv, model),
+    with held_call(srv, model, x(tag, True, model), lambda: tag in ran(srv, model),
                    srv.work / f"gates-{model}" / str(tag)):
         yield tag
 
@@ -107,12 +121,13 @@ class Caller(threading.Thread):
 
     async def main(self):
         async with AsyncClient(self.srv.socket, timeout=60) as c:
-            await c.infer(self.model, {"x": x(WARM + next(tags))})  # its lane open
+            await c.infer(self.model, {"x": x(WARM + next(tags), model=self.model)})  # its lane open
             self.client = c
             self.ready.set()
             await asyncio.to_thread(self.go.wait, 60)
             self.results = await asyncio.gather(
-                *(c.infer(self.model, {"x": x(tag)}, priority=self.priority, **self.infer) for tag in self.calls),
+                *(c.infer(self.model, {"x": x(tag, model=self.model)}, priority=self.priority, **self.infer)
+                  for tag in self.calls),
                 return_exceptions=True)
 
     def start_queued(self):
@@ -122,7 +137,7 @@ class Caller(threading.Thread):
 
     def answers(self) -> list:
         self.join(60)
-        return [r if isinstance(r, BaseException) else int(r["y"][0]) // 2 for r in self.results]
+        return [r if isinstance(r, BaseException) else tag_of(r["y"]) for r in self.results]
 
 
 def queued_behind_a_held_call(srv, model: str, *made: Caller, pause: float = 0.0) -> list[int]:
@@ -169,6 +184,17 @@ def test_the_starvation_bound_lets_a_low_call_through_after_the_limit(srv):
     after = queued_behind_a_held_call(srv, "starve", low_caller, high_caller)
     assert low_caller.answers() == [low] and high_caller.answers() == highs
     assert after[2] == low and sorted(after[:2] + after[3:]) == sorted(highs)
+
+
+def test_a_batch_is_filled_highest_level_first(srv):
+    """max_batch_size 2: of three low calls and two high ones queued, the first batch is the two
+    high ones, then the lows in turn."""
+    lows, highs = [next(tags) for _ in range(3)], [next(tags) for _ in range(2)]
+    low_caller, high_caller = Caller(srv, "batched", lows, priority=2), Caller(srv, "batched", highs, priority=1)
+    queued_behind_a_held_call(srv, "batched", low_caller, high_caller)
+    assert low_caller.answers() == lows and high_caller.answers() == highs
+    batches = runs(srv, "batched")
+    assert batches[-3:] == [highs, lows[:2], lows[2:]]
 
 
 def test_a_lane_call_whose_deadline_passes_while_queued_is_answered_timeout_unrun(srv):

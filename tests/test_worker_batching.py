@@ -141,7 +141,7 @@ def as_one_batch(front: FrontEnd, worker: Worker, xs, capacities=None) -> list:
     calls = [front.submit(x, out_capacity=None if capacities is None else capacities[i]) for i, x in enumerate(xs)]
     work, stop = worker.gather()
     assert len(work) == len(xs) and not stop
-    assert worker.batcher.run(work, worker) == ([], False)
+    assert worker.batcher.run(work, worker) is False and worker.held() == []
     return [front.answer(c) for c in calls]
 
 
@@ -374,7 +374,7 @@ def test_a_lane_dropped_while_a_batch_gathers_keeps_its_mapping_until_its_calls_
             work, stop = worker.gather()
             assert len(work) == 1 and not stop
             front.ring.push(layout.command_entry(layout.CMD_DROP_REGION, region_id))  # arrives mid-gather
-            assert worker.batcher.run(work, worker) == ([], False)
+            assert worker.batcher.run(work, worker) is False and worker.held() == []
             assert region_id not in worker.lanes and region_id in worker.regions.maps  # detached, still mapped
             assert client.finished(index, generation)
             placed = client.read(index, generation, out_offset, 32768)

@@ -63,8 +63,6 @@ class Submissions(Protocol):
     def take(self) -> tuple[Space, int, int] | None:
         """The next request held, claimed: (space, entry, slot index); None if none is held."""
 
-    def held(self) -> list[tuple[Space, int]]:
-        """What is held and not taken yet."""
 
 
 class Request(NamedTuple):
@@ -91,11 +89,11 @@ class Batcher:
         self.delay_s = config.max_queue_delay_us / 1e6
         self.preferred = frozenset(config.preferred_batch_sizes)
 
-    def run(self, work: list[tuple[Space, int]], source: Submissions) -> tuple[list[tuple[Space, int]], bool]:
+    def run(self, work: list[tuple[Space, int]], source: Submissions) -> bool:
         """Take up to max_batch_size requests of ``work`` and of what ``source`` holds and gathers
         meanwhile, in its order (the highest priority level first), run compatible ones as one
-        batch, answer each.  Returns (what ``source`` still holds for the next batch, whether a
-        stop came: then the caller runs what is held and stops)."""
+        batch, answer each; the rest stays held by ``source`` for the next batch.  Returns whether
+        a stop came (then the caller runs what is held and stops)."""
         step = self.step
         claimed: list[tuple[Space, int, int]] = []
         source.hold(work)
@@ -132,7 +130,7 @@ class Batcher:
             groups.setdefault(key, []).append(Request(space, entry, index, slot, inputs))
         for members in groups.values():
             self.execute(members)
-        return source.held(), stop
+        return stop
 
     def execute(self, members: list[Request]) -> None:
         """One backend run for compatible requests (their inputs agree but for the leading

@@ -221,7 +221,7 @@ class Worker:
                 continue
             self.hold(work)
             if batcher is not None and not stop:
-                _, stop = batcher.run([], self)
+                stop = batcher.run([], self)
                 self._unmap_dropped()
                 if not stop:
                     continue
