@@ -606,19 +606,18 @@ def decode_slot_sched(buf, geometry, index: int) -> SlotSched:
     return SlotSched._make(_SLOT_SCHED.unpack_from(buf, geometry.slot_off(index) + SLOT.offset("priority")))
 
 
-# t_ready .. deadline_ns in one read (the stage times between skipped), and the flags
-_SLOT_SCHEDULE = struct.Struct(f"<Q{SLOT.offset('priority') - SLOT.offset('t_ready') - 8}xIIQ")
-_SCHEDULE_OFF, _FLAGS_OFF = SLOT.offset("t_ready"), SLOT.offset("flags")
-assert _SLOT_SCHEDULE.size == SLOT.offset("deadline_ns") + 8 - _SCHEDULE_OFF
+# flags .. deadline_ns in one read (what lies between skipped: padding bytes cost nothing to unpack)
+_FLAGS_OFF, _T_READY_OFF, _PRIORITY_OFF = SLOT.offset("flags"), SLOT.offset("t_ready"), SLOT.offset("priority")
+_SLOT_SCHEDULE = struct.Struct(f"<I{_T_READY_OFF - _FLAGS_OFF - 4}xQ{_PRIORITY_OFF - _T_READY_OFF - 8}xIIQ")
+assert _FLAGS_OFF < _T_READY_OFF < _PRIORITY_OFF and _SLOT_SCHEDULE.size == SLOT.offset("deadline_ns") + 8 - _FLAGS_OFF
 
 
 def read_slot_schedule(buf, geometry, index: int) -> tuple[int, int, int, int, int]:
     """(t_ready, priority, caller, deadline_ns, flags) of slot ``index``, as written: what a worker
     reads of a request it holds before claiming it (untrusted in a lane: ``shmserve.scheduling``
     clamps).  LayoutError for an index out of range."""
-    off = geometry.slot_off(index)
-    t_ready, priority, caller, deadline = _SLOT_SCHEDULE.unpack_from(buf, off + _SCHEDULE_OFF)
-    return t_ready, priority, caller, deadline, _U32.unpack_from(buf, off + _FLAGS_OFF)[0]
+    flags, t_ready, priority, caller, deadline = _SLOT_SCHEDULE.unpack_from(buf, geometry.slot_off(index) + _FLAGS_OFF)
+    return t_ready, priority, caller, deadline, flags
 
 
 def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready: int = 0) -> None:
@@ -628,7 +627,6 @@ def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready
 
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
 _STAGE_OFFSETS = {stage: SLOT.offset(stage) for stage in STAGE_FIELDS}
 SlotRequest = namedtuple("SlotRequest", "request_id model_id worker n_inputs n_outputs flags out_region out_off "
                                         "out_capacity")
