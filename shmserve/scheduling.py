@@ -101,8 +101,17 @@ def effective_level(priority: int, levels: int, default: int) -> int:
 
 class Ticket:
     """One request held: ``item`` (the caller's: the worker's (space, entry)), its ``level``,
-    ``caller`` key, times (ns) and ``state`` (WAITING, TAKEN, EXPIRED, REFUSED).  ``why`` says why
-    it expired ("deadline" or "queue timeout")."""
+    ``caller`` key, times (ns) and ``state``.  ``why`` says why it expired ("deadline" or
+    "queue timeout").  Its life, every other move impossible::
+
+        state    event                                      next
+        WAITING  take                                       TAKEN
+        WAITING  deadline passed (delayed or not)           EXPIRED
+        WAITING  queue timeout passed, "reject"             EXPIRED
+        WAITING  queue timeout passed, "delay"              WAITING, delayed (once)
+        WAITING  one more than max_queue_size, the newest   REFUSED
+                 of the lowest level
+    """
 
     __slots__ = ("item", "level", "caller", "seq", "t_ready", "deadline", "timeout_at", "snap", "state",
                  "delayed", "why")

@@ -122,6 +122,19 @@ def test_a_low_request_passed_over_the_limit_is_taken_next():
     assert taken[:4] == ["high0", "high1", "high2", "low"]
 
 
+def test_starved_requests_of_several_levels_go_lowest_level_first():
+    """Taking the lowest starved level first is what keeps the bound exact: the level-2 request
+    is not passed over a second time by the starved level-3 one."""
+    s, _ = scheduler(levels=3, starvation_limit=1)
+    for item, priority in [("c", 3), ("b", 2), ("a1", 1), ("a2", 1), ("a3", 1)]:
+        s.hold(item, priority)
+    taken = []
+    while (t := s.take()) is not None:
+        assert s.passed_over(t) <= 1
+        taken.append(t.item)
+    assert taken == ["a1", "c", "b", "a2", "a3"]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_starvation_bound_holds_for_random_arrivals(seed):
     """The module's bound, by brute force: a request is passed over by higher-level picks at most
