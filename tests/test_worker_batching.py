@@ -361,7 +361,8 @@ def test_the_worker_serves_arena_requests_in_the_schedulers_order(instance_name,
         work, stop = worker.gather()
         assert len(work) == 5 and not stop
         worker.hold(work)
-        assert worker.serve_held(False) is False and worker.held() == []
+        while worker.held():  # (it returns to the serve loop early: a signature it had not met to tell)
+            assert worker.serve_held(False) is False
         done = [layout.split_entry(e)[0] for e in Ring.of_worker(front.arena, 0, completion=True).pop_all()]
         assert done == [calls[i].index for i in (2, 4, 3, 0, 1)]
         answers = [front.answer(c) for c in calls]

@@ -234,14 +234,20 @@ class Worker:
 
     def serve_held(self, stopping: bool) -> bool:
         """Serve what the worker holds one by one, in the scheduler's order, taking in what arrives
-        meanwhile (unless ``stopping``: then only what it holds); whether a stop came."""
-        serve_claimed = self.step.serve_claimed
+        meanwhile (unless ``stopping``: then only what it holds); whether a stop came.  Unless
+        stopping, it returns to the serve loop early (the rest still held) when the loop has
+        something to do: a dropped region to unmap, signature counts or a short answer to tell."""
+        serve_claimed, step = self.step.serve_claimed, self.step
         while True:
             taken = self.take()
             if taken is None:
                 return stopping
             serve_claimed(*taken)
-            if not stopping and self.pending():
+            if stopping:
+                continue
+            if self.dropped or step.new_signatures != self._told_signatures or step.short_answers != self._told_short:
+                return False
+            if self.pending():
                 more, stopping = self.gather()
                 self.hold(more)
 
