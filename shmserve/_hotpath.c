@@ -52,7 +52,7 @@ static struct {
     Py_ssize_t slot_size, tensors_off, tensor_size, max_tensors, max_dims, tensor_align;
     Py_ssize_t status_off, request_id_off, model_id_off, worker_off, n_inputs_off, n_outputs_off, flags_off;
     Py_ssize_t out_region_off, out_off_off, out_capacity_off, error_code_off, error_len_off, error_msg_off;
-    Py_ssize_t error_msg_max, request_span, stages_off, n_stages;
+    Py_ssize_t error_msg_max, request_span, stages_off, n_stages, priority_off, deadline_off;
     Py_ssize_t stage_acquired, stage_ready, stage_claimed, stage_done;
     Py_ssize_t t_dtype_off, t_ndim_off, t_role_off, t_name_off, t_region_off, t_offset_off, t_nbytes_off, t_shape_off;
     Py_ssize_t role_input, role_output, generation_shift;
@@ -153,7 +153,7 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     TAKE(lane_completion_off); TAKE(lane_ring_capacity);
     TAKE(hist_buckets); TAKE(hist_sum_off); TAKE(hist_worker_size); TAKE(bytes_code);
     TAKE(lane_outcome_off); TAKE(lane_outcome_buckets); TAKE(lane_sub_bits); TAKE(lane_time_shift);
-    TAKE(lane_fault_mask);
+    TAKE(lane_fault_mask); TAKE(priority_off); TAKE(deadline_off);
     Py_ssize_t mask;
     if (take(d, "generation_mask", &mask) < 0) return NULL;
     K.generation_mask = (uint64_t)mask;
@@ -175,6 +175,8 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     INSIDE(K.error_code_off, 4, K.tensors_off, "error_code"); INSIDE(K.error_len_off, 4, K.tensors_off, "error_len");
     INSIDE(K.error_msg_off, K.error_msg_max, K.tensors_off, "error_msg");
     INSIDE(K.stages_off, 8 * K.n_stages, K.tensors_off, "the stage times");
+    INSIDE(K.priority_off, 8, K.tensors_off, "priority and caller"); ALIGNED(K.priority_off, 4, "priority");
+    INSIDE(K.deadline_off, 8, K.tensors_off, "deadline_ns"); ALIGNED(K.deadline_off, 8, "deadline_ns");
     if (K.stage_acquired >= K.n_stages || K.stage_ready >= K.n_stages || K.stage_claimed >= K.n_stages ||
         K.stage_done >= K.n_stages) {
         PyErr_SetString(PyExc_ValueError, "hotpath constants: a stage index is out of range");
@@ -787,13 +789,15 @@ failed:
 static PyObject *
 submit(PyObject *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (not_ready() || !nargs("submit", n, 8, 9)) return NULL;
+    if (not_ready() || !nargs("submit", n, 8, 13)) return NULL;
     Py_ssize_t index;
-    uint64_t region, request_id, model_id, out_off, out_cap, now;
+    uint64_t region, request_id, model_id, out_off, out_cap, now, priority = 0, deadline = 0, flags = 0, caller = 0;
     if (slot_index(lane_table(), args[1], &index) < 0 || u64_arg(args[2], UINT32_MAX, &region) < 0 ||
         u64_arg(args[3], UINT64_MAX, &request_id) < 0 || u64_arg(args[4], UINT32_MAX, &model_id) < 0 ||
         u64_arg(args[6], UINT64_MAX, &out_off) < 0 || u64_arg(args[7], UINT64_MAX, &out_cap) < 0 ||
-        now_arg(args, n, 8, &now) < 0)
+        now_arg(args, n, 8, &now) < 0 || (n > 9 && u64_arg(args[9], UINT32_MAX, &priority) < 0) ||
+        (n > 10 && u64_arg(args[10], UINT64_MAX, &deadline) < 0) ||
+        (n > 11 && u64_arg(args[11], UINT32_MAX, &flags) < 0) || (n > 12 && u64_arg(args[12], UINT32_MAX, &caller) < 0))
         return NULL;
     PyObject *inputs = PySequence_Fast(args[5], "inputs must be a sequence of (input index, offset, view)");
     if (inputs == NULL) return NULL;
@@ -844,6 +848,10 @@ submit(PyObject *self, PyObject *const *args, Py_ssize_t n)
     put32(slot + K.out_region_off, (uint32_t)region);
     put64(slot + K.out_off_off, out_off);
     put64(slot + K.out_capacity_off, out_cap);
+    put32(slot + K.flags_off, (uint32_t)flags);
+    put32(slot + K.priority_off, (uint32_t)priority); /* how to schedule it: layout.encode_slot_request */
+    put32(slot + K.priority_off + 4, (uint32_t)caller); /* caller: heeded in a door's lane only */
+    put64(slot + K.deadline_off, deadline);
     memset(slot + K.stages_off, 0, 8 * K.n_stages); /* layout.reset_stages */
     put64(slot + K.stages_off + 8 * K.stage_acquired, now);
     put64(slot + K.stages_off + 8 * K.stage_ready, now);

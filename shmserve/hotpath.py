@@ -71,11 +71,19 @@ def outside_message(region: int, floor: int, what: str) -> str:
 # -- the client's part (the reference) --------------------------------------------------------
 
 def submit(buf, index: int, region: int, request_id: int, model_id: int, inputs, out_offset: int,
-           out_capacity: int, now: int = 0) -> int:
+           out_capacity: int, now: int = 0, priority: int = 0, deadline_ns: int = 0, flags: int = 0,
+           caller: int = 0) -> int:
     """Publish one call in free slot ``index`` of the lane in ``buf`` (region ``region``);
-    ``inputs``: (input index, offset in the region, view); ``now``: the stage time (0: the clock).
+    ``inputs``: (input index, offset in the region, view); ``now``: the stage time (0: the clock);
+    how to schedule it (``shmserve.scheduling``): ``priority`` (u32, 0: the model's default level),
+    ``deadline_ns`` (CLOCK_MONOTONIC, 0: none), ``flags`` (``layout.SLOT_FLAG_*``, u32) and
+    ``caller`` (u32; a worker heeds it only in a door process's lane, keying a client's lane's
+    calls by its region).
     Returns the slot's new generation.  ShmserveError(INTERNAL) if the slot is not free;
-    LayoutError for an input no descriptor can hold (the slot is FREE again then)."""
+    LayoutError for an input no descriptor can hold (the slot is FREE again then); TypeError or
+    OverflowError for a scheduling field that is no int of its width."""
+    for value, most in ((priority, 0xFFFFFFFF), (deadline_ns, 2**64 - 1), (flags, 0xFFFFFFFF), (caller, 0xFFFFFFFF)):
+        _unsigned(value, most)
     generation, _ = layout.unpack_status(atomics.load64(buf, LANE.slot_off(index)))
     try:
         generation = transition_slot(buf, LANE, index, generation, _FREE, _WRITING, _CLIENT)
@@ -90,7 +98,8 @@ def submit(buf, index: int, region: int, request_id: int, model_id: int, inputs,
         raise
     layout.encode_slot_request(buf, LANE, index, request_id=request_id, model_id=model_id, worker=0,
                                n_inputs=len(inputs), out_region=region, out_off=out_offset,
-                               out_capacity=out_capacity)
+                               out_capacity=out_capacity, priority=priority, caller=caller, deadline_ns=deadline_ns,
+                               flags=flags)
     now = now or time.monotonic_ns()
     layout.reset_stages(buf, LANE, index, now, now)
     # Order matters here: descriptors (and the caller's input bytes) are complete before READY.
@@ -99,6 +108,18 @@ def submit(buf, index: int, region: int, request_id: int, model_id: int, inputs,
     submissions.push(layout.slot_entry(index, generation))  # never full: one entry per slot
     FutexDoorbell(submissions).notify()  # a syscall only if the worker sleeps
     return generation
+
+
+def _unsigned(value, most: int) -> None:
+    """The C module's check of an unsigned argument, in its words."""
+    if not isinstance(value, int):
+        raise TypeError(f"an int is required, not {type(value).__name__}")
+    if value < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if value > 2**64 - 1:
+        raise OverflowError("int too big to convert")
+    if value > most:
+        raise OverflowError(f"{value} is out of range (at most {most})")
 
 
 def finished(buf, index: int, generation: int) -> bool:

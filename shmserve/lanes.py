@@ -224,17 +224,24 @@ class ClientLane:
         self.taken_back = self.given_up = 0
 
     def submit(self, request_id: int, model_id: int, inputs: list[tuple[int, int, np.ndarray]],
-               out_offset: int, out_capacity: int) -> tuple[int, int]:
+               out_offset: int, out_capacity: int, priority: int = 0, deadline_ns: int = 0,
+               flags: int = 0, caller: int = 0) -> tuple[int, int]:
         """Publish one call (``inputs``: (input index, offset in the region, view)); returns
-        (slot, generation).  OVERLOADED if every slot is busy (``has_free_slot`` tells first);
-        LayoutError for an input no descriptor can hold (the slot stays free)."""
+        (slot, generation).  ``priority`` (0: the model's default level), ``deadline_ns``
+        (CLOCK_MONOTONIC; 0: none; past it the worker answers TIMEOUT unrun) and ``flags``
+        (``layout.SLOT_FLAG_OWN_TIMEOUT``: the deadline is the caller's own timeout) tell the worker
+        how to schedule it (``shmserve.scheduling``); so does ``caller`` (u32), in a door process's
+        lane only: its connection, for fairness between the door's callers (a client's lane is one
+        caller, whatever it writes).  OVERLOADED if every slot is busy
+        (``has_free_slot`` tells first); LayoutError for an input no descriptor can hold (the slot
+        stays free)."""
         if not self.free and not self.has_free_slot():
             raise ShmserveError(ErrorCode.OVERLOADED, f"all {LANE.slot_count} slots of this lane are busy "
                                                       f"(calls that timed out still run)")
         index = self.free.pop()
         try:
             return index, _HOT.submit(self.buf, index, self.region_id, request_id, model_id, inputs, out_offset,
-                                      out_capacity)
+                                      out_capacity, 0, priority, deadline_ns, flags, caller)
         except (ShmserveError, SlotConflict):  # the slot was not free, or moved under us: the lane was
             raise                             # overwritten, and the slot is not ours now
         except Exception:  # refused before READY: the slot is FREE again

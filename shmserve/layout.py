@@ -606,6 +606,20 @@ def decode_slot_sched(buf, geometry, index: int) -> SlotSched:
     return SlotSched._make(_SLOT_SCHED.unpack_from(buf, geometry.slot_off(index) + SLOT.offset("priority")))
 
 
+# flags .. deadline_ns in one read (what lies between skipped: padding bytes cost nothing to unpack)
+_FLAGS_OFF, _T_READY_OFF, _PRIORITY_OFF = SLOT.offset("flags"), SLOT.offset("t_ready"), SLOT.offset("priority")
+_SLOT_SCHEDULE = struct.Struct(f"<I{_T_READY_OFF - _FLAGS_OFF - 4}xQ{_PRIORITY_OFF - _T_READY_OFF - 8}xIIQ")
+assert _FLAGS_OFF < _T_READY_OFF < _PRIORITY_OFF and _SLOT_SCHEDULE.size == SLOT.offset("deadline_ns") + 8 - _FLAGS_OFF
+
+
+def read_slot_schedule(buf, geometry, index: int) -> tuple[int, int, int, int, int]:
+    """(t_ready, priority, caller, deadline_ns, flags) of slot ``index``, as written: what a worker
+    reads of a request it holds before claiming it (untrusted in a lane: ``shmserve.scheduling``
+    clamps).  LayoutError for an index out of range."""
+    flags, t_ready, priority, caller, deadline = _SLOT_SCHEDULE.unpack_from(buf, geometry.slot_off(index) + _FLAGS_OFF)
+    return t_ready, priority, caller, deadline, flags
+
+
 def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready: int = 0) -> None:
     """Clear a slot's stage times and set when it was acquired (and made ready), in one store."""
     _SLOT_STAGES.pack_into(buf, geometry.slot_off(index) + SLOT.offset("t_acquired"), t_acquired, t_ready, 0, 0, 0, 0)
@@ -1284,6 +1298,7 @@ def hotpath_constants() -> dict:
         lane_outcome_off=LANE_OUTCOME_OFFSET, lane_outcome_buckets=LANE_OUTCOME_BUCKETS,
         lane_sub_bits=LANE_SUB_BITS, lane_time_shift=LANE_TIME_SHIFT,
         lane_fault_mask=sum(1 << code for code in LANE_FAULT_CODES),
+        priority_off=SLOT.offset("priority"), deadline_off=SLOT.offset("deadline_ns"),
         bytes_code=BYTES_CODE,
         itemsizes=tuple(_ITEMSIZE.get(code, 0) for code in range(dtypes)),
         dtypes=tuple(_DTYPES.get(code) for code in range(dtypes)),

@@ -116,6 +116,19 @@ def check_routing(version, key) -> dict:
     return extra
 
 
+PRIORITY_MAX = 2**32 - 1  # a slot's priority field is a u32 (layout); above the model's levels: its default
+
+
+def check_priority(priority) -> int:
+    """A request's ``priority`` (0: the model's default level; 1 is served first: docs/config.md,
+    "Priorities and queue policy"); BadArgument (BAD_ARGUMENT, a ValueError) for one that is not
+    an int in [0, 2**32)."""
+    if type(priority) is not int or not 0 <= priority <= PRIORITY_MAX:
+        raise BadArgument(ErrorCode.BAD_ARGUMENT, f"priority must be an integer from 0 (the model's default level) "
+                                                  f"to {PRIORITY_MAX}, 1 served first; got {priority!r}")
+    return priority
+
+
 def check_tensor(name: str, shape, dtype) -> tuple[tuple[int, ...], np.dtype]:
     """A zero-copy input's ``(shape, dtype)`` as (tuple of ints, supported numpy dtype).
 
@@ -285,17 +298,20 @@ class ClientSession:
     # -- requests ---------------------------------------------------------------------
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float, version: int | None = None,
-              key: str | None = None) -> tuple[int, list]:
+              key: str | None = None, priority: int = 0) -> tuple[int, list]:
         """An inline request: its frame header, then each input's bytes from the array itself.
         ``version``: the model version (None: its default); ``key``: a routing key (a canary
         sends one key to one version).  A bytes input (an object array of bytes or str) is
         serialized here (``layout.encode_bytes``).  BadArgument (before an id is taken):
         BAD_DTYPE for an unsupported dtype or a bytes input's element that is neither,
         BAD_ARGUMENT for a timeout out of range (``check_timeout``), a version that is not a
-        positive integer or a key that is not a printable string of 1-256 characters;
+        positive integer or a key that is not a printable string of 1-256 characters, a
+        ``priority`` ``check_priority`` refuses (sent as the meta's "priority" only when nonzero);
         ConnectionClosed if failed."""
         check_timeout(timeout_s)
         extra = check_routing(version, key)
+        if check_priority(priority):
+            extra["priority"] = priority
         metas, parts, total = [], [b""], 0
         for name, value in inputs.items():
             a = np.ascontiguousarray(value)
@@ -324,13 +340,16 @@ class ClientSession:
 
     def infer_region(self, model: str, inputs: Sequence[TensorMeta], region: int, output_offset: int,
                      output_capacity: int, timeout_s: float, version: int | None = None,
-                     key: str | None = None) -> tuple[int, list]:
+                     key: str | None = None, priority: int = 0) -> tuple[int, list]:
         """A zero-copy request: ``inputs`` (with offsets) already lie in ``region``; outputs
-        go to [output_offset, output_offset + output_capacity) of it; ``version`` and ``key`` as
-        ``infer``'s.  BadArgument for a timeout out of range (``check_timeout``), a version or key
-        ``check_routing`` refuses; ConnectionClosed if failed."""
+        go to [output_offset, output_offset + output_capacity) of it; ``version``, ``key`` and
+        ``priority`` as ``infer``'s.  BadArgument for a timeout out of range (``check_timeout``), a
+        version or key ``check_routing`` refuses, a priority ``check_priority`` refuses;
+        ConnectionClosed if failed."""
         check_timeout(timeout_s)
         extra = check_routing(version, key)
+        if check_priority(priority):
+            extra["priority"] = priority
         rid = self._expect(_INFER_REGION, (output_offset, output_offset + output_capacity))
         return rid, [protocol.encode_frame(_INFER_REGION.request, {
             "id": rid, "model": model, "inputs": [t.to_wire() for t in inputs], "region": region,

@@ -251,3 +251,27 @@ def gated(config):
     run.inputs = [{"name": "x", "dtype": "float32", "shape": [2]}]
     run.outputs = [{"name": "y", "dtype": "float32", "shape": [2]}]
     return run
+
+
+def gated_rows(config):
+    """``gated`` for batches: x = [[tag, hold], ...] (float32, rows); each run appends its rows'
+    tags as one line (what a batch held, in row order) to ``options.record``, and a run with a
+    row whose ``hold`` > 0 waits, at most 60 s, until ``<options.gates>/<tag>`` exists.  Returns
+    2x.  ``options = {factory = true, record = ..., gates = ...}``."""
+    import os
+
+    record, gates = config.options["record"], config.options["gates"]
+
+    def run(inputs):
+        x = inputs["x"]
+        with open(record, "a") as f:
+            f.write(" ".join(str(int(tag)) for tag in x[:, 0]) + "\n")
+        for tag, hold in x:
+            deadline = time.monotonic() + 60
+            while hold > 0 and not os.path.exists(os.path.join(gates, str(int(tag)))) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return {"y": x * 2}
+
+    run.inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 2]}]
+    run.outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 2]}]
+    return run

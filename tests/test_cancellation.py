@@ -32,7 +32,7 @@ from shmserve.layout import LANE_SLOTS
 from shmserve.protocol import Kind
 
 from helpers import raw_frames, raw_http
-from helpers.server import scrape_text, serving, wait_for
+from helpers.server import held_call, scrape_text, serving, wait_for
 from helpers.v2_server import auth, python_model, triton_client, v2_serving
 
 MODEL = "gated"
@@ -93,21 +93,9 @@ def queued_behind(srv, n: int) -> None:
 def held(srv):
     """The worker busy with a held call (over the socket) until the block ends; yields its tag.
     On the way out its gate opens, the call is answered, and the server ends idle."""
-    tag, answer = next(tags), {}
-
-    def call():
-        with srv.client(lanes=False, timeout=60) as c:
-            answer["y"] = c.infer(MODEL, {"x": x(tag, hold=True)})["y"]
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    try:
-        wait_for(lambda: tag in ran(srv), "the held call to run")
+    tag = next(tags)
+    with held_call(srv, MODEL, x(tag, hold=True), lambda: tag in ran(srv), srv.gates / str(tag)):
         yield tag
-    finally:
-        (srv.gates / str(tag)).touch()
-        thread.join(60)
-    assert answer["y"].tolist() == (x(tag, hold=True) * 2).tolist()
     srv.wait_idle()
 
 

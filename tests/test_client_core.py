@@ -188,7 +188,7 @@ def perform(op, server: Server, *args):
 
 
 def infer(op: InferOperation, server: Server, x: np.ndarray, **routing):
-    return perform(op, server, "m", {"x": x}, None, routing.get("version"), routing.get("key"))
+    return perform(op, server, "m", {"x": x}, None, routing.get("version"), routing.get("key"), 0)
 
 
 # -- infer ----------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_infer_reads_the_spec_opens_its_lane_once_and_then_runs_without_steps(co
     assert infer(op, server, x)["y"].tolist() == x.tolist()
     assert server.kinds() == [Kind.MODELS, Kind.OPEN_REGION]
     assert server.requests[1][1]["size"] == DEFAULT_REGION_BYTES and server.requests[1][1]["lane"] == "m"
-    began = op.begin(("m", {"x": x[::-1]}, None, None, None))
+    began = op.begin(("m", {"x": x[::-1]}, None, None, None, 0))
     assert type(began) is tuple, "the common case submits the lane call itself"
     play_worker(began)
     out = op.answer(began, None)
@@ -241,7 +241,7 @@ def test_a_lane_call_refused_for_its_version_goes_over_the_socket_and_the_next_r
     op, server = InferOperation(core), Server(core, regions=[served_lane])
     x = np.ones(8, np.uint8)
     infer(op, server, x)
-    began = op.begin(("m", {"x": x}, None, None, None))
+    began = op.begin(("m", {"x": x}, None, None, None, 0))
     play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 2 of the model now"))
     rest = op.answer(began, None)
     assert type(rest) is Exchange and op.answered(server(rest))["y"].tolist() == [7] * 8  # the socket's answer
@@ -267,7 +267,7 @@ def test_a_short_answer_runs_the_lane_call_again_once_and_its_signature_keeps_th
     server.times = 5  # data-dependent: larger than all before, run again once more, learned
     assert infer(op, server, x)["y"].tolist() == np.tile(x, 5).tolist()
     assert len(server.lane_calls) == 5 and next(iter(core.lane_forms.values())).output_capacity == 15000
-    began = op.begin(("m", {"x": x}, None, None, None))
+    began = op.begin(("m", {"x": x}, None, None, None, 0))
     play_worker(began, times=6)  # short ...
     again = op.answer(began, None)
     assert type(again) is GeneratorType
@@ -316,7 +316,7 @@ def test_a_lane_call_that_timed_out_keeps_its_space_until_the_worker_is_done(cor
     op, server = InferOperation(core), Server(core, regions=[served_lane])
     x = np.ones(8, np.uint8)
     infer(op, server, x)
-    began = op.begin(("m", {"x": x}, None, None, None))
+    began = op.begin(("m", {"x": x}, None, None, None, 0))
     region, seat = began[0], began[4]
     claim_only(began)
     timeout = ShmserveError(ErrorCode.TIMEOUT, "no answer from the worker in time")
@@ -340,7 +340,7 @@ def test_a_lane_call_given_up_before_a_worker_claimed_it_is_taken_back_at_once(c
     op, server = InferOperation(core), Server(core, regions=[served_lane])
     x = np.ones(8, np.uint8)
     infer(op, server, x)
-    began = op.begin(("m", {"x": x}, None, None, None))
+    began = op.begin(("m", {"x": x}, None, None, None, 0))
     region, seat = began[0], began[4]
     lane = region.lane
     for failure in (ShmserveError(ErrorCode.TIMEOUT, "no answer"), KeyboardInterrupt()):
@@ -361,7 +361,7 @@ def test_a_version_without_a_spec_goes_over_the_socket_a_key_through_the_lane_an
     assert server.kinds() == [Kind.MODELS, Kind.INFER, Kind.OPEN_REGION] and len(server.lane_calls) == 2
     assert server.requests[1][1]["version"] == 7
     with pytest.raises(ShmserveError) as raised:
-        op.begin(("m", {"x": np.ones(4, np.uint8)}, -1, None, None))
+        op.begin(("m", {"x": np.ones(4, np.uint8)}, -1, None, None, 0))
     assert raised.value.code is ErrorCode.BAD_ARGUMENT and len(server.requests) == 3
 
 
@@ -370,7 +370,7 @@ def test_the_socket_gets_what_the_lane_left_of_the_timeout(core):
     x = np.ones(8, np.uint8)
     for waited, left in ((2.0, 3.0), (6.0, None)):
         infer(op, server, x)  # (the spec is read again after the version went away)
-        began = op.begin(("m", {"x": x}, 5.0, None, None))
+        began = op.begin(("m", {"x": x}, 5.0, None, None, 0))
         play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 2 of the model now"))
         core.clock.now += waited
         if left is None:
@@ -387,7 +387,7 @@ def test_the_socket_gets_what_the_lane_left_of_the_timeout(core):
 def test_a_connection_that_is_over_is_made_again_first_and_a_closed_client_makes_none(core):
     op = InferOperation(core)
     core.session.fail("the server went away")
-    steps = op.begin(("m", {"x": np.ones(4, np.uint8)}, None, None, None))
+    steps = op.begin(("m", {"x": np.ones(4, np.uint8)}, None, None, None, 0))
     assert next(steps) is CONNECT
     assert core.connection_over()
     core.forget_connection()
@@ -579,7 +579,7 @@ def test_a_call_refused_by_a_moved_lane_is_sent_again_over_the_socket_with_its_k
     op, server = InferOperation(core), Server(core, listing=routed_listing(5, 100.0), regions=versioned_lanes(5))
     x = np.ones(4, np.uint8)
     infer(op, server, x, key="user-1")  # (the spec and route read, the candidate's lane opened)
-    began = op.begin(("m", {"x": x}, None, None, "user-1"))
+    began = op.begin(("m", {"x": x}, None, None, "user-1", 0))
     assert type(began) is tuple and began[0].lane.serves() == 2
     play_worker(began, (ErrorCode.MODEL_UNAVAILABLE, f"{lanes.VERSION_MOVED} 1 of the model now, not version 2"))
     resend = op.answer(began, None)
@@ -624,6 +624,6 @@ def test_a_call_without_a_key_the_split_sent_to_a_lane_that_cannot_take_it_is_ro
     x = np.ones(4, np.uint8)
     infer(op, server, x)  # (the spec and route read, the candidate's lane opened)
     lanes.assign_worker(core.infer_lanes[("m", 2)].buf, layout.NO_WORKER)
-    sent = op.begin(("m", {"x": x}, None, None, None))
+    sent = op.begin(("m", {"x": x}, None, None, None, 0))
     kind, meta = request(core, sent)
     assert kind is Kind.INFER and "version" not in meta and "key" not in meta

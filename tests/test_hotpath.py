@@ -157,6 +157,9 @@ messages = st.one_of(st.text(max_size=40), st.text(min_size=150, max_size=260),
                      st.just("é" * 100), st.just("x" * 191 + "€"))
 failures = st.one_of(st.none(), st.tuples(st.sampled_from(list(ErrorCode)), messages))
 HYPOTHESIS = settings(max_examples=250, deadline=None)
+# submit's scheduling fields: (), or priority, deadline_ns, flags, caller (any prefix), in range or not
+unsigned = st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1), st.integers(-2, 2**65), st.just("1"))
+schedules = st.lists(unsigned, max_size=4).map(tuple)
 
 
 # -- a whole call, through both ---------------------------------------------------------------
@@ -173,7 +176,8 @@ def test_a_whole_lane_call_leaves_the_same_bytes_through_both(twin, data):
     out_offset = data.draw(st.integers(FLOOR, FLOOR + 8192).map(layout.align_tensor))
     out_capacity = data.draw(st.one_of(st.just(LANE_SIZE - out_offset), st.integers(0, 65536)))
     submitted = twin.call("submit", "buf", index, REGION, data.draw(st.integers(0, 2**64 - 1)),
-                          data.draw(st.integers(0, 2**32 - 1)), call, out_offset, out_capacity, NOW)
+                          data.draw(st.integers(0, 2**32 - 1)), call, out_offset, out_capacity, NOW,
+                          *data.draw(schedules))
     if submitted[0] == "raised":
         assert twin.call("finished", "buf", index, 1) == ("returned", False)
         event(f"submit refused: {submitted[1]}")
@@ -315,6 +319,24 @@ def test_an_error_is_read_back_with_its_code_and_the_slot_freed(twin):
     assert (kind, name, code) == ("raised", "ShmserveError", ErrorCode.MODEL_ERROR)
     assert message == "[model_error] " + "ö" * 96  # 192 bytes of UTF-8, cut on a character
     assert twin.free["c"] == [0]
+
+
+def test_submit_writes_the_scheduling_fields(twin):
+    """priority, deadline_ns, flags and caller land in the slot as layout encodes them, whatever
+    was there (the caller 0 when not given)."""
+    x = np.zeros(4, np.float32)
+    twin.scribble([(layout.LANE.slot_off(i) + layout.SLOT.offset("caller"), b"\xff" * 4) for i in (0, 1)])
+    _, generation = twin.call("submit", "buf", 1, REGION, 5, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW,
+                              3, 2**64 - 1, layout.SLOT_FLAG_OWN_TIMEOUT)
+    buf = twin.bufs["c"]
+    assert layout.decode_slot_sched(buf, layout.LANE, 1) == (3, 0, 2**64 - 1)
+    assert layout.read_slot_schedule(buf, layout.LANE, 1) == (NOW, 3, 0, 2**64 - 1, layout.SLOT_FLAG_OWN_TIMEOUT)
+    twin.call("submit", "buf", 0, REGION, 6, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW, 0, 0, 0, 2**32 - 1)
+    assert layout.decode_slot_sched(buf, layout.LANE, 0) == (0, 2**32 - 1, 0)
+    for bad in (-1, 2**32, "3"):
+        assert twin.call("submit", "buf", 2, REGION, 6, 0, [(0, FLOOR, x)], FLOOR + 4096, 4096, NOW, bad)[0] == \
+            "raised"
+    assert twin.call("finished", "buf", 2, 1) == ("returned", False)
 
 
 @pytest.mark.parametrize("impl", [PY, C], ids=["python", "c"])

@@ -63,7 +63,8 @@ class FrontEnd:
         self.ring = Ring.of_worker(arena, 0, completion=False)
         self.next_id = 1
 
-    def submit(self, x: np.ndarray, out_capacity: int | None = None) -> Call:
+    def submit(self, x: np.ndarray, out_capacity: int | None = None, **sched) -> Call:
+        """``sched``: the slot's priority, caller, deadline_ns and flags (``layout.encode_slot_request``)."""
         index = self.slots.acquire()
         generation, _ = self.arena.slot_status(index)
         generation = self.arena.transition(index, generation, SlotState.FREE, SlotState.WRITING, Actor.FRONTEND)
@@ -75,7 +76,7 @@ class FrontEnd:
         capacity = out.size if out_capacity is None else out_capacity
         np.ndarray(capacity, np.uint8, buffer=self.buf, offset=out.offset)[...] = 0xFF  # poisoned: NaN as float32
         layout.encode_slot_request(self.buf, self.g, index, request_id=self.next_id, model_id=0, worker=0,
-                                   n_inputs=1, out_region=0, out_off=out.offset, out_capacity=capacity)
+                                   n_inputs=1, out_region=0, out_off=out.offset, out_capacity=capacity, **sched)
         self.next_id += 1
         now = time.monotonic_ns()
         layout.reset_stages(self.buf, self.g, index, now, now)
@@ -141,7 +142,7 @@ def as_one_batch(front: FrontEnd, worker: Worker, xs, capacities=None) -> list:
     calls = [front.submit(x, out_capacity=None if capacities is None else capacities[i]) for i, x in enumerate(xs)]
     work, stop = worker.gather()
     assert len(work) == len(xs) and not stop
-    assert worker.batcher.run(work, worker) == ([], False)
+    assert worker.batcher.run(work, worker) is False and worker.held() == []
     return [front.answer(c) for c in calls]
 
 
@@ -343,6 +344,37 @@ def test_after_load_the_worker_never_asks_the_backend_what_it_has(instance_name)
         np.testing.assert_array_equal(b["y"], x * 2)
 
 
+def test_the_worker_serves_arena_requests_in_the_schedulers_order(instance_name, models):
+    """Five arena requests held at once (max_queue_size 4, two levels): the newest low one is
+    refused OVERLOADED, the one whose deadline passed answered TIMEOUT, both unrun; then level 1,
+    then level 2 by caller in turn.  The completion ring says the order; the arena's scheduling
+    counters what happened."""
+    import dataclasses
+
+    config = dataclasses.replace(torch_config(models), max_batch_size=1, priority_levels=2, max_queue_size=4)
+    instance = instance_name()
+    with serving(instance, config, RecordingTorch(config)) as (front, worker):
+        xs = inputs([1] * 5, seed=5)
+        asks = [dict(priority=2, caller=1), dict(priority=2, caller=1), dict(priority=2, caller=2),
+                dict(priority=1, caller=3), dict(priority=1, caller=3, deadline_ns=1)]
+        calls = [front.submit(x, **ask) for x, ask in zip(xs, asks)]
+        work, stop = worker.gather()
+        assert len(work) == 5 and not stop
+        worker.hold(work)
+        while worker.held():  # (it returns to the serve loop early: a signature it had not met to tell)
+            assert worker.serve_held(False) is False
+        done = [layout.split_entry(e)[0] for e in Ring.of_worker(front.arena, 0, completion=True).pop_all()]
+        assert done == [calls[i].index for i in (2, 4, 3, 0, 1)]
+        answers = [front.answer(c) for c in calls]
+        assert answers[2][0] is ErrorCode.OVERLOADED and "max_queue_size (4)" in answers[2][1]
+        assert answers[4][0] is ErrorCode.TIMEOUT
+        for i in (0, 1, 3):
+            np.testing.assert_array_equal(answers[i]["y"], xs[i] * 2)
+        counters = layout.read_sched_counters(front.buf, front.g, 0)
+        assert counters.expired == 1 and counters.demoted == 0
+        assert [(lv.queued, lv.claimed) for lv in counters.levels[:3]] == [(0, 1), (0, 2), (0, 0)]
+
+
 def test_a_lane_dropped_while_a_batch_gathers_keeps_its_mapping_until_its_calls_are_answered(instance_name, models):
     """The front-end drops a lane (its client closed it) while the worker gathers a batch that
     already holds a call of that lane: the call is still answered in the lane, the worker serves
@@ -374,7 +406,7 @@ def test_a_lane_dropped_while_a_batch_gathers_keeps_its_mapping_until_its_calls_
             work, stop = worker.gather()
             assert len(work) == 1 and not stop
             front.ring.push(layout.command_entry(layout.CMD_DROP_REGION, region_id))  # arrives mid-gather
-            assert worker.batcher.run(work, worker) == ([], False)
+            assert worker.batcher.run(work, worker) is False and worker.held() == []
             assert region_id not in worker.lanes and region_id in worker.regions.maps  # detached, still mapped
             assert client.finished(index, generation)
             placed = client.read(index, generation, out_offset, 32768)

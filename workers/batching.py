@@ -1,8 +1,9 @@
 """Dynamic batching: requests that arrive close together run as one backend call.
 
-Owns: gathering a batch (claim up to ``max_batch_size`` requests, waiting at
-most ``max_queue_delay_us`` for more, stopping early at a preferred size
-when nothing else is queued), grouping what was claimed by everything but
+Owns: gathering a batch (take up to ``max_batch_size`` requests in the order
+the worker's scheduler gives them — highest priority level first,
+``shmserve.scheduling`` —, waiting at most ``max_queue_delay_us`` for more,
+stopping early at a preferred size when nothing else is queued), grouping what was claimed by everything but
 the leading (batch) dimension of its inputs, running each group once with
 its inputs concatenated along that dimension (one copy), and answering each
 request from its own rows.  A request whose inputs do not share one leading
@@ -24,9 +25,9 @@ an output without the batch's rows fails the whole batch ("this model cannot
 be batched").  A request whose own output area cannot take its rows fails
 alone; the others are answered.
 
-Must not: read ring entries or carry out commands (``Submissions`` does:
-the serve loop), or claim, decode, place and publish other than through
-``workers.step.Step``.
+Must not: read ring entries, carry out commands or order requests
+(``Submissions`` does: the serve loop and its scheduler, which also claims), or
+decode, place and publish other than through ``workers.step.Step``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ class Submissions(Protocol):
     def pending(self) -> bool:
         """Whether anything is submitted and not gathered yet."""
 
+    def hold(self, work: list[tuple[Space, int]]) -> None:
+        """Hold gathered entries for ``take``, in the scheduler's order."""
+
+    def take(self) -> tuple[Space, int, int] | None:
+        """The next request held, claimed: (space, entry, slot index); None if none is held."""
+
+
 
 class Request(NamedTuple):
     """A claimed and decoded request of a batch."""
@@ -81,29 +89,30 @@ class Batcher:
         self.delay_s = config.max_queue_delay_us / 1e6
         self.preferred = frozenset(config.preferred_batch_sizes)
 
-    def run(self, work: list[tuple[Space, int]], source: Submissions) -> tuple[list[tuple[Space, int]], bool]:
-        """Claim up to max_batch_size requests of ``work`` and of what ``source`` gathers meanwhile,
-        run compatible ones as one batch, answer each.  Returns (work left for the next batch,
-        whether a stop came: then the caller runs what is left and stops)."""
+    def run(self, work: list[tuple[Space, int]], source: Submissions) -> bool:
+        """Take up to max_batch_size requests of ``work`` and of what ``source`` holds and gathers
+        meanwhile, in its order (the highest priority level first), run compatible ones as one
+        batch, answer each; the rest stays held by ``source`` for the next batch.  Returns whether
+        a stop came (then the caller runs what is held and stops)."""
         step = self.step
         claimed: list[tuple[Space, int, int]] = []
-        pending = list(work)
+        source.hold(work)
         stop = False
         deadline = time.monotonic() + self.delay_s
         while True:
-            while pending and len(claimed) < self.max_batch_size:
-                space, entry = pending.pop(0)
-                index = step.claim(space, entry)
-                if index is not None:
-                    claimed.append((space, entry, index))
+            while len(claimed) < self.max_batch_size:
+                taken = source.take()
+                if taken is None:
+                    break
+                claimed.append(taken)
             remaining = deadline - time.monotonic()
             if len(claimed) >= self.max_batch_size or remaining <= 0 or \
                     (len(claimed) in self.preferred and not source.pending()):
                 break
             if source.wait_for_more(remaining):
                 more, stop = source.gather()
-                pending += more
-                if stop:  # run what we have, then stop: the front-end fails what is left
+                source.hold(more)
+                if stop:  # run what we have, then stop: the caller runs what is held
                     break
         groups: dict[tuple, list[Request]] = {}
         for space, entry, index in claimed:
@@ -121,7 +130,7 @@ class Batcher:
             groups.setdefault(key, []).append(Request(space, entry, index, slot, inputs))
         for members in groups.values():
             self.execute(members)
-        return pending, stop
+        return stop
 
     def execute(self, members: list[Request]) -> None:
         """One backend run for compatible requests (their inputs agree but for the leading

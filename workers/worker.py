@@ -12,14 +12,19 @@ arena is unregistered and only then unmapped.  And the serve loop
 submission ring and its lanes' at once, the front-end's commands on its
 ring (stop, attach a lane — again: look at its queue again —, drop a region:
 unmapped as soon as no request in hand uses it, busy or idle), orphan
-detection, handing requests to ``workers.step`` one by one or to
-``workers.batching``, and when to tell the front-end the step's
+detection, holding what it gathered in a ``shmserve.scheduling.Scheduler``
+(each slot's priority, deadline and flags read, untrusted, before the
+claim; the caller: an arena slot's ``caller`` field, a lane's region) and
+handing requests in its order to ``workers.step`` one by one or to
+``workers.batching``, answering those it expired or refused (``timeout``,
+``overloaded``) unrun, the scheduling counters in the arena
+(``layout.sched_base``), and when to tell the front-end the step's
 input-signature counts (at most once a second while busy, at once when
 idle: ``tell_signatures_now``).
 
 Must not: parse arguments, handle signals or talk on the control socket
-(``workers.main`` hands it the callables that do), or look inside a request
-(``workers.step``).
+(``workers.main`` hands it the callables that do), look inside a request
+(``workers.step``), or decide the order of requests (``shmserve.scheduling``).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import time
 from typing import Callable
 
 from shmserve import _atomics as atomics
-from shmserve import lanes, layout, workerlink
+from shmserve import hotpath, lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
+from shmserve.errors import ErrorCode
+from shmserve.scheduling import Policy, Scheduler
 from shmserve.rings import EventfdDoorbell, Ring, wait_any
 from workers import memory
 from workers.adapter import BackendAdapter
@@ -45,6 +52,19 @@ CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
+LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
+
+
+def caller_key(space: Space, caller: int) -> int:
+    """The key a request is scheduled under for fairness (``shmserve.scheduling``), from its slot's
+    ``caller`` field: an arena slot's as written (the front-end wrote it); a client's lane is one
+    caller, its region (what its client writes is not taken); a door process's lane (the
+    server's own) is one caller per connection the door wrote, apart from every other lane."""
+    if not space.is_lane:
+        return caller
+    if space.wake == hotpath.LANE_EVENTFD:
+        return LANE_CALLERS + space.region + ((caller + 1) << 33)
+    return LANE_CALLERS + space.region
 
 
 class StartFailed(Exception):
@@ -168,37 +188,68 @@ class Worker:
         self.spin_s = spin_s
         self.batcher = Batcher(step, config) if config.max_batch_size > 1 and batchable(step.spec) else None
         self.ppid = os.getppid()
+        # What it holds, in the order it takes them (shmserve.scheduling), and its counters in the arena.
+        self.sched = Scheduler(Policy.of(config))
+        self._told_demoted = self._told_expired = 0
+        base = layout.sched_base(arena.geometry, index)
+        self._expired_off, self._demoted_off = base + layout.SCHED_EXPIRED_OFF, base + layout.SCHED_DEMOTED_OFF
+        levels = range(1, max(config.priority_levels, 1) + 1)
+        self._queued_off = [0, *(layout.sched_level_off(base, level, "queued") for level in levels)]
+        self._claimed_off = [0, *(layout.sched_level_off(base, level, "claimed") for level in levels)]
+        self._wait_off = [0, *(layout.sched_level_off(base, level, "wait_us") for level in levels)]
 
     def serve(self) -> int:
         """Serve until a stop command (EXIT_OK) or until the front-end is gone (EXIT_ORPHANED)."""
         atomics.store32(self.buf, self.state_off, layout.WORKER_READY)
-        serve_one, batcher = self.step.serve, self.batcher
-        backlog: list[tuple[Space, int]] = []  # gathered but not yet run (a batch was full)
+        batcher, sched = self.batcher, self.sched
+        solo = batcher is None  # one request alone needs no scheduler: Scheduler.alone
         while True:
             if self.step.new_signatures != self._told_signatures or self.step.short_answers != self._told_short:
                 # a short answer is told at once (each cost a run, which a message does not outweigh)
                 self.tell_signatures_now(idle=self.step.short_answers != self._told_short)
-            if not backlog and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
+            if not sched and not wait_any(self._rings, IDLE_TICK_S, self.spin_s):
                 if self.step.new_signatures != self._told_signatures:
                     self.tell_signatures_now(idle=True)
                 if os.getppid() != self.ppid:
                     return workerlink.EXIT_ORPHANED
                 continue
             work, stop = self.gather()
-            if backlog:
-                work, backlog = backlog + work, []
+            if solo and len(work) == 1 and not stop and not sched:
+                self.serve_solo(*work[0])  # the common case, nearly as cheap as before scheduling
+                if self.dropped:
+                    self._unmap_dropped()
+                continue
+            self.hold(work)
             if batcher is not None and not stop:
-                backlog, stop = batcher.run(work, self)
-                self._unmap_dropped(backlog)
+                stop = batcher.run([], self)
+                self._unmap_dropped()
                 if not stop:
                     continue
-                work, backlog = backlog, []  # a stop came while a batch gathered: run the rest, then stop
-            for space, entry in work:
-                serve_one(space, entry)
-            self._unmap_dropped(backlog)
+                # a stop came while a batch gathered: run the rest, then stop
+            stop = self.serve_held(stop)
+            self._unmap_dropped()
             if stop:
                 atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
                 return workerlink.EXIT_OK
+
+    def serve_held(self, stopping: bool) -> bool:
+        """Serve what the worker holds one by one, in the scheduler's order, taking in what arrives
+        meanwhile (unless ``stopping``: then only what it holds); whether a stop came.  Unless
+        stopping, it returns to the serve loop early (the rest still held) when the loop has
+        something to do: a dropped region to unmap, signature counts or a short answer to tell."""
+        serve_claimed, step = self.step.serve_claimed, self.step
+        while True:
+            taken = self.take()
+            if taken is None:
+                return stopping
+            serve_claimed(*taken)
+            if stopping:
+                continue
+            if self.dropped or step.new_signatures != self._told_signatures or step.short_answers != self._told_short:
+                return False
+            if self.pending():
+                more, stopping = self.gather()
+                self.hold(more)
 
     def tell_signatures_now(self, idle: bool) -> None:
         """Tell the front-end the input-signature counts and the short answers (at most once a second
@@ -240,6 +291,101 @@ class Worker:
                 lane.submissions.discard()
         return work, stop
 
+    # -- the order it serves them in (shmserve.scheduling) --------------------------------------
+
+    def hold(self, work: list[tuple[Space, int]]) -> None:
+        """Hand gathered entries to the scheduler, each with what its slot asks (priority, deadline,
+        flags, ready time; untrusted in a lane: the scheduler clamps), under its ``caller_key``.
+        A request ``max_queue_size`` refuses is answered
+        OVERLOADED here."""
+        sched, buf, queued = self.sched, self.buf, self._queued_off
+        read = layout.read_slot_schedule
+        for item in work:
+            space, entry = item
+            index, _ = layout.split_entry(entry)
+            if index < space.geometry.slot_count:
+                t_ready, priority, caller, deadline, flags = read(space.buf, space.geometry, index)
+            else:  # a hostile entry: its claim fails, nothing is answered
+                t_ready = priority = caller = deadline = flags = 0
+            refused = sched.hold(item, priority, caller_key(space, caller), deadline, flags, t_ready)
+            atomics.fetch_add64(buf, queued[sched.last_level], 1)
+            for ticket in refused:
+                atomics.fetch_add64(buf, queued[ticket.level], -1)
+                self._answer(ticket.item, ErrorCode.OVERLOADED, sched.refusal_message())
+
+    def serve_solo(self, space: Space, entry: int) -> None:
+        """Serve the one request gathered, nothing else held (``Scheduler.alone``: its order is
+        settled, only its deadline and queue timeout are checked; expired, it is answered TIMEOUT
+        unrun), counted as claimed at its level, never queued."""
+        sched = self.sched
+        index, _ = layout.split_entry(entry)
+        t_ready = priority = deadline = flags = 0
+        if index < space.geometry.slot_count:
+            t_ready, priority, _, deadline, flags = layout.read_slot_schedule(space.buf, space.geometry, index)
+        level, why = sched.alone(priority, deadline, flags, t_ready)
+        if why or sched.demoted != self._told_demoted:
+            self._expired_and_demoted()
+            if why:
+                self._answer((space, entry), ErrorCode.TIMEOUT, sched.expiry_message(why))
+                return
+        index = self.step.claim(space, entry)
+        if index is None:
+            return
+        buf, now = self.buf, time.monotonic_ns()
+        atomics.fetch_add64(buf, self._claimed_off[level], 1)
+        if 0 < t_ready < now:
+            atomics.fetch_add64(buf, self._wait_off[level], (now - t_ready) // 1000)
+        self.step.serve_claimed(space, entry, index)
+
+    def take(self) -> tuple[Space, int, int] | None:
+        """The next request in the scheduler's order, claimed: (space, entry, slot index); None when
+        none is held.  Those expired on the way are answered TIMEOUT unrun; requests claimed are
+        counted (claimed, their wait) by level."""
+        sched, buf = self.sched, self.buf
+        claim = self.step.claim
+        while True:
+            ticket = sched.take()
+            if sched.expired_count != self._told_expired or sched.demoted != self._told_demoted:
+                self._expired_and_demoted()
+            if ticket is None:
+                return None
+            level = ticket.level
+            atomics.fetch_add64(buf, self._queued_off[level], -1)
+            space, entry = ticket.item
+            index = claim(space, entry)
+            if index is None:  # taken back by its client or the front-end, or a hostile entry
+                continue
+            atomics.fetch_add64(buf, self._claimed_off[level], 1)
+            wait = time.monotonic_ns() - ticket.t_ready
+            if wait > 0:
+                atomics.fetch_add64(buf, self._wait_off[level], wait // 1000)
+            return space, entry, index
+
+    def _expired_and_demoted(self) -> None:
+        """Answer TIMEOUT what expired unrun, and count in the arena what expired and was delayed."""
+        sched, buf = self.sched, self.buf
+        if sched.demoted != self._told_demoted:
+            atomics.fetch_add64(buf, self._demoted_off, sched.demoted - self._told_demoted)
+            self._told_demoted = sched.demoted
+        if sched.expired_count != self._told_expired:
+            atomics.fetch_add64(buf, self._expired_off, sched.expired_count - self._told_expired)
+            self._told_expired = sched.expired_count
+        for ticket in sched.expired():
+            atomics.fetch_add64(buf, self._queued_off[ticket.level], -1)
+            self._answer(ticket.item, ErrorCode.TIMEOUT, sched.expiry_message(ticket.why))
+
+    def _answer(self, item: tuple[Space, int], code: ErrorCode, message: str) -> None:
+        """Answer a held request with an error without running it (nothing if it is not ours to
+        claim: taken back meanwhile)."""
+        space, entry = item
+        index = self.step.claim(space, entry)
+        if index is not None:
+            self.step.finish(space, entry, index, 0, (code, message))
+
+    def held(self) -> list[tuple[Space, int]]:
+        """What the worker holds and has not run yet, in no order."""
+        return [ticket.item for ticket in self.sched.waiting()]
+
     def wait_for_more(self, timeout: float) -> bool:
         # Spinning here would take the CPU from the very clients whose requests we wait for
         # once they outnumber the cores: then sleep (futex) until one arrives.
@@ -256,8 +402,9 @@ class Worker:
         looked at again: the front-end says a call has waited READY in it too long
         (``RegionTable.watch_lanes``); a claim of one in hand already fails, harmlessly."""
         space = self.lanes.get(region)
-        if space is not None:
-            return [(space, entry) for entry in lanes.queued_entries(space.buf)]
+        if space is not None:  # (those it holds already are not held twice: they would count twice)
+            held = set(self.held())
+            return [(space, entry) for entry in lanes.queued_entries(space.buf) if (space, entry) not in held]
         try:
             self.regions.ensure(region)
         except RequestFailed as exc:  # not mapped (no memory, no descriptor left) or not page-locked
@@ -284,11 +431,10 @@ class Worker:
             self._rings = [self.main.submissions] + [lane.submissions for lane in self.lanes.values()]
         self.dropped.add(region)
 
-    def _unmap_dropped(self, backlog: list[tuple[Space, int]]) -> None:
-        """Unmap (or close, if never mapped) dropped regions that no work still in hand
-        (``backlog``) uses."""
+    def _unmap_dropped(self) -> None:
+        """Unmap (or close, if never mapped) dropped regions that no work still held uses."""
         if self.dropped:
-            keep = set().union(*(self.step.regions_of(space, entry) for space, entry in backlog))
+            keep = set().union(*(self.step.regions_of(space, entry) for space, entry in self.held()))
             for region in self.dropped - keep:
                 self.regions.forget(region)
                 self.tell_dropped(region)

@@ -389,10 +389,11 @@ class AsyncClient(ClientFace):
     # -- public API (as Client's) ---------------------------------------------------------
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None,
-                    version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+                    version: int | None = None, key: str | None = None, priority: int = 0) -> dict[str, np.ndarray]:
         """As ``Client.infer``: through a lane of ``model`` when it can take the call (several
-        calls may be in it at once), else over the socket."""
-        return await self._pump.perform(self._infer, (model, inputs, timeout, version, key))
+        calls may be in it at once), else over the socket; ``priority`` as there (0: the model's
+        default level, 1 served first; ValueError for a negative or non-int one)."""
+        return await self._pump.perform(self._infer, (model, inputs, timeout, version, key, priority))
 
     async def models(self) -> list[dict]:
         return await self._pump.run(self._core.models())
@@ -429,8 +430,10 @@ class AsyncClient(ClientFace):
         return await self._pump.run(self._core.open_region(size, lane))
 
     async def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None,
-                        version: int | None = None, key: str | None = None) -> AsyncZeroCopyCall:
-        """As ``Client.zero_copy``; ``async with await c.zero_copy(...) as call: await call.run()``.
-        Lane calls wake the loop through a watcher thread per lane (a loop cannot wait on a futex)."""
-        operation = await self._pump.run(self._core.zero_copy(model, inputs, output_capacity, version, key))
+                        version: int | None = None, key: str | None = None, priority: int = 0) -> AsyncZeroCopyCall:
+        """As ``Client.zero_copy`` (``priority`` too); ``async with await c.zero_copy(...) as call:
+        await call.run()``.  Lane calls wake the loop through a watcher thread per lane (a loop
+        cannot wait on a futex)."""
+        operation = await self._pump.run(self._core.zero_copy(model, inputs, output_capacity, version, key,
+                                                              priority))
         return AsyncZeroCopyCall(self, self._pump, operation)

@@ -288,10 +288,16 @@ class Client(ClientFace):
     # -- public API -----------------------------------------------------------------------
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], *, timeout: float | None = None,
-              version: int | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+              version: int | None = None, key: str | None = None, priority: int = 0) -> dict[str, np.ndarray]:
         """Run ``model`` on ``inputs`` (name -> array); returns name -> array (new arrays).
         ``version``: that version of the model (default: the model's default version); ``key``: a
         routing key — while a canary runs, requests with the same key reach the same version.
+        ``priority``: the request's priority level, Triton's: 1 is served first, then 2, ... up to
+        the model's ``priority_levels``; 0 (the default), or one above them, is the model's
+        ``default_priority_level`` (docs/config.md, "Priorities and queue policy").  ValueError
+        (BadArgument) for a negative or non-int priority, before anything is sent.  A lane call
+        carries it in its slot, with its deadline (a worker answers TIMEOUT, unrun, a call whose
+        deadline passed before it could start); a socket call in its request.
 
         With ``lanes`` (the default) the call goes through a lane of the version it goes to (the
         one named, else the one a running split canary picks for ``key`` or for this call, by the
@@ -300,7 +306,7 @@ class Client(ClientFace):
         crosses the socket); over the socket instead when the lane cannot take it (a version the
         client has no spec of, a bytes tensor, a request larger than the lane, all its slots
         busy, the lane refused by the server).  Either way the same errors, with the same codes."""
-        return self._pump.perform(self._infer, (model, inputs, timeout, version, key))
+        return self._pump.perform(self._infer, (model, inputs, timeout, version, key, priority))
 
     def models(self) -> list[dict]:
         """The served models: name, backend, inputs and outputs (name, dtype, shape), and more."""
@@ -353,7 +359,7 @@ class Client(ClientFace):
         return self._pump.run(self._core.open_region(size, lane))
 
     def zero_copy(self, model: str, inputs: Mapping[str, tuple], *, output_capacity: int | None = None,
-                  version: int | None = None, key: str | None = None) -> ZeroCopyCall:
+                  version: int | None = None, key: str | None = None, priority: int = 0) -> ZeroCopyCall:
         """Reserve region space for one call of ``model``.
 
         ``inputs`` maps input names to ``(shape, dtype)``; the returned call's
@@ -366,10 +372,12 @@ class Client(ClientFace):
         else to the version a running split canary picks for ``key`` (or for
         that run: the server's rule), through that version's lane: its own if
         its lane serves it, else copied through the client's lane to that
-        version, as ``infer`` goes (docs/models.md, "Canaries and lanes").
+        version, as ``infer`` goes (docs/models.md, "Canaries and lanes").  Every run has
+        ``priority`` (as ``infer``'s: 0 the model's default level, 1 served first; ValueError for
+        a negative or non-int one).
         """
         return ZeroCopyCall(self, self._pump, self._pump.run(self._core.zero_copy(model, inputs, output_capacity,
-                                                                                  version, key)))
+                                                                                  version, key, priority)))
 
     def close(self) -> None:
         self._pump.close()

@@ -39,7 +39,7 @@ from shmserve.routing import Route
 from shmserve.errors import ConnectionClosed, ShmserveError
 from shmserve.protocol import Kind
 from shmserve.reservations import Learned
-from shmserve.session import ClientSession, RegionGranted, check_routing, check_timeout
+from shmserve.session import ClientSession, RegionGranted, check_priority, check_routing, check_timeout
 from shmserve.spec import ModelSpec
 
 LIFECYCLE_TIMEOUT_S = 900.0  # a control call's default wait: a load of large engines plus a drain
@@ -93,6 +93,11 @@ class ClientCore:
         self.no_lane_until: dict[str, float] = {}  # model -> clock time: until then infer uses the socket
         self.opening: set[str] = set()  # models whose infer lane is being opened (by another call)
         self.closed = False  # close() was called: no new connection is made
+
+    def deadline_ns(self, deadline: float) -> int:
+        """A call's ``deadline`` (this core's clock) as a lane slot's ``deadline_ns`` (CLOCK_MONOTONIC
+        ns: past it its worker answers TIMEOUT unrun); 0 (none) unless the clock is ``time.monotonic``."""
+        return int(deadline * 1e9) if self.clock is time.monotonic else 0
 
     def timeout_of(self, timeout: float | None) -> float:
         """A call's timeout: ``timeout``, else the client's.  BadArgument if out of range."""
@@ -272,14 +277,15 @@ class ClientCore:
         return self.add_region((yield Exchange((lambda session: session.open_region(size, lane, version), None))))
 
     def zero_copy(self, model: str, inputs: Mapping[str, tuple], output_capacity: int | None,
-                  version: int | None = None, key: str | None = None):
+                  version: int | None = None, key: str | None = None, priority: int = 0):
         """Steps: space for one zero-copy call of ``model`` (``Client.zero_copy``): its spec (and
         route) read first if not known, then a region with room found or opened — in a lane of
         ``version``, else of the version ``key`` routes to now (``pick``), else of the default;
         through ``ZeroCopyPlan``'s answers to the server's refusals —, then placed; returns its
-        ``ZeroCopyOperation`` (which routes each run again).  BadArgument for a version or key
-        ``session.check_routing`` refuses."""
+        ``ZeroCopyOperation`` (which routes each run again), each run of ``priority``.  BadArgument
+        for a version or key ``session.check_routing`` refuses, a priority ``check_priority`` refuses."""
         check_routing(version, key)
+        check_priority(priority)
         yield CONNECT
         if model not in self.specs or version is not None or key is not None:  # (routed: the route of now)
             self.spec_read(model, (yield from self.models()))
@@ -295,6 +301,6 @@ class ClientCore:
             except ShmserveError as exc:
                 if plan.refused(exc):
                     self.region_limit = plan.limited(region_limit((yield from self.info())))
-        operation = ZeroCopyOperation(self, model, *plan.place(), version=version, key=key)
+        operation = ZeroCopyOperation(self, model, *plan.place(), version=version, key=key, priority=priority)
         operation.learned = learned
         return operation

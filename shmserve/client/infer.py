@@ -34,7 +34,7 @@ from typing import Mapping
 
 import numpy as np
 
-from shmserve import lanes, reservations
+from shmserve import lanes, layout, reservations
 from shmserve.client.core import ClientCore
 from shmserve.client.memory import Region
 from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneForm, lane_form, needed_bytes, \
@@ -42,16 +42,17 @@ from shmserve.client.planning import DEFAULT_REGION_BYTES, LANE_FORMS_MAX, LaneF
 from shmserve.client.steps import CONNECT, Exchange, left
 from shmserve.errors import ConnectionClosed, ErrorCode, ShmserveError
 from shmserve.lanes import DATA_FLOOR
-from shmserve.session import FIXED_DTYPES, check_timeout
+from shmserve.session import FIXED_DTYPES, check_priority, check_timeout
 
 LANE_RETRY_S = 1.0  # a lane refused for Client.infer (the server's limits, no version serving): ask again after
 VERSION_LANES_MAX = 4  # infer lanes per model besides its default's (versions called by name or a canary's)
 NEED_SPEC = object()  # lane_wanted: ask the server for the model's spec first
+NO_SCHED = (0, 0)  # a call's (priority, slot flags): the model's default level, the server's timeout
 
 
 class InferOperation:
     """``Client.infer`` and ``AsyncClient.infer`` over ``core`` (an ``Operation`` of ``(model,
-    inputs, timeout, version, key)``): see the module."""
+    inputs, timeout, version, key, priority)``): see the module."""
 
     __slots__ = ("core",)
 
@@ -62,27 +63,29 @@ class InferOperation:
 
     def begin(self, args: tuple):
         """The lane call the common case submitted — ``(region, slot, generation, deadline, seat,
-        form, model, inputs, version, key)`` —, the call's request over the socket (no lane
+        form, model, inputs, version, key, sched)`` —, the call's request over the socket (no lane
         wanted, or it cannot take the call now), or the steps of the call.  BadArgument for a
-        timeout out of range.  ``args``: ``(model, inputs, timeout, version, key)``."""
-        model, inputs, timeout, version, key = args
+        timeout out of range or a priority that is no int in [0, 2**32) (``session.check_priority``).
+        ``args``: ``(model, inputs, timeout, version, key, priority)``."""
+        model, inputs, timeout, version, key, priority = args
         core = self.core
         seconds = core.timeout if timeout is None else check_timeout(timeout)
+        sched = (check_priority(priority), 0 if timeout is None else layout.SLOT_FLAG_OWN_TIMEOUT)
         if core.session.failure is not None:
-            return self.steps(model, inputs, seconds, version, key, None)  # it connects again first
+            return self.steps(model, inputs, seconds, version, key, None, sched)  # it connects again first
         wanted = self.lane_wanted(model, inputs, version, key)
         if wanted is None:
-            return self.request(model, inputs, seconds, version, key)
+            return self.request(model, inputs, seconds, version, key, sched)
         if wanted is NEED_SPEC:
-            return self.steps(model, inputs, seconds, version, key, wanted)
+            return self.steps(model, inputs, seconds, version, key, wanted, sched)
         region = core.infer_lane(model, wanted[3])
         if region is None or core.route_stale(model, region):
-            return self.steps(model, inputs, seconds, version, key, wanted)
+            return self.steps(model, inputs, seconds, version, key, wanted, sched)
         deadline = core.clock() + seconds
         arrays, form, signature, _ = wanted
-        call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
+        call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key, sched)
         if call is None:
-            return self.request(model, inputs, left(deadline, core.clock()), version, key)
+            return self.request(model, inputs, left(deadline, core.clock()), version, key, sched)
         return call
 
     def answer(self, call: tuple, failure: BaseException | None, again: bool = True):
@@ -93,7 +96,7 @@ class InferOperation:
         answer, ``shmserve.reservations``): the steps that run it ``again`` once with the space they
         need (``run_again``); a second short answer is raised.  ``failure``: waiting
         for it failed (a timeout keeps its space until the worker is done with it); raised."""
-        region, index, generation, deadline, seat, form, model, inputs, version, key = call
+        region, index, generation, deadline, seat, form, model, inputs, version, key, sched = call
         needed = None
         lane = region.lane
         if failure is not None:
@@ -135,11 +138,11 @@ class InferOperation:
         finally:
             seat.release()
         if needed is not None:  # (on the version it ran on: a split does not draw again)
-            return self.run_again(model, inputs, deadline, needed, form.version, version, key)
-        return self.request(model, inputs, left(deadline, self.core.clock()), version, key)
+            return self.run_again(model, inputs, deadline, needed, form.version, version, key, sched)
+        return self.request(model, inputs, left(deadline, self.core.clock()), version, key, sched)
 
     def run_again(self, model: str, inputs: Mapping[str, np.ndarray], deadline: float, needed: int, ran_on: int,
-                  version: int | None, key: str | None):
+                  version: int | None, key: str | None, sched: tuple[int, int] = NO_SCHED):
         """Steps: the call once more, through the lane of ``ran_on`` (the version it ran on), its
         outputs given the ``needed`` bytes a short answer said (its signature's form keeps them: the
         next calls of that signature reserve them at once); else (the lane cannot take it) over the
@@ -155,7 +158,8 @@ class InferOperation:
                 if form.output_capacity < needed:
                     form = core.lane_forms[signature] = grown
                     region.drop_seats()  # (the seat kept for this signature is too small now)
-                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key)
+                call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key,
+                                       sched)
             if call is not None:
                 try:
                     yield call
@@ -166,7 +170,7 @@ class InferOperation:
                 if type(outputs) is not Exchange:
                     return outputs
                 return self.answered((yield outputs))
-        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, key)))
+        return self.answered((yield self.request(model, inputs, left(deadline, core.clock()), version, key, sched)))
 
     @staticmethod
     def answered(event) -> dict[str, np.ndarray]:
@@ -174,7 +178,7 @@ class InferOperation:
         return event.outputs
 
     def steps(self, model: str, inputs: Mapping[str, np.ndarray], seconds: float, version: int | None,
-              key: str | None, wanted):
+              key: str | None, wanted, sched: tuple[int, int] = NO_SCHED):
         """The call when ``begin`` could not submit it: a new connection first if this one is over,
         the model's spec if not known (``wanted``: ``NEED_SPEC``), its infer lane opened if not
         open; through the lane if it takes the call, else (or after) over the socket."""
@@ -198,7 +202,7 @@ class InferOperation:
             if region is None:
                 region = yield from self.open_lane(model, wanted[1], wanted[3])
             arrays, form, signature, _ = wanted
-            call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key) \
+            call = self.lane_start(region, arrays, form, signature, deadline, model, inputs, version, key, sched) \
                 if region else None
             if call is not None:
                 try:
@@ -213,13 +217,14 @@ class InferOperation:
                     return outputs
                 return self.answered((yield outputs))  # over the socket after all
             seconds = left(deadline, core.clock())  # the socket gets what the lane left of the timeout
-        return self.answered((yield self.request(model, inputs, seconds, version, key)))
+        return self.answered((yield self.request(model, inputs, seconds, version, key, sched)))
 
     @staticmethod
     def request(model: str, inputs: Mapping[str, np.ndarray], seconds: float, version: int | None,
-                key: str | None) -> Exchange:
-        """The call as an INFER request over the socket, waited for ``seconds``."""
-        return Exchange((lambda session: session.infer(model, inputs, seconds, version, key), seconds))
+                key: str | None, sched: tuple[int, int] = NO_SCHED) -> Exchange:
+        """The call as an INFER request over the socket, waited for ``seconds`` (``sched``: its
+        priority and slot flags; the socket carries the priority, the server its own deadline)."""
+        return Exchange((lambda session: session.infer(model, inputs, seconds, version, key, sched[0]), seconds))
 
     # -- the lane -----------------------------------------------------------------------------
 
@@ -313,9 +318,10 @@ class InferOperation:
 
     def lane_start(self, region: Region, arrays: dict[str, np.ndarray], form: LaneForm, signature: tuple,
                    deadline: float, model: str, inputs: Mapping[str, np.ndarray], version: int | None = None,
-                   key: str | None = None) -> tuple | None:
-        """Copy ``arrays`` into the lane and submit the call: ``(region, slot, generation,
-        deadline, seat, form, model, inputs, version, key)``, or None if the lane cannot take it
+                   key: str | None = None, sched: tuple[int, int] = NO_SCHED) -> tuple | None:
+        """Copy ``arrays`` into the lane and submit the call with ``sched`` (its priority and slot
+        flags) and its deadline: ``(region, slot, generation, deadline, seat, form, model, inputs,
+        version, key, sched)``, or None if the lane cannot take it
         now (no worker serves it, the front-end diverts its calls, all its slots or its space are
         taken): then the socket carries it."""
         if region.abandoned:
@@ -331,8 +337,9 @@ class InferOperation:
             for view, a in zip(seat.views, arrays.values()):
                 view[...] = a  # the one copy the socket path makes too (there: into the server's arena)
             index, generation = lane.submit(self.core.session.reserve_id(), form.version, seat.described,
-                                            seat.out_offset, seat.out_capacity)
+                                            seat.out_offset, seat.out_capacity, sched[0],
+                                            self.core.deadline_ns(deadline), sched[1])
         except BaseException:
             seat.release()
             raise
-        return region, index, generation, deadline, seat, form, model, inputs, version, key
+        return region, index, generation, deadline, seat, form, model, inputs, version, key, sched

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from shmserve import lanes, reservations
+from shmserve import lanes, layout, reservations
 from shmserve.client.memory import Region
 from shmserve.client.planning import SPEC_RETRIES, CallPlan, call_plan, version_of
 from shmserve.client.steps import Exchange, left
@@ -55,9 +55,12 @@ class ZeroCopyOperation:
     ``(timeout,)``."""
 
     def __init__(self, core: ClientCore, model: str, region: Region, inputs: dict[str, tuple[int, np.ndarray]],
-                 out_offset: int, out_capacity: int, *, version: int | None = None, key: str | None = None):
+                 out_offset: int, out_capacity: int, *, version: int | None = None, key: str | None = None,
+                 priority: int = 0):
         self.core, self.model, self.region = core, model, region
         self.version, self.key = version, key  # as the caller asked: each run is routed by them
+        self.priority = priority  # each run's (0: the model's default level)
+        self.flags = 0  # the run's slot flags: SLOT_FLAG_OWN_TIMEOUT when it was given a timeout
         self.inputs = inputs
         self.out_offset, self.out_capacity = out_offset, out_capacity
         self.plan: CallPlan | None = None  # how its tensors are named to a lane worker (one version's spec)
@@ -74,6 +77,7 @@ class ZeroCopyOperation:
         ended."""
         core, (timeout,) = self.core, args
         seconds = core.timeout_of(timeout)  # checked before anything is submitted
+        self.flags = 0 if timeout is None else layout.SLOT_FLAG_OWN_TIMEOUT
         if self.region.gone or core.session.failure is not None:
             raise core.region_gone()
         if not self.lane_usable():
@@ -86,7 +90,7 @@ class ZeroCopyOperation:
             return self.copied(target, deadline)
         if self.plan is None:
             return self.steps(deadline, None)
-        index, generation = self.lane_submit(self.lane_plan())
+        index, generation = self.lane_submit(self.lane_plan(), deadline)
         return self.region, index, generation, deadline
 
     def answer(self, call: tuple, failure: BaseException | None):
@@ -134,7 +138,7 @@ class ZeroCopyOperation:
             plan = self.lane_plan()
             if plan is None:
                 break  # the model lists no spec now: the socket says why
-            index, generation = self.lane_submit(plan)
+            index, generation = self.lane_submit(plan, deadline)
             try:
                 yield self.region, index, generation, deadline
             except BaseException:
@@ -174,7 +178,8 @@ class ZeroCopyOperation:
         seconds = left(deadline, self.core.clock())
         # (over the socket after all, it carries the call's own version and key: the server routes it)
         outputs = yield from infer.steps(self.model, arrays, seconds, self.version, self.key,
-                                         infer.lane_wanted(self.model, arrays, version, None))
+                                         infer.lane_wanted(self.model, arrays, version, None),
+                                         (self.priority, self.flags))
         for array in outputs.values():
             array.flags.writeable = False
         return outputs
@@ -211,9 +216,10 @@ class ZeroCopyOperation:
         serves = self.region.lane.serves() if self.region.lane is not None else 0
         return self.core.specs.get(self.model) if not serves else self.core.version_spec(self.model, serves)
 
-    def lane_submit(self, plan: CallPlan) -> tuple[int, int]:
+    def lane_submit(self, plan: CallPlan, deadline: float) -> tuple[int, int]:
         return self.region.lane.submit(self.core.session.reserve_id(), plan.version, plan.described,
-                                       self.out_offset, self.out_capacity)
+                                       self.out_offset, self.out_capacity, self.priority,
+                                       self.core.deadline_ns(deadline), self.flags)
 
     def stale(self, exc: ShmserveError, attempt: int) -> bool:
         """Whether a lane call that failed with ``exc`` should be planned again from a spec read
@@ -242,7 +248,7 @@ class ZeroCopyOperation:
             if self.region.gone:  # (a new connection since: the id may name another region of ours there)
                 raise self.core.region_gone()
             return session.infer_region(self.model, tensors, self.region.id, self.out_offset, self.out_capacity,
-                                        timeout, self.version, self.key)
+                                        timeout, self.version, self.key, self.priority)
         return build
 
     def views(self, placements: Iterable[Placement]) -> dict[str, np.ndarray]:

@@ -236,6 +236,29 @@ def serving(workdir: Path, config_text: str, **options):
     assert not os.path.exists(srv.socket_dir), "the socket directory it created is still there"
 
 
+@contextlib.contextmanager
+def held_call(server: ServerProcess, model: str, x, started, gate: Path):
+    """A call of ``model`` on ``x`` over the socket, in a thread, that holds its worker (a model
+    like ``serving_models.gated``) until the block ends: ``started()`` says it runs, ``gate`` is
+    the file whose creation lets it finish.  On the way out the gate opens and the call must
+    return 2x."""
+    answer = {}
+
+    def call():
+        with server.client(lanes=False, timeout=60) as c:
+            answer["y"] = c.infer(model, {"x": x})["y"]
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        wait_for(started, "the held call to run")
+        yield
+    finally:
+        gate.touch()
+        thread.join(60)
+    assert answer["y"].tolist() == (x * 2).tolist()
+
+
 def concurrent_infer(server: ServerProcess, model: str, input_name: str, output_name: str, inputs: list) -> list:
     """One client per input, released together by a barrier; returns each one's output."""
     barrier = threading.Barrier(len(inputs))
