@@ -375,6 +375,28 @@ def test_the_worker_serves_arena_requests_in_the_schedulers_order(instance_name,
         assert [(lv.queued, lv.claimed) for lv in counters.levels[:3]] == [(0, 1), (0, 2), (0, 0)]
 
 
+def test_a_worker_started_in_a_dead_ones_entry_does_not_count_what_that_one_held(instance_name, models):
+    """The queue depth per level is a gauge in the worker's entry: a worker that died holding
+    requests left it up, and the one restarted in the same entry (the supervisor clears an entry
+    only when it is given to a new worker) starts it from zero, its counters of claims kept."""
+    import dataclasses
+
+    config = dataclasses.replace(torch_config(models), max_batch_size=1, priority_levels=2)
+    instance = instance_name()
+    with serving(instance, config, RecordingTorch(config)) as (front, worker):
+        calls = [front.submit(x, priority=2, caller=1 + i) for i, x in enumerate(inputs([1] * 3, seed=6))]
+        work, _ = worker.gather()
+        worker.hold(work)  # held, unclaimed: then it "dies"
+        assert layout.read_sched_counters(front.buf, front.g, 0).levels[1].queued == len(calls)
+        fd = os.eventfd(0)
+        try:
+            Worker(front.arena, 0, config, fd, 0.0, worker.step)  # its successor in the entry
+        finally:
+            os.close(fd)
+        counters = layout.read_sched_counters(front.buf, front.g, 0)
+        assert [lv.queued for lv in counters.levels] == [0] * layout.SCHED_LEVELS
+
+
 def test_a_lane_dropped_while_a_batch_gathers_keeps_its_mapping_until_its_calls_are_answered(instance_name, models):
     """The front-end drops a lane (its client closed it) while the worker gathers a batch that
     already holds a call of that lane: the call is still answered in the lane, the worker serves

@@ -197,6 +197,8 @@ class Worker:
         self._queued_off = [0, *(layout.sched_level_off(base, level, "queued") for level in levels)]
         self._claimed_off = [0, *(layout.sched_level_off(base, level, "claimed") for level in levels)]
         self._wait_off = [0, *(layout.sched_level_off(base, level, "wait_us") for level in levels)]
+        for level in range(1, layout.SCHED_LEVELS + 1):  # a gauge: what a predecessor in this entry held is gone
+            atomics.store64(self.buf, layout.sched_level_off(base, level, "queued"), 0)
 
     def serve(self) -> int:
         """Serve until a stop command (EXIT_OK) or until the front-end is gone (EXIT_ORPHANED)."""
