@@ -168,8 +168,9 @@ def test_calls_whose_payloads_arrive_at_once_get_slots_of_their_own():
 class Relays:
     """A door connection as the lane dispatcher sees it: what it relays to main."""
 
-    def __init__(self):
+    def __init__(self, cid: int = 7):
         self.frames = []
+        self.cid = cid  # its id in its door: the caller its lane calls name
 
     def relay_call(self, call, frame: bytes) -> None:
         self.frames.append(frame)
@@ -213,7 +214,7 @@ def test_a_lane_call_carries_its_priority_and_deadline_into_its_lane_slot():
     after = time.monotonic_ns()
     assert not conn.frames  # served through the lane, not relayed
     sched = layout.decode_slot_sched(lanes_made[0].buf, layout.LANE, call.slot)
-    assert sched.priority == 2
+    assert sched.priority == 2 and sched.caller == 8  # its connection's id + 1: the worker takes turns by it
     assert layout.decode_slot_request(lanes_made[0].buf, layout.LANE, call.slot).flags == layout.SLOT_FLAG_OWN_TIMEOUT
     assert before + 2e9 < sched.deadline_ns <= after + 3e9
     d.abandon(call)

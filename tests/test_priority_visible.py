@@ -182,7 +182,7 @@ def test_bench_priority_mix_refuses_what_it_cannot_measure_in_one_line():
                                                                      "--priority-mix takes no --mix"),
                        (["--priority-mix", "1:1,2:1", "--clients", "1,2"], "takes no a list of --clients"),
                        (["--priority-mix", "1:1,2:1", "--spawn-server", "--model", "identity"], "--model with"),
-                       (["--model-us", "10"], "--model-us is for --priority-mix --spawn-server"),
+                       (["--model-us", "10"], "--model-us is for --priority-mix or --mix with --spawn-server"),
                        (["--priority-mix", "1:1,2:1", "--spawn-server", "--model-us", "-1"], "--model-us: expected")):
         r = run_bench(*args, timeout=60)
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

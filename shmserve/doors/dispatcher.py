@@ -147,12 +147,14 @@ class LaneDispatcher:
         lane.arm()  # before it is published: its worker rings the door's eventfd when it is done
         lane.lane.free.append(call.slot)  # the slot it reserved: the one ClientLane.submit takes next
         # Scheduled as main's requests are (``Dispatcher._publish``): the client's level (its worker
-        # takes 0 or one above the model's levels as the default) and the deadline on CLOCK_MONOTONIC.
+        # takes 0 or one above the model's levels as the default), the deadline on CLOCK_MONOTONIC, and
+        # its connection as the caller (the worker takes turns between a door lane's connections).
         deadline_ns = time.monotonic_ns() + max(1, int((call.deadline - self.clock()) * 1e9))
         try:
             slot, call.generation = lane.lane.submit(request_id, plan.view.version, inputs,
                                                      call.base + plan.out_offset, plan.out_capacity,
                                                      priority=call.parsed.priority, deadline_ns=deadline_ns,
+                                                     caller=1 + call.conn.cid % 0xFFFFFFFF,  # its connection
                                                      flags=layout.SLOT_FLAG_OWN_TIMEOUT
                                                      if call.parsed.timeout_s is not None else 0)
         except Exception as exc:  # noqa: BLE001 - a lane we cannot use: main serves the request
