@@ -375,6 +375,35 @@ def test_the_worker_serves_arena_requests_in_the_schedulers_order(instance_name,
         assert [(lv.queued, lv.claimed) for lv in counters.levels[:3]] == [(0, 1), (0, 2), (0, 0)]
 
 
+def test_under_a_one_level_policy_a_gather_is_served_its_callers_in_turn_without_the_scheduler(instance_name, models):
+    """The default policy (one level, no queue limit, nothing delayed) serves what one gather
+    brought with no scheduler (``Worker.serve_in_turn``): callers in turn, the first request of
+    each in the order the callers came, then their second...; a request whose deadline passed is
+    answered TIMEOUT unrun; nothing stays counted as queued.  ``fairness = "arrival"``: as gathered."""
+    import dataclasses
+
+    for fairness, order in (("callers", (0, 3, 4, 1, 2)), ("arrival", (0, 1, 2, 3, 4))):
+        config = dataclasses.replace(torch_config(models), max_batch_size=1, fairness=fairness)
+        with serving(instance_name(), config, RecordingTorch(config)) as (front, worker):
+            assert worker.in_turn_will_do and not worker.sched
+            xs = inputs([1] * 6, seed=7)
+            callers = (1, 1, 1, 2, 3, 2)
+            calls = [front.submit(x, caller=c, **({"deadline_ns": 1} if i == 5 else {}))
+                     for i, (x, c) in enumerate(zip(xs, callers))]
+            work, stop = worker.gather()
+            assert len(work) == 6 and not stop
+            worker.serve_in_turn(work)
+            done = [layout.split_entry(e)[0] for e in Ring.of_worker(front.arena, 0, completion=True).pop_all()]
+            ran = [i for i in (calls.index(c) for c in calls if c.index in done) if i != 5]
+            assert [calls[i].index for i in order] == [d for d in done if d != calls[5].index], fairness
+            assert sorted(ran) == [0, 1, 2, 3, 4]
+            assert front.answer(calls[5])[0] is ErrorCode.TIMEOUT
+            for i in range(5):
+                np.testing.assert_array_equal(front.answer(calls[i])["y"], xs[i] * 2)
+            counters = layout.read_sched_counters(front.buf, front.g, 0)
+            assert counters.expired == 1 and counters.levels[0].queued == 0 and counters.levels[0].claimed == 5
+
+
 def test_a_worker_started_in_a_dead_ones_entry_does_not_count_what_that_one_held(instance_name, models):
     """The queue depth per level is a gauge in the worker's entry: a worker that died holding
     requests left it up, and the one restarted in the same entry (the supervisor clears an entry
