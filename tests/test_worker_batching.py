@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from shmserve import layout, reservations, workerlink
+from shmserve import hotpath, layout, reservations, workerlink
 from shmserve.allocator import ExtentAllocator, SlotPool
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
@@ -402,6 +402,29 @@ def test_under_a_one_level_policy_a_gather_is_served_its_callers_in_turn_without
                 np.testing.assert_array_equal(front.answer(calls[i])["y"], xs[i] * 2)
             counters = layout.read_sched_counters(front.buf, front.g, 0)
             assert counters.expired == 1 and counters.levels[0].queued == 0 and counters.levels[0].claimed == 5
+
+
+def test_in_turn_is_round_robin_across_gathers_whoever_came_last():
+    """``workers.worker.in_turn`` orders a gather by when each caller was last served, not by
+    where its request fell: a caller whose request was the last of one round (so it is still held
+    when the next gather comes, and its next request misses that gather) gets its turn first in
+    the round after, instead of every other round (measured before: 2 of 8 clients at half the
+    others' rate)."""
+    from types import SimpleNamespace
+
+    from workers.worker import LANE_CALLERS, in_turn
+
+    lanes = [SimpleNamespace(is_lane=True, wake=hotpath.LANE_FUTEX, region=r) for r in (1, 2, 3)]
+    last: dict[int, int] = {}
+    first = in_turn([(lane, 10 + i) for i, lane in enumerate(lanes)], last)
+    assert [key - LANE_CALLERS for key, _, _ in first] == [1, 2, 3]  # never served: as they came
+    last.update({LANE_CALLERS + 1: 1, LANE_CALLERS + 2: 2})  # 3 is still held: it missed this gather
+    again = in_turn([(lanes[0], 20), (lanes[1], 21)], last)
+    assert [e for _, _, e in again] == [20, 21]
+    last.update({LANE_CALLERS + 3: 3})  # 3 served, then 1 and 2 again: 3 is now the longest ago
+    last.update({LANE_CALLERS + 1: 4})
+    later = in_turn([(lanes[0], 30), (lanes[2], 32), (lanes[1], 31), (lanes[0], 33)], last)
+    assert [e for _, _, e in later] == [31, 32, 30, 33]  # 2 (served at 2), 3 (at 3), 1 (at 4), then 1's second
 
 
 def test_a_worker_started_in_a_dead_ones_entry_does_not_count_what_that_one_held(instance_name, models):

@@ -29,6 +29,7 @@ Must not: parse arguments, handle signals or talk on the control socket
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -52,6 +53,7 @@ CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
+MAX_CALLERS_REMEMBERED = 1 << 16  # in_turn's memory of when each caller was last served, at most
 LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
 
 
@@ -67,30 +69,34 @@ def caller_key(space: Space, caller: int) -> int:
     return LANE_CALLERS + space.region
 
 
-def in_turn(work: list[tuple[Space, int]]) -> list[tuple[Space, int]]:
-    """``work`` (gathered: (space, entry)) with its callers (``caller_key``) in turn: the first
-    request of each caller in the order the callers first appear, then each one's second, and so
-    on.  Each client lane is one caller and needs no read; an arena or door-lane slot's caller is
-    read from it (an entry out of range: caller 0, its claim fails later)."""
+def in_turn(work: list[tuple[Space, int]], last_served: dict[int, int]) -> list[tuple[int, Space, int]]:
+    """``work`` (gathered: (space, entry)) as (caller key, space, entry) with its callers
+    (``caller_key``) in turn: the caller served longest ago first (``last_served``: key -> when it
+    was last served, in any increasing count; a caller never served, first of all, in the order
+    the callers first appear), its first request, then the next caller's...; then each one's
+    second, and so on.  Round after round that is round-robin: a caller's turn does not depend on
+    where its last request fell in a gather.  Each client lane is one caller and needs no read; an
+    arena or door-lane slot's caller is read from it (an entry out of range: caller 0)."""
     queues: dict[int, list] = {}
-    for item in work:
-        space, entry = item
+    for space, entry in work:
         if space.is_lane and space.wake != hotpath.LANE_EVENTFD:
             key = LANE_CALLERS + space.region
         else:
-            index = entry & 0xFFFFFFFF  # layout.split_entry's index
-            caller = 0
+            index, caller = entry & 0xFFFFFFFF, 0  # layout.split_entry's index
             if index < space.geometry.slot_count:
                 caller = layout.read_slot_schedule(space.buf, space.geometry, index)[2]
             key = caller_key(space, caller)
         queue = queues.get(key)
         if queue is None:
-            queues[key] = [item]
+            queues[key] = [(key, space, entry)]
         else:
-            queue.append(item)
-    if len(queues) == len(work) or len(queues) == 1:
-        return work
-    ordered, lists = [], list(queues.values())
+            queue.append((key, space, entry))
+    if len(queues) == 1:
+        return next(iter(queues.values()))
+    lists = [queues[k] for k in sorted(queues, key=lambda k: last_served.get(k, -1))]
+    if len(lists) == len(work):
+        return [q[0] for q in lists]
+    ordered = []
     for i in range(max(map(len, lists))):
         ordered.extend(q[i] for q in lists if i < len(q))
     return ordered
@@ -226,6 +232,8 @@ class Worker:
         self.in_turn_will_do = (config.priority_levels <= 1 and not config.max_queue_size
                                 and (not config.default_timeout_us or config.timeout_action == "reject"))
         self.round_robin = config.fairness == "callers"
+        self._last_served: dict[int, int] = {}  # caller key -> when it was last served (``in_turn``)
+        self._served = 0
         self._told_demoted = self._told_expired = 0
         base = layout.sched_base(arena.geometry, index)
         self._expired_off, self._demoted_off = base + layout.SCHED_EXPIRED_OFF, base + layout.SCHED_DEMOTED_OFF
@@ -259,10 +267,13 @@ class Worker:
                     self._unmap_dropped()
                 continue
             if in_turn and not stop and not sched:
-                self.serve_in_turn(work)  # one level, no queue limit, nothing to delay: no scheduler
+                stop = self.serve_in_turn(work)  # one level, no queue limit, nothing to delay: no scheduler
                 if self.dropped:
                     self._unmap_dropped()
-                continue
+                if not stop:
+                    continue
+                atomics.store32(self.buf, self.state_off, layout.WORKER_STOPPING)
+                return workerlink.EXIT_OK
             self.hold(work)
             if batcher is not None and not stop:
                 stop = batcher.run([], self)
@@ -381,23 +392,38 @@ class Worker:
             atomics.fetch_add64(buf, self._wait_off[level], (now - t_ready) // 1000)
         self.step.serve_claimed(space, entry, index)
 
-    def serve_in_turn(self, work: list[tuple[Space, int]]) -> None:
+    def serve_in_turn(self, work: list[tuple[Space, int]]) -> bool:
         """Serve what one gather brought (nothing held, a policy of one level with no queue limit and
-        nothing delayed: ``in_turn_will_do``), its callers in turn (fairness "callers": the first
-        request of each caller, in the order they came, then the second of each...; "arrival": as
-        gathered), each as ``serve_solo`` serves one.  Counted as queued at level 1 while they wait."""
+        nothing delayed: ``in_turn_will_do``), its callers in turn (fairness "callers": ``in_turn``,
+        the caller served longest ago first; "arrival": as gathered), each as ``serve_solo`` serves
+        one; whether a stop came.  Before the last one it looks for more and serves what came behind
+        it (those served early in the round are back by then).  Counted as queued at level 1 while
+        they wait."""
+        buf, off, last = self.buf, self._queued_off[1], self._last_served
         if self.round_robin:
-            work = in_turn(work)
-        off, n = self._queued_off[1], len(work)
-        atomics.fetch_add64(self.buf, off, n)
+            queue = collections.deque(in_turn(work, last))
+        else:
+            queue = collections.deque((0, space, entry) for space, entry in work)
+        atomics.fetch_add64(buf, off, len(queue))
+        stop = False
         try:
-            for space, entry in work:
-                atomics.fetch_add64(self.buf, off, -1)
-                n -= 1
+            while queue:
+                if len(queue) == 1 and not stop and self.pending():
+                    more, stop = self.gather()
+                    if more:
+                        queue.extend(in_turn(more, last) if self.round_robin else ((0, s, e) for s, e in more))
+                        atomics.fetch_add64(buf, off, len(more))
+                key, space, entry = queue.popleft()
+                atomics.fetch_add64(buf, off, -1)
+                self._served += 1
+                last[key] = self._served
                 self.serve_solo(space, entry)
         finally:
-            if n:  # (a failure on the way: what was not served is no longer counted)
-                atomics.fetch_add64(self.buf, off, -n)
+            if queue:  # (a failure on the way: what was not served is no longer counted)
+                atomics.fetch_add64(buf, off, -len(queue))
+            if len(last) > MAX_CALLERS_REMEMBERED:  # connections come and go: forget them all, rarely
+                last.clear()
+        return stop
 
     def take(self) -> tuple[Space, int, int] | None:
         """The next request in the scheduler's order, claimed: (space, entry, slot index); None when
