@@ -48,7 +48,7 @@ File format::
     v2_system_shared_memory = false # true: clients may register their own /dev/shm objects
     v2_tokens = "/etc/shmserve/v2-tokens.toml"   # bearer tokens of TCP callers (0600; shmserve token new)
     v2_anonymous = ["metadata", "infer"]         # what a TCP caller without a token may do
-    max_buffered_bytes_per_uid = 268435456       # v2 request bodies held in memory per caller
+    max_buffered_bytes_per_uid = 268435456       # v2 request bodies (and door processes' relayed payloads) per caller
     max_grpc_read_bytes = 1073741824             # gRPC messages being read, all callers (each as the largest)
 
     [arena]
@@ -295,7 +295,8 @@ class ServerConfig:
     v2_anonymous: tuple[str, ...] = ("metadata", "infer")
     # The request bytes one v2 caller (a uid, a token, or all anonymous callers together) may make
     # the doors hold in memory outside the arena: HTTP bodies being parsed, gRPC messages being
-    # read.  Four default-sized requests; a body or message that would pass it is refused
+    # read; and, counted apart, the payloads one uid's frames hold in the door processes while
+    # they arrive to be relayed (docs/doors.md).  Four default-sized requests; a body or message that would pass it is refused
     # 'overloaded' before it is read (one at a time is always let through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
     # The gRPC messages being read at once, all callers together: grpc tells no size before a

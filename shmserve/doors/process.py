@@ -12,8 +12,13 @@ door's reports to main.
 A connection (``DoorConnection``):
 
 * is announced to main (``conn``) and read only once main admits it
-  (``admit``: its allow-lists and connection limits), or closed with main's
-  refusal;
+  (``admit``: its allow-lists and connection limits, and its uid's row in the
+  doors' ledger), or closed with main's refusal;
+* counts each INFER among its uid's requests in flight across every door
+  (``doors.ledger``) from its arrival until its answer is written back, and
+  answers one past ``max_inflight_per_uid`` ``overloaded`` in its place; a
+  payload it holds to relay counts in the uid's buffered bytes
+  (``max_buffered_bytes_per_uid``) until it goes to main;
 * keeps INFER answers in the order the requests came: a lane call's when it
   finishes, a relayed one's placeholder filled by the next answer main marks
   ``ordered``; every other answer main sends goes out at once (as main's own
@@ -49,6 +54,7 @@ import sys
 from shmserve import protocol
 from shmserve.doors.directory import Directory
 from shmserve.doors.dispatcher import Call, LaneDispatcher
+from shmserve.doors.ledger import UidLedger
 from shmserve.doors.lanepool import LanePool
 from shmserve.doors.link import Link
 from shmserve.errors import ErrorCode
@@ -65,13 +71,14 @@ MAX_RELAY_PAYLOAD_SLACK = 1 << 20  # a relayed payload may be max_request_bytes 
 
 
 class _Entry:
-    """An INFER's place in its connection's answer order: its answer's parts once there is one."""
+    """An INFER's place in its connection's answer order: its answer's parts once there is one;
+    ``counted``: it holds one of its uid's requests in the ledger until it is written back."""
 
-    __slots__ = ("parts", "relayed")
+    __slots__ = ("parts", "relayed", "counted")
 
-    def __init__(self, relayed: bool):
+    def __init__(self, relayed: bool, counted: bool = False):
         self.parts: list | None = None
-        self.relayed = relayed
+        self.relayed, self.counted = relayed, counted
 
 
 class DoorConnection(FramePump):
@@ -98,6 +105,8 @@ class DoorConnection(FramePump):
         self.yielded = False
         self.relayed = 0  # frames relayed (stats)
         self.pid = self.uid = self.gid = -1
+        self.row: int | None = None  # the uid's row in the ledger (main says, when it admits us)
+        self.held_bytes = 0  # of a relayed payload arriving, counted in the ledger
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -121,8 +130,10 @@ class DoorConnection(FramePump):
         self.door.link.send({"op": "conn", "c": self.cid, "pid": self.pid, "uid": self.uid, "gid": self.gid,
                              "groups": groups})
 
-    def admit(self) -> None:
-        """Main counted this connection: serve it."""
+    def admit(self, row) -> None:
+        """Main counted this connection (its uid's row in the ledger: ``row``): serve it."""
+        if type(row) is int and 0 <= row < self.door.ledger.rows:
+            self.row = row
         self.admitted = True
         self._update()
 
@@ -183,6 +194,9 @@ class DoorConnection(FramePump):
         door = self.door
         if frame.kind is Kind.CANCEL and self._cancel(protocol.request_id(frame.meta)):
             return
+        infer = frame.kind in (Kind.INFER, Kind.INFER_REGION)
+        if infer and not self._take_request(frame):
+            return
         if frame.kind is Kind.INFER:
             try:
                 parsed = protocol.parse_infer(frame.meta, zero_copy=False)
@@ -190,7 +204,7 @@ class DoorConnection(FramePump):
                 parsed = None  # main answers it
             plan = door.dispatcher.carries(parsed, frame.data_len) if parsed is not None else None
             if plan is not None:
-                entry = _Entry(relayed=False)
+                entry = _Entry(relayed=False, counted=self.row is not None)
                 call = door.dispatcher.begin(self, entry, parsed, plan)
                 if call is not None:
                     self.order.append(entry)
@@ -202,8 +216,8 @@ class DoorConnection(FramePump):
                         self._payload_done()
                     return
         head = protocol.encode_frame(frame.kind, frame.meta, frame.data_len)
-        if frame.kind in (Kind.INFER, Kind.INFER_REGION):
-            entry = _Entry(relayed=True)
+        if infer:
+            entry = _Entry(relayed=True, counted=self.row is not None)
             self.order.append(entry)
             self.relay_waiting.append(entry)
         if not frame.data_len:
@@ -211,14 +225,53 @@ class DoorConnection(FramePump):
             return
         if frame.data_len > door.max_request_bytes + MAX_RELAY_PAYLOAD_SLACK:
             # Too large for main to take: answered here, the payload skipped (main would say the same).
-            self.proto.discard_payload()
-            self._fill(self.relay_waiting.popleft(), [protocol.error_frame(
-                protocol.request_id(frame.meta), ErrorCode.TOO_LARGE,
-                f"payload of {frame.data_len} bytes > max_request_bytes ({door.max_request_bytes}): raise "
-                f"[server] max_request_bytes")])
+            self._refuse_payload(frame, infer, ErrorCode.TOO_LARGE,
+                                 f"payload of {frame.data_len} bytes > max_request_bytes ({door.max_request_bytes}): "
+                                 f"raise [server] max_request_bytes")
             return
+        if self.row is not None:
+            held = door.ledger.take_bytes(self.row, door.index, frame.data_len, door.max_buffered_per_uid)
+            if held is not None:
+                self._refuse_payload(frame, infer, ErrorCode.OVERLOADED,
+                                     f"uid {self.uid} has {held} bytes of requests held in the door processes' "
+                                     f"memory; {frame.data_len} more would pass server.max_buffered_bytes_per_uid")
+                return
+            self.held_bytes = frame.data_len
         self.frame_head, self.payload = head, bytearray(frame.data_len)
         self.proto.accept_payload([self.payload])
+
+    def _take_request(self, frame: Frame) -> bool:
+        """Count an INFER among its uid's requests in flight across every door (the ledger); or, at
+        ``max_inflight_per_uid``, answer it OVERLOADED in its place (its payload skipped) and
+        return False."""
+        door = self.door
+        if self.row is None:
+            return True
+        held = door.ledger.take_request(self.row, door.index, door.max_inflight_per_uid)
+        if held is None:
+            door.held_requests += 1
+            return True
+        if frame.data_len:
+            self.proto.discard_payload()
+        model = frame.meta.get("model")
+        door.count_refusal(model, ErrorCode.OVERLOADED)
+        entry = _Entry(relayed=False)
+        self.order.append(entry)
+        self._fill(entry, [protocol.error_frame(protocol.request_id(frame.meta), ErrorCode.OVERLOADED,
+                                                f"uid {self.uid} has {held} requests in flight through the "
+                                                f"server's door processes (server.max_inflight_per_uid)")])
+        return False
+
+    def _refuse_payload(self, frame: Frame, infer: bool, code: ErrorCode, message: str) -> None:
+        """Answer a frame whose payload the door will not hold (main would say the same), the
+        payload skipped: an INFER's in its place, anything else at once."""
+        self.proto.discard_payload()
+        error = protocol.error_frame(protocol.request_id(frame.meta), code, message)
+        if infer:
+            self.door.count_refusal(frame.meta.get("model"), code)
+            self._fill(self.relay_waiting.popleft(), [error])
+        elif not self.closed and not self.transport.is_closing():
+            self.transport.write(error)
 
     def _cancel(self, rid: int | None) -> bool:
         """A CANCEL of a lane call this door serves for the connection: taken back if its worker has
@@ -240,8 +293,14 @@ class DoorConnection(FramePump):
             self.door.dispatcher.submit(call)
             return
         head, payload, self.frame_head, self.payload = self.frame_head, self.payload, None, None
+        self._give_bytes()
         if head is not None:
             self._relay(head + payload)
+
+    def _give_bytes(self) -> None:
+        if self.held_bytes:
+            self.door.ledger.give_bytes(self.row, self.door.index, self.held_bytes)
+            self.held_bytes = 0
 
     def _relay(self, data: bytes) -> None:
         self.relayed += 1
@@ -276,6 +335,9 @@ class DoorConnection(FramePump):
     def _flush(self) -> None:
         while self.order and self.order[0].parts is not None and not self.held:
             entry = self.order.popleft()
+            if entry.counted:
+                entry.counted = False
+                self.door.give_requests(self.row, 1)
             if not self.closed and not self.transport.is_closing():
                 self.transport.writelines(entry.parts)
 
@@ -368,6 +430,12 @@ class DoorConnection(FramePump):
             door.count_cancel(self.call, door.dispatcher.abandon(self.call))
             self.call = None
         self.calls.clear()
+        self._give_bytes()
+        taken = sum(entry.counted for entry in self.order)
+        if taken:
+            door.give_requests(self.row, taken)
+        for entry in self.order:
+            entry.counted = False
         for _, fds in self.held:
             for fd in fds:
                 os.close(fd)
@@ -379,8 +447,9 @@ class DoorConnection(FramePump):
 class Door:
     """This door process: its connections, lanes, link to main and counts."""
 
-    def __init__(self, index: int, link_sock: socket.socket, listen_sock: socket.socket, loop):
+    def __init__(self, index: int, link_sock: socket.socket, listen_sock: socket.socket, loop, ledger: UidLedger):
         self.index, self.loop, self.listen_sock = index, loop, listen_sock
+        self.ledger = ledger  # every door's per-uid counts (column ``index`` is ours)
         self.clock = loop.time
         self.connections: dict[int, DoorConnection] = {}
         self._cid = 0
@@ -391,9 +460,13 @@ class Door:
         self.counts: collections.Counter = collections.Counter()  # (model, version, outcome) -> n
         self.cancelled: collections.Counter = collections.Counter()  # (model, version, stage) -> n
         self.relayed = 0
+        self.held_requests = 0  # INFERs of this door counted in the ledger now (every uid)
+        self.refused = 0  # INFERs this door refused itself (max_inflight_per_uid, buffered bytes, too large)
         self.max_inflight = 64
         self.max_request_bytes = 64 << 20
         self.request_timeout_s = 30.0
+        self.max_inflight_per_uid = 512
+        self.max_buffered_per_uid = 256 << 20
         self.server: asyncio.AbstractServer | None = None
         self.done = loop.create_future()
         self.draining = False
@@ -409,6 +482,18 @@ class Door:
 
     def _count(self, name: str, version: int, outcome: str) -> None:
         self.counts[(name, version, outcome)] += 1
+
+    def give_requests(self, row: int, n: int) -> None:
+        """``n`` INFERs of ``row``'s uid counted in the ledger are written back (or gone)."""
+        self.ledger.give_request(row, self.index, n)
+        self.held_requests -= n
+
+    def count_refusal(self, model, code: ErrorCode) -> None:
+        """A request this door refused before any lane or main saw it, counted as main's
+        ``Dispatcher.refused`` counts its own (a label only for a model the door knows)."""
+        label = model if isinstance(model, str) and model in self.directory.models else "_unknown"
+        self.refused += 1
+        self.counts[(label, "", code.wire)] += 1
 
     def count_cancel(self, call: Call, stage: str | None) -> None:
         """A lane call of this door its caller gave up on, where it was (``LaneDispatcher.abandon``);
@@ -432,7 +517,7 @@ class Door:
                     os.close(fd)
         elif op == "admit":
             if conn is not None:
-                conn.admit()
+                conn.admit(meta.get("row"))
         elif op == "close":
             if conn is not None:
                 conn.close_from_main()
@@ -464,6 +549,8 @@ class Door:
         self.max_inflight = int(limits.get("max_inflight_per_connection", self.max_inflight))
         self.max_request_bytes = int(meta.get("max_request_bytes", self.max_request_bytes))
         self.request_timeout_s = float(limits.get("request_timeout_s", self.request_timeout_s))
+        self.max_inflight_per_uid = int(limits.get("max_inflight_per_uid", self.max_inflight_per_uid))
+        self.max_buffered_per_uid = int(limits.get("max_buffered_bytes_per_uid", self.max_buffered_per_uid))
         self.link.send({"op": "synced", "seq": meta.get("seq")})
 
     def _lane(self, meta: dict, fds: list[int]) -> None:
@@ -507,7 +594,8 @@ class Door:
         cancelled = [[name, version, stage, n] for (name, version, stage), n in self.cancelled.items()]
         self.link.send({"op": "report", "counts": counts, "cancelled": cancelled,
                         "stats": {"connections": len(self.connections), "in_flight": self.dispatcher.in_flight,
-                                  "lanes": len(self.pool.by_region), "relayed": self.relayed}})
+                                  "lanes": len(self.pool.by_region), "relayed": self.relayed,
+                                  "held_requests": self.held_requests, "refused": self.refused}})
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -542,6 +630,9 @@ def main(argv=None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--link-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--ledger-fd", type=int, required=True)
+    parser.add_argument("--ledger-rows", type=int, required=True)
+    parser.add_argument("--ledger-columns", type=int, required=True)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -551,11 +642,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is main's to act on
     link_sock = socket.socket(fileno=args.link_fd)
     listen_sock = socket.socket(fileno=args.listen_fd)
+    ledger = UidLedger.attach(args.ledger_fd, args.ledger_rows, args.ledger_columns)
     import uvloop
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        door = Door(args.index, link_sock, listen_sock, loop)
+        door = Door(args.index, link_sock, listen_sock, loop, ledger)
         loop.add_signal_handler(signal.SIGTERM, lambda: door.done.done() or door.done.set_result(None))
         await door.serve()
 
