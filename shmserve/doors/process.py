@@ -107,6 +107,9 @@ class DoorConnection(FramePump):
         self.pid = self.uid = self.gid = -1
         self.row: int | None = None  # the uid's row in the ledger (main says, when it admits us)
         self.held_bytes = 0  # of a relayed payload arriving, counted in the ledger
+        self.payload_entry: _Entry | None = None  # the relayed INFER whose payload is arriving
+        self.payload_rid: int | None = None  # the id of the relayed frame whose payload is arriving
+        self.stall_timer = None  # answers unread: the connection is closed when it fires
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -160,8 +163,8 @@ class DoorConnection(FramePump):
                 and door.link.pending < RELAY_PENDING_MAX)
 
     def _set_reading(self, want: bool) -> None:
-        if not self.closed:
-            self._read_while(want)
+        if not self.closed and self._read_while(want) and not want:
+            self._cancel_input_timer()  # the client is not the one keeping us waiting now
 
     def _process(self) -> None:
         proto = self.proto
@@ -174,7 +177,9 @@ class DoorConnection(FramePump):
             event = proto.next_event()
             if event is protocol.NEED_DATA:
                 self.starved = True
+                self._await_input()
                 return
+            self._cancel_input_timer()  # a frame's header and metadata, or a payload, is complete
             if isinstance(event, Frame):
                 self._on_frame(event)
             elif isinstance(event, PayloadDone):
@@ -237,6 +242,8 @@ class DoorConnection(FramePump):
                                      f"memory; {frame.data_len} more would pass server.max_buffered_bytes_per_uid")
                 return
             self.held_bytes = frame.data_len
+        self.payload_entry = self.relay_waiting[-1] if infer else None
+        self.payload_rid = protocol.request_id(frame.meta)
         self.frame_head, self.payload = head, bytearray(frame.data_len)
         self.proto.accept_payload([self.payload])
 
@@ -293,6 +300,7 @@ class DoorConnection(FramePump):
             self.door.dispatcher.submit(call)
             return
         head, payload, self.frame_head, self.payload = self.frame_head, self.payload, None, None
+        self.payload_entry = self.payload_rid = None
         self._give_bytes()
         if head is not None:
             self._relay(head + payload)
@@ -306,6 +314,59 @@ class DoorConnection(FramePump):
         self.relayed += 1
         self.door.relayed += 1
         self.door.link.send({"op": "frame", "c": self.cid}, data)
+
+    # -- deadlines (main's door's: ``FramePump._await_input``, ``ClientConnection.pause_writing``) --
+
+    def _later(self, seconds: float, callback):
+        return self.door.loop.call_later(seconds, callback)
+
+    def _input_limit(self, phase: str) -> float:
+        return self.door.deadlines[phase]
+
+    def _input_timed_out(self) -> None:
+        """A frame or payload the client began did not complete in time: as main's door, the
+        connection is closed with an error frame (a request receiving its payload: TIMEOUT with its
+        id; a lane call's slot is taken back, a relayed frame's bytes dropped)."""
+        phase, self.input_timer, self.input_phase = self.input_phase, None, None
+        if self.closed:
+            return
+        rid, entry = None, None
+        door = self.door
+        if self.call is not None:
+            call, self.call = self.call, None
+            rid, entry = call.parsed.id, call.entry
+            self.calls.pop(call, None)
+            door.dispatcher.abandon(call)
+            door.dispatcher.count(call.plan.view.name, call.plan.view.version, ErrorCode.TIMEOUT.wire)
+        elif self.frame_head is not None:
+            rid, entry = self.payload_rid, self.payload_entry
+            self.frame_head = self.payload = self.payload_entry = self.payload_rid = None
+            self._give_bytes()
+            if entry is not None:
+                self.relay_waiting.remove(entry)
+        if entry is not None:
+            self.order.remove(entry)
+            if entry.counted:
+                entry.counted = False
+                door.give_requests(self.row, 1)
+        self._close(self._input_refusal(phase, rid))
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.closed:
+            return
+        log.warning("closing the connection of pid %d uid %d: its answers went unread for %g s "
+                    "(server.stall_timeout_s); %d bytes unsent", self.pid, self.uid,
+                    self.door.deadlines["stall_timeout_s"], self.transport.get_write_buffer_size())
+        self.closed = True
+        self.proto.close()
+        self._cancel_input_timer()
+        self.transport.abort()  # now, unsent bytes and all: connection_lost takes back what it held
+
+    def _stop_stall_timer(self) -> None:
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -386,11 +447,16 @@ class DoorConnection(FramePump):
             self._flush()
 
     def pause_writing(self) -> None:
+        """Answers wait in the transport (the client is not reading them): take no new frame, and
+        close the connection if they are still there after ``stall_timeout_s``."""
         self.write_blocked = True
+        if self.stall_timer is None:
+            self.stall_timer = self._later(self.door.deadlines["stall_timeout_s"], self._stalled)
         self._set_reading(False)
 
     def resume_writing(self) -> None:
         self.write_blocked = False
+        self._stop_stall_timer()
         self._send_held()
         self._update()
 
@@ -406,6 +472,7 @@ class DoorConnection(FramePump):
             self.transport.write(frame)
         self.closed = True
         self.proto.close()
+        self._cancel_input_timer()
         self.transport.close()
 
     def close_from_main(self) -> None:
@@ -423,6 +490,8 @@ class DoorConnection(FramePump):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.proto.close()
+        self._cancel_input_timer()
+        self._stop_stall_timer()
         door = self.door
         for call in list(self.calls):
             door.count_cancel(call, door.dispatcher.abandon(call))
@@ -467,6 +536,8 @@ class Door:
         self.request_timeout_s = 30.0
         self.max_inflight_per_uid = 512
         self.max_buffered_per_uid = 256 << 20
+        # main's door's deadlines for its connections (DoorLimits), as main says
+        self.deadlines = {"stall_timeout_s": 30.0, "frame_timeout_s": 30.0, "upload_timeout_s": 30.0}
         self.server: asyncio.AbstractServer | None = None
         self.done = loop.create_future()
         self.draining = False
@@ -551,6 +622,8 @@ class Door:
         self.request_timeout_s = float(limits.get("request_timeout_s", self.request_timeout_s))
         self.max_inflight_per_uid = int(limits.get("max_inflight_per_uid", self.max_inflight_per_uid))
         self.max_buffered_per_uid = int(limits.get("max_buffered_bytes_per_uid", self.max_buffered_per_uid))
+        for key in self.deadlines:
+            self.deadlines[key] = float(limits.get(key, self.deadlines[key]))
         self.link.send({"op": "synced", "seq": meta.get("seq")})
 
     def _lane(self, meta: dict, fds: list[int]) -> None:

@@ -285,7 +285,9 @@ class DoorHouse:
                 "limits": {"max_inflight_per_connection": config.max_inflight_per_connection,
                            "request_timeout_s": config.request_timeout_s,
                            "max_inflight_per_uid": config.max_inflight_per_uid,
-                           "max_buffered_bytes_per_uid": config.max_buffered_bytes_per_uid}}
+                           "max_buffered_bytes_per_uid": config.max_buffered_bytes_per_uid,
+                           "stall_timeout_s": config.stall_timeout_s, "frame_timeout_s": config.frame_timeout_s,
+                           "upload_timeout_s": config.upload_timeout_s}}
 
     def changed(self) -> None:
         """Something the doors route by may have changed: send the models message if it did."""
