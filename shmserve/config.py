@@ -296,8 +296,9 @@ class ServerConfig:
     # The request bytes one v2 caller (a uid, a token, or all anonymous callers together) may make
     # the doors hold in memory outside the arena: HTTP bodies being parsed, gRPC messages being
     # read; and, counted apart, the payloads one uid's frames hold in the door processes while
-    # they arrive to be relayed (docs/doors.md).  Four default-sized requests; a body or message that would pass it is refused
-    # 'overloaded' before it is read (one at a time is always let through, whatever its size).
+    # they arrive to be relayed (docs/doors.md).  Four default-sized requests; a body or message
+    # that would pass it is refused 'overloaded' before it is read (one at a time is always let
+    # through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
     # The gRPC messages being read at once, all callers together: grpc tells no size before a
     # read, so each read counts as the largest message (twice max_request_bytes plus 1 MiB) until
