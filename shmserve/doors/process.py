@@ -24,7 +24,8 @@ A connection (``DoorConnection``):
   ``ordered``; every other answer main sends goes out at once (as main's own
   door sends them);
 * stops reading while its answers wait unread in its transport, while
-  ``max_inflight_per_connection`` INFERs wait for answers, while main asked
+  ``max_inflight_per_connection`` INFERs wait for answers, while
+  ``RELAY_UNTAKEN_MAX`` other frames wait for main to take them (``taken``), while main asked
   it to (``pause``: main's connection waits for arena space or its client),
   or while more than ``RELAY_PENDING_MAX`` bytes wait on the link;
 * sends a frame that carries a descriptor (a REGION answer) only when its
@@ -66,6 +67,10 @@ log = logging.getLogger("shmserve.door")
 
 REPORT_S = 0.1  # how often a door reports its counts and state to main (a canary window sees them this late)
 RELAY_PENDING_MAX = 64 << 20  # bytes waiting on the link to main: no connection is read past this
+# Frames other than INFERs one connection has relayed that main has not taken yet: main's own door
+# serves such a frame before it reads the next, so a client that never reads its answers holds a
+# few of them, not a flood (an INFER is bounded by max_inflight_per_connection).
+RELAY_UNTAKEN_MAX = 4
 FRAMES_PER_TURN = 64  # as main's door: frames one connection takes in one turn of the loop
 MAX_RELAY_PAYLOAD_SLACK = 1 << 20  # a relayed payload may be max_request_bytes plus this (protocol.REGION_SLACK)
 
@@ -110,6 +115,7 @@ class DoorConnection(FramePump):
         self.payload_entry: _Entry | None = None  # the relayed INFER whose payload is arriving
         self.payload_rid: int | None = None  # the id of the relayed frame whose payload is arriving
         self.stall_timer = None  # answers unread: the connection is closed when it fires
+        self.untaken = 0  # frames other than INFERs relayed that main has not said it took
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -160,7 +166,7 @@ class DoorConnection(FramePump):
     def _takes_frames(self) -> bool:
         door = self.door
         return (not self.write_blocked and not self.held and len(self.order) < door.max_inflight
-                and door.link.pending < RELAY_PENDING_MAX)
+                and self.untaken < RELAY_UNTAKEN_MAX and door.link.pending < RELAY_PENDING_MAX)
 
     def _set_reading(self, want: bool) -> None:
         if not self.closed and self._read_while(want) and not want:
@@ -221,6 +227,8 @@ class DoorConnection(FramePump):
                         self._payload_done()
                     return
         head = protocol.encode_frame(frame.kind, frame.meta, frame.data_len)
+        if not infer:
+            self.untaken += 1  # until main says it took it (``taken``: after its answer)
         if infer:
             entry = _Entry(relayed=True, counted=self.row is not None)
             self.order.append(entry)
@@ -460,6 +468,12 @@ class DoorConnection(FramePump):
         self._send_held()
         self._update()
 
+    def taken(self) -> None:
+        """Main took a frame (not an INFER) this connection relayed; its answer came before."""
+        self.untaken = max(0, self.untaken - 1)
+        if not self.reading:
+            self._update()
+
     def main_paused(self, paused: bool) -> None:
         self.paused_by_main = paused
         self._update()
@@ -592,6 +606,9 @@ class Door:
         elif op == "close":
             if conn is not None:
                 conn.close_from_main()
+        elif op == "taken":
+            if conn is not None:
+                conn.taken()
         elif op in ("pause", "resume"):
             if conn is not None:
                 conn.main_paused(op == "pause")
@@ -668,7 +685,8 @@ class Door:
         self.link.send({"op": "report", "counts": counts, "cancelled": cancelled,
                         "stats": {"connections": len(self.connections), "in_flight": self.dispatcher.in_flight,
                                   "lanes": len(self.pool.by_region), "relayed": self.relayed,
-                                  "held_requests": self.held_requests, "refused": self.refused}})
+                                  "held_requests": self.held_requests, "refused": self.refused,
+                                  "held_bytes": sum(c.held_bytes for c in self.connections.values())}})
 
     # -- life ---------------------------------------------------------------------------------
 

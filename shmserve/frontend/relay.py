@@ -10,7 +10,9 @@ write becomes an ``out`` message to the door (``ordered`` when it is the
 answer of an INFER, which the door puts in its place in the connection's
 order), a frame with a descriptor carries it, ``pause_reading`` and
 ``resume_reading`` tell the door to stop or go on reading the client, and
-``close`` or ``abort`` end the door's connection.  ``Relay`` — one door's
+``close`` or ``abort`` end the door's connection; every frame but an INFER
+is acknowledged (``taken``) once served, after its answer, so a door relays
+only a few at a time (an INFER is bounded by the door's own count).  ``Relay`` — one door's
 connections by the door's connection id.
 
 The bytes a door relays are the client's, untouched: as hostile as any
@@ -191,6 +193,9 @@ class RelayedConnection(ClientConnection):
             super().on_frame(frame)
         finally:
             self.relay.info_for = None
+            if frame.kind not in (Kind.INFER, Kind.INFER_REGION):
+                # taken (its answer, if any, is on the link before this): the door may relay another
+                self.relay.link.send({"op": "taken", "c": self.cid})
 
     def reply(self, rid: int, body: dict) -> None:
         if self.relay.info_for is self:
