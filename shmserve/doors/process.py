@@ -468,6 +468,11 @@ class DoorConnection(FramePump):
         self._send_held()
         self._update()
 
+    def unsent(self) -> int:
+        """Bytes of answers written to the client that it has not read yet (its transport holds them)."""
+        transport = getattr(self, "transport", None)
+        return transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
+
     def taken(self) -> None:
         """Main took a frame (not an INFER) this connection relayed; its answer came before."""
         self.untaken = max(0, self.untaken - 1)
@@ -686,7 +691,8 @@ class Door:
                         "stats": {"connections": len(self.connections), "in_flight": self.dispatcher.in_flight,
                                   "lanes": len(self.pool.by_region), "relayed": self.relayed,
                                   "held_requests": self.held_requests, "refused": self.refused,
-                                  "held_bytes": sum(c.held_bytes for c in self.connections.values())}})
+                                  "held_bytes": sum(c.held_bytes for c in self.connections.values()),
+                                  "unsent_bytes": sum(c.unsent() for c in self.connections.values())}})
 
     # -- life ---------------------------------------------------------------------------------
 

@@ -229,7 +229,8 @@ class DoorDesk:
                 "restarts": self.restarts, "connections": len(self.relay) if self.relay is not None else 0,
                 "lanes": len(self.bells), "in_flight": self.stats.get("in_flight", 0),
                 "relayed": self.stats.get("relayed", 0), "held_requests": self.stats.get("held_requests", 0),
-                "refused": self.stats.get("refused", 0), "held_bytes": self.stats.get("held_bytes", 0)}
+                "refused": self.stats.get("refused", 0), "held_bytes": self.stats.get("held_bytes", 0),
+                "unsent_bytes": self.stats.get("unsent_bytes", 0)}
 
 
 class DoorHouse:
