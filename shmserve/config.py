@@ -350,8 +350,10 @@ DOOR_LANE_MIN = 128 * 1024  # the least door_lane_bytes: a lane's 64 KiB queue a
 
 def doors_default(cpus: int | None = None) -> int:
     """Door processes by default: none below 4 CPUs (a door process there only takes CPU from the
-    workers and the main process: docs/performance.md), else a quarter of the CPUs, at most 8."""
-    cpus = cpus or os.cpu_count() or 1
+    workers and the main process: docs/performance.md), else a quarter of the CPUs, at most 8.
+    ``cpus``: the CPUs this process may run on (its affinity: a server pinned to 2 CPUs of a big
+    host gets none)."""
+    cpus = cpus or len(os.sched_getaffinity(0)) or 1
     return 0 if cpus < 4 else min(8, cpus // 4)
 
 
