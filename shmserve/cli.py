@@ -855,7 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(exit 1) instead of serving the others ([server] strict)")
     serve.add_argument("--doors", type=_doors_arg, metavar="N|auto",
                        help="door processes serving the Unix socket beside the main one (default: the config's "
-                            "[server] doors, else 0; auto: a quarter of the CPUs from 4, at most 8; docs/doors.md)")
+                            "[server] doors, else 0; auto: a quarter of the CPUs it may run on, from 4, at most 8; "
+                            "docs/doors.md)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="stderr log format")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (one line per request)")
     serve.set_defaults(func=_cmd_serve)

@@ -48,7 +48,7 @@ File format::
     v2_system_shared_memory = false # true: clients may register their own /dev/shm objects
     v2_tokens = "/etc/shmserve/v2-tokens.toml"   # bearer tokens of TCP callers (0600; shmserve token new)
     v2_anonymous = ["metadata", "infer"]         # what a TCP caller without a token may do
-    max_buffered_bytes_per_uid = 268435456       # v2 request bodies held in memory per caller
+    max_buffered_bytes_per_uid = 268435456       # v2 request bodies (and door processes' relayed payloads) per caller
     max_grpc_read_bytes = 1073741824             # gRPC messages being read, all callers (each as the largest)
 
     [arena]
@@ -295,8 +295,10 @@ class ServerConfig:
     v2_anonymous: tuple[str, ...] = ("metadata", "infer")
     # The request bytes one v2 caller (a uid, a token, or all anonymous callers together) may make
     # the doors hold in memory outside the arena: HTTP bodies being parsed, gRPC messages being
-    # read.  Four default-sized requests; a body or message that would pass it is refused
-    # 'overloaded' before it is read (one at a time is always let through, whatever its size).
+    # read; and, counted apart, the payloads one uid's frames hold in the door processes while
+    # they arrive to be relayed (docs/doors.md).  Four default-sized requests; a body or message
+    # that would pass it is refused 'overloaded' before it is read (one at a time is always let
+    # through, whatever its size).
     max_buffered_bytes_per_uid: int = 256 * MiB
     # The gRPC messages being read at once, all callers together: grpc tells no size before a
     # read, so each read counts as the largest message (twice max_request_bytes plus 1 MiB) until
@@ -348,8 +350,10 @@ DOOR_LANE_MIN = 128 * 1024  # the least door_lane_bytes: a lane's 64 KiB queue a
 
 def doors_default(cpus: int | None = None) -> int:
     """Door processes by default: none below 4 CPUs (a door process there only takes CPU from the
-    workers and the main process: docs/performance.md), else a quarter of the CPUs, at most 8."""
-    cpus = cpus or os.cpu_count() or 1
+    workers and the main process: docs/performance.md), else a quarter of the CPUs, at most 8.
+    ``cpus``: the CPUs this process may run on (its affinity: a server pinned to 2 CPUs of a big
+    host gets none)."""
+    cpus = cpus or len(os.sched_getaffinity(0)) or 1
     return 0 if cpus < 4 else min(8, cpus // 4)
 
 

@@ -197,6 +197,10 @@ class Frontend:
             await self._start_v2()  # first: once the native socket answers, every door does
             self.listener = Listener(self.socket_path, mode=self.config.socket_mode, group=self.config.socket_group,
                                      sock=self.listen_sock)
+            if self.metrics_address:  # before the socket answers (a door answers as soon as it is up)
+                from shmserve.metrics import MetricsServer
+
+                metrics = await MetricsServer(self.status).start(self.metrics_address)
             n_doors = self.config.effective_doors()
             if n_doors:  # the door processes accept on the listener; main serves what they relay
                 self._start_doors(loop, n_doors)
@@ -206,10 +210,6 @@ class Frontend:
             else:
                 server = await loop.create_unix_server(self.door.protocol, sock=self.listener.sock)
             tasks.append(loop.create_task(self._heartbeat()))
-            if self.metrics_address:
-                from shmserve.metrics import MetricsServer
-
-                metrics = await MetricsServer(self.status).start(self.metrics_address)
             ready = sum(m.state == MODEL_READY for m in self.models.versions())
             log.info("ready: listening on %s (%d of %d models ready)", self.socket_path, ready, len(self.models))
             systemd.notify("READY=1", f"STATUS=serving {ready} of {len(self.models)} models on {self.socket_path}")

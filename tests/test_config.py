@@ -189,3 +189,13 @@ def test_check_dims_is_read_and_checked(tmp_path):
         with pytest.raises(ConfigError) as info:
             config.load(write(tmp_path, body + f"check_dims = {bad}"))
         assert str(info.value).startswith("models[0].check_dims") and why in str(info.value), str(info.value)
+
+
+def test_doors_default_to_zero_and_auto_is_none_below_four_cpus():
+    """``doors`` is 0 unless given (the suite with doors forced on still fails some tests:
+    docs/doors.md); "auto" starts no door process below 4 CPUs (on 2 CPUs the single process is
+    the faster), then a quarter of the CPUs, at most 8."""
+    from shmserve.config import ServerConfig, doors_default
+
+    assert ServerConfig(models=[]).doors == 0 and ServerConfig(models=[]).effective_doors() == 0
+    assert [doors_default(n) for n in (1, 2, 3, 4, 7, 8, 16, 32, 64, 256)] == [0, 0, 0, 1, 1, 2, 4, 8, 8, 8]

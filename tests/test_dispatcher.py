@@ -30,6 +30,7 @@ from shmserve.frontend.regions import REGION_SLACK, Region, RegionLimits, check_
 from shmserve.frontend.requests import HOLDING, UNANSWERED, IllegalTransition
 from shmserve.frontend.requests import RequestState as RS
 from shmserve.protocol import TensorMeta
+from shmserve.rings import new_eventfd
 from shmserve.slotstate import SlotState
 from shmserve.supervisor import FAILED, RESTARTING, STOPPED
 
@@ -1678,6 +1679,14 @@ def test_region_table_limits_and_ownership(make, monkeypatch):
     regions.open("f", 4096, uid=8)  # another uid has its own budget
     regions.drop_owner("d")
     regions.open("f", 2 * 4096, uid=7)  # what a closed connection held counts no more
+    refused("g7", 2 * 4096, "max_region_bytes_per_uid", uid=7)  # uid 7 holds 4 of its 5 pages
+    bell = new_eventfd()
+    regions.open("door", 4 * 4096, uid=7, bell=bell)  # a door process's: the server's own, in no uid's budget
+    refused("g7", 2 * 4096, "max_region_bytes_per_uid", uid=7)
+    regions.open("g7", 4096, uid=7)
+    for owner in ("door", "g7"):
+        regions.drop_owner(owner)
+    os.close(bell)
     regions.limits = RegionLimits(max_regions_per_uid=2)
     regions.open("u1", 4096, uid=9)
     regions.open("u2", 4096, uid=9)

@@ -56,7 +56,15 @@ def server(tmp_path_factory):
 
 
 def lanes_of(srv, model: str) -> int:
-    return sum(w["lanes"] for w in srv.info()["workers"] if w["model"] == model)
+    """The lanes clients opened to ``model``'s workers: a door process's own lanes (recorded under
+    its pid: docs/doors.md) are not counted."""
+    info = srv.info()
+    lanes = sum(w["lanes"] for w in info["workers"] if w["model"] == model)
+    doors = {d["pid"] for d in info.get("doors") or ()}
+    if doors:
+        lanes -= sum(r["kind"] == "lane" and r["model"] == model and r["owner_pid"] in doors
+                     for r in srv.recorded_regions().values())
+    return lanes
 
 
 def test_infer_goes_through_a_lane_and_returns_arrays_the_caller_owns(server):

@@ -79,8 +79,11 @@ class Call:
 
 
 class LaneDispatcher:
-    """The door's lane calls.  ``count(name, version, outcome)`` records each answer ("ok" or the
-    error code's wire name, as main's ``Dispatcher.outcomes``; the door's report to main); ``limits()`` returns (request_timeout_s, max_request_bytes) as main said."""
+    """The door's lane calls.  ``count(name, version, outcome)`` records each answer no worker
+    counts (the error code's wire name, as main's ``Dispatcher.outcomes``; the door's report to
+    main): a TIMEOUT; what a worker published, ok or an error, its own lane counters count (main
+    reads them as it reads every lane's).  ``limits()`` returns (request_timeout_s,
+    max_request_bytes) as main said."""
 
     def __init__(self, directory: Directory, pool: LanePool, count: Callable[[str, int, str], None],
                  limits: Callable[[], tuple[float, int]], clock: Callable[[], float] = time.monotonic):
@@ -223,7 +226,6 @@ class LaneDispatcher:
             if lanes.version_moved(exc) or exc.code is ErrorCode.OUTPUT_TOO_LARGE:
                 call.conn.relay_call(call, self._frame_of(call))  # its inputs are still in its part
                 return
-            self.count(view.name, view.version, exc.code.wire)
             call.conn.answer_call(call, [protocol.error_frame(parsed.id, exc.code, exc.message)])
             return
         buf, names = lane.buf, view.spec.outputs
@@ -236,7 +238,6 @@ class LaneDispatcher:
             if nbytes:
                 data.append(bytes(buf[offset:offset + nbytes]))  # the slot is free again: copied now
         total = sum(len(d) for d in data)
-        self.count(view.name, view.version, "ok")
         call.conn.answer_call(call, [protocol.encode_frame(Kind.RESULT, {"id": parsed.id, "outputs": metas},
                                                            total), *data])
 

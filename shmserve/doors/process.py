@@ -12,14 +12,20 @@ door's reports to main.
 A connection (``DoorConnection``):
 
 * is announced to main (``conn``) and read only once main admits it
-  (``admit``: its allow-lists and connection limits), or closed with main's
-  refusal;
+  (``admit``: its allow-lists and connection limits, and its uid's row in the
+  doors' ledger), or closed with main's refusal;
+* counts each INFER among its uid's requests in flight across every door
+  (``doors.ledger``) from its arrival until its answer is written back, and
+  answers one past ``max_inflight_per_uid`` ``overloaded`` in its place; a
+  payload it holds to relay counts in the uid's buffered bytes
+  (``max_buffered_bytes_per_uid``) until it goes to main;
 * keeps INFER answers in the order the requests came: a lane call's when it
   finishes, a relayed one's placeholder filled by the next answer main marks
   ``ordered``; every other answer main sends goes out at once (as main's own
   door sends them);
 * stops reading while its answers wait unread in its transport, while
-  ``max_inflight_per_connection`` INFERs wait for answers, while main asked
+  ``max_inflight_per_connection`` INFERs wait for answers, while
+  ``RELAY_UNTAKEN_MAX`` other frames wait for main to take them (``taken``), while main asked
   it to (``pause``: main's connection waits for arena space or its client),
   or while more than ``RELAY_PENDING_MAX`` bytes wait on the link;
 * sends a frame that carries a descriptor (a REGION answer) only when its
@@ -49,6 +55,7 @@ import sys
 from shmserve import protocol
 from shmserve.doors.directory import Directory
 from shmserve.doors.dispatcher import Call, LaneDispatcher
+from shmserve.doors.ledger import UidLedger
 from shmserve.doors.lanepool import LanePool
 from shmserve.doors.link import Link
 from shmserve.errors import ErrorCode
@@ -60,18 +67,23 @@ log = logging.getLogger("shmserve.door")
 
 REPORT_S = 0.1  # how often a door reports its counts and state to main (a canary window sees them this late)
 RELAY_PENDING_MAX = 64 << 20  # bytes waiting on the link to main: no connection is read past this
+# Frames other than INFERs one connection has relayed that main has not taken yet: main's own door
+# serves such a frame before it reads the next, so a client that never reads its answers holds a
+# few of them, not a flood (an INFER is bounded by max_inflight_per_connection).
+RELAY_UNTAKEN_MAX = 4
 FRAMES_PER_TURN = 64  # as main's door: frames one connection takes in one turn of the loop
 MAX_RELAY_PAYLOAD_SLACK = 1 << 20  # a relayed payload may be max_request_bytes plus this (protocol.REGION_SLACK)
 
 
 class _Entry:
-    """An INFER's place in its connection's answer order: its answer's parts once there is one."""
+    """An INFER's place in its connection's answer order: its answer's parts once there is one;
+    ``counted``: it holds one of its uid's requests in the ledger until it is written back."""
 
-    __slots__ = ("parts", "relayed")
+    __slots__ = ("parts", "relayed", "counted")
 
-    def __init__(self, relayed: bool):
+    def __init__(self, relayed: bool, counted: bool = False):
         self.parts: list | None = None
-        self.relayed = relayed
+        self.relayed, self.counted = relayed, counted
 
 
 class DoorConnection(FramePump):
@@ -98,6 +110,12 @@ class DoorConnection(FramePump):
         self.yielded = False
         self.relayed = 0  # frames relayed (stats)
         self.pid = self.uid = self.gid = -1
+        self.row: int | None = None  # the uid's row in the ledger (main says, when it admits us)
+        self.held_bytes = 0  # of a relayed payload arriving, counted in the ledger
+        self.payload_entry: _Entry | None = None  # the relayed INFER whose payload is arriving
+        self.payload_rid: int | None = None  # the id of the relayed frame whose payload is arriving
+        self.stall_timer = None  # answers unread: the connection is closed when it fires
+        self.untaken = 0  # frames other than INFERs relayed that main has not said it took
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -121,8 +139,10 @@ class DoorConnection(FramePump):
         self.door.link.send({"op": "conn", "c": self.cid, "pid": self.pid, "uid": self.uid, "gid": self.gid,
                              "groups": groups})
 
-    def admit(self) -> None:
-        """Main counted this connection: serve it."""
+    def admit(self, row) -> None:
+        """Main counted this connection (its uid's row in the ledger: ``row``): serve it."""
+        if type(row) is int and 0 <= row < self.door.ledger.rows:
+            self.row = row
         self.admitted = True
         self._update()
 
@@ -146,11 +166,11 @@ class DoorConnection(FramePump):
     def _takes_frames(self) -> bool:
         door = self.door
         return (not self.write_blocked and not self.held and len(self.order) < door.max_inflight
-                and door.link.pending < RELAY_PENDING_MAX)
+                and self.untaken < RELAY_UNTAKEN_MAX and door.link.pending < RELAY_PENDING_MAX)
 
     def _set_reading(self, want: bool) -> None:
-        if not self.closed:
-            self._read_while(want)
+        if not self.closed and self._read_while(want) and not want:
+            self._cancel_input_timer()  # the client is not the one keeping us waiting now
 
     def _process(self) -> None:
         proto = self.proto
@@ -163,7 +183,9 @@ class DoorConnection(FramePump):
             event = proto.next_event()
             if event is protocol.NEED_DATA:
                 self.starved = True
+                self._await_input()
                 return
+            self._cancel_input_timer()  # a frame's header and metadata, or a payload, is complete
             if isinstance(event, Frame):
                 self._on_frame(event)
             elif isinstance(event, PayloadDone):
@@ -183,6 +205,9 @@ class DoorConnection(FramePump):
         door = self.door
         if frame.kind is Kind.CANCEL and self._cancel(protocol.request_id(frame.meta)):
             return
+        infer = frame.kind in (Kind.INFER, Kind.INFER_REGION)
+        if infer and not self._take_request(frame):
+            return
         if frame.kind is Kind.INFER:
             try:
                 parsed = protocol.parse_infer(frame.meta, zero_copy=False)
@@ -190,7 +215,7 @@ class DoorConnection(FramePump):
                 parsed = None  # main answers it
             plan = door.dispatcher.carries(parsed, frame.data_len) if parsed is not None else None
             if plan is not None:
-                entry = _Entry(relayed=False)
+                entry = _Entry(relayed=False, counted=self.row is not None)
                 call = door.dispatcher.begin(self, entry, parsed, plan)
                 if call is not None:
                     self.order.append(entry)
@@ -202,8 +227,10 @@ class DoorConnection(FramePump):
                         self._payload_done()
                     return
         head = protocol.encode_frame(frame.kind, frame.meta, frame.data_len)
-        if frame.kind in (Kind.INFER, Kind.INFER_REGION):
-            entry = _Entry(relayed=True)
+        if not infer:
+            self.untaken += 1  # until main says it took it (``taken``: after its answer)
+        if infer:
+            entry = _Entry(relayed=True, counted=self.row is not None)
             self.order.append(entry)
             self.relay_waiting.append(entry)
         if not frame.data_len:
@@ -211,14 +238,55 @@ class DoorConnection(FramePump):
             return
         if frame.data_len > door.max_request_bytes + MAX_RELAY_PAYLOAD_SLACK:
             # Too large for main to take: answered here, the payload skipped (main would say the same).
-            self.proto.discard_payload()
-            self._fill(self.relay_waiting.popleft(), [protocol.error_frame(
-                protocol.request_id(frame.meta), ErrorCode.TOO_LARGE,
-                f"payload of {frame.data_len} bytes > max_request_bytes ({door.max_request_bytes}): raise "
-                f"[server] max_request_bytes")])
+            self._refuse_payload(frame, infer, ErrorCode.TOO_LARGE,
+                                 f"payload of {frame.data_len} bytes > max_request_bytes ({door.max_request_bytes}): "
+                                 f"raise [server] max_request_bytes")
             return
+        if self.row is not None:
+            held = door.ledger.take_bytes(self.row, door.index, frame.data_len, door.max_buffered_per_uid)
+            if held is not None:
+                self._refuse_payload(frame, infer, ErrorCode.OVERLOADED,
+                                     f"uid {self.uid} has {held} bytes of requests held in the door processes' "
+                                     f"memory; {frame.data_len} more would pass server.max_buffered_bytes_per_uid")
+                return
+            self.held_bytes = frame.data_len
+        self.payload_entry = self.relay_waiting[-1] if infer else None
+        self.payload_rid = protocol.request_id(frame.meta)
         self.frame_head, self.payload = head, bytearray(frame.data_len)
         self.proto.accept_payload([self.payload])
+
+    def _take_request(self, frame: Frame) -> bool:
+        """Count an INFER among its uid's requests in flight across every door (the ledger); or, at
+        ``max_inflight_per_uid``, answer it OVERLOADED in its place (its payload skipped) and
+        return False."""
+        door = self.door
+        if self.row is None:
+            return True
+        held = door.ledger.take_request(self.row, door.index, door.max_inflight_per_uid)
+        if held is None:
+            door.held_requests += 1
+            return True
+        if frame.data_len:
+            self.proto.discard_payload()
+        model = frame.meta.get("model")
+        door.count_refusal(model, ErrorCode.OVERLOADED)
+        entry = _Entry(relayed=False)
+        self.order.append(entry)
+        self._fill(entry, [protocol.error_frame(protocol.request_id(frame.meta), ErrorCode.OVERLOADED,
+                                                f"uid {self.uid} has {held} requests in flight through the "
+                                                f"server's door processes (server.max_inflight_per_uid)")])
+        return False
+
+    def _refuse_payload(self, frame: Frame, infer: bool, code: ErrorCode, message: str) -> None:
+        """Answer a frame whose payload the door will not hold (main would say the same), the
+        payload skipped: an INFER's in its place, anything else at once."""
+        self.proto.discard_payload()
+        error = protocol.error_frame(protocol.request_id(frame.meta), code, message)
+        if infer:
+            self.door.count_refusal(frame.meta.get("model"), code)
+            self._fill(self.relay_waiting.popleft(), [error])
+        elif not self.closed and not self.transport.is_closing():
+            self.transport.write(error)
 
     def _cancel(self, rid: int | None) -> bool:
         """A CANCEL of a lane call this door serves for the connection: taken back if its worker has
@@ -240,13 +308,73 @@ class DoorConnection(FramePump):
             self.door.dispatcher.submit(call)
             return
         head, payload, self.frame_head, self.payload = self.frame_head, self.payload, None, None
+        self.payload_entry = self.payload_rid = None
+        self._give_bytes()
         if head is not None:
             self._relay(head + payload)
+
+    def _give_bytes(self) -> None:
+        if self.held_bytes:
+            self.door.ledger.give_bytes(self.row, self.door.index, self.held_bytes)
+            self.held_bytes = 0
 
     def _relay(self, data: bytes) -> None:
         self.relayed += 1
         self.door.relayed += 1
         self.door.link.send({"op": "frame", "c": self.cid}, data)
+
+    # -- deadlines (main's door's: ``FramePump._await_input``, ``ClientConnection.pause_writing``) --
+
+    def _later(self, seconds: float, callback):
+        return self.door.loop.call_later(seconds, callback)
+
+    def _input_limit(self, phase: str) -> float:
+        return self.door.deadlines[phase]
+
+    def _input_timed_out(self) -> None:
+        """A frame or payload the client began did not complete in time: as main's door, the
+        connection is closed with an error frame (a request receiving its payload: TIMEOUT with its
+        id; a lane call's slot is taken back, a relayed frame's bytes dropped)."""
+        phase, self.input_timer, self.input_phase = self.input_phase, None, None
+        if self.closed:
+            return
+        rid, entry = None, None
+        door = self.door
+        if self.call is not None:
+            call, self.call = self.call, None
+            rid, entry = call.parsed.id, call.entry
+            self.calls.pop(call, None)
+            door.dispatcher.abandon(call)
+            door.dispatcher.count(call.plan.view.name, call.plan.view.version, ErrorCode.TIMEOUT.wire)
+        elif self.frame_head is not None:
+            rid, entry = self.payload_rid, self.payload_entry
+            self.frame_head = self.payload = self.payload_entry = self.payload_rid = None
+            self._give_bytes()
+            if entry is not None:
+                self.relay_waiting.remove(entry)
+        if entry is not None:
+            self.order.remove(entry)
+            if entry.counted:
+                entry.counted = False
+                door.give_requests(self.row, 1)
+        self._close(self._input_refusal(phase, rid))
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.closed:
+            return
+        log.warning("closing the connection of pid %d uid %d: its answers went unread for %g s "
+                    "(server.stall_timeout_s); %d bytes unsent", self.pid, self.uid,
+                    self.door.deadlines["stall_timeout_s"], self.transport.get_write_buffer_size())
+        self.closed = True
+        self.proto.close()
+        self._cancel_input_timer()
+        self.transport.abort()  # now, unsent bytes and all: connection_lost takes back what it held
+
+    def _stop_stall_timer(self) -> None:
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -276,6 +404,9 @@ class DoorConnection(FramePump):
     def _flush(self) -> None:
         while self.order and self.order[0].parts is not None and not self.held:
             entry = self.order.popleft()
+            if entry.counted:
+                entry.counted = False
+                self.door.give_requests(self.row, 1)
             if not self.closed and not self.transport.is_closing():
                 self.transport.writelines(entry.parts)
 
@@ -324,13 +455,29 @@ class DoorConnection(FramePump):
             self._flush()
 
     def pause_writing(self) -> None:
+        """Answers wait in the transport (the client is not reading them): take no new frame, and
+        close the connection if they are still there after ``stall_timeout_s``."""
         self.write_blocked = True
+        if self.stall_timer is None:
+            self.stall_timer = self._later(self.door.deadlines["stall_timeout_s"], self._stalled)
         self._set_reading(False)
 
     def resume_writing(self) -> None:
         self.write_blocked = False
+        self._stop_stall_timer()
         self._send_held()
         self._update()
+
+    def unsent(self) -> int:
+        """Bytes of answers written to the client that it has not read yet (its transport holds them)."""
+        transport = getattr(self, "transport", None)
+        return transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
+
+    def taken(self) -> None:
+        """Main took a frame (not an INFER) this connection relayed; its answer came before."""
+        self.untaken = max(0, self.untaken - 1)
+        if not self.reading:
+            self._update()
 
     def main_paused(self, paused: bool) -> None:
         self.paused_by_main = paused
@@ -344,6 +491,7 @@ class DoorConnection(FramePump):
             self.transport.write(frame)
         self.closed = True
         self.proto.close()
+        self._cancel_input_timer()
         self.transport.close()
 
     def close_from_main(self) -> None:
@@ -361,6 +509,8 @@ class DoorConnection(FramePump):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.proto.close()
+        self._cancel_input_timer()
+        self._stop_stall_timer()
         door = self.door
         for call in list(self.calls):
             door.count_cancel(call, door.dispatcher.abandon(call))
@@ -368,6 +518,12 @@ class DoorConnection(FramePump):
             door.count_cancel(self.call, door.dispatcher.abandon(self.call))
             self.call = None
         self.calls.clear()
+        self._give_bytes()
+        taken = sum(entry.counted for entry in self.order)
+        if taken:
+            door.give_requests(self.row, taken)
+        for entry in self.order:
+            entry.counted = False
         for _, fds in self.held:
             for fd in fds:
                 os.close(fd)
@@ -379,8 +535,9 @@ class DoorConnection(FramePump):
 class Door:
     """This door process: its connections, lanes, link to main and counts."""
 
-    def __init__(self, index: int, link_sock: socket.socket, listen_sock: socket.socket, loop):
+    def __init__(self, index: int, link_sock: socket.socket, listen_sock: socket.socket, loop, ledger: UidLedger):
         self.index, self.loop, self.listen_sock = index, loop, listen_sock
+        self.ledger = ledger  # every door's per-uid counts (column ``index`` is ours)
         self.clock = loop.time
         self.connections: dict[int, DoorConnection] = {}
         self._cid = 0
@@ -391,9 +548,15 @@ class Door:
         self.counts: collections.Counter = collections.Counter()  # (model, version, outcome) -> n
         self.cancelled: collections.Counter = collections.Counter()  # (model, version, stage) -> n
         self.relayed = 0
+        self.held_requests = 0  # INFERs of this door counted in the ledger now (every uid)
+        self.refused = 0  # INFERs this door refused itself (max_inflight_per_uid, buffered bytes, too large)
         self.max_inflight = 64
         self.max_request_bytes = 64 << 20
         self.request_timeout_s = 30.0
+        self.max_inflight_per_uid = 512
+        self.max_buffered_per_uid = 256 << 20
+        # main's door's deadlines for its connections (DoorLimits), as main says
+        self.deadlines = {"stall_timeout_s": 30.0, "frame_timeout_s": 30.0, "upload_timeout_s": 30.0}
         self.server: asyncio.AbstractServer | None = None
         self.done = loop.create_future()
         self.draining = False
@@ -409,6 +572,18 @@ class Door:
 
     def _count(self, name: str, version: int, outcome: str) -> None:
         self.counts[(name, version, outcome)] += 1
+
+    def give_requests(self, row: int, n: int) -> None:
+        """``n`` INFERs of ``row``'s uid counted in the ledger are written back (or gone)."""
+        self.ledger.give_request(row, self.index, n)
+        self.held_requests -= n
+
+    def count_refusal(self, model, code: ErrorCode) -> None:
+        """A request this door refused before any lane or main saw it, counted as main's
+        ``Dispatcher.refused`` counts its own (a label only for a model the door knows)."""
+        label = model if isinstance(model, str) and model in self.directory.models else "_unknown"
+        self.refused += 1
+        self.counts[(label, "", code.wire)] += 1
 
     def count_cancel(self, call: Call, stage: str | None) -> None:
         """A lane call of this door its caller gave up on, where it was (``LaneDispatcher.abandon``);
@@ -432,10 +607,13 @@ class Door:
                     os.close(fd)
         elif op == "admit":
             if conn is not None:
-                conn.admit()
+                conn.admit(meta.get("row"))
         elif op == "close":
             if conn is not None:
                 conn.close_from_main()
+        elif op == "taken":
+            if conn is not None:
+                conn.taken()
         elif op in ("pause", "resume"):
             if conn is not None:
                 conn.main_paused(op == "pause")
@@ -464,6 +642,10 @@ class Door:
         self.max_inflight = int(limits.get("max_inflight_per_connection", self.max_inflight))
         self.max_request_bytes = int(meta.get("max_request_bytes", self.max_request_bytes))
         self.request_timeout_s = float(limits.get("request_timeout_s", self.request_timeout_s))
+        self.max_inflight_per_uid = int(limits.get("max_inflight_per_uid", self.max_inflight_per_uid))
+        self.max_buffered_per_uid = int(limits.get("max_buffered_bytes_per_uid", self.max_buffered_per_uid))
+        for key in self.deadlines:
+            self.deadlines[key] = float(limits.get(key, self.deadlines[key]))
         self.link.send({"op": "synced", "seq": meta.get("seq")})
 
     def _lane(self, meta: dict, fds: list[int]) -> None:
@@ -507,7 +689,10 @@ class Door:
         cancelled = [[name, version, stage, n] for (name, version, stage), n in self.cancelled.items()]
         self.link.send({"op": "report", "counts": counts, "cancelled": cancelled,
                         "stats": {"connections": len(self.connections), "in_flight": self.dispatcher.in_flight,
-                                  "lanes": len(self.pool.by_region), "relayed": self.relayed}})
+                                  "lanes": len(self.pool.by_region), "relayed": self.relayed,
+                                  "held_requests": self.held_requests, "refused": self.refused,
+                                  "held_bytes": sum(c.held_bytes for c in self.connections.values()),
+                                  "unsent_bytes": sum(c.unsent() for c in self.connections.values())}})
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -542,6 +727,9 @@ def main(argv=None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--link-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--ledger-fd", type=int, required=True)
+    parser.add_argument("--ledger-rows", type=int, required=True)
+    parser.add_argument("--ledger-columns", type=int, required=True)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -551,11 +739,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is main's to act on
     link_sock = socket.socket(fileno=args.link_fd)
     listen_sock = socket.socket(fileno=args.listen_fd)
+    ledger = UidLedger.attach(args.ledger_fd, args.ledger_rows, args.ledger_columns)
     import uvloop
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        door = Door(args.index, link_sock, listen_sock, loop)
+        door = Door(args.index, link_sock, listen_sock, loop, ledger)
         loop.add_signal_handler(signal.SIGTERM, lambda: door.done.done() or door.done.set_result(None))
         await door.serve()
 

@@ -1,9 +1,12 @@
 """Main's side of the door processes: start them, restart them, tell them the models, serve their relays.
 
 Owns: ``DoorHouse`` — the N door processes (``python -P -m shmserve.doors``,
-each handed the Unix listening socket and one end of a link), restarted with
-back-off when one dies (its connections end; its lanes are released: they are
-recorded under the door's pid and owned by its desk), the ``models`` message
+each handed the Unix listening socket, one end of a link and the uid ledger
+they share: ``doors.ledger``), restarted with back-off when one dies (its
+connections end; its lanes are released: they are recorded under the door's
+pid and owned by its desk; its column of the ledger is zeroed once it is
+waited for), the ledger's rows (one per uid with connections open through
+the doors, named in ``admit``), the ``models`` message
 every door routes by (sent to every door when it starts and on every
 lifecycle change: ``sync`` returns once every live door has applied it), the
 doors' state for ``info`` and metrics (``describe``), and draining and
@@ -36,6 +39,7 @@ import sys
 import time
 
 from shmserve import layout
+from shmserve.doors.ledger import RowBook, UidLedger
 from shmserve.doors.link import Link
 from shmserve.errors import ShmserveError
 from shmserve.frontend.models import MODEL_READY, SERVING
@@ -78,11 +82,14 @@ class DoorDesk:
         house = self.house
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            ledger = house.ledger
             argv = [sys.executable, "-P", "-m", "shmserve.doors", "--index", str(self.index), "--link-fd",
-                    str(theirs.fileno()), "--listen-fd", str(listen_sock.fileno()), "--log-format", house.log_format]
+                    str(theirs.fileno()), "--listen-fd", str(listen_sock.fileno()), "--ledger-fd",
+                    str(house.ledger_fd), "--ledger-rows", str(ledger.rows), "--ledger-columns", str(ledger.columns),
+                    "--log-format", house.log_format]
             if house.verbose:
                 argv.append("--verbose")
-            self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(), listen_sock.fileno()))
+            self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(), listen_sock.fileno(), house.ledger_fd))
         except OSError:
             ours.close()
             raise
@@ -92,7 +99,7 @@ class DoorDesk:
         self.started_at = time.monotonic()
         self.drained.clear()
         self.link = Link(ours, house.loop, self.on_message, self.on_closed)
-        self.relay = Relay(house.unix, self.link, self.index)
+        self.relay = Relay(house.unix, self.link, self.index, house.rows)
         self.link.send(house.models_message())
 
     # -- the door's messages ------------------------------------------------------------------
@@ -185,6 +192,11 @@ class DoorDesk:
                 proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
+        # Dead now (waited for): what it held of each uid's limits is free again.
+        requests, nbytes = house.ledger.clear_column(self.index, list(house.rows.row_of.values()))
+        if requests or nbytes:
+            log.info("door %d held %d requests and %d bytes of its callers' limits; released", self.index, requests,
+                     nbytes)
         self.drained.set()
         if self.state == "stopped":
             return
@@ -216,7 +228,9 @@ class DoorDesk:
         return {"index": self.index, "pid": self.pid, "up": self.state == "up", "state": self.state,
                 "restarts": self.restarts, "connections": len(self.relay) if self.relay is not None else 0,
                 "lanes": len(self.bells), "in_flight": self.stats.get("in_flight", 0),
-                "relayed": self.stats.get("relayed", 0)}
+                "relayed": self.stats.get("relayed", 0), "held_requests": self.stats.get("held_requests", 0),
+                "refused": self.stats.get("refused", 0), "held_bytes": self.stats.get("held_bytes", 0),
+                "unsent_bytes": self.stats.get("unsent_bytes", 0)}
 
 
 class DoorHouse:
@@ -229,6 +243,9 @@ class DoorHouse:
         self.listen_sock, self.loop = listen_sock, loop
         self.log_format, self.verbose = log_format, verbose
         self.lane_bytes = config().door_lane_bytes
+        # Every uid's requests and buffered bytes across the doors (doors/ledger.py); a column per door.
+        self.ledger, self.ledger_fd = UidLedger.create(n)
+        self.rows = RowBook(self.ledger)
         self.desks = [DoorDesk(self, i) for i in range(n)]
         self.stopping = False
         self.seq = 0
@@ -267,7 +284,11 @@ class DoorHouse:
         return {"op": "models", "seq": self.seq, "stopping": dispatcher.stopping or self.stopping,
                 "max_request_bytes": dispatcher.max_request, "models": models,
                 "limits": {"max_inflight_per_connection": config.max_inflight_per_connection,
-                           "request_timeout_s": config.request_timeout_s}}
+                           "request_timeout_s": config.request_timeout_s,
+                           "max_inflight_per_uid": config.max_inflight_per_uid,
+                           "max_buffered_bytes_per_uid": config.max_buffered_bytes_per_uid,
+                           "stall_timeout_s": config.stall_timeout_s, "frame_timeout_s": config.frame_timeout_s,
+                           "upload_timeout_s": config.upload_timeout_s}}
 
     def changed(self) -> None:
         """Something the doors route by may have changed: send the models message if it did."""
@@ -345,3 +366,6 @@ class DoorHouse:
             desk.state = "stopped"
             if desk.link is not None:
                 desk.link.close()
+        if self.ledger_fd >= 0:
+            os.close(self.ledger_fd)
+            self.ledger_fd = -1

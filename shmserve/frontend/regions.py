@@ -173,7 +173,8 @@ class RegionTable:
         of ``uid``, ``pid``); the caller passes ``region.fd`` on (the region keeps it: it closes
         with the region).  A door process's lane (``bell``: the eventfd its door sleeps on, kept
         open by the caller while the region lives) is not counted against the per-connection
-        limits (the door's desk bounds its lanes).
+        limits nor against its uid's (the door's desk bounds its lanes; their uid is the server's, which
+        a client of the same uid must not find spent).
 
         Raises ShmserveError: BAD_FRAME/TOO_LARGE for a bad size, UNKNOWN_MODEL for a lane of no
         model or of a version not serving, OVERLOADED when a limit (named in the message) is
@@ -229,8 +230,9 @@ class RegionTable:
         self.regions[region_id] = region
         self.by_owner.setdefault(owner, {})[region_id] = region
         self.bytes_of_owner[owner] += size
-        self.bytes_of_uid[uid] += size
-        self.count_of_uid[uid] += 1
+        if bell < 0:  # a door's lane is the server's own, in no caller's budget (its uid is the server's)
+            self.bytes_of_uid[uid] += size
+            self.count_of_uid[uid] += 1
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record),
                             kind=layout.REGION_LANE if lane_model is not None else layout.REGION_PLAIN,
                             id=region_id, size=size, owner_pid=max(pid, 0), owner_uid=layout.region_uid(uid),
@@ -444,13 +446,13 @@ class RegionTable:
         self.offload(lambda: empty_and_close(fd, region.size))
         layout.REGION.write(self.arena.buf, self.arena.geometry.region_off(region.record), kind=layout.REGION_FREE)
         self.free_records.append(region.record)
-        for counter, key in ((self.bytes_of_owner, region.owner), (self.bytes_of_uid, region.uid)):
-            counter[key] -= region.size
+        counted = ((self.bytes_of_owner, region.owner, region.size),)
+        if region.bell < 0:  # (a door's lane counted against no uid: ``open``)
+            counted += ((self.bytes_of_uid, region.uid, region.size), (self.count_of_uid, region.uid, 1))
+        for counter, key, n in counted:
+            counter[key] -= n
             if not counter[key]:
                 del counter[key]
-        self.count_of_uid[region.uid] -= 1
-        if not self.count_of_uid[region.uid]:
-            del self.count_of_uid[region.uid]
 
     def deliver(self, w: WorkerHandle, region: Region) -> tuple[ErrorCode, str] | None:
         """Make sure worker ``w`` has ``region``'s descriptor before a ring entry naming the

@@ -10,7 +10,9 @@ write becomes an ``out`` message to the door (``ordered`` when it is the
 answer of an INFER, which the door puts in its place in the connection's
 order), a frame with a descriptor carries it, ``pause_reading`` and
 ``resume_reading`` tell the door to stop or go on reading the client, and
-``close`` or ``abort`` end the door's connection.  ``Relay`` — one door's
+``close`` or ``abort`` end the door's connection; every frame but an INFER
+is acknowledged (``taken``) once served, after its answer, so a door relays
+only a few at a time (an INFER is bounded by the door's own count).  ``Relay`` — one door's
 connections by the door's connection id.
 
 The bytes a door relays are the client's, untouched: as hostile as any
@@ -28,6 +30,9 @@ import asyncio
 import contextlib
 import logging
 
+from shmserve import protocol
+from shmserve.doors.ledger import RowBook
+from shmserve.errors import ErrorCode
 from shmserve.frontend.unix import ClientConnection, UnixDoor
 from shmserve.protocol import Kind
 
@@ -108,6 +113,7 @@ class RelayedConnection(ClientConnection):
         super().__init__(door)
         self.relay, self.cid = relay, cid
         self.backlog = bytearray()  # relayed bytes not taken yet (the connection stopped reading)
+        self.row: int | None = None  # its uid's row in the doors' ledger while it is open
 
     def start(self, pid: int, uid: int, gid: int, groups: set[int]) -> None:
         """``connection_made`` for a door's connection: the identity is the door's SO_PEERCRED read
@@ -119,10 +125,24 @@ class RelayedConnection(ClientConnection):
         self.pid, self.uid = pid, uid
         self.groups = set(groups) | {gid}
         refusal = self.door.enter(self, pid, uid, gid, self.groups)
+        if refusal is None:
+            self.row = self.relay.rows.acquire(uid)
+            if self.row is None:
+                self.door.leave(self)
+                refusal = protocol.error_frame(None, ErrorCode.OVERLOADED,
+                                               f"{self.relay.rows.ledger.rows} uids have connections open through "
+                                               f"the door processes, as many as their ledger holds; try again later "
+                                               f"(or set [server] doors = 0)")
         if refusal is not None:
             self._close(refusal)
             return
-        self.relay.link.send({"op": "admit", "c": self.cid})
+        self.relay.link.send({"op": "admit", "c": self.cid, "row": self.row})
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        if self.row is not None:
+            self.row = None
+            self.relay.rows.release(self.uid)
 
     def feed(self, data: bytes) -> None:
         """Bytes the door relayed: into the protocol (payloads into the arena views they are for),
@@ -173,6 +193,9 @@ class RelayedConnection(ClientConnection):
             super().on_frame(frame)
         finally:
             self.relay.info_for = None
+            if frame.kind not in (Kind.INFER, Kind.INFER_REGION):
+                # taken (its answer, if any, is on the link before this): the door may relay another
+                self.relay.link.send({"op": "taken", "c": self.cid})
 
     def reply(self, rid: int, body: dict) -> None:
         if self.relay.info_for is self:
@@ -183,8 +206,8 @@ class RelayedConnection(ClientConnection):
 class Relay:
     """One door process's connections, served by main (``link``: the door's link)."""
 
-    def __init__(self, door: UnixDoor, link, index: int):
-        self.door, self.link, self.index = door, link, index
+    def __init__(self, door: UnixDoor, link, index: int, rows: RowBook):
+        self.door, self.link, self.index, self.rows = door, link, index, rows
         self.connections: dict[int, RelayedConnection] = {}
         self.info_for: RelayedConnection | None = None
 

@@ -400,8 +400,11 @@ _FRAME_TIMEOUT, _UPLOAD_TIMEOUT = "frame_timeout_s", "upload_timeout_s"  # DoorL
 class FramePump(asyncio.BufferedProtocol):
     """What reads a native-protocol connection, for main's door and a door process's alike: a
     payload arrives straight into the sinks the protocol was given (``payload_buffer``), anything
-    else into ``read_view`` and the protocol; then ``_update``.  The subclass has ``proto``,
-    ``read_view``, ``into_payload``, ``closed``, ``reading``, ``transport`` and ``_update``."""
+    else into ``read_view`` and the protocol; then ``_update``.  And the deadlines of what the
+    client is in the middle of sending (``_await_input``: a frame's header and metadata within
+    ``frame_timeout_s``, a payload within ``upload_timeout_s``; ``_input_refusal``: the last
+    frame it is sent), the same for both.  The subclass has ``proto``, ``read_view``,
+    ``into_payload``, ``closed``, ``reading``, ``transport``, ``pid``, ``uid`` and ``_update``."""
 
     def get_buffer(self, sizehint: int):
         target = self.proto.payload_buffer()
@@ -416,6 +419,44 @@ class FramePump(asyncio.BufferedProtocol):
         else:
             self.proto.receive_data(self.read_view[:nbytes])
         self._update()
+
+    # -- input deadlines: the subclass has ``_later(seconds, callback)`` (a timer handle),
+    #    ``_input_limit(phase)`` (seconds) and ``_input_timed_out()`` --------------------------------
+
+    input_timer = None  # the deadline of what the client is sending now
+    input_phase: str | None = None  # _FRAME_TIMEOUT or _UPLOAD_TIMEOUT while input_timer runs
+
+    def _await_input(self) -> None:
+        """The protocol needs more bytes: time what the client is in the middle of sending (a
+        frame's header and metadata, or a payload); between frames, an idle client is no harm."""
+        if self.proto.state in _MID_PAYLOAD:
+            phase = _UPLOAD_TIMEOUT
+        elif self.proto.mid_frame:
+            phase = _FRAME_TIMEOUT
+        else:
+            self._cancel_input_timer()
+            return
+        if phase != self.input_phase:
+            self._cancel_input_timer()
+            self.input_phase = phase
+            self.input_timer = self._later(self._input_limit(phase), self._input_timed_out)
+
+    def _cancel_input_timer(self) -> None:
+        if self.input_timer is not None:
+            self.input_timer.cancel()
+            self.input_timer = None
+        self.input_phase = None
+
+    def _input_refusal(self, phase: str, rid: int | None) -> bytes:
+        """The error frame a connection whose ``phase`` deadline passed is closed with (logged):
+        BAD_FRAME for a frame's header and metadata, TIMEOUT (of request ``rid``) for a payload."""
+        if phase == _FRAME_TIMEOUT:
+            rid, code, what = None, ErrorCode.BAD_FRAME, "a frame's header and metadata"
+        else:
+            code, what = ErrorCode.TIMEOUT, f"the payload of request {rid}" if rid is not None else "a payload"
+        message = f"{what} did not all arrive within {self._input_limit(phase):g} s (server.{phase})"
+        log.info("closing a connection from pid %d uid %d: %s", self.pid, self.uid, message)
+        return protocol.error_frame(rid, code, message)
 
     def _read_while(self, want: bool) -> bool:
         """Resume or pause the transport's reading to ``want`` (``reading`` remembers it); whether
@@ -572,26 +613,11 @@ class ClientConnection(FramePump):
         self.yielded = False
         self._update()
 
-    def _await_input(self) -> None:
-        """The protocol needs more bytes: time what the client is in the middle of sending (a
-        frame's header and metadata, or a payload); between frames, an idle client is no harm."""
-        if self.proto.state in _MID_PAYLOAD:
-            phase = _UPLOAD_TIMEOUT
-        elif self.proto.mid_frame:
-            phase = _FRAME_TIMEOUT
-        else:
-            self._cancel_input_timer()
-            return
-        if phase != self.input_phase:
-            self._cancel_input_timer()
-            self.input_phase = phase
-            self.input_timer = self.door.clock.call_later(getattr(self.door.limits, phase), self._input_timed_out)
+    def _later(self, seconds: float, callback):
+        return self.door.clock.call_later(seconds, callback)
 
-    def _cancel_input_timer(self) -> None:
-        if self.input_timer is not None:
-            self.input_timer.cancel()
-            self.input_timer = None
-        self.input_phase = None
+    def _input_limit(self, phase: str) -> float:
+        return getattr(self.door.limits, phase)
 
     def _input_timed_out(self) -> None:
         """A frame or payload the client began did not complete in time: it is answered (a request
@@ -599,16 +625,8 @@ class ClientConnection(FramePump):
         phase, self.input_timer, self.input_phase = self.input_phase, None, None
         if self.closed:
             return
-        limit = getattr(self.door.limits, phase)
         req, self.receiving = self.receiving, None
-        if phase == _FRAME_TIMEOUT:
-            rid, code, what = None, ErrorCode.BAD_FRAME, "a frame's header and metadata"
-        else:
-            rid, code = (req.id if req is not None else None), ErrorCode.TIMEOUT
-            what = f"the payload of request {req.id}" if req is not None else "a payload"
-        message = f"{what} did not all arrive within {limit:g} s (server.{phase})"
-        log.info("closing a connection from pid %d uid %d: %s", self.pid, self.uid, message)
-        frame = protocol.error_frame(rid, code, message)
+        frame = self._input_refusal(phase, req.id if req is not None else None)
         self._close(frame)  # first: nothing more is received into the request's space
         if req is not None:
             self.order.remove(self.entries.pop(req))
@@ -860,7 +878,7 @@ class ClientConnection(FramePump):
         close the connection if they are still there after ``stall_timeout_s``."""
         self.write_blocked = True
         if self.stall_timer is None:
-            self.stall_timer = self.door.clock.call_later(self.door.limits.stall_timeout_s, self._stalled)
+            self.stall_timer = self._later(self.door.limits.stall_timeout_s, self._stalled)
         self._set_reading()
 
     def resume_writing(self) -> None:
