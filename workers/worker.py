@@ -232,6 +232,8 @@ class Worker:
         self.in_turn_will_do = (config.priority_levels <= 1 and not config.max_queue_size
                                 and (not config.default_timeout_us or config.timeout_action == "reject"))
         self.round_robin = config.fairness == "callers"
+        self._queue_timeout_ns = config.default_timeout_us * 1000  # (serve_in_turn: Scheduler.alone's rule)
+        self._own_timeout_wins = config.allow_timeout_override
         self._last_served: dict[int, int] = {}  # caller key -> when it was last served (``in_turn``)
         self._served = 0
         self._told_demoted = self._told_expired = 0
@@ -261,8 +263,8 @@ class Worker:
                     return workerlink.EXIT_ORPHANED
                 continue
             work, stop = self.gather()
-            if solo and len(work) == 1 and not stop and not sched:
-                self.serve_solo(*work[0])  # the common case, nearly as cheap as before scheduling
+            if solo and len(work) == 1 and not stop and not sched and not in_turn:
+                self.serve_solo(*work[0])  # one request alone under a policy of several levels
                 if self.dropped:
                     self._unmap_dropped()
                 continue
@@ -395,32 +397,60 @@ class Worker:
     def serve_in_turn(self, work: list[tuple[Space, int]]) -> bool:
         """Serve what one gather brought (nothing held, a policy of one level with no queue limit and
         nothing delayed: ``in_turn_will_do``), its callers in turn (fairness "callers": ``in_turn``,
-        the caller served longest ago first; "arrival": as gathered), each as ``serve_solo`` serves
-        one; whether a stop came.  Before the last one it looks for more and serves what came behind
-        it (those served early in the round are back by then).  Counted as queued at level 1 while
-        they wait."""
-        buf, off, last = self.buf, self._queued_off[1], self._last_served
+        the caller served longest ago first; "arrival": as gathered); whether a stop came.  Each is
+        checked as ``Scheduler.alone`` checks one (its deadline, the queue timeout: expired, it is
+        answered TIMEOUT unrun), inline: this is every request's path under the default policy.
+        Before the last one of a round it looks for more and serves what came behind it (those
+        served early in the round are back by then).  The round counts as queued at level 1 until
+        it is done; claims, waits and expiries are added to the arena's counters once a round."""
+        buf, last, step = self.buf, self._last_served, self.step
+        claim, serve_claimed, read = step.claim, step.serve_claimed, layout.read_slot_schedule
+        timeout_ns, own = self._queue_timeout_ns, self._own_timeout_wins
         if self.round_robin:
             queue = collections.deque(in_turn(work, last))
         else:
             queue = collections.deque((0, space, entry) for space, entry in work)
-        atomics.fetch_add64(buf, off, len(queue))
-        stop = False
+        held = len(queue)
+        atomics.fetch_add64(buf, self._queued_off[1], held)
+        stop, served, claimed, wait_us, expired = False, 0, 0, 0, 0
         try:
             while queue:
-                if len(queue) == 1 and not stop and self.pending():
+                if served and len(queue) == 1 and not stop and self.pending():
                     more, stop = self.gather()
                     if more:
                         queue.extend(in_turn(more, last) if self.round_robin else ((0, s, e) for s, e in more))
-                        atomics.fetch_add64(buf, off, len(more))
+                        atomics.fetch_add64(buf, self._queued_off[1], len(more))
+                        held += len(more)
                 key, space, entry = queue.popleft()
-                atomics.fetch_add64(buf, off, -1)
+                served += 1
                 self._served += 1
                 last[key] = self._served
-                self.serve_solo(space, entry)
+                index, now, t_ready = entry & 0xFFFFFFFF, time.monotonic_ns(), 0
+                if index < space.geometry.slot_count:
+                    t_ready, _, _, deadline, flags = read(space.buf, space.geometry, index)
+                    why = "deadline" if 0 < deadline <= now else ""
+                    if not why and timeout_ns and not (own and flags & layout.SLOT_FLAG_OWN_TIMEOUT) \
+                            and (t_ready if 0 < t_ready <= now else now) + timeout_ns <= now:
+                        why = "queue timeout"
+                    if why:
+                        expired += 1
+                        self._answer((space, entry), ErrorCode.TIMEOUT, self.sched.expiry_message(why))
+                        continue
+                index = claim(space, entry)
+                if index is None:  # taken back by its client or the front-end, or a hostile entry
+                    continue
+                claimed += 1
+                if 0 < t_ready < now:
+                    wait_us += (now - t_ready) // 1000
+                serve_claimed(space, entry, index)
         finally:
-            if queue:  # (a failure on the way: what was not served is no longer counted)
-                atomics.fetch_add64(buf, off, -len(queue))
+            atomics.fetch_add64(buf, self._queued_off[1], -held)
+            if claimed:
+                atomics.fetch_add64(buf, self._claimed_off[1], claimed)
+            if wait_us:
+                atomics.fetch_add64(buf, self._wait_off[1], wait_us)
+            if expired:
+                atomics.fetch_add64(buf, self._expired_off, expired)
             if len(last) > MAX_CALLERS_REMEMBERED:  # connections come and go: forget them all, rarely
                 last.clear()
         return stop
