@@ -1,0 +1,77 @@
+#!/bin/bash
+# The device runs behind docs/performance.md "Priorities", "Fairness between paths", the lane A/B of the
+# scheduler and docs/doors.md "Measuring" (issues 29 and 25, 2026-12-03): from the repository root on the
+# 16-core GPU host, the wheels its image lacks in .whl/, the tree before the scheduler (b7100ee, `git archive`)
+# in .ab/before, $OUT a folder for the JSON.  Two parts, each within one call:
+#   a: the lane round trip before and after, interleaved (1 and 16 clients, 4 KiB), then --priority-mix
+#      and --mix (sleepy 1 ms model, and identity)
+#   b: tools/doors_bench.py (doors 0, 2, 4, 8), the gRPC shared-memory case (1 MiB x 8) and bench_cancel
+#   c: py-spy (carried in .whl) on one worker of each tree under 16 lane clients: where the worker's time goes
+#   d: the lane round trip before and after only, 4 rounds interleaved
+# usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d
+set -u
+OUT=${OUT:-/tmp/i29}
+. tools/device_env.sh || exit 1
+export PYTHONUNBUFFERED=1
+nproc; nvidia-smi --query-gpu=name --format=csv,noheader; date -u
+HERE=$PWD
+BENCH="python3 -m shmserve.cli bench"
+if [ "$1" = a ] || [ "$1" = d ]; then
+    (cd .ab/before && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
+    rounds="1 2 3"; [ "$1" = d ] && rounds="1 2 3 4"
+    for round in $rounds; do
+        for tree in before after; do
+            root=$HERE; [ $tree = before ] && root=$HERE/.ab/before
+            echo "== lane $tree round $round ($(date -u +%T))"
+            (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 150 python3 -m shmserve.cli bench --spawn-server \
+                --mode inline --payload 4KiB --clients 1,16 --requests 20000 --json-out "$OUT/lane_${tree}_$round.json" \
+                2>/dev/null | grep -E "^\| 4 KiB")
+        done
+    done
+    [ "$1" = d ] && exit 0
+    echo "== priority mix, 1 ms model ($(date -u +%T))"
+    timeout 120 $BENCH --spawn-server --priority-mix 1:1,9:8 --duration 10 --model-us 1000 --json-out "$OUT/prio.json" 2>/dev/null
+    echo "== mix, 1 ms model ($(date -u +%T))"
+    timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --model-us 1000 --duration 10 \
+        --json-out "$OUT/mix_slow.json" 2>/dev/null
+    echo "== mix, identity ($(date -u +%T))"
+    timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --duration 10 \
+        --json-out "$OUT/mix_identity.json" 2>/dev/null
+elif [ "$1" = c ]; then
+    (cd .ab/before && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
+    for tree in before after; do
+        root=$HERE; [ $tree = before ] && root=$HERE/.ab/before
+        echo "== py-spy $tree ($(date -u +%T))"
+        (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 60 python3 -m shmserve.cli bench --spawn-server \
+            --mode inline --payload 4KiB --clients 16 --duration 14 2>/dev/null | grep -E "^\| 4 KiB") &
+        sleep 9
+        pid=$(pgrep -f '"name":"identity"' | head -1)
+        echo "worker $pid: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)"
+        timeout 20 /tmp/site/bin/py-spy record -d 5 -r 400 --format raw -o "$OUT/spy_$tree.txt" -p "$pid" --nonblocking 2>&1 | tail -2
+        wait
+        python3 - "$OUT/spy_$tree.txt" <<'PY'
+import collections, sys
+own, total = collections.Counter(), collections.Counter()
+n = 0
+for line in open(sys.argv[1]):
+    stack, _, count = line.rstrip().rpartition(" ")
+    c = int(count); n += c
+    frames = stack.split(";")
+    own[frames[-1]] += c
+    for f in set(frames):
+        total[f] += c
+print("samples", n)
+print("-- own"); [print(f"{100*c/n:5.1f}% {f[:150]}") for f, c in own.most_common(22)]
+print("-- total"); [print(f"{100*c/n:5.1f}% {f[:150]}") for f, c in total.most_common(30)]
+PY
+    done
+else
+    echo "== doors ($(date -u +%T))"
+    timeout 330 python3 tools/doors_bench.py --doors 0,2,4,8 --clients 1,16 --requests 5000 --json-out "$OUT/doors.json"
+    echo "== grpc shm 1 MiB ($(date -u +%T))"
+    timeout 120 $BENCH --spawn-server --protocol grpc --mode shm --payload 1MiB --clients 1,8 --requests 300 \
+        --json-out "$OUT/grpc_shm.json" 2>/dev/null
+    echo "== cancel ($(date -u +%T))"
+    timeout 100 python3 tools/bench_cancel.py 2>&1 | tail -12
+fi
+date -u
