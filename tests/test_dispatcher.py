@@ -1929,7 +1929,7 @@ def test_a_slot_carries_its_priority_its_caller_and_its_deadline_on_clock_monoto
     SLOT_FLAG_OWN_TIMEOUT only when the client set its own timeout."""
     configure(fe, priority_levels=3)
     door, other = fe.door(), fe.door()
-    door.caller, other.caller = 7, 8
+    door.caller_key, other.caller_key = 7, 8
     before = time.monotonic_ns()
     high = door.infer("add", {"x": floats()}, priority=1, timeout_s=2)
     low = other.infer("add", {"x": floats()}, priority=3)
@@ -1962,7 +1962,7 @@ def test_a_request_republished_after_its_worker_died_keeps_its_priority_caller_a
     restart took gone from it."""
     configure(fe, priority_levels=2)
     door, w = fe.door(), fe.workers[0]
-    door.caller = 42
+    door.caller_key = 42
     before = time.monotonic_ns()
     req = door.infer("add", {"x": floats()}, priority=2, timeout_s=3)
     fe.kill(w)

@@ -36,7 +36,7 @@ included.
 Scheduling (issue 29): every request's slot carries what its worker orders
 it by (``shmserve.scheduling``): its priority level (the client's, 0 or one
 above its model's ``priority_levels`` written as 0: the model's default
-level), a caller key its door assigned (``Door.caller``: per connection,
+level), a caller key its door assigned (``Door.caller_key``: per connection,
 never chosen by a client; 0: unknown) and its deadline on CLOCK_MONOTONIC ns
 (a worker never starts a request past it), flagged SLOT_FLAG_OWN_TIMEOUT
 when the client set its own timeout.  A model version's
@@ -142,12 +142,13 @@ class Door(Protocol):
     request, whatever state it was in (``Dispatcher._door_raised``), so no exception of a door
     can leak a slot, an extent or a place in a queue, nor reach the completion loop.
 
-    ``caller``: the key its requests are scheduled under for fairness between callers of one
+    ``caller_key``: the key its requests are scheduled under for fairness between callers of one
     model (``new_caller``: one per connection, or per peer), never chosen by a client; a door
-    without one is caller 0 (unknown).
+    without one is caller 0 (unknown).  (Not ``caller``: the Unix door's ``caller()`` is who its
+    peer is for rate limits.)
     """
 
-    caller: int
+    caller_key: int
 
     def in_flight(self) -> int:
         """Requests submitted through this door and not yet written back (the per-door limit)."""
@@ -179,7 +180,7 @@ _callers = itertools.count(1)
 
 
 def new_caller() -> int:
-    """A caller key for a new connection (``Door.caller``): nonzero, fits a slot's u32, and
+    """A caller key for a new connection (``Door.caller_key``): nonzero, fits a slot's u32, and
     reused only after 2**32 - 1 others."""
     return next(_callers) % 0xFFFF_FFFF + 1
 
@@ -341,7 +342,7 @@ class Dispatcher:
                                                           f"its workers, its default_queue_policy's max_queue_size "
                                                           f"({limit}): retry later, or raise max_queue_size")
         now = self.clock.monotonic()
-        sched = {"priority": parsed.priority, "caller": getattr(door, "caller", 0),
+        sched = {"priority": parsed.priority, "caller": getattr(door, "caller_key", 0),
                  "own_timeout": parsed.timeout_s is not None}
         if model.phase in (EVICTED, UNLOADED):  # loaded on demand (Models.resolve let only such through)
             self.load_on_demand(model)

@@ -514,7 +514,7 @@ class ClientConnection(FramePump):
         self.pid = self.uid = -1
         self.groups: set[int] = set()
         self._caller: Caller | None = None
-        self.caller = new_caller()  # its requests' key for fairness between callers (Door.caller)
+        self.caller_key = new_caller()  # its requests' key for fairness between callers (Door.caller_key)
 
     def connection_made(self, transport) -> None:
         self.transport = transport

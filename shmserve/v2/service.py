@@ -303,7 +303,7 @@ class V2Door:
         self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
         self.ids = itertools.count(1)
         self.on_abort: Callable[[Exception], None] | None = None  # the connection's end (HTTP)
-        self.caller = new_caller()  # its requests' key for fairness between callers (Door.caller)
+        self.caller_key = new_caller()  # its requests' key for fairness between callers (Door.caller_key)
 
     def in_flight(self) -> int:
         return len(self.pending)
