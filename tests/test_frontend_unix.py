@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from shmserve import protocol
+from shmserve.doorkit import DoorLimits
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import FRAMES_PER_TURN, DoorLimits, UnixDoor
+from shmserve.frontend.unix import FRAMES_PER_TURN, UnixDoor
 from shmserve.protocol import Frame, Kind, PayloadDone
 
 from helpers.fake_frontend import make_fixture, no_children_left, no_processes  # noqa: F401 (fixtures)

@@ -70,8 +70,8 @@ from dataclasses import dataclass
 import httptools
 
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import DoorLimits, Listener
-from shmserve.v2 import peer, rest
+from shmserve.doorkit import DoorLimits, Listener, peer_of
+from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
 from shmserve.v2.messages import Incoming, RateLimited, V2Error
 from shmserve.v2.service import Caller, V2Service
@@ -421,7 +421,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume: "all sent"
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:
-            uid, groups = peer.credentials(sock)
+            kernel = peer_of(sock)
+            uid, groups = (kernel.uid, kernel.groups) if kernel is not None else (None, frozenset())
             try:
                 if uid is None:
                     raise V2Error(ErrorCode.PERMISSION_DENIED, "the kernel did not say who the peer is")
