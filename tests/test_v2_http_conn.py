@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 
 import httptools
 import numpy as np
@@ -449,3 +451,30 @@ def test_connections_past_max_connections_are_refused_503():
     transport = FakeTransport()
     extra.connection_made(transport)
     assert transport.closing and b"503" in transport.written[:20] and b"server.max_connections" in transport.written
+
+
+def test_a_unix_socket_peer_is_who_the_kernel_says_and_counted_per_uid():
+    """On a Unix socket the connection's owner is its ``SO_PEERCRED`` uid (a real socket pair):
+    past ``max_connections_per_uid`` of one uid, 503 naming the key; a closed one makes room."""
+    client = Client()
+    door, pairs, conns = client.door, [], []
+    try:
+        for _ in range(LIMITS.max_connections_per_uid + 1):
+            a, b = socket.socketpair()
+            pairs += [a, b]
+            conn, transport = HttpConnection(door), FakeTransport(a)
+            transport.protocol = conn
+            conn.connection_made(transport)
+            conns.append((conn, transport))
+        assert all(c.peer is not None and c.peer.uid == os.geteuid() for c, _ in conns[:-1])
+        refused = conns[-1][1]
+        assert refused.closing and b"503" in refused.written[:20]
+        assert b"server.max_connections_per_uid" in refused.written and b"HTTP connections" in refused.written
+        conns[0][0].connection_lost(None)
+        conn, transport = HttpConnection(door), FakeTransport(pairs[0])
+        transport.protocol = conn
+        conn.connection_made(transport)
+        assert not transport.closing
+    finally:
+        for s in pairs:
+            s.close()

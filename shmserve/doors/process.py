@@ -159,7 +159,7 @@ class DoorConnection(FramePump):
 
     def _takes_frames(self) -> bool:
         door = self.door
-        return (not self.write_blocked and not self.held and len(self.order) < door.max_inflight
+        return (not self.flow.write_blocked and not self.held and len(self.order) < door.max_inflight
                 and self.untaken < RELAY_UNTAKEN_MAX and door.link.pending < RELAY_PENDING_MAX)
 
     def _set_reading(self, want: bool) -> None:
@@ -384,7 +384,7 @@ class DoorConnection(FramePump):
     def _fill(self, entry: _Entry, parts: list) -> None:
         entry.parts = parts
         self._flush()
-        if not self.reading:
+        if not self.flow.reading:
             self._update()
 
     def _flush(self) -> None:
@@ -459,7 +459,7 @@ class DoorConnection(FramePump):
     def taken(self) -> None:
         """Main took a frame (not an INFER) this connection relayed; its answer came before."""
         self.untaken = max(0, self.untaken - 1)
-        if not self.reading:
+        if not self.flow.reading:
             self._update()
 
     def main_paused(self, paused: bool) -> None:

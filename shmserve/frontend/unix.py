@@ -239,7 +239,7 @@ class ClientConnection(FramePump):
         while ``max_inflight_per_connection`` refusals wait for their turn behind a request still
         running, nor while this connection's requests in flight hold
         ``max_inflight_bytes_per_connection``."""
-        if self.write_blocked:
+        if self.flow.write_blocked:
             return False
         if not self.entries and not self.unflushed:
             return True
@@ -489,7 +489,7 @@ class ClientConnection(FramePump):
             metas = [protocol.tensor_wire(o.name, o.dtype, o.shape, o.nbytes, o.offset) for o in answer.outputs]
             entry.parts = [protocol.encode_frame(Kind.RESULT_REGION, {"id": req.id, "outputs": metas})]
         self.flush()
-        if not self.reading:
+        if not self.flow.reading:
             self._update()  # it may take frames again (space, or bytes in flight, freed up)
 
     # -- writing --------------------------------------------------------------------------

@@ -737,7 +737,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._write(answer, body=msg is None or msg.method != "HEAD")
         if answer.result is not None:
             self.held.append(answer.result)
-        if not self.write_blocked:
+        if not self.flow.write_blocked:
             self._release_held()
             self._sent()
 
@@ -773,11 +773,11 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.answer = None
             self.transport.writelines(answer.body.parts)
             self.held.append(answer.result)
-            if not self.write_blocked:
+            if not self.flow.write_blocked:
                 self._release_held()
                 self._sent()
             return
-        if not self.write_blocked:
+        if not self.flow.write_blocked:
             soon(self._answer_step)  # else resume_writing takes the next step
 
     def _write(self, answer: Answer, body: bool = True, length: int | None = None) -> None:
