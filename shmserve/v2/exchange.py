@@ -1,6 +1,8 @@
 """One HTTP request of the KServe v2 door and its answer: the per-request half of ``v2.http``.
 
-Owns: what one parsed request is (``Exchange``: its line, headers, body and who sent it), the
+Owns: what one parsed request is (``Exchange``: its line, headers, body and who sent it, and the
+work that serves it: its body decoded, on the loop or a thread, then its infer call submitted or its
+operation's task run, each cancelled if its connection gives up on it), the
 decoding of its body (inflated if it came gzip or deflate, bounded by what it may hold: pure, so
 that it runs on the loop for a small body and on a thread for the rest), the infer request it
 makes, the operations other than infer as a table (``OPERATIONS``: route -> handler), and every
@@ -15,6 +17,8 @@ request (``v2.service``), or know the JSON and binary forms beyond calling ``v2.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import math
 import mmap
 import zlib
@@ -31,6 +35,8 @@ MAX_JSON_BYTES = 8 << 20  # JSON is parsed in one call that holds Python's lock 
 # no thread hop), as is a streamed request's JSON header; more, or gzip or deflate, on a thread.
 INLINE_DECODE_BYTES = 64 * 1024
 INFLATE_PIECE = 1 << 20  # bytes inflated, then copied, at a time
+log = logging.getLogger("shmserve.v2.http")
+
 JSON = "application/json"
 BINARY = "application/octet-stream"
 
@@ -141,7 +147,7 @@ class Exchange:
     holds of its caller's budget until it is answered."""
 
     __slots__ = ("method", "url", "headers", "body", "size", "keep_alive", "version", "length", "header_length",
-                 "request", "caller", "held")
+                 "request", "caller", "held", "work")
 
     def __init__(self):
         self.url, self.headers, self.body, self.size = bytearray(), {}, [], 0
@@ -151,6 +157,7 @@ class Exchange:
         self.length: int | None = None  # Content-Length
         self.header_length: int | None = None  # Inference-Header-Content-Length
         self.request = None  # an infer's InferRequest (a streamed one: parsed from its header alone)
+        self.work = None  # its InferCall, or the Task or thread Future serving it (each has cancel())
 
     def data(self) -> bytes:
         return b"".join(self.body)
@@ -181,6 +188,78 @@ class Exchange:
                 and self.header_length <= INLINE_DECODE_BYTES and "transfer-encoding" not in self.headers
                 and self.encoding == "identity"
                 and bytes(self.url).split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer"))
+
+    # -- serving: the connection calls ``serve`` when this request's turn comes; its answer goes
+    #    back through ``conn.respond(Answer)`` or (infer) ``conn._infer_done(result, error)`` ----
+
+    def serve(self, conn) -> None:
+        """Serve this request for ``conn`` (an ``HttpConnection``: its ``service``, ``door.limits``,
+        ``respond`` and ``_infer_done``).  Infer, the hot path, runs without a task: its body is
+        decoded on the loop (small and plain) or on a thread, then submitted; any other operation
+        runs as a task (``serve_operation``).  Whatever is under way is ``work`` (``cancel``)."""
+        service, limits = conn.service, conn.door.limits
+        try:
+            op, params = self.route()
+            if op == "infer":
+                model, version = params["m"], params["v"]
+                spec_input = service.raw_input(model, version) if self.header_length == 0 else None
+                decode = functools.partial(infer_request, self, model, version, spec_input, limits)
+                if self.decodes_inline():
+                    self.start_infer(conn, decode())
+                else:
+                    self._offload(conn, decode)
+                return
+        except V2Error as exc:
+            conn.respond(Answer.of_error(exc))
+            return
+        self.work = asyncio.get_running_loop().create_task(serve_operation(service, self, op, params, limits))
+        self.work.add_done_callback(lambda task: self._served(conn, task))
+
+    def start_infer(self, conn, request) -> None:
+        """Submit ``request`` (this one's); V2Error if it is refused at once."""
+        self.request = request
+        call = conn.service.start(self.caller, request, conn._infer_done)
+        if not call.ended:  # (an answer given at once has already been sent)
+            self.work = call
+
+    def cancel(self) -> None:
+        """Its connection gives up on it: what is under way is cancelled (nobody is told)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.cancel()
+
+    def _offload(self, conn, job) -> None:
+        """Decode on a thread: ``job`` (pure: it touches nothing of the connection) runs there, then
+        is submitted back on the loop, unless this was cancelled meanwhile.  A V2Error of either
+        is the answer."""
+        future = asyncio.get_running_loop().run_in_executor(None, job)
+        self.work = future
+        future.add_done_callback(lambda f: self._offloaded(conn, f))
+
+    def _offloaded(self, conn, future: asyncio.Future) -> None:
+        if future is not self.work:  # cancelled: the connection is gone
+            return
+        self.work = None
+        try:
+            self.start_infer(conn, future.result())
+        except V2Error as exc:
+            conn.respond(Answer.of_error(exc))
+        except Exception as exc:  # our bug: this request is answered, the connection goes on
+            log.error("HTTP: internal error decoding a request", exc_info=exc)
+            conn.respond(Answer.of_error(V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")))
+
+    def _served(self, conn, task: asyncio.Task) -> None:
+        if task is not self.work:
+            return  # cancelled (the connection ended, or gave up on it)
+        self.work = None
+        exc = task.exception()
+        if exc is None:
+            conn.respond(task.result())
+            return
+        if not isinstance(exc, V2Error):
+            log.error("HTTP: internal error serving a request", exc_info=exc)
+            exc = V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")
+        conn.respond(Answer.of_error(exc))
 
     def release(self, service: V2Service) -> None:
         """It is done with (answered, dropped, or its connection gone): its body bytes no longer

@@ -54,7 +54,7 @@ The parts: ``HttpConnection`` is the transport, the parser's callbacks, the
 input table and the writing, built on the door kit (``shmserve.doorkit``:
 ``FlowControl`` for reading, writing and the stall timer, ``InputDeadline``,
 ``ConnectionCounts``, ``Listener``, ``peer_of``); each request is an
-``Exchange`` and each answer an ``Answer`` (``shmserve.v2.exchange``, where
+``Exchange`` (which serves itself when its turn comes) and each answer an ``Answer`` (``shmserve.v2.exchange``, where
 the operations other than infer are a table, ``OPERATIONS``); the body being
 streamed into the arena, or dropped, is a ``BodyStream``.  Its timers come
 from ``HttpDoor.clock`` (the loop, or a fake clock in tests).
@@ -68,7 +68,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import functools
 import logging
 import socket
 
@@ -78,8 +77,7 @@ from shmserve.doorkit import ConnectionCounts, DoorLimits, FlowControl, InputDea
 from shmserve.errors import ErrorCode
 from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
-from shmserve.v2.exchange import (Answer, Exchange, HttpLimits, PiecedAnswer, infer_answer, infer_request,
-                                  serve_operation)
+from shmserve.v2.exchange import Answer, Exchange, HttpLimits, PiecedAnswer, infer_answer
 from shmserve.v2.messages import Incoming, V2Error
 from shmserve.v2.service import Caller, V2Service
 
@@ -336,7 +334,6 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.msg: Exchange | None = None  # being parsed
         self.queue: collections.deque[Exchange] = collections.deque()  # parsed, waiting their turn
         self.current: Exchange | None = None  # being served (its task runs, or its answer is being sent)
-        self.work = None  # the current request's InferCall, or the Task of another operation (both cancel())
         self.held: list = []  # results whose arena views the transport may still hold
         self.after: V2Error | None = None  # the answer to send once the current one is sent, then close
         self.head_bytes = 0
@@ -419,9 +416,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.answer is not None:
             answer, self.answer = self.answer, None
             answer.result.release()
-        if self.work is not None:
-            self.work.cancel()
-            self.work = None
+        if self.current is not None:
+            self.current.cancel()
         for msg in (self.msg, self.current, *self.queue):
             if msg is not None:
                 msg.release(self.service)
@@ -449,7 +445,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.answer is not None:
             if not self.answer.counting:
                 self._answer_step()
-        elif self.current is not None and self.work is None:
+        elif self.current is not None and self.current.work is None:
             self._sent()
 
     def _stalled(self) -> None:
@@ -502,16 +498,16 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.advance(Ev.CLOSE)
         self.stream = None
         self.deadline.cancel()
-        if receiving and self.work is not None:
-            self.work.cancel()  # a streamed request whose body will never be in
+        if receiving and self.current.work is not None:
+            self.current.cancel()  # a streamed request whose body will never be in
             self.current.release(self.service)
-            self.work, self.current = None, None
-        elif discarding and self.work is None:  # a refused one: its answer waited for the rest of its body
+            self.current = None
+        elif discarding and self.current.work is None:  # a refused one: its answer waited for the rest of its body
             self.current.release(self.service)
             self.current = None
         if self.current is None:
             self.current = Exchange()
-            self._respond(Answer.of_error(error))
+            self.respond(Answer.of_error(error))
         else:
             self.after = error
 
@@ -641,56 +637,13 @@ class HttpConnection(asyncio.BufferedProtocol):
     # -- serving ----------------------------------------------------------------------------
 
     def _serve_next(self) -> None:
-        msg = self.queue.popleft()
-        self.current = msg
-        try:
-            op, params = msg.route()
-            if op == "infer":  # the hot path: no task, the answer comes back through _infer_done
-                model, version = params["m"], params["v"]
-                spec_input = self.service.raw_input(model, version) if msg.header_length == 0 else None
-                decode = functools.partial(infer_request, msg, model, version, spec_input, self.door.limits)
-                if msg.decodes_inline():
-                    self._start_infer(msg, decode())
-                else:
-                    self._offload(decode, lambda request: self._start_infer(msg, request))
-                return
-        except V2Error as exc:
-            self._respond(Answer.of_error(exc))
-            return
-        self.work = asyncio.get_running_loop().create_task(
-            serve_operation(self.service, msg, op, params, self.door.limits))
-        self.work.add_done_callback(self._served)
-
-    def _offload(self, job, then) -> None:
-        """Decode on a thread: run ``job`` (pure: it touches nothing of this connection) there, then
-        ``then(its value)`` back on the loop, unless the connection has gone meanwhile (``work`` is
-        cancelled).  A V2Error of either is the answer."""
-        future = asyncio.get_running_loop().run_in_executor(None, job)
-        self.work = future
-        future.add_done_callback(lambda f: self._offloaded(f, then))
-
-    def _offloaded(self, future: asyncio.Future, then) -> None:
-        if future is not self.work:  # cancelled: the connection is gone
-            return
-        self.work = None
-        try:
-            then(future.result())
-        except V2Error as exc:
-            self._respond(Answer.of_error(exc))
-        except Exception as exc:  # our bug: this request is answered, the connection goes on
-            log.error("HTTP: internal error decoding a request", exc_info=exc)
-            self._respond(Answer.of_error(V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")))
-
-    def _start_infer(self, msg: Exchange, request) -> None:
-        """Submit ``request`` (``msg``'s); V2Error if it is refused at once."""
-        msg.request = request
-        call = self.service.start(msg.caller, request, self._infer_done)
-        if not call.ended:  # (an answer given at once has already been sent)
-            self.work = call
+        self.current = self.queue.popleft()
+        self.current.serve(self)
 
     def _infer_done(self, result, error: V2Error | None) -> None:
         """``V2Service.start``'s ``done``: the current infer request's answer."""
-        self.work = None
+        if self.current is not None:
+            self.current.work = None
         if self.input is Input.CLOSED and self.current is None:
             if result is not None:
                 result.release()
@@ -712,25 +665,13 @@ class HttpConnection(asyncio.BufferedProtocol):
                 answer = None
             self._refuse_stream(error, answer)
             return
-        self._respond(Answer.of_error(error) if error is not None else answer)
-
-    def _served(self, task: asyncio.Task) -> None:
-        if task is not self.work:
-            return  # cancelled (the connection ended, or gave up on it)
-        self.work = None
-        exc = task.exception()
-        if exc is None:
-            self._respond(task.result())
-            return
-        if not isinstance(exc, V2Error):
-            log.error("HTTP: internal error serving a request", exc_info=exc)
-            exc = V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")
-        self._respond(Answer.of_error(exc))
+        self.respond(Answer.of_error(error) if error is not None else answer)
 
     # -- writing ----------------------------------------------------------------------------
 
-    def _respond(self, answer: Answer) -> None:
-        """Write the current request's answer; the next is served once it is all sent."""
+    def respond(self, answer: Answer) -> None:
+        """Write the current request's answer (``Exchange`` calls it too); the next is served once it
+        is all sent."""
         msg = self.current
         if msg is not None and not msg.keep_alive:
             self.closing = True
@@ -756,7 +697,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         except V2Error as exc:
             self.answer = None
             answer.result.release()
-            self._respond(Answer.of_error(exc))
+            self.respond(Answer.of_error(exc))
             return
         if piece is not None:
             if answer.counting:
@@ -801,7 +742,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.after is not None:
             error, self.after = self.after, None
             self.current = Exchange()
-            self._respond(Answer.of_error(error))
+            self.respond(Answer.of_error(error))
             return
         if self.closing and (self.input in (Input.IDLE, Input.CLOSED) and not self.queue):
             self._close()
@@ -844,7 +785,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._refuse_stream(exc)
             return
         if not call.ended:
-            self.work = call
+            msg.work = call
 
     def _refuse_stream(self, error: V2Error | None, answer: Answer | None = None) -> None:
         """The streamed request will not use the rest of its body: read and drop it, then send
@@ -863,9 +804,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         refusal, self.stream = self.stream.refusal, None
         self.advance(Ev.RECEIVED)
         if isinstance(refusal, V2Error):
-            self._respond(Answer.of_error(refusal))
+            self.respond(Answer.of_error(refusal))
         elif refusal is not None:
-            self._respond(refusal)
+            self.respond(refusal)
         # None: the request's call is still running; its answer comes when it is done
 
     def _close(self) -> None:
