@@ -478,3 +478,36 @@ def test_a_unix_socket_peer_is_who_the_kernel_says_and_counted_per_uid():
     finally:
         for s in pairs:
             s.close()
+
+
+def test_an_operation_under_way_is_cancelled_when_its_connection_goes(loop, monkeypatch):
+    client = Client()
+    started = []
+
+    async def never_done(service, caller, params, body):
+        started.append(1)
+        await asyncio.Event().wait()
+
+    monkeypatch.setitem(OPERATIONS, "server_metadata", never_done)
+    within(loop, lambda: client.send(get("/v2")))
+    task = client.conn.current.work
+    assert started == [1] and not task.done()
+    client.lose()
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert task.cancelled() and not client.received()
+
+
+def test_a_gzip_body_is_decoded_on_a_thread_then_submitted(loop):
+    import gzip
+
+    client = Client()
+    body = gzip.compress(json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [3],
+                                                 "data": [1, 2, 3]}]}).encode())
+    within(loop, lambda: client.send(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+                                     b"Content-Length: %d\r\n\r\n" % len(body) + body))
+    for _ in range(100):
+        if client.service.calls:
+            break
+        loop.run_until_complete(asyncio.sleep(0.01))
+    [call] = client.service.calls
+    assert call.request.inputs[0].shape == (3,) and client.conn.current.work is call
