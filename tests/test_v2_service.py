@@ -123,3 +123,22 @@ def test_the_service_hands_metadata_calls_to_its_catalog(make):
     assert service.model_metadata("add", None) == service.catalog.model_metadata("add", None)
     assert service.model_config("add", "1") == service.catalog.model_config("add", "1")
     assert service.server_metadata()["name"] == "shmserve" and service.live()
+
+
+def test_the_service_checks_the_right_to_infer_before_the_inference_half_sees_the_request(make):
+    fe = make()
+    service = service_of(fe)
+    service.auth = Authenticator(allowed=lambda uid, groups: True, is_admin=lambda uid, groups: False,
+                                 anonymous=[Scope.METADATA])
+    caller = Caller(service.auth.anonymous, service.open_door())
+    with pytest.raises(V2Error) as refused:
+        service.start(caller, add_request(np.ones(2, np.float32)), lambda r, e: None)
+    assert refused.value.code is ErrorCode.PERMISSION_DENIED
+    assert service.ledger.requests[caller.key] == 0 and caller.door.in_flight() == 0
+    answers = []  # the inference half itself checks no right: the door behind the service does not call it
+    service.inference.start(caller, add_request(np.ones(2, np.float32)), lambda r, e: answers.append((r, e)))
+    fe.settle()
+    [(result, error)] = answers
+    assert error is None
+    result.release()
+    del result, answers  # the frame outlives the test in ``refused``'s traceback: no view of the arena with it
