@@ -32,6 +32,7 @@ import time
 from shmserve import layout, stale, systemd, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ServerConfig
+from shmserve.doorkit import DoorLimits, Listener, check_socket_path
 from shmserve.errors import ErrorCode
 from shmserve.frontend.dispatcher import Dispatcher, Limits, LoopClock
 from shmserve.frontend.history import History
@@ -41,7 +42,7 @@ from shmserve.frontend.ratelimit import RateLimiter
 from shmserve.frontend.regions import RegionLimits, RegionTable
 from shmserve.frontend.shadow import Shadowing
 from shmserve.frontend.status import Status
-from shmserve.frontend.unix import ClientConnection, DoorLimits, Listener, UnixDoor, check_socket_path
+from shmserve.frontend.unix import ClientConnection, UnixDoor
 from shmserve.lanes import WAIT_SLICE_S
 from shmserve.rings import drain_eventfd, new_eventfd
 from shmserve.supervisor import Supervisor, WorkerHandle

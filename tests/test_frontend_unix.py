@@ -12,75 +12,18 @@ import numpy as np
 import pytest
 
 from shmserve import protocol
+from shmserve.doorkit import DoorLimits
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import FRAMES_PER_TURN, DoorLimits, UnixDoor
+from shmserve.frontend.unix import FRAMES_PER_TURN, UnixDoor
 from shmserve.protocol import Frame, Kind, PayloadDone
 
 from helpers.fake_frontend import make_fixture, no_children_left, no_processes  # noqa: F401 (fixtures)
+from helpers.fake_transport import FakeTransport
 
 
 LIMITS = DoorLimits(max_connections=8, max_connections_per_uid=4, max_inflight_per_uid=1024,
                     max_inflight_bytes_per_connection=1 << 20,
                     stall_timeout_s=10.0, frame_timeout_s=5.0, upload_timeout_s=5.0)
-
-
-class FakeTransport:
-    """What ``ClientConnection`` asks of its asyncio transport; ``reading`` follows pause/resume.
-
-    Writes are sent at once, unless ``hold`` is set (a client that does not read): then they wait
-    in the transport, its protocol is told ``pause_writing``, and ``drain`` sends them (and says
-    ``resume_writing``) as a client's read would, with the write buffer limit 0 the door sets."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self.reading, self.closing, self.aborted = sock, True, False, False
-        self.protocol = None
-        self.written = bytearray()  # sent
-        self.held = bytearray()  # written, not sent
-        self.hold = False
-
-    def get_extra_info(self, name):
-        return self.sock if name == "socket" else None
-
-    def set_write_buffer_limits(self, high=None, low=None):
-        assert (high, low) == (0, 0), "the door relies on resume_writing meaning 'all sent'"
-
-    def pause_reading(self):
-        self.reading = False
-
-    def resume_reading(self):
-        self.reading = True
-
-    def is_closing(self):
-        return self.closing
-
-    def write(self, data):
-        if not (self.hold or self.held):
-            self.written += data
-            return
-        self.held += data
-        if len(self.held) == len(data):
-            self.protocol.pause_writing()
-
-    def writelines(self, parts):
-        self.write(b"".join(parts))
-
-    def get_write_buffer_size(self):
-        return len(self.held)
-
-    def drain(self) -> None:
-        """The client reads what waits: it is sent, and the protocol may write again."""
-        if self.held:
-            self.written += self.held
-            self.held.clear()
-            self.protocol.resume_writing()
-
-    def close(self):
-        self.closing, self.reading = True, False
-
-    def abort(self):
-        self.close()
-        self.aborted = True
-        self.held.clear()
 
 
 class Client:

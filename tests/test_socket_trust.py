@@ -24,7 +24,7 @@ import pytest
 
 from shmserve import AsyncClient, Client, ErrorCode, ShmserveError
 from shmserve.config import SERVER_UID_ENV, trusted_server_uids
-from shmserve.frontend.unix import Listener
+from shmserve.doorkit import Listener
 
 from conftest import new_instance, shm_names
 from helpers.other_user import NOBODY, as_nobody, nobody_group, server_nobody_can_reach

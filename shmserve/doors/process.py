@@ -59,7 +59,8 @@ from shmserve.doors.ledger import UidLedger
 from shmserve.doors.lanepool import LanePool
 from shmserve.doors.link import Link
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import _PEERCRED, READ_BUFFER, SOCKET_BUFFER, FramePump, peer_groups
+from shmserve.doorkit import MID_PAYLOAD, UNKNOWN_PEER, FlowControl, FramePump, InputDeadline, big_buffers, peer_of
+from shmserve.frontend.unix import READ_BUFFER
 from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError, ProtocolViolation
 from shmserve.rings import drain_eventfd, new_eventfd
 
@@ -103,10 +104,9 @@ class DoorConnection(FramePump):
         self.call: Call | None = None  # a lane call whose payload is arriving
         self.calls: dict[Call, float] = {}  # lane calls of this connection -> when they started
         self.held: collections.deque = collections.deque()  # main's answers behind a frame with descriptors
-        self.admitted = self.closed = self.paused_by_main = self.write_blocked = False
+        self.admitted = self.closed = self.paused_by_main = False
         self.eof = self.eof_sent = False  # the client shut its side; main told (after every frame before it)
         self.starved = False  # the last look at the protocol needed more bytes
-        self.reading = True
         self.yielded = False
         self.relayed = 0  # frames relayed (stats)
         self.pid = self.uid = self.gid = -1
@@ -114,26 +114,20 @@ class DoorConnection(FramePump):
         self.held_bytes = 0  # of a relayed payload arriving, counted in the ledger
         self.payload_entry: _Entry | None = None  # the relayed INFER whose payload is arriving
         self.payload_rid: int | None = None  # the id of the relayed frame whose payload is arriving
-        self.stall_timer = None  # answers unread: the connection is closed when it fires
+        self.flow = FlowControl(self._later)  # reading, writing, and the stall timer (answers unread)
+        self.input_deadline = InputDeadline(self._later)  # of what the client is sending now
         self.untaken = 0  # frames other than INFERs relayed that main has not said it took
 
     # -- set-up -----------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        transport.set_write_buffer_limits(high=0, low=0)  # as main's door: pause_writing = "not all sent"
+        FlowControl.zero_write_buffer(transport)  # as main's door: pause_writing = "not all sent"
         sock = transport.get_extra_info("socket")
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-            except OSError:
-                pass
-        try:
-            self.pid, self.uid, self.gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                            _PEERCRED.size))
-        except OSError:
-            pass
-        groups = sorted(peer_groups(sock, self.gid))
+        big_buffers(sock)
+        peer = peer_of(sock) or UNKNOWN_PEER
+        self.pid, self.uid, self.gid = peer.pid, peer.uid, peer.gid
+        groups = sorted(peer.groups)
         self.door.connections[self.cid] = self
         self._set_reading(False)
         self.door.link.send({"op": "conn", "c": self.cid, "pid": self.pid, "uid": self.uid, "gid": self.gid,
@@ -159,18 +153,17 @@ class DoorConnection(FramePump):
     def _wants_input(self) -> bool:
         if self.closed or not self.admitted or self.yielded or self.paused_by_main:
             return False
-        if self.proto.state in (protocol.State.PAYLOAD, protocol.State.DISCARD):
+        if self.proto.state in MID_PAYLOAD:
             return True
         return self._takes_frames()
 
     def _takes_frames(self) -> bool:
         door = self.door
-        return (not self.write_blocked and not self.held and len(self.order) < door.max_inflight
+        return (not self.flow.write_blocked and not self.held and len(self.order) < door.max_inflight
                 and self.untaken < RELAY_UNTAKEN_MAX and door.link.pending < RELAY_PENDING_MAX)
 
     def _set_reading(self, want: bool) -> None:
-        if not self.closed and self._read_while(want) and not want:
-            self._cancel_input_timer()  # the client is not the one keeping us waiting now
+        self._read_while(want)
 
     def _process(self) -> None:
         proto = self.proto
@@ -185,7 +178,7 @@ class DoorConnection(FramePump):
                 self.starved = True
                 self._await_input()
                 return
-            self._cancel_input_timer()  # a frame's header and metadata, or a payload, is complete
+            self.input_deadline.cancel()  # a frame's header and metadata, or a payload, is complete
             if isinstance(event, Frame):
                 self._on_frame(event)
             elif isinstance(event, PayloadDone):
@@ -325,17 +318,16 @@ class DoorConnection(FramePump):
 
     # -- deadlines (main's door's: ``FramePump._await_input``, ``ClientConnection.pause_writing``) --
 
-    def _later(self, seconds: float, callback):
-        return self.door.loop.call_later(seconds, callback)
+    def _later(self, seconds: float, callback, *args):
+        return self.door.loop.call_later(seconds, callback, *args)
 
     def _input_limit(self, phase: str) -> float:
         return self.door.deadlines[phase]
 
-    def _input_timed_out(self) -> None:
+    def _input_timed_out(self, key: str, seconds: float) -> None:
         """A frame or payload the client began did not complete in time: as main's door, the
         connection is closed with an error frame (a request receiving its payload: TIMEOUT with its
         id; a lane call's slot is taken back, a relayed frame's bytes dropped)."""
-        phase, self.input_timer, self.input_phase = self.input_phase, None, None
         if self.closed:
             return
         rid, entry = None, None
@@ -357,10 +349,9 @@ class DoorConnection(FramePump):
             if entry.counted:
                 entry.counted = False
                 door.give_requests(self.row, 1)
-        self._close(self._input_refusal(phase, rid))
+        self._close(self._input_refusal(key, rid))
 
     def _stalled(self) -> None:
-        self.stall_timer = None
         if self.closed:
             return
         log.warning("closing the connection of pid %d uid %d: its answers went unread for %g s "
@@ -368,13 +359,8 @@ class DoorConnection(FramePump):
                     self.door.deadlines["stall_timeout_s"], self.transport.get_write_buffer_size())
         self.closed = True
         self.proto.close()
-        self._cancel_input_timer()
+        self.input_deadline.cancel()
         self.transport.abort()  # now, unsent bytes and all: connection_lost takes back what it held
-
-    def _stop_stall_timer(self) -> None:
-        if self.stall_timer is not None:
-            self.stall_timer.cancel()
-            self.stall_timer = None
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -398,7 +384,7 @@ class DoorConnection(FramePump):
     def _fill(self, entry: _Entry, parts: list) -> None:
         entry.parts = parts
         self._flush()
-        if not self.reading:
+        if not self.flow.reading:
             self._update()
 
     def _flush(self) -> None:
@@ -457,14 +443,11 @@ class DoorConnection(FramePump):
     def pause_writing(self) -> None:
         """Answers wait in the transport (the client is not reading them): take no new frame, and
         close the connection if they are still there after ``stall_timeout_s``."""
-        self.write_blocked = True
-        if self.stall_timer is None:
-            self.stall_timer = self._later(self.door.deadlines["stall_timeout_s"], self._stalled)
+        self.flow.writing_paused(self.door.deadlines["stall_timeout_s"], self._stalled)
         self._set_reading(False)
 
     def resume_writing(self) -> None:
-        self.write_blocked = False
-        self._stop_stall_timer()
+        self.flow.writing_resumed()
         self._send_held()
         self._update()
 
@@ -476,7 +459,7 @@ class DoorConnection(FramePump):
     def taken(self) -> None:
         """Main took a frame (not an INFER) this connection relayed; its answer came before."""
         self.untaken = max(0, self.untaken - 1)
-        if not self.reading:
+        if not self.flow.reading:
             self._update()
 
     def main_paused(self, paused: bool) -> None:
@@ -491,7 +474,7 @@ class DoorConnection(FramePump):
             self.transport.write(frame)
         self.closed = True
         self.proto.close()
-        self._cancel_input_timer()
+        self.input_deadline.cancel()
         self.transport.close()
 
     def close_from_main(self) -> None:
@@ -509,8 +492,8 @@ class DoorConnection(FramePump):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.proto.close()
-        self._cancel_input_timer()
-        self._stop_stall_timer()
+        self.input_deadline.cancel()
+        self.flow.stop()
         door = self.door
         for call in list(self.calls):
             door.count_cancel(call, door.dispatcher.abandon(call))

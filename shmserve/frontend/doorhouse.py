@@ -44,7 +44,7 @@ from shmserve.doors.link import Link
 from shmserve.errors import ShmserveError
 from shmserve.frontend.models import MODEL_READY, SERVING
 from shmserve.frontend.relay import Relay
-from shmserve.frontend.unix import LISTEN_BACKLOG
+from shmserve.doorkit import LISTEN_BACKLOG
 from shmserve.protocol import REGION_SLACK
 
 log = logging.getLogger("shmserve.doors")

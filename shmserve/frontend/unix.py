@@ -1,14 +1,13 @@
 """The Unix-socket front door: the native protocol over a local stream socket.
 
-Owns: the listening socket (its path, mode, group, a dead predecessor's
-socket file, and a directory for it that nobody else controls), who may connect (``SO_PEERCRED`` against the allow-lists), and
-each connection: it pumps bytes between the socket and the sans-I/O protocol
+Owns: who may connect (the peer's ``SO_PEERCRED``, read by ``doorkit.peer_of``, against the
+allow-lists), and each connection: it pumps bytes between the socket and the sans-I/O protocol
 (``shmserve.protocol``), hands inference requests to the dispatcher, answers
 control messages (models, health, info, regions), drops a request its client
 cancels (CANCEL: ``Dispatcher.cancel``), keeps answers in the order
 the requests came, passes region descriptors (``SCM_RIGHTS``), and frees
 what a connection held when it goes.  It bounds what one client can make the
-server hold (``DoorLimits``): connections in all and per uid, write
+server hold (``doorkit.DoorLimits``): connections in all and per uid, write
 backpressure (a connection whose answers wait unread takes no new frame, and
 is closed after ``stall_timeout_s``), the arena bytes a connection's requests
 may hold before it is read again, and deadlines on a half-sent frame and on a
@@ -24,14 +23,10 @@ views of the arena, which are released only once the transport has flushed
 them (the write buffer limit is 0, so ``pause_writing`` means "not all sent"
 and ``resume_writing`` "all sent").
 
-The socket's directory: whoever can write it can replace the socket with
-their own, and a client's tensors go to them.  So the directory must belong
-to the server's uid (or root) and be writable by nobody else (unless sticky,
-like /tmp: then nobody else can remove or rename our entries); one that is
-missing is created 0700 (0750 with ``socket_group``, which it then gets).
-Symbolic links are not followed: not for the directory (opened O_NOFOLLOW,
-checked and changed through that descriptor), not for the socket (its mode is
-set on the socket before ``bind``, its group with ``lchown``).
+The listening socket (its path, mode and group, a dead predecessor's socket file, a directory
+nobody else controls), the peer's credentials, connection counting, flow control, the stall
+timer, the input deadlines and the native protocol's byte pump are the door kit's
+(``shmserve.doorkit``), shared with the v2 doors and the door processes.
 
 Must not: decide anything about a request (the dispatcher does), parse bytes
 itself (the protocol module does), or block the loop.
@@ -39,20 +34,16 @@ itself (the protocol module does), or block the loop.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import collections
-import contextlib
 import errno
 import logging
 import os
 import socket
-import stat
-import struct
-from dataclasses import dataclass
-from pathlib import Path
 
 from shmserve import lanes, layout, protocol
+from shmserve.doorkit import (MID_PAYLOAD, UNKNOWN_PEER, ConnectionCounts, DoorLimits, FlowControl, FramePump,
+                              InputDeadline, big_buffers, peer_of)
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.frontend.dispatcher import Answer, Clock, Dispatcher, Failure, Outputs, new_caller
 from shmserve.frontend.ratelimit import Caller, RateLimiter
@@ -64,221 +55,9 @@ from shmserve.protocol import Frame, Kind, PayloadDone, ProtocolError, ProtocolV
 log = logging.getLogger("shmserve.unix")
 
 READ_BUFFER = 256 * 1024  # protocol bytes between payloads; payloads bypass it
-SOCKET_BUFFER = 4 * 1024 * 1024  # kernel socket buffers (capped by net.core.wmem_max/rmem_max)
-LISTEN_BACKLOG = 512
 # Frames one connection takes in one turn of the loop before others are served: one read of
 # tiny frames is thousands of them (measured: ~0.1 s of a burst of 'info' on the 2-vCPU VM).
 FRAMES_PER_TURN = 64
-SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, without its NUL)
-PROBE_TIMEOUT_S = 2.0  # is a socket file at our path a live server?
-_PEERCRED = struct.Struct("3i")
-
-
-# -- the listening socket -------------------------------------------------------------------
-
-def check_socket_path(path: str) -> None:
-    """SystemExit naming the fix if ``path`` cannot be a Unix socket address, if its directory
-    exists and is not one the server can trust (see the module header), or if something other
-    than a dead server's socket is there (``socket_left_by_the_dead``); checked again at bind.
-    Run before start-up spawns anything, so a path already taken costs no model load."""
-    if len(os.fsencode(path)) > SUN_PATH_MAX:
-        raise SystemExit(f"shmserve: socket path {path!r} is longer than the {SUN_PATH_MAX} bytes a Unix "
-                         f"socket address holds; choose a shorter --socket")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        st = os.lstat(directory)
-    except OSError:
-        return  # missing: made at bind (a path that cannot be made is reported there)
-    problem = socket_dir_problem(directory, st)
-    if problem:
-        raise SystemExit(f"shmserve: cannot listen on {path}: {problem}")
-    try:
-        socket_left_by_the_dead(path)
-    except OSError:
-        return  # cannot look (permissions): bind reports it
-
-
-def socket_left_by_the_dead(path: str) -> bool:
-    """Whether a socket file at ``path`` was left by a server that is gone (it refuses
-    connections: the caller may remove it); False if nothing is there.
-
-    Raises SystemExit naming the fix if anything else is there: not a socket, or a live server
-    (it accepts: its pid, from SO_PEERCRED, is named; or its backlog is full: busy); OSError if
-    the path cannot be looked at."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SystemExit(f"shmserve: {path} exists and is not a socket; remove it or choose another --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(PROBE_TIMEOUT_S)  # a live server with a full backlog would hold a blocking connect
-    try:
-        probe.connect(path)
-        pid = _PEERCRED.unpack(probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
-    except (TimeoutError, BlockingIOError):  # EAGAIN: its backlog is full
-        raise SystemExit(f"shmserve: another server is listening on {path} (busy: it did not accept within "
-                         f"{PROBE_TIMEOUT_S:g} s); stop it or choose another --socket") from None
-    except (ConnectionRefusedError, FileNotFoundError):
-        return True
-    finally:
-        probe.close()
-    raise SystemExit(f"shmserve: another server (pid {pid}) is listening on {path}; stop it or choose another "
-                     f"--socket")
-
-
-def socket_dir_problem(directory: str, st: os.stat_result) -> str | None:
-    """Why ``directory`` (``st``: its lstat) must not hold the server's socket, with the fix; None if
-    it may: a real directory of our uid or root that nobody else can write (or a sticky one)."""
-    if stat.S_ISLNK(st.st_mode):
-        return (f"its directory {directory} is a symbolic link; choose another --socket "
-                f"(or give the real directory)")
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{directory} is not a directory; choose another --socket"
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        return (f"its directory {directory} belongs to uid {st.st_uid}, not to this server's uid {me} or root, "
-                f"so that user controls the socket; remove the directory or choose another --socket")
-    writable = st.st_mode & 0o022
-    if writable and not st.st_mode & stat.S_ISVTX:
-        who = "others" if writable & 0o002 else "its group"
-        return (f"its directory {directory} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), who could "
-                f"replace the socket; run chmod go-w {directory} or choose another --socket")
-    return None
-
-
-class Listener:
-    """A bound, listening socket at ``path`` (mode and group applied), or one handed over by
-    systemd socket activation (then not ours to unlink)."""
-
-    def __init__(self, path: str, *, mode: int = 0o600, group: str | None = None,
-                 sock: socket.socket | None = None):
-        """SystemExit naming the fix if the socket cannot be made (a user's mistake, not a bug)."""
-        self.path = path
-        self.created_dir: Path | None = None  # made by us, removed again at exit if empty
-        self._bound: socket.socket | None = None  # bound by us, while the rest of the set-up runs
-        self.owned = sock is None
-        if sock is None:
-            try:
-                sock = self._bind(mode, group)
-            except (OSError, KeyError) as exc:  # KeyError: no such socket_group
-                self._undo()
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"no group {group!r}"
-                raise SystemExit(f"shmserve: cannot listen on {path}: {reason}; choose another --socket "
-                                 f"(or fix the directory's permissions)") from None
-        self.sock = sock
-
-    def _bind(self, mode: int, group: str | None) -> socket.socket:
-        path = Path(self.path)
-        gid = None
-        if group is not None:
-            import grp
-
-            gid = grp.getgrnam(group).gr_gid
-        self._own_directory(path.parent, gid)
-        if socket_left_by_the_dead(str(path)):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o777 & ~mode)
-        try:
-            os.fchmod(sock.fileno(), mode)  # bind creates the file with the socket's mode (less the umask)
-            sock.bind(str(path))
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        self._bound = sock  # ours to unlink if what follows fails
-        if gid is not None:
-            os.chown(path, -1, gid, follow_symlinks=False)
-        sock.listen(LISTEN_BACKLOG)
-        return sock
-
-    def _own_directory(self, directory: Path, gid: int | None) -> None:
-        """Make the socket's directory (0700, or 0750 with group ``gid``), or check the one there is;
-        SystemExit naming the fix if it is not ours to trust (``socket_dir_problem``)."""
-        if not directory.parent.exists():
-            directory.parent.mkdir(parents=True)
-        try:
-            os.mkdir(directory, 0o700)
-            self.created_dir = directory
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            problem = socket_dir_problem(str(directory), os.lstat(directory))
-            raise SystemExit(f"shmserve: cannot listen on {self.path}: {problem}") from None
-        try:
-            if self.created_dir is not None:  # ours: mode and group through the descriptor, never a path
-                if gid is not None:
-                    os.fchown(fd, -1, gid)
-                os.fchmod(fd, 0o750 if gid is not None else 0o700)
-            problem = socket_dir_problem(str(directory), os.fstat(fd))
-        finally:
-            os.close(fd)
-        if problem:
-            raise SystemExit(f"shmserve: cannot listen on {self.path}: {problem}")
-
-    def _undo(self) -> None:
-        """After a failed bind: remove what this listener made (a bound socket file, its directory)."""
-        if self._bound is not None:
-            self._bound.close()
-            self.remove()
-        elif self.created_dir is not None:
-            try:
-                self.created_dir.rmdir()
-            except OSError:
-                pass
-
-    def remove(self) -> None:
-        """Unlink the socket file (and the directory we made for it, if empty); ours only."""
-        if not self.owned:
-            return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        if self.created_dir is not None:
-            try:
-                self.created_dir.rmdir()
-            except OSError:
-                pass  # not empty: somebody else's files live there too
-
-
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
-
-
-def peer_groups(sock: socket.socket, gid: int) -> set[int]:
-    """The peer's primary gid (SO_PEERCRED) and its supplementary groups as they were when it
-    connected (SO_PEERGROUPS, from the socket itself: reading /proc/<pid>/status instead could
-    read another process's groups once that pid has exited and been reused).  A peer in more
-    groups than one getsockopt can return (256) is judged by its primary gid alone."""
-    groups = {gid}
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
-    except OSError:
-        return groups
-    groups.update(int(g) for g in array.array("I", raw[:len(raw) - len(raw) % 4]))
-    return groups
-
-
-@dataclass(frozen=True)
-class DoorLimits:
-    """What the door bounds per connection and per peer uid; the values (and why they are what
-    they are) come from ``ServerConfig``'s keys of the same names, and the server replaces them on
-    reload.  Each refusal and each deadline names its key."""
-
-    max_connections: int  # open connections in all
-    max_connections_per_uid: int  # open connections of one peer uid
-    max_inflight_per_uid: int  # requests in flight on all connections of one peer uid
-    max_inflight_bytes_per_connection: int  # a connection's requests' arena bytes: no new frame at this
-    stall_timeout_s: float  # answers unread this long: the connection is closed
-    frame_timeout_s: float  # a begun frame's header and metadata must arrive within this
-    upload_timeout_s: float  # an admitted inline request's payload must arrive within this
 
 
 class UnixDoor:
@@ -293,9 +72,7 @@ class UnixDoor:
         self.rate = rate if rate is not None else RateLimiter()  # per-caller rate limits ([rate_limits])
         self.lifecycle = lifecycle  # the model lifecycle: control calls (load, unload, scale, canary)
         self.admin = admin  # (uids, gids) allowed control calls besides our own uid and root
-        self.connections: set[ClientConnection] = set()
-        self.per_uid: collections.Counter[int] = collections.Counter()
-        self.of_uid: dict[int, set[ClientConnection]] = {}
+        self.connections = ConnectionCounts()  # open connections, in all and per peer uid
         self.set_access(allow_uids, allow_gids)
 
     def set_access(self, allow_uids, allow_gids) -> None:
@@ -320,32 +97,21 @@ class UnixDoor:
         if not self.allowed(uid, groups):
             log.warning("refused connection from pid %d uid %d gid %d (not on the allow-list)", pid, uid, gid)
             return protocol.error_frame(None, ErrorCode.PERMISSION_DENIED, f"uid {uid} is not allowed to use this server")
-        limits, refusal = self.limits, None
-        if len(self.connections) >= limits.max_connections:
-            refusal = f"the server has {len(self.connections)} connections open (server.max_connections)"
-        elif self.per_uid[uid] >= limits.max_connections_per_uid:
-            refusal = f"uid {uid} has {self.per_uid[uid]} connections open (server.max_connections_per_uid)"
+        refusal = self.connections.refusal(self.limits, uid, f"uid {uid}")
         if refusal is not None:
             log.warning("refused connection from pid %d uid %d: %s", pid, uid, refusal)
             return protocol.error_frame(None, ErrorCode.OVERLOADED, refusal)
-        self.connections.add(conn)
-        self.per_uid[uid] += 1
-        self.of_uid.setdefault(uid, set()).add(conn)
+        self.connections.enter(conn, uid)
         return None
 
     def leave(self, conn: "ClientConnection") -> None:
         """``conn`` is gone (a refused one was never counted)."""
-        if conn in self.connections:
-            self.connections.remove(conn)
-            self.per_uid[conn.uid] -= 1
-            self.of_uid[conn.uid].discard(conn)
-            if not self.per_uid[conn.uid]:
-                del self.per_uid[conn.uid], self.of_uid[conn.uid]
+        self.connections.leave(conn)
 
     def check_uid_in_flight(self, uid: int) -> None:
         """OVERLOADED if ``uid``'s connections together have ``max_inflight_per_uid`` requests in
         flight.  Summed only when its connections could reach it at all (few connections: free)."""
-        limit, conns = self.limits.max_inflight_per_uid, self.of_uid.get(uid, ())
+        limit, conns = self.limits.max_inflight_per_uid, self.connections.of_owner.get(uid, ())
         if len(conns) * self.dispatcher.limits.max_inflight_per_door <= limit:
             return
         held = sum(c.in_flight() for c in conns)
@@ -393,84 +159,6 @@ class _Entry:
         self.req, self.parts, self.held, self.payload_pending = req, parts, False, payload_pending
 
 
-_MID_PAYLOAD = (protocol.State.PAYLOAD, protocol.State.DISCARD)
-_FRAME_TIMEOUT, _UPLOAD_TIMEOUT = "frame_timeout_s", "upload_timeout_s"  # DoorLimits fields, and config keys
-
-
-class FramePump(asyncio.BufferedProtocol):
-    """What reads a native-protocol connection, for main's door and a door process's alike: a
-    payload arrives straight into the sinks the protocol was given (``payload_buffer``), anything
-    else into ``read_view`` and the protocol; then ``_update``.  And the deadlines of what the
-    client is in the middle of sending (``_await_input``: a frame's header and metadata within
-    ``frame_timeout_s``, a payload within ``upload_timeout_s``; ``_input_refusal``: the last
-    frame it is sent), the same for both.  The subclass has ``proto``, ``read_view``,
-    ``into_payload``, ``closed``, ``reading``, ``transport``, ``pid``, ``uid`` and ``_update``."""
-
-    def get_buffer(self, sizehint: int):
-        target = self.proto.payload_buffer()
-        self.into_payload = target is not None
-        return target if target is not None else self.read_view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closed:
-            return
-        if self.into_payload:
-            self.proto.payload_received(nbytes)
-        else:
-            self.proto.receive_data(self.read_view[:nbytes])
-        self._update()
-
-    # -- input deadlines: the subclass has ``_later(seconds, callback)`` (a timer handle),
-    #    ``_input_limit(phase)`` (seconds) and ``_input_timed_out()`` --------------------------------
-
-    input_timer = None  # the deadline of what the client is sending now
-    input_phase: str | None = None  # _FRAME_TIMEOUT or _UPLOAD_TIMEOUT while input_timer runs
-
-    def _await_input(self) -> None:
-        """The protocol needs more bytes: time what the client is in the middle of sending (a
-        frame's header and metadata, or a payload); between frames, an idle client is no harm."""
-        if self.proto.state in _MID_PAYLOAD:
-            phase = _UPLOAD_TIMEOUT
-        elif self.proto.mid_frame:
-            phase = _FRAME_TIMEOUT
-        else:
-            self._cancel_input_timer()
-            return
-        if phase != self.input_phase:
-            self._cancel_input_timer()
-            self.input_phase = phase
-            self.input_timer = self._later(self._input_limit(phase), self._input_timed_out)
-
-    def _cancel_input_timer(self) -> None:
-        if self.input_timer is not None:
-            self.input_timer.cancel()
-            self.input_timer = None
-        self.input_phase = None
-
-    def _input_refusal(self, phase: str, rid: int | None) -> bytes:
-        """The error frame a connection whose ``phase`` deadline passed is closed with (logged):
-        BAD_FRAME for a frame's header and metadata, TIMEOUT (of request ``rid``) for a payload."""
-        if phase == _FRAME_TIMEOUT:
-            rid, code, what = None, ErrorCode.BAD_FRAME, "a frame's header and metadata"
-        else:
-            code, what = ErrorCode.TIMEOUT, f"the payload of request {rid}" if rid is not None else "a payload"
-        message = f"{what} did not all arrive within {self._input_limit(phase):g} s (server.{phase})"
-        log.info("closing a connection from pid %d uid %d: %s", self.pid, self.uid, message)
-        return protocol.error_frame(rid, code, message)
-
-    def _read_while(self, want: bool) -> bool:
-        """Resume or pause the transport's reading to ``want`` (``reading`` remembers it); whether
-        that changed anything."""
-        if want == self.reading:
-            return False
-        self.reading = want
-        if want:
-            self.transport.resume_reading()
-        else:
-            self.transport.pause_reading()
-        return True
-
-
 class ClientConnection(FramePump):
     """One client: pumps bytes between the socket and the sans-I/O protocol, keeps answers in
     order.  It is the dispatcher's ``Door`` for the requests it submits.
@@ -503,11 +191,8 @@ class ClientConnection(FramePump):
         self.unflushed: list[Request] = []  # results written, their views not yet all sent
         self.receiving: Request | None = None
         self.waiting_for_space: Request | None = None  # the request this connection stopped reading for
-        self.reading = True  # the transport's reading, as this connection last set it
-        self.write_blocked = False  # from pause_writing to resume_writing: answers wait in the transport
-        self.stall_timer = None
-        self.input_timer = None  # the deadline of what the client is sending now
-        self.input_phase: str | None = None  # _FRAME_TIMEOUT or _UPLOAD_TIMEOUT while input_timer runs
+        self.flow = FlowControl(self._later)  # reading, writing and the stall timer
+        self.input_deadline = InputDeadline(self._later)  # of what the client is sending now
         self.processing = False
         self.yielded = False  # FRAMES_PER_TURN taken: the rest waits for the loop's next turn
         self.closed = False
@@ -518,19 +203,13 @@ class ClientConnection(FramePump):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume_writing: "all sent"
+        FlowControl.zero_write_buffer(transport)
         sock = transport.get_extra_info("socket")
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # big inline tensors: fewer, larger transfers
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-            except OSError:
-                pass
-        try:
-            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        except OSError:
-            pid = uid = gid = -1
+        big_buffers(sock)
+        peer = peer_of(sock) or UNKNOWN_PEER
+        pid, uid, gid = peer.pid, peer.uid, peer.gid
         self.pid, self.uid = pid, uid
-        self.groups = peer_groups(sock, gid)
+        self.groups = set(peer.groups)
         refusal = self.door.enter(self, pid, uid, gid, self.groups)
         if refusal is not None:
             self._close(refusal)
@@ -552,16 +231,15 @@ class ClientConnection(FramePump):
         if self.closed:
             return
         want = (self.waiting_for_space is None and not self.yielded
-                and (self.proto.state in _MID_PAYLOAD or self._takes_frames()))
-        if self._read_while(want) and not want:
-            self._cancel_input_timer()  # the client is not the one keeping us waiting now
+                and (self.proto.state in MID_PAYLOAD or self._takes_frames()))
+        self._read_while(want)
 
     def _takes_frames(self) -> bool:
         """Whether a new frame may be taken: not while answers wait unread in the transport, nor
         while ``max_inflight_per_connection`` refusals wait for their turn behind a request still
         running, nor while this connection's requests in flight hold
         ``max_inflight_bytes_per_connection``."""
-        if self.write_blocked:
+        if self.flow.write_blocked:
             return False
         if not self.entries and not self.unflushed:
             return True
@@ -584,13 +262,13 @@ class ClientConnection(FramePump):
         for _ in range(FRAMES_PER_TURN):
             if self.closed or self.yielded or proto.state is protocol.State.AWAIT:
                 return  # AWAIT: waiting for arena space
-            if proto.state not in _MID_PAYLOAD and not self._takes_frames():
+            if proto.state not in MID_PAYLOAD and not self._takes_frames():
                 return
             event = proto.next_event()
             if event is protocol.NEED_DATA:
                 self._await_input()
                 return
-            self._cancel_input_timer()  # a frame's header and metadata, or a payload, is complete
+            self.input_deadline.cancel()  # a frame's header and metadata, or a payload, is complete
             try:
                 if isinstance(event, Frame):
                     self.on_frame(event)
@@ -613,20 +291,19 @@ class ClientConnection(FramePump):
         self.yielded = False
         self._update()
 
-    def _later(self, seconds: float, callback):
-        return self.door.clock.call_later(seconds, callback)
+    def _later(self, seconds: float, callback, *args):
+        return self.door.clock.call_later(seconds, callback, *args)
 
     def _input_limit(self, phase: str) -> float:
         return getattr(self.door.limits, phase)
 
-    def _input_timed_out(self) -> None:
+    def _input_timed_out(self, key: str, seconds: float) -> None:
         """A frame or payload the client began did not complete in time: it is answered (a request
         receiving its payload: TIMEOUT, and its space is freed now) and the connection closed."""
-        phase, self.input_timer, self.input_phase = self.input_phase, None, None
         if self.closed:
             return
         req, self.receiving = self.receiving, None
-        frame = self._input_refusal(phase, req.id if req is not None else None)
+        frame = self._input_refusal(key, req.id if req is not None else None)
         self._close(frame)  # first: nothing more is received into the request's space
         if req is not None:
             self.order.remove(self.entries.pop(req))
@@ -812,7 +489,7 @@ class ClientConnection(FramePump):
             metas = [protocol.tensor_wire(o.name, o.dtype, o.shape, o.nbytes, o.offset) for o in answer.outputs]
             entry.parts = [protocol.encode_frame(Kind.RESULT_REGION, {"id": req.id, "outputs": metas})]
         self.flush()
-        if not self.reading:
+        if not self.flow.reading:
             self._update()  # it may take frames again (space, or bytes in flight, freed up)
 
     # -- writing --------------------------------------------------------------------------
@@ -876,29 +553,24 @@ class ClientConnection(FramePump):
     def pause_writing(self) -> None:
         """Answers wait in the transport (the client is not reading them): take no new frame, and
         close the connection if they are still there after ``stall_timeout_s``."""
-        self.write_blocked = True
-        if self.stall_timer is None:
-            self.stall_timer = self._later(self.door.limits.stall_timeout_s, self._stalled)
+        self.flow.writing_paused(self.door.limits.stall_timeout_s, self._stalled)
         self._set_reading()
 
     def resume_writing(self) -> None:
         """Everything written is sent: release the results it held, and take frames again."""
-        self.write_blocked = False
+        self.flow.writing_resumed()
         self._unblocked()
         self._update()
 
     def _unblocked(self) -> None:
         """Nothing waits in the transport any more (all sent, or the connection is gone): stop the
         stall timer and release the results the transport held."""
-        if self.stall_timer is not None:
-            self.stall_timer.cancel()
-            self.stall_timer = None
+        self.flow.stop()
         held, self.unflushed = self.unflushed, []
         for req in held:
             self.dispatcher.release(req)
 
     def _stalled(self) -> None:
-        self.stall_timer = None
         log.warning("closing the connection of pid %d uid %d: its answers went unread for %g s "
                     "(server.stall_timeout_s); %d bytes unsent, %d results held", self.pid, self.uid,
                     self.door.limits.stall_timeout_s, self.transport.get_write_buffer_size(), len(self.unflushed))
@@ -918,4 +590,4 @@ class ClientConnection(FramePump):
         """Read nothing more: no byte more lands in a request's arena space, no deadline runs."""
         self.closed = True
         self.proto.close()
-        self._cancel_input_timer()
+        self.input_deadline.cancel()

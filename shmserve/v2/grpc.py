@@ -73,7 +73,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import check_socket_path
+from shmserve.doorkit import check_socket_path
 from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
 from shmserve.v2.messages import RateLimited, V2Error

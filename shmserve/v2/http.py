@@ -31,7 +31,7 @@ Data path: a binary infer request (``Inference-Header-Content-Length``, a
 ``Content-Length``, no transfer or content encoding) whose body is still
 arriving once its JSON header is in is *streamed*: the header is parsed and
 the request submitted, and once the dispatcher gives it arena space
-(``BodyReceiver.fill``) ``get_buffer`` returns views of that space, so the
+(``BodyStream.fill``, the ``BodyReceiver``) ``get_buffer`` returns views of that space, so the
 kernel copies the tensor bytes straight into shared memory, as on the native
 socket.  Binary outputs are written with ``writelines`` from views of the
 arena, released once the transport has sent them.  Smaller requests (the
@@ -47,8 +47,17 @@ may hold: ``max_json_bytes`` for JSON, ``max_body_bytes`` for binary).  A
 large JSON answer (``rest.ResultBody`` not ``small``) is made a piece at a
 time, one piece per turn: once to count its length, then again as the
 transport sends it, so an answer nobody reads holds one piece and its arena
-space, not its whole text (``_answer_step``).  Transfer codings other than
+space, not its whole text (``_answer_step``, ``PiecedAnswer``).  Transfer codings other than
 ``chunked`` are answered 501 (as h11 does), never ignored.
+
+The parts: ``HttpConnection`` is the transport, the parser's callbacks, the
+input table and the writing, built on the door kit (``shmserve.doorkit``:
+``FlowControl`` for reading, writing and the stall timer, ``InputDeadline``,
+``ConnectionCounts``, ``Listener``, ``peer_of``); each request is an
+``Exchange`` (which serves itself when its turn comes) and each answer an ``Answer`` (``shmserve.v2.exchange``, where
+the operations other than infer are a table, ``OPERATIONS``); the body being
+streamed into the arena, or dropped, is a ``BodyStream``.  Its timers come
+from ``HttpDoor.clock`` (the loop, or a fake clock in tests).
 
 Must not: decide anything about a request (``shmserve.v2.service``), know the
 JSON and binary forms (``shmserve.v2.rest``), or block the loop.
@@ -59,21 +68,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import functools
 import logging
-import math
-import mmap
 import socket
-import zlib
-from dataclasses import dataclass
 
 import httptools
 
+from shmserve.doorkit import ConnectionCounts, DoorLimits, FlowControl, InputDeadline, Listener, peer_of
 from shmserve.errors import ErrorCode
-from shmserve.frontend.unix import DoorLimits, Listener
-from shmserve.v2 import peer, rest
+from shmserve.v2 import rest
 from shmserve.v2.auth import Identity
-from shmserve.v2.messages import Incoming, RateLimited, V2Error
+from shmserve.v2.exchange import Answer, Exchange, HttpLimits, PiecedAnswer, infer_answer
+from shmserve.v2.messages import Incoming, V2Error
 from shmserve.v2.service import Caller, V2Service
 
 log = logging.getLogger("shmserve.v2.http")
@@ -82,31 +87,11 @@ READ_BUFFER = 256 * 1024  # request heads and small bodies; streamed bodies bypa
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (nginx's default large_client_header_buffers is 32 KiB)
 MAX_HEADERS = 100
 MAX_PIPELINED = 16  # requests parsed ahead of the one being served
-MAX_JSON_BYTES = 8 << 20  # JSON is parsed in one call that holds Python's lock (~50 ms for 8 MiB): bigger goes binary
-# A body whose JSON is at most this (and not encoded) is decoded on the loop (well under a millisecond,
-# no thread hop), as is a streamed request's JSON header; more, or gzip or deflate, on a thread.
-INLINE_DECODE_BYTES = 64 * 1024
-INFLATE_PIECE = 1 << 20  # bytes inflated, then copied, at a time
 MAX_DISCARD_BYTES = 64 << 20  # the rest of a refused body read and dropped to keep the connection; beyond, close
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one HTTP request may hold.  ``max_body_bytes``: a body (the server sets twice
-    ``server.max_request_bytes`` plus 1 MiB: the arena refuses what does not fit with its own
-    message)."""
-
-    max_body_bytes: int
-    max_json_bytes: int = MAX_JSON_BYTES
-
-    @property
-    def rest(self) -> rest.Limits:
-        """The limits ``shmserve.v2.rest`` checks a body against."""
-        return rest.Limits(self.max_body_bytes, self.max_json_bytes)
 
 
 # -- what a connection is receiving ---------------------------------------------------------------
@@ -189,116 +174,8 @@ class CodingNotImplemented(V2Error):
         return 501
 
 
-def _route(msg: "_Message") -> tuple[str, dict]:
-    """``rest.route`` of a parsed request: (operation, path parameters).  V2Error: NoRoute, or
-    BAD_FRAME for a path that is not percent-encoded UTF-8."""
-    try:
-        op, params, _ = rest.route(msg.method, msg.url.decode("latin-1"))
-    except UnicodeDecodeError:
-        raise V2Error(ErrorCode.BAD_FRAME, "the path is not valid percent-encoded UTF-8") from None
-    return op, params
-
-
 class IllegalTransition(RuntimeError):
     """A bug in the connection: an event its input state does not take."""
-
-
-class _Message:
-    """One parsed request: its line, headers and (unless streamed) body."""
-
-    __slots__ = ("method", "url", "headers", "body", "size", "keep_alive", "version", "length", "header_length",
-                 "request", "caller", "held")
-
-    def __init__(self):
-        self.url, self.headers, self.body, self.size = bytearray(), {}, [], 0
-        self.caller: Caller | None = None  # who sends it (known once its headers are in)
-        self.held = 0  # its body bytes counted against its caller (Ledger.take_bytes) until it is done
-        self.method, self.keep_alive, self.version = "", True, "1.1"
-        self.length: int | None = None  # Content-Length
-        self.header_length: int | None = None  # Inference-Header-Content-Length
-        self.request = None  # a streamed infer: its InferRequest, parsed from the header alone
-
-    def data(self) -> bytes:
-        return b"".join(self.body)
-
-    @property
-    def encoding(self) -> str:
-        return self.headers.get("content-encoding", "identity").lower()
-
-    def decodes_inline(self) -> bool:
-        """Whether its body is decoded on the loop (``INLINE_DECODE_BYTES``)."""
-        json_bytes = self.size if self.header_length is None else self.header_length
-        return json_bytes <= INLINE_DECODE_BYTES and self.encoding == "identity"
-
-
-# -- decoding a body (pure: these run on the loop for small bodies, on a thread for the rest) -------
-
-def _decoded(msg: _Message, limits: HttpLimits) -> bytes | memoryview:
-    """``msg``'s body, inflated if it came gzip or deflate.  The inflated size is bounded by what it
-    may hold: a JSON body ``max_json_bytes``, a binary one ``max_body_bytes`` (V2Error TOO_LARGE;
-    BAD_FRAME for an unknown coding, or a body that does not inflate, is cut short, or has bytes
-    after its end).  zlib lets go of Python's lock while it inflates."""
-    data, encoding = msg.data(), msg.encoding
-    if encoding == "identity":
-        return data
-    if encoding not in ("gzip", "deflate"):
-        raise V2Error(ErrorCode.BAD_FRAME, f"Content-Encoding {encoding[:20]!r} is not supported (gzip, deflate)")
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    if msg.header_length is None:
-        limit, why = limits.max_json_bytes, "a JSON body's limit: send tensors as binary data"
-    else:
-        limit, why = limits.max_body_bytes, "server.max_request_bytes"
-    # Into pages mapped as they are written (nothing is touched twice, nothing zeroed first), a
-    # piece at a time: inflate lets go of Python's lock, each copy holds it for one piece only.
-    out, size, pending = mmap.mmap(-1, limit + INFLATE_PIECE), 0, data
-    while True:
-        try:
-            piece = inflater.decompress(pending, INFLATE_PIECE)
-        except zlib.error as exc:
-            raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body does not inflate: {exc}") from None
-        out[size:size + len(piece)] = piece
-        size += len(piece)
-        pending = inflater.unconsumed_tail
-        if size > limit:
-            raise V2Error(ErrorCode.TOO_LARGE, f"the body inflates to more than {limit} bytes ({why})")
-        if not piece and not pending or inflater.eof:
-            break
-    if not inflater.eof or inflater.unused_data:  # cut short (its checksum never seen), or more after it
-        raise V2Error(ErrorCode.BAD_FRAME, f"the {encoding} body is cut short or has bytes after its end")
-    return memoryview(out)[:size]
-
-
-def _json_body(msg: _Message, limits: HttpLimits) -> dict:
-    """The JSON object of an operation's body (``rest.loads``)."""
-    return rest.loads(_decoded(msg, limits), limits.rest)
-
-
-def _infer_request(msg: _Message, model: str, version: str | None, spec_input, limits: HttpLimits):
-    """The infer request of a buffered ``msg`` (``spec_input``: the model's one input, for a raw
-    binary body).  V2Error as ``rest.parse_infer`` says."""
-    if msg.header_length is None:
-        return rest.parse_infer(model, version, rest.loads(_decoded(msg, limits), limits.rest))
-    data = memoryview(_decoded(msg, limits))
-    h = msg.header_length
-    if h > len(data):
-        raise V2Error(ErrorCode.BAD_FRAME, f"Inference-Header-Content-Length {h} is more than the "
-                                           f"{len(data)}-byte body")
-    if h == 0:
-        return rest.raw_binary_request(model, version, spec_input, len(data), data)
-    header = rest.loads(data[:h], limits.rest, "the JSON header")
-    return rest.parse_infer(model, version, header, binary=data[h:])
-
-
-@dataclass(eq=False)
-class _JsonAnswer:
-    """A large JSON answer on its way (``HttpConnection._answer_step``): its header is made twice, a
-    piece at a time, once to count its length (nothing kept) and once to send it."""
-
-    body: rest.ResultBody
-    result: object  # released once all is sent (its binary parts, views of the arena, go last)
-    pieces: object  # the pass under way
-    length: int = 0  # of the JSON header, counted in the first pass
-    counting: bool = True
 
 
 class HttpDoor:
@@ -306,17 +183,18 @@ class HttpDoor:
 
     ``limits``: what one request may hold; ``door_limits``: the native door's per-connection and
     per-uid bounds, the same values (the server replaces both on reload);
-    ``socket_mode``/``socket_group``: for a Unix socket path."""
+    ``socket_mode``/``socket_group``: for a Unix socket path; ``clock``: the connections' timers
+    (``call_later``, ``call_soon``; None: the running loop's)."""
 
     def __init__(self, service: V2Service, limits: HttpLimits, door_limits: DoorLimits, *,
-                 socket_mode: int = 0o600, socket_group: str | None = None):
+                 socket_mode: int = 0o600, socket_group: str | None = None, clock=None):
         self.service, self.limits, self.door_limits = service, limits, door_limits
         self.socket_mode, self.socket_group = socket_mode, socket_group
+        self.clock = clock
         self.server: asyncio.AbstractServer | None = None
         self.listener: Listener | None = None
         self.address: str | None = None
-        self.connections: set[HttpConnection] = set()
-        self.per_uid: collections.Counter[str] = collections.Counter()  # Unix-socket peers: identity key -> count
+        self.connections = ConnectionCounts()  # open connections; Unix-socket peers by identity key
 
     async def start(self, address: str) -> None:
         """Listen on ``address``.  SystemExit naming the flag and why if it cannot."""
@@ -354,59 +232,120 @@ class HttpDoor:
     def enter(self, conn: "HttpConnection", peer: Identity | None) -> str | None:
         """Count ``conn`` (``peer``: its Unix-socket peer; None on TCP, where a connection has no
         owner); or why it may not be served (``max_connections``, ``max_connections_per_uid``)."""
-        limits = self.door_limits
-        if len(self.connections) >= limits.max_connections:
-            return f"the HTTP door has {len(self.connections)} connections open (server.max_connections)"
-        if peer is not None and self.per_uid[peer.key] >= limits.max_connections_per_uid:
-            return f"{peer.who} has {self.per_uid[peer.key]} HTTP connections open (server.max_connections_per_uid)"
-        self.connections.add(conn)
-        if peer is not None:
-            self.per_uid[peer.key] += 1
-        return None
+        key = peer.key if peer is not None else None
+        refusal = self.connections.refusal(self.door_limits, key, peer.who if peer is not None else "",
+                                           door="the HTTP door", kind="HTTP ")
+        if refusal is None:
+            self.connections.enter(conn, key)
+        return refusal
 
     def leave(self, conn: "HttpConnection") -> None:
-        if conn in self.connections:
-            self.connections.remove(conn)
-            if conn.peer is not None:
-                self.per_uid[conn.peer.key] -= 1
-                if not self.per_uid[conn.peer.key]:
-                    del self.per_uid[conn.peer.key]
+        self.connections.leave(conn)
+
+
+class BodyStream:
+    """The body of the request being streamed (``Input.STREAM``): its tensors go from the socket
+    straight into the arena space the dispatcher gives it (``BodyReceiver.fill``); once the request
+    is refused or answered before they are all in (``Input.DISCARD``), the rest is read and dropped.
+
+    ``tail``: what came with its JSON header before there was space; ``remaining``: the bytes still
+    in the socket; ``refusal``: the answer sent once the rest is dropped (None: its call answers)."""
+
+    __slots__ = ("conn", "sinks", "pos", "remaining", "tail", "done", "refusal")
+
+    def __init__(self, conn: "HttpConnection", remaining: int, tail: bytes):
+        self.conn = conn
+        self.sinks: list[memoryview] = []
+        self.pos = 0  # in sinks[0]
+        self.remaining, self.tail = remaining, tail
+        self.done = None  # whom to tell it is all in
+        self.refusal: V2Error | Answer | None = None
+
+    def buffer(self, read_view: memoryview) -> memoryview:
+        """Where the next bytes from the socket go: arena space, or (dropping) a scratch buffer."""
+        if self.sinks:
+            return self.sinks[0][self.pos:]
+        return read_view[:min(len(read_view), self.remaining)]
+
+    def fill(self, sinks: list[memoryview], done) -> None:
+        """``BodyReceiver.fill``: the request has space; what came with its header goes in now, the
+        rest straight from the socket."""
+        conn = self.conn
+        if conn.input is not Input.STREAM or conn.stream is not self:
+            return
+        self.sinks, self.pos, self.done = list(sinks), 0, done
+        tail, self.tail = memoryview(self.tail), b""
+        while tail:
+            n = min(len(self.sinks[0]) - self.pos, len(tail))
+            self.sinks[0][self.pos:self.pos + n] = tail[:n]
+            tail = tail[n:]
+            self._advance(n)
+        if not self.sinks:
+            self._complete()
+        conn._update()
+
+    def abort(self) -> None:
+        """``BodyReceiver.abort``: answered before its tensors were all in: drop the rest."""
+        if self.conn.input is Input.STREAM and self.conn.stream is self:
+            self.conn._refuse_stream(None)
+
+    def received(self, n: int) -> None:
+        """``n`` bytes came from the socket into ``buffer``."""
+        self.remaining -= n
+        if self.conn.input is Input.STREAM:
+            self._advance(n)
+            if not self.sinks:
+                self._complete()
+        elif self.remaining == 0:
+            self.conn._discard_done()
+
+    def refuse(self) -> None:
+        """Its request will not use the rest: no more into arena space; past ``MAX_DISCARD_BYTES``
+        nothing more is read at all (the connection closes after its answer)."""
+        self.sinks, self.tail, self.done = [], b"", None
+        if self.remaining > MAX_DISCARD_BYTES:
+            self.conn.closing = True
+            self.remaining = 0
+
+    def _advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos == len(self.sinks[0]):
+            self.sinks.pop(0)
+            self.pos = 0
+
+    def _complete(self) -> None:
+        self.conn.advance(Ev.RECEIVED)
+        self.conn.stream = None
+        done, self.done = self.done, None
+        done()
 
 
 class HttpConnection(asyncio.BufferedProtocol):
-    """One HTTP client (see the module header and ``RULES``); the ``BodyReceiver`` of the request
-    it streams."""
+    """One HTTP client (see the module header and ``RULES``): the transport, the parser's callbacks,
+    and the kit's parts (``FlowControl``, ``InputDeadline``); each request an ``Exchange``, the one
+    streamed a ``BodyStream``, each answer an ``Answer``."""
 
     def __init__(self, door: HttpDoor):
         self.door, self.service = door, door.service
+        self.clock = door.clock if door.clock is not None else asyncio.get_running_loop()
         self.input = Input.IDLE
         self.parser = httptools.HttpRequestParser(self)
         self.read_view = memoryview(bytearray(READ_BUFFER))
-        self.msg: _Message | None = None  # being parsed
-        self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting their turn
-        self.current: _Message | None = None  # being served (its task runs, or its answer is being sent)
-        self.work = None  # the current request's InferCall, or the Task of another operation (both cancel())
+        self.msg: Exchange | None = None  # being parsed
+        self.queue: collections.deque[Exchange] = collections.deque()  # parsed, waiting their turn
+        self.current: Exchange | None = None  # being served (its task runs, or its answer is being sent)
         self.held: list = []  # results whose arena views the transport may still hold
         self.after: V2Error | None = None  # the answer to send once the current one is sent, then close
         self.head_bytes = 0
         self.v2door = None  # the connection's requests in flight (V2Service.open_door), once it is served
         self.peer: Identity | None = None  # a Unix-socket peer (SO_PEERCRED); None on TCP
         self.who = "a TCP peer"  # for logs
-        self.timer = None
-        self.stall_timer = None
-        self.reading = True
-        self.write_blocked = False
+        self.flow = FlowControl(self.clock.call_later)  # reading, writing, the stall timer
+        self.deadline = InputDeadline(self.clock.call_later)  # of what the client is sending now
         self.closing = False  # answer with Connection: close, then close
         self.last_closes = False  # the last request parsed closes the connection (HTTP/1.0, Connection: close)
-        # The streamed body: the views it lands in, where in the first one, the bytes still to read,
-        # those that came with its header before there was space, and whom to tell it is in.
-        self.sinks: list[memoryview] = []
-        self.sink_pos = 0
-        self.remaining = 0
-        self.tail = b""
-        self.stream_done = None
-        self.refusal: V2Error | None = None  # the streamed request's refusal, sent once its body is dropped
-        self.answer: _JsonAnswer | None = None  # a large JSON answer being made and sent
+        self.stream: BodyStream | None = None  # the body being streamed or dropped (STREAM, DISCARD)
+        self.answer: PiecedAnswer | None = None  # a large JSON answer being made and sent
 
     def advance(self, event: Ev) -> None:
         to = RULES.get((self.input, event))
@@ -414,20 +353,28 @@ class HttpConnection(asyncio.BufferedProtocol):
             raise IllegalTransition(f"HTTP connection: {event.value} while {self.input.value}")
         self.input = to
 
+    @property
+    def reading(self) -> bool:
+        return self.flow.reading
+
+    @property
+    def write_blocked(self) -> bool:
+        return self.flow.write_blocked
+
     # -- transport events -------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        transport.set_write_buffer_limits(high=0, low=0)  # pause_writing: "not all sent"; resume: "all sent"
+        FlowControl.zero_write_buffer(transport)  # pause_writing: "not all sent"; resume: "all sent"
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:
-            uid, groups = peer.credentials(sock)
+            kernel = peer_of(sock)
             try:
-                if uid is None:
+                if kernel is None:
                     raise V2Error(ErrorCode.PERMISSION_DENIED, "the kernel did not say who the peer is")
-                self.peer = self.service.auth.peer(uid, groups)
+                self.peer = self.service.auth.peer(kernel.uid, kernel.groups)
             except V2Error as exc:
-                log.warning("HTTP: refused a connection of uid %s: %s", uid, exc.message)
+                log.warning("HTTP: refused a connection of uid %s: %s", kernel.uid if kernel else None, exc.message)
                 self._refuse_connection(exc)
                 return
             self.who = self.peer.who
@@ -442,21 +389,17 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _refuse_connection(self, exc: V2Error) -> None:
         """Answer the request the client is about to send with ``exc``, and close."""
         self.closing = True
-        self._write(exc.http_status, "application/json", [rest.error_body(exc)])
+        self._write(Answer.of_error(exc))
         self._close()
 
     def get_buffer(self, sizehint: int):
-        if self.input is Input.STREAM and self.sinks:
-            return self.sinks[0][self.sink_pos:]
         if self.input in (Input.STREAM, Input.DISCARD):
-            return self.read_view[:min(READ_BUFFER, self.remaining)]
+            return self.stream.buffer(self.read_view)
         return self.read_view
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.input is Input.STREAM:
-            self._streamed(nbytes)
-        elif self.input is Input.DISCARD:
-            self._discarded(nbytes)
+        if self.input in (Input.STREAM, Input.DISCARD):
+            self.stream.received(nbytes)
         elif self.input is not Input.CLOSED:
             self._feed(self.read_view[:nbytes])
         self._update()
@@ -466,20 +409,18 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.input = Input.CLOSED
-        self._cancel_timer()
-        if self.stall_timer is not None:
-            self.stall_timer.cancel()
-            self.stall_timer = None
+        self.stream = None
+        self.deadline.cancel()
+        self.flow.stop()
         self._release_held()
         if self.answer is not None:
             answer, self.answer = self.answer, None
             answer.result.release()
-        if self.work is not None:
-            self.work.cancel()
-            self.work = None
+        if self.current is not None:
+            self.current.cancel()
         for msg in (self.msg, self.current, *self.queue):
             if msg is not None:
-                self._let_go(msg)
+                msg.release(self.service)
         if self.v2door is not None:
             self.door.leave(self)
             self.service.close_door(self.v2door)
@@ -496,25 +437,18 @@ class HttpConnection(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         """The answer waits in the transport: close the connection if it still does after
         ``stall_timeout_s``."""
-        self.write_blocked = True
-        if self.stall_timer is None:
-            self.stall_timer = asyncio.get_running_loop().call_later(self.door.door_limits.stall_timeout_s,
-                                                                     self._stalled)
+        self.flow.writing_paused(self.door.door_limits.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
-        self.write_blocked = False
-        if self.stall_timer is not None:
-            self.stall_timer.cancel()
-            self.stall_timer = None
+        self.flow.writing_resumed()
         self._release_held()
         if self.answer is not None:
             if not self.answer.counting:
                 self._answer_step()
-        elif self.current is not None and self.work is None:
+        elif self.current is not None and self.current.work is None:
             self._sent()
 
     def _stalled(self) -> None:
-        self.stall_timer = None
         log.warning("HTTP: closing a connection of %s: its answer went unread for %g s (server.stall_timeout_s)",
                     self.who, self.door.door_limits.stall_timeout_s)
         self.transport.abort()
@@ -528,7 +462,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         else:
             self._update()
 
-    # -- parsing ----------------------------------------------------------------------------
+    # -- parsing (the parser's callbacks) -----------------------------------------------------
 
     def _feed(self, data) -> None:
         try:
@@ -547,7 +481,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             return
         msg = self.msg
         if msg is not None and self.input is Input.BODY and msg.size >= (msg.header_length or 0) and \
-                self._streamable(msg):
+                self.current is None and not self.queue and msg.streamable():
             self._start_stream(msg)
 
     def _fail_input(self, error: V2Error) -> None:
@@ -556,30 +490,31 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.closing = True
         for msg in (self.msg, *self.queue):
             if msg is not None:
-                self._let_go(msg)
+                msg.release(self.service)
         self.queue.clear()
         self.msg = None
         receiving = self.input in (Input.STREAM, Input.DISCARD)  # the current request's own body
         discarding = self.input is Input.DISCARD
         self.advance(Ev.CLOSE)
-        self._cancel_timer()
-        if receiving and self.work is not None:
-            self.work.cancel()  # a streamed request whose body will never be in
-            self._let_go(self.current)
-            self.work, self.current = None, None
-        elif discarding and self.work is None:  # a refused one: its answer waited for the rest of its body
-            self._let_go(self.current)
-            self.current, self.refusal = None, None
+        self.stream = None
+        self.deadline.cancel()
+        if receiving and self.current.work is not None:
+            self.current.cancel()  # a streamed request whose body will never be in
+            self.current.release(self.service)
+            self.current = None
+        elif discarding and self.current.work is None:  # a refused one: its answer waited for the rest of its body
+            self.current.release(self.service)
+            self.current = None
         if self.current is None:
-            self.current = _Message()
-            self._respond_error(error)
+            self.current = Exchange()
+            self.respond(Answer.of_error(error))
         else:
             self.after = error
 
     def on_message_begin(self) -> None:
         if len(self.queue) >= MAX_PIPELINED:
             raise V2Error(ErrorCode.OVERLOADED, f"more than {MAX_PIPELINED} pipelined requests")
-        self.msg = _Message()
+        self.msg = Exchange()
         self.head_bytes = 0
         self.advance(Ev.BEGIN)
 
@@ -629,7 +564,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if msg.headers.get("expect", "").lower() == "100-continue" and msg.version == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def _identify(self, msg: _Message) -> Caller:
+    def _identify(self, msg: Exchange) -> Caller:
         """Who sends ``msg`` (its headers are in, its body is not), checked before any of its body
         is read: may it run this operation, and (infer) is it within its requests in flight.
         V2Error UNAUTHENTICATED (a token this server does not know), PERMISSION_DENIED,
@@ -649,13 +584,6 @@ class HttpConnection(asyncio.BufferedProtocol):
                                                         "requests in flight (server.max_inflight_per_uid)")
                 service.check_rate(identity, params.get("m") or "", msg.length)  # before its body is read
         return Caller(identity, self.v2door)
-
-    def _let_go(self, msg: _Message) -> None:
-        """``msg`` is done with (answered, dropped, or its connection gone): its body bytes no
-        longer count against its caller."""
-        if msg.held:
-            self.service.ledger.give_bytes(msg.caller.identity, msg.held)
-            msg.held = 0
 
     def on_body(self, body: bytes) -> None:
         msg = self.msg
@@ -677,15 +605,6 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.last_closes = not msg.keep_alive  # nothing after it is read, whenever it comes
         self.advance(Ev.COMPLETE)
 
-    def _streamable(self, msg: _Message) -> bool:
-        """Whether ``msg``'s body may go straight into the arena: a binary infer request with a
-        plain body still arriving, and no request served or waiting before it."""
-        return (msg.header_length is not None and msg.length is not None and msg.method == "POST"
-                and msg.header_length <= INLINE_DECODE_BYTES  # its header is parsed on the loop
-                and self.current is None and not self.queue and "transfer-encoding" not in msg.headers
-                and msg.headers.get("content-encoding", "identity").lower() == "identity"
-                and bytes(msg.url).split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer"))
-
     # -- reading and deadlines ----------------------------------------------------------------
 
     def _update(self) -> None:
@@ -696,34 +615,19 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.input is Input.CLOSED:
             return
         if self.input is Input.STREAM:
-            want = bool(self.sinks)
+            want = bool(self.stream.sinks)
         elif self.input is Input.DISCARD:
             want = True
         else:  # read on while one is served (no epoll change per request); stop once one waits behind it
             want = not self.queue and not self.closing and not self.last_closes
-        if want != self.reading:
-            self.reading = want
-            if want:
-                self.transport.resume_reading()
-            else:
-                self.transport.pause_reading()
-        deadline = _DEADLINES.get(self.input) if want else None
-        if deadline is None:
-            self._cancel_timer()
-        elif self.timer is None or self.timer_key != deadline:
-            self._cancel_timer()
-            limit = getattr(self.door.door_limits, deadline)
-            self.timer_key = deadline
-            self.timer = asyncio.get_running_loop().call_later(limit, self._timed_out, deadline, limit)
-
-    def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.timer_key = None
+        self.flow.read_while(self.transport, want)
+        key = _DEADLINES.get(self.input) if want else None
+        if key is None:
+            self.deadline.cancel()
+        else:
+            self.deadline.run(key, getattr(self.door.door_limits, key), self._timed_out)
 
     def _timed_out(self, key: str, limit: float) -> None:
-        self.timer = None
         what = "the request line and headers" if key == "frame_timeout_s" else "the body"
         error = V2Error(ErrorCode.TIMEOUT if key == "upload_timeout_s" else ErrorCode.BAD_FRAME,
                         f"{what} did not all arrive within {limit:g} s (server.{key})")
@@ -733,178 +637,48 @@ class HttpConnection(asyncio.BufferedProtocol):
     # -- serving ----------------------------------------------------------------------------
 
     def _serve_next(self) -> None:
-        msg = self.queue.popleft()
-        self.current = msg
-        try:
-            op, params = _route(msg)
-            if op == "infer":  # the hot path: no task, the answer comes back through _infer_done
-                model, version = params["m"], params["v"]
-                spec_input = self.service.raw_input(model, version) if msg.header_length == 0 else None
-                decode = functools.partial(_infer_request, msg, model, version, spec_input, self.door.limits)
-                if msg.decodes_inline():
-                    self._start_infer(msg, decode())
-                else:
-                    self._offload(decode, lambda request: self._start_infer(msg, request))
-                return
-        except V2Error as exc:
-            self._respond_error(exc)
-            return
-        self.work = asyncio.get_running_loop().create_task(self._serve(msg, op, params))
-        self.work.add_done_callback(self._served)
-
-    def _offload(self, job, then) -> None:
-        """Decode on a thread: run ``job`` (pure: it touches nothing of this connection) there, then
-        ``then(its value)`` back on the loop, unless the connection has gone meanwhile (``work`` is
-        cancelled).  A V2Error of either is the answer."""
-        future = asyncio.get_running_loop().run_in_executor(None, job)
-        self.work = future
-        future.add_done_callback(lambda f: self._offloaded(f, then))
-
-    def _offloaded(self, future: asyncio.Future, then) -> None:
-        if future is not self.work:  # cancelled: the connection is gone
-            return
-        self.work = None
-        try:
-            then(future.result())
-        except V2Error as exc:
-            self._respond_error(exc)
-        except Exception as exc:  # our bug: this request is answered, the connection goes on
-            log.error("HTTP: internal error decoding a request", exc_info=exc)
-            self._respond_error(V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})"))
-
-    async def _serve(self, msg: _Message, op: str, params: dict):
-        """(status, content type, body parts, extra headers, None) for an operation other than infer."""
-        body = {}
-        if msg.size:
-            body = _json_body(msg, self.door.limits) if msg.decodes_inline() else \
-                await asyncio.get_running_loop().run_in_executor(None, _json_body, msg, self.door.limits)
-        value = await self._operation(op, params, body)
-        if isinstance(value, bool):  # health and readiness: the status says it
-            return (200 if value else 503), "application/json", [], (), None
-        return 200, "application/json", ([rest.dumps(value)] if value is not None else []), (), None
-
-    async def _operation(self, op: str, params: dict, body: dict):
-        service, caller = self.service, self.current.caller
-        m, v, r = params.get("m"), params.get("v"), params.get("r")
-        if op == "live":
-            return service.live()
-        if op == "ready":
-            return service.ready()
-        if op == "server_metadata":
-            return service.server_metadata()
-        if op == "model_metadata":
-            return service.model_metadata(m, v)
-        if op == "model_ready":
-            return service.model_ready(m, v)
-        if op == "model_config":
-            return service.model_config(m, v)
-        if op == "statistics":
-            return service.statistics(caller, m, v)
-        if op == "repository_index":
-            ready = body.get("ready", False)
-            if type(ready) is not bool:
-                raise V2Error(ErrorCode.BAD_INPUT, "'ready' must be true or false")
-            return service.repository_index(caller, ready)
-        if op in ("repository_load", "repository_unload"):
-            parameters = body.get("parameters")
-            if parameters is not None and not isinstance(parameters, dict):
-                raise V2Error(ErrorCode.BAD_INPUT, "'parameters' must be an object")
-            await (service.repository_load if op == "repository_load" else service.repository_unload)(
-                caller, m, parameters)
-            return None
-        if op == "shm_status":
-            return service.shm_status(caller, r)
-        if op == "shm_register":
-            if r is None:
-                raise V2Error(ErrorCode.BAD_REGION, "register names its region: POST "
-                                                    "/v2/systemsharedmemory/region/{name}/register")
-            service.shm_register(caller, r, body.get("key"), body.get("offset", 0), body.get("byte_size"))
-            return None
-        if op == "shm_unregister":
-            await service.shm_unregister(caller, r)
-            return None
-        if op == "cuda_shm_status":
-            return service.cuda_shm_status(caller, r)
-        if op == "cuda_shm_register":
-            service.cuda_shm_register(caller, r, body.get("raw_handle"), body.get("device_id"), body.get("byte_size"))
-        return None  # cuda_shm_unregister: nothing is ever registered
-
-    def _start_infer(self, msg: _Message, request) -> None:
-        """Submit ``request`` (``msg``'s); V2Error if it is refused at once."""
-        msg.request = request
-        call = self.service.start(msg.caller, request, self._infer_done)
-        if not call.ended:  # (an answer given at once has already been sent)
-            self.work = call
+        self.current = self.queue.popleft()
+        self.current.serve(self)
 
     def _infer_done(self, result, error: V2Error | None) -> None:
         """``V2Service.start``'s ``done``: the current infer request's answer."""
-        self.work = None
+        if self.current is not None:
+            self.current.work = None
         if self.input is Input.CLOSED and self.current is None:
             if result is not None:
                 result.release()
             return
+        receiving = self.input in (Input.STREAM, Input.DISCARD)  # answered before its body was all in
         answer = None
         if error is None:
-            body = rest.ResultBody(result, self.current.request.binary_outputs)
-            if not body.small and self.input not in (Input.STREAM, Input.DISCARD):
-                self.answer = _JsonAnswer(body, result, body.pieces())  # made as its client reads it
-                self._answer_step()
-                return
             try:
-                header = body.header()
+                answer = infer_answer(result, self.current.request.binary_outputs, pieced=not receiving)
             except V2Error as exc:
                 error = exc
-            if error is not None or not body.binary:
-                result.release()
-                result = None
-            if error is None:
-                answer = (200, "application/json", [header], (), None) if not body.binary else \
-                    (200, "application/octet-stream", [header, *body.parts],
-                     ((b"inference-header-content-length", b"%d" % len(header)),), result)
-        if self.input in (Input.STREAM, Input.DISCARD):  # answered before its body was all in
-            if answer is not None and answer[4] is not None:
-                answer[4].release()
+        if isinstance(answer, PiecedAnswer):
+            self.answer = answer  # made as its client reads it
+            self._answer_step()
+            return
+        if receiving:
+            if answer is not None and answer.result is not None:  # holds nothing while the body is dropped
+                answer.release()
                 answer = None
             self._refuse_stream(error, answer)
             return
-        if error is not None:
-            self._respond_error(error)
-        else:
-            self._respond(*answer)
+        self.respond(Answer.of_error(error) if error is not None else answer)
 
-    def _served(self, task: asyncio.Task) -> None:
-        if task is not self.work:
-            return  # cancelled (the connection ended, or gave up on it)
-        self.work = None
-        exc = task.exception()
-        if exc is None:
-            self._respond(*task.result())
-            return
-        if not isinstance(exc, V2Error):
-            log.error("HTTP: internal error serving a request", exc_info=exc)
-            exc = V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})")
-        self._respond_error(exc)
+    # -- writing ----------------------------------------------------------------------------
 
-    def _respond_error(self, error: V2Error) -> None:
-        if isinstance(error, rest.NoRoute):
-            extra = ((b"allow", ", ".join(error.allow).encode()),)
-        elif error.code is ErrorCode.UNAUTHENTICATED:
-            extra = ((b"www-authenticate", b'Bearer realm="shmserve"'),)
-        elif isinstance(error, RateLimited):  # whole seconds (RFC 9110 10.2.3), never 0 for a wait
-            extra = ((b"retry-after", b"%d" % max(1, math.ceil(error.retry_after))),)
-        else:
-            extra = ()
-        self._respond(error.http_status, "application/json", [rest.error_body(error)], extra, None)
-
-    def _respond(self, status: int, ctype: str, parts: list, extra=(), result=None) -> None:
-        """Write the current request's answer; the next is served once it is all sent."""
+    def respond(self, answer: Answer) -> None:
+        """Write the current request's answer (``Exchange`` calls it too); the next is served once it
+        is all sent."""
         msg = self.current
         if msg is not None and not msg.keep_alive:
             self.closing = True
-        self._write(status, ctype, parts, extra, body=msg is None or msg.method != "HEAD")
-        if result is not None:
-            self.held.append(result)
-        if not self.write_blocked:
+        self._write(answer, body=msg is None or msg.method != "HEAD")
+        if answer.result is not None:
+            self.held.append(answer.result)
+        if not self.flow.write_blocked:
             self._release_held()
             self._sent()
 
@@ -917,13 +691,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         answer = self.answer
         if answer is None or self.transport.is_closing():  # gone: connection_lost lets go of it
             return
-        soon = asyncio.get_running_loop().call_soon
+        soon = self.clock.call_soon
         try:
             piece = next(answer.pieces, None)
         except V2Error as exc:
             self.answer = None
             answer.result.release()
-            self._respond_error(exc)
+            self.respond(Answer.of_error(exc))
             return
         if piece is not None:
             if answer.counting:
@@ -932,31 +706,29 @@ class HttpConnection(asyncio.BufferedProtocol):
                 return
             self.transport.write(piece)
         elif answer.counting:  # counted: the head, then the same pieces again
-            answer.counting, answer.pieces, body = False, answer.body.pieces(), answer.body
+            answer.counting, answer.pieces = False, answer.body.pieces()
             if not self.current.keep_alive:
                 self.closing = True
-            extra = ((b"inference-header-content-length", b"%d" % answer.length),) if body.binary else ()
-            self._write(200, "application/octet-stream" if body.binary else "application/json", [], extra,
-                        length=answer.length + sum(len(p) for p in body.parts))
+            self._write(answer.head(), length=answer.total)
         else:  # all of the JSON is out: the binary parts, then the next request
             self.answer = None
             self.transport.writelines(answer.body.parts)
             self.held.append(answer.result)
-            if not self.write_blocked:
+            if not self.flow.write_blocked:
                 self._release_held()
                 self._sent()
             return
-        if not self.write_blocked:
+        if not self.flow.write_blocked:
             soon(self._answer_step)  # else resume_writing takes the next step
 
-    def _write(self, status: int, ctype: str, parts: list, extra=(), body: bool = True,
-               length: int | None = None) -> None:
-        """The answer's head and (unless ``body`` is false: a HEAD request's) its ``parts``
-        (``length``: the body's, when it is sent in pieces later)."""
+    def _write(self, answer: Answer, body: bool = True, length: int | None = None) -> None:
+        """``answer``'s head and (unless ``body`` is false: a HEAD request's) its parts (``length``:
+        the body's, when it is sent in pieces later)."""
+        parts = answer.parts
         length = sum(len(p) for p in parts) if length is None else length
         head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
-            status, REASONS.get(status, "Error").encode(), ctype.encode(), length)]
-        head.extend(b"%s: %s\r\n" % (name, value) for name, value in extra)
+            answer.status, REASONS.get(answer.status, "Error").encode(), answer.ctype.encode(), length)]
+        head.extend(b"%s: %s\r\n" % (name, value) for name, value in answer.extra)
         if self.closing and self.after is None:  # only the last answer says so (an error may follow this one)
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
@@ -965,12 +737,12 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _sent(self) -> None:
         """The current answer is all sent: serve the next request, or read for one (or close)."""
         if self.current is not None:
-            self._let_go(self.current)
+            self.current.release(self.service)
         self.current = None
         if self.after is not None:
             error, self.after = self.after, None
-            self.current = _Message()
-            self._respond_error(error)
+            self.current = Exchange()
+            self.respond(Answer.of_error(error))
             return
         if self.closing and (self.input in (Input.IDLE, Input.CLOSED) and not self.queue):
             self._close()
@@ -982,20 +754,20 @@ class HttpConnection(asyncio.BufferedProtocol):
         for result in held:
             result.release()
 
-    # -- the streamed body (BodyReceiver) -----------------------------------------------------
+    # -- the streamed body --------------------------------------------------------------------
 
-    def _start_stream(self, msg: _Message) -> None:
+    def _start_stream(self, msg: Exchange) -> None:
         """``msg``'s JSON header is in, its tensors are still in the socket: submit it now; they
-        land in the arena once it has space (``fill``)."""
+        land in the arena once it has space (``BodyStream.fill``)."""
         data, h = msg.data(), msg.header_length
         self.msg = None
         self.parser = httptools.HttpRequestParser(self)  # the old one is mid-body: the next request starts afresh
         self.last_closes = not msg.keep_alive  # the fresh parser cannot know: nothing after it is read
         self.advance(Ev.STREAM)
-        self.remaining, self.tail = msg.length - msg.size, data[h:]
+        self.stream = stream = BodyStream(self, msg.length - msg.size, data[h:])
         self.current = msg
         try:
-            _, params = _route(msg)
+            _, params = msg.route()
             model, version = params["m"], params["v"]
             if h == 0:
                 request = rest.raw_binary_request(model, version, self.service.raw_input(model, version),
@@ -1006,84 +778,39 @@ class HttpConnection(asyncio.BufferedProtocol):
         except V2Error as exc:
             self._refuse_stream(exc)
             return
-        msg.request, request.body = request, self
+        msg.request, request.body = request, stream
         try:
             call = self.service.start(msg.caller, request, self._infer_done)
         except V2Error as exc:
             self._refuse_stream(exc)
             return
         if not call.ended:
-            self.work = call
+            msg.work = call
 
-    def fill(self, sinks: list[memoryview], done) -> None:
-        """``BodyReceiver.fill``: the streamed request has space; what came with its header goes in
-        now, the rest straight from the socket."""
-        if self.input is not Input.STREAM:
-            return
-        self.sinks, self.sink_pos, self.stream_done = list(sinks), 0, done
-        tail, self.tail = memoryview(self.tail), b""
-        while tail:
-            n = min(len(self.sinks[0]) - self.sink_pos, len(tail))
-            self.sinks[0][self.sink_pos:self.sink_pos + n] = tail[:n]
-            tail = tail[n:]
-            self._advance_sink(n)
-        if not self.sinks:
-            self._stream_complete()
-        self._update()
-
-    def _advance_sink(self, n: int) -> None:
-        self.sink_pos += n
-        if self.sink_pos == len(self.sinks[0]):
-            self.sinks.pop(0)
-            self.sink_pos = 0
-
-    def _streamed(self, n: int) -> None:
-        self.remaining -= n
-        self._advance_sink(n)
-        if not self.sinks:
-            self._stream_complete()
-
-    def _stream_complete(self) -> None:
-        self.advance(Ev.RECEIVED)
-        done, self.stream_done = self.stream_done, None
-        done()
-
-    def abort(self) -> None:
-        """``BodyReceiver.abort``: answered before its tensors were all in: drop the rest."""
-        if self.input is Input.STREAM:
-            self._refuse_stream(None)
-
-    def _refuse_stream(self, error: V2Error | None, answer: tuple | None = None) -> None:
+    def _refuse_stream(self, error: V2Error | None, answer: Answer | None = None) -> None:
         """The streamed request will not use the rest of its body: read and drop it, then send
-        ``error`` (or ``answer``; neither: its task answers)."""
+        ``error`` (or ``answer``; neither: its call answers)."""
+        stream = self.stream
         if self.input is Input.STREAM:
-            self.sinks, self.tail, self.stream_done = [], b"", None
+            stream.refuse()
             self.advance(Ev.REFUSED)
-            if self.remaining > MAX_DISCARD_BYTES:
-                self.closing = True
-                self.remaining = 0
         if error is not None or answer is not None:
-            self.refusal = error if error is not None else answer
-        if self.remaining == 0:
+            stream.refusal = error if error is not None else answer
+        if stream.remaining == 0:
             self._discard_done()
         self._update()
-
-    def _discarded(self, n: int) -> None:
-        self.remaining -= n
-        if self.remaining == 0:
-            self._discard_done()
 
     def _discard_done(self) -> None:
+        refusal, self.stream = self.stream.refusal, None
         self.advance(Ev.RECEIVED)
-        refusal, self.refusal = self.refusal, None
         if isinstance(refusal, V2Error):
-            self._respond_error(refusal)
+            self.respond(Answer.of_error(refusal))
         elif refusal is not None:
-            self._respond(*refusal)
-        # None: the request's task is still running; its answer comes when it is done
+            self.respond(refusal)
+        # None: the request's call is still running; its answer comes when it is done
 
     def _close(self) -> None:
         if self.input is not Input.CLOSED:
             self.advance(Ev.CLOSE)
-        self._cancel_timer()
+        self.deadline.cancel()
         self.transport.close()

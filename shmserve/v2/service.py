@@ -15,6 +15,14 @@ is and what it may do is ``shmserve.v2.auth`` (``V2Service.auth``); the
 doors ask it before they read a body, and the operations that need more than
 inference check again.
 
+What the models are, as callers see them (metadata, readiness,
+configuration, the repository index, statistics), is the read-only
+``Catalog`` (``shmserve.v2.catalog``, ``V2Service.catalog``); a request
+on its way, the dispatcher ``Door`` of a v2 connection and its input and
+output copies are ``Inference`` (``shmserve.v2.inference``,
+``V2Service.inference``, with ``V2Door`` and ``InferCall``): this module
+checks who asks and hands those calls to them.
+
 Every call takes a ``Caller`` (who: an ``auth.Identity``; and which
 connection: its ``V2Door``, whose requests the per-connection limits count).
 Errors are ``messages.V2Error`` with a shmserve code; the doors map them to
@@ -27,39 +35,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from shmserve import __version__, protocol
 from shmserve.errors import ErrorCode, ShmserveError
-from shmserve.frontend.dispatcher import Answer, Dispatcher, Failure, Outputs, new_caller
-from shmserve.frontend.models import MODEL_READY, SERVING, ModelState, Models
+from shmserve.frontend.dispatcher import Dispatcher
+from shmserve.frontend.models import Models
 from shmserve.frontend.ratelimit import Caller as RateCaller, RateLimiter
-from shmserve.frontend.requests import Request
-from shmserve.frontend.status import triton_counts
-from shmserve.v2 import classify
 from shmserve.v2.auth import ADMIN, Authenticator, Identity
-from shmserve.v2.messages import (DATATYPES, ITEMSIZE, V2_NAMES, Incoming, InferRequest, InferResult, OutputTensor,
-                                  RateLimited, ShmRef, V2Error)
+from shmserve.v2.catalog import EXTENSIONS, Catalog, version_number
+from shmserve.v2.inference import InferCall, Inference, V2Door, v2_error  # V2Door, InferCall: the doors' names
+from shmserve.v2.messages import InferRequest, InferResult, RateLimited, V2Error
 from shmserve.v2.sysshm import SystemShm
-from shmserve.v2.wording import (byte_size_mismatch, check_inputs, triton_unavailable, unexpected_output,
-                                 unknown_model)
 
 log = logging.getLogger("shmserve.v2")
 
-# CUDA shared memory is not among them: its register is refused (docs/v2.md, "Differences from Triton").
-EXTENSIONS = ("binary_tensor_data", "classification", "model_repository", "model_configuration",
-              "system_shared_memory", "statistics")
-# Triton's repository states (RepositoryIndex): what each lifecycle phase is called there.
-REPOSITORY_STATES = {"loading": "LOADING", SERVING: "READY", "draining": "UNLOADING", "unavailable": "UNAVAILABLE",
-                     "evicted": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
-# Triton's model-config backends and platforms for ours.
-PLATFORMS = {"onnxruntime": ("onnxruntime", "onnxruntime_onnx"), "torch": ("pytorch", "pytorch_libtorch"),
-             "tensorrt": ("tensorrt", "tensorrt_plan"), "python": ("python", "python")}
 
 
 @dataclass(eq=False, slots=True)
@@ -262,261 +254,6 @@ def _uncount(counter: collections.Counter, key: str, n: int) -> None:
         del counter[key]
 
 
-def _error(exc: ShmserveError) -> V2Error:
-    return V2Error(exc.code, exc.message)
-
-
-def version_number(model: str, version: str | None) -> int | None:
-    """A version as a v2 URL or message gives it ('' or None: the default).  V2Error
-    UNKNOWN_MODEL for one that is not a positive integer."""
-    if version is None or version == "":
-        return None
-    if not (isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 18
-            and int(version) > 0):
-        raise V2Error(ErrorCode.UNKNOWN_MODEL, f"model {model!r} has no version {str(version)[:40]!r}: "
-                                               "versions are positive integers")
-    return int(version)
-
-
-class V2Door:
-    """The dispatcher's door for one v2 caller: its requests' inputs in, their answers out.
-
-    A request's inputs come from three sources (its ``InferCall.sources``, one per input with
-    bytes, in input order): bytes of the message (copied into the arena), a registered region
-    (``(region, ref, what)``: read into it, on a thread when it is ``OFFLOAD_BYTES`` or more so
-    the loop serves others meanwhile), or ``Incoming`` (received into it by the request's
-    ``body``, straight from the socket; the request is published once all have landed).
-
-    While a thread reads into a request's space (``copying``), nothing frees that space: a drop
-    then waits for the read to end.
-
-    A method of it that raises (``Door.abort``): the connection's own end first (``on_abort``,
-    which the HTTP door sets: its transport aborted, its calls cancelled), then every call still
-    pending is answered INTERNAL (a gRPC caller's: its replies hold no view of the arena)."""
-
-    def __init__(self, service: "V2Service"):
-        self.service = service
-        self.dispatcher = service.dispatcher
-        self.pending: dict[Request, InferCall] = {}
-        self.receiving: set[Request] = set()  # admitted; their Incoming bytes are being received
-        self.copying: dict[Request, asyncio.Future] = {}  # a thread reads regions into their space
-        self.dropped: set[Request] = set()  # dropped while copying: freed when the copy ends
-        self.ids = itertools.count(1)
-        self.on_abort: Callable[[Exception], None] | None = None  # the connection's end (HTTP)
-        self.caller_key = new_caller()  # its requests' key for fairness between callers (Door.caller_key)
-
-    def in_flight(self) -> int:
-        return len(self.pending)
-
-    def waiting(self, req: Request) -> None:
-        pass
-
-    def admitted(self, req: Request, sinks: list | None) -> None:
-        call = self.pending.get(req)
-        if call is None or sinks is None:
-            return
-        incoming, reads = [], []
-        for sink, source in zip(sinks, call.sources):
-            if isinstance(source, Incoming):
-                incoming.append(sink)
-            elif isinstance(source, tuple):
-                reads.append((sink, source))
-            else:
-                sink[:] = source
-        call.sources = ()
-        if sum(len(sink) for sink, _ in reads) >= OFFLOAD_BYTES:
-            copy = asyncio.get_running_loop().run_in_executor(None, _read_regions, reads)
-            self.copying[req] = copy
-            copy.add_done_callback(lambda f: self._copied(req, f, incoming))
-            return
-        try:
-            _read_regions(reads)
-        except Exception as exc:
-            self._fail(req, _internal(exc, "reading a region"))
-            return
-        self._inputs_read(req, incoming)
-
-    def _copied(self, req: Request, copy: asyncio.Future, incoming: list) -> None:
-        del self.copying[req]
-        if req in self.dropped:
-            self.dropped.discard(req)
-            self.dispatcher.drop(req)
-            return
-        exc = copy.exception()
-        if exc is not None:
-            self._fail(req, _internal(exc, "reading a region"))
-        else:
-            self._inputs_read(req, incoming)
-
-    def _inputs_read(self, req: Request, incoming: list) -> None:
-        """The message's and the regions' bytes are in: the socket's next, or publish."""
-        if not incoming:
-            self.dispatcher.received(req)
-            return
-        self.receiving.add(req)
-        self.pending[req].request.body.fill(incoming, lambda: self._received(req))
-
-    def _received(self, req: Request) -> None:
-        if req in self.receiving:
-            self.receiving.discard(req)
-            self.dispatcher.received(req)
-
-    def drop(self, req: Request) -> None:
-        """Nobody is left to answer ``req``: free what it holds (once a read into it has ended)."""
-        self._stop_receiving(req)
-        if req in self.copying:
-            self.dropped.add(req)
-        else:
-            self.dispatcher.drop(req)
-
-    def _fail(self, req: Request, exc: V2Error) -> None:
-        """Fail a request this door holds (its inputs could not be read) and free its space."""
-        call = self.pending[req]
-        self.drop(req)
-        del self.pending[req]
-        call.failed(exc)
-
-    def _stop_receiving(self, req: Request) -> None:
-        if req in self.receiving:
-            self.receiving.discard(req)
-            call = self.pending.get(req)
-            if call is not None and call.request.body is not None:
-                call.request.body.abort()
-
-    def answer(self, req: Request, answer: Answer) -> None:
-        if req in self.receiving:  # answered before its body was all in: no byte more lands in its space
-            self._stop_receiving(req)
-        call = self.pending.pop(req, None)
-        if call is None:  # its caller gave up (cancelled) meanwhile
-            if isinstance(answer, Outputs) and answer.in_arena:
-                self.dispatcher.release(req)
-            return
-        call.answered(answer)
-
-    def cancel(self, req: Request) -> None:
-        """``req``'s caller gives up on it (its connection is gone, its RPC cancelled)."""
-        if self.pending.pop(req, None) is not None:
-            self.drop(req)
-
-    def close(self) -> None:
-        for call in list(self.pending.values()):
-            call.cancel()
-        self.receiving.clear()
-
-    def abort(self, exc: Exception) -> None:
-        """``Door.abort``: see the class docstring."""
-        if self.on_abort is not None:
-            self.on_abort(exc)
-        for req in list(self.pending):
-            if req in self.pending:
-                self._fail(req, V2Error(ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__}): "
-                                                            f"see the server's log"))
-
-
-class InferCall:
-    """One v2 infer request on its way (``V2Service.start``): what it holds until it ends (the
-    regions its inputs and outputs name, its place in the uid's count) and whom to tell.  It ends
-    exactly once: ``done(result, None)``, ``done(None, error)``, or ``cancel()`` (nobody is told).
-    A region a thread still reads or writes for it stays held until the thread is done."""
-
-    __slots__ = ("service", "caller", "request", "wanted", "req", "sources", "held", "outputs", "done", "ended",
-                 "writing")
-
-    def __init__(self, service: "V2Service", caller: Caller, request: InferRequest, done):
-        self.service, self.caller, self.request, self.done = service, caller, request, done
-        self.wanted = self.req = self.writing = None
-        self.sources: list | tuple = []
-        self.held: list = []  # every region taken for it (given back once, when it ends)
-        self.outputs: dict = {}  # output name -> the region it is written into
-        self.ended = False
-
-    def answered(self, answer: Answer) -> None:
-        """The dispatcher's one answer (through the door)."""
-        if isinstance(answer, Failure):
-            self._end(None, V2Error(answer.code, answer.message))
-            return
-        service, req = self.service, self.req
-        service.count_items(self)
-        release = (lambda: service.dispatcher.release(req)) if answer.in_arena else None
-        try:
-            result, writes = service._result(self, answer)
-        except Exception as exc:  # a region that cannot take an output, or our bug: its answer is an error
-            if release is not None:
-                release()
-            self._end(None, _internal(exc, "writing the answer"))
-            return
-        result.releaser = release
-        if not writes:
-            self._end(result, None)
-            return
-        self.writing = asyncio.get_running_loop().run_in_executor(None, _write_regions, writes)  # large: a thread
-        self.writing.add_done_callback(lambda job: self._written(result, job))
-
-    def _written(self, result: InferResult, job: asyncio.Future) -> None:
-        self.writing = None
-        exc = job.exception()
-        if exc is None and not self.ended:
-            self._end(result, None)
-            return
-        result.release()
-        if not self.ended:
-            self._end(None, _internal(exc, "writing a region"))
-
-    def failed(self, error: V2Error) -> None:
-        """Its inputs could not be read (the door has freed its space)."""
-        self._end(None, error)
-
-    def _end(self, result: InferResult | None, error: V2Error | None) -> None:
-        if self.ended:
-            if result is not None:
-                result.release()
-            return
-        self.let_go()
-        self.done(result, error)
-
-    def cancel(self) -> None:
-        """Nobody waits for the answer any more: let go of everything."""
-        if self.ended:
-            return
-        busy = self.writing
-        if self.req is not None:
-            door = self.caller.door
-            door.cancel(self.req)
-            busy = door.copying.get(self.req) or busy
-        if busy is not None:  # a thread uses its regions: they stay registered until it ends
-            held, self.held = self.held, []
-            busy.add_done_callback(lambda job: self.service._give_back(held))
-        self.let_go()
-
-    def let_go(self) -> None:
-        self.ended = True
-        self.service._give_back(self.held)
-        self.held = []
-        self.service.ledger.give_request(self.caller.identity)
-
-
-OFFLOAD_BYTES = 1 << 20  # a region copy this large runs on a thread (pread and pwrite let go of the GIL)
-
-
-def _internal(exc: BaseException, doing: str) -> V2Error:
-    """``exc`` as a request's error: a V2Error as it is; anything else is our fault, logged with its
-    traceback and answered INTERNAL."""
-    if isinstance(exc, V2Error):
-        return exc
-    log.error("v2: %s failed", doing, exc_info=exc)
-    return V2Error(ErrorCode.INTERNAL, f"{doing} failed ({type(exc).__name__}): see the server's log")
-
-
-def _read_regions(reads: list) -> None:
-    for sink, (region, ref, what) in reads:
-        SystemShm.read_into(region, ref, sink, what)
-
-
-def _write_regions(writes: list) -> None:
-    for region, ref, view, what in writes:
-        SystemShm.write_from(region, ref, view, what)
-
-
 def rate_caller(identity: Identity) -> RateCaller:
     """``identity`` as rate limits see it: a Unix-socket peer is its uid (the same caller as on the
     native socket), a token holder its token and role, the anonymous caller one caller."""
@@ -541,7 +278,9 @@ class V2Service:
         self.auth = auth
         self.ledger = ledger if ledger is not None else Ledger(lambda: 1 << 20, lambda: 1 << 40)
         self.doors: set[V2Door] = set()
-        self.labels: dict[tuple[str, int], tuple[str, ...]] = {}  # (model, version) -> its class labels
+        self.catalog = Catalog(models, status)  # the read-only half: metadata, repository index, statistics
+        self.inference = Inference(dispatcher=dispatcher, models=models, status=status, shm=shm, ledger=self.ledger,
+                                   catalog=self.catalog)  # infer requests on their way
         self.started = True
         self.rate = RateLimiter()  # per-caller rate limits: the server shares the Unix door's
 
@@ -568,7 +307,7 @@ class V2Service:
 
     def open_door(self) -> "V2Door":
         """The bookkeeping of a new connection (HTTP) or peer (gRPC): its requests in flight."""
-        door = V2Door(self)
+        door = V2Door(self.inference)
         self.doors.add(door)
         return door
 
@@ -582,7 +321,7 @@ class V2Service:
         """V2Error PERMISSION_DENIED unless ``caller`` may run ``op`` (``auth.SCOPE_OF``)."""
         self.auth.check(caller.identity, op)
 
-    # -- health and metadata -------------------------------------------------------------
+    # -- health and metadata (the catalog's, but for health) -----------------------------
 
     def live(self) -> bool:
         return not self.dispatcher.stopping
@@ -595,129 +334,29 @@ class V2Service:
         """``{"name": "shmserve", "version": ..., "extensions": [...]}``."""
         return {"name": "shmserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
-    def _version(self, name: str, version: str | None) -> ModelState:
-        """The version a metadata call names (None: the default, or the newest loaded).  V2Error
-        in Triton's words (``unknown_model``) for a model or version that does not exist."""
-        model = self.models.get(name)
-        if model is None or not model.versions:
-            raise unknown_model(name)
-        number = version_number(name, version)
-        if number is None:
-            number = model.default if model.default is not None else max(model.versions)
-        v = model.versions.get(number)
-        if v is None:
-            raise unknown_model(name, number)
-        return v
-
-    def _refusal(self, exc: ShmserveError, request: InferRequest) -> V2Error:
-        """The dispatcher's refusal of ``request`` as a V2Error: a model or version it cannot
-        serve in Triton's words (``triton_unavailable``), anything else as it is."""
-        if exc.code in (ErrorCode.UNKNOWN_MODEL, ErrorCode.MODEL_UNAVAILABLE):
-            return triton_unavailable(self.models.get(request.model), request.model,
-                                      version_number(request.model, request.version), exc)
-        return _error(exc)
-
     def model_metadata(self, name: str, version: str | None) -> dict:
-        """``{"name", "versions": [str], "platform", "inputs": [{"name", "datatype", "shape"}],
-        "outputs": [...]}``; variable dimensions are -1.  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE
-        (a version never loaded: its tensors are not known yet)."""
-        v = self._version(name, version)
-        spec = v.spec
-        if spec is None:
-            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded: "
-                                                       f"its inputs and outputs are not known yet")
-        model = self.models.get(name)
-
-        def tensors(ts):
-            return [{"name": t.name, "datatype": V2_NAMES.get(t.dtype, t.dtype.upper()),
-                     "shape": [d if isinstance(d, int) else -1 for d in t.shape]} for t in ts]
-
-        return {"name": name, "versions": [str(n) for n in sorted(model.versions)
-                                           if model.versions[n].phase == SERVING],
-                "platform": PLATFORMS.get(v.config.backend, (v.config.backend,) * 2)[1],
-                "inputs": tensors(spec.inputs), "outputs": tensors(spec.outputs)}
+        """``Catalog.model_metadata``."""
+        return self.catalog.model_metadata(name, version)
 
     def raw_input(self, name: str, version: str | None):
-        """The one input of a model a raw binary request names, as that request gives it: a
-        ``TensorSpec`` whose first dimension is 1 when the model's ``max_batch_size`` > 0 (Triton
-        reads the body as a batch of one).  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE (not loaded
-        yet), BAD_INPUT (it has several inputs)."""
-        v = self._version(name, version)
-        if v.spec is None:
-            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded: a raw "
-                                                       "binary request needs its input's shape; send a JSON header")
-        if len(v.spec.inputs) != 1:
-            raise V2Error(ErrorCode.BAD_INPUT, f"[request id: <id_unknown>] Raw request must only have 1 input "
-                                               f"(found 1) to be deduced but got {len(v.spec.inputs)} inputs in "
-                                               f"'{name}' model configuration", "INVALID_ARG")
-        spec_input = v.spec.inputs[0]
-        if v.config.max_batch_size > 0 and spec_input.shape:
-            spec_input = dataclasses.replace(spec_input, shape=(1, *spec_input.shape[1:]))
-        return spec_input
+        """``Catalog.raw_input``."""
+        return self.catalog.raw_input(name, version)
 
     def model_ready(self, name: str, version: str | None) -> bool:
-        """V2Error UNKNOWN_MODEL for a model (or version) that does not exist."""
-        v = self._version(name, version)
-        return v.phase == SERVING and v.state == MODEL_READY
+        """``Catalog.model_ready``."""
+        return self.catalog.model_ready(name, version)
 
     def model_config(self, name: str, version: str | None) -> dict:
-        """Triton's model configuration as JSON.  V2Error UNKNOWN_MODEL, MODEL_UNAVAILABLE."""
-        v = self._version(name, version)
-        spec, cfg = v.spec, v.config
-        if spec is None:
-            raise V2Error(ErrorCode.MODEL_UNAVAILABLE, f"model {name!r} version {v.version} is not loaded")
-        batch = cfg.max_batch_size
+        """``Catalog.model_config``."""
+        return self.catalog.model_config(name, version)
 
-        def tensors(ts):
-            out = []
-            for t in ts:
-                dims = [d if isinstance(d, int) else -1 for d in t.shape]
-                if batch and dims:
-                    dims = dims[1:]  # Triton leaves the batch dimension out when max_batch_size > 0
-                dtype = V2_NAMES.get(t.dtype, t.dtype.upper())
-                out.append({"name": t.name, "data_type": "TYPE_STRING" if dtype == "BYTES" else f"TYPE_{dtype}",
-                            "dims": dims})
-            return out
-
-        backend, platform = PLATFORMS.get(cfg.backend, (cfg.backend,) * 2)
-        config = {"name": name, "platform": platform, "backend": backend, "max_batch_size": batch,
-                  "version_policy": {"specific": {"versions": [v.version]}},
-                  "input": tensors(spec.inputs), "output": tensors(spec.outputs),
-                  "instance_group": [{"name": f"{name}_{v.version}", "count": cfg.instances,
-                                      "kind": "KIND_CPU" if cfg.device == "cpu" else "KIND_GPU",
-                                      **({"gpus": [int(d.partition(":")[2] or 0) for d in cfg.placement_devices]}
-                                         if cfg.device != "cpu" else {})}]}
-        if batch:
-            config["dynamic_batching"] = {"preferred_batch_size": list(cfg.preferred_batch_sizes),
-                                          "max_queue_delay_microseconds": cfg.max_queue_delay_us}
-        return config
-
-    # -- inference -----------------------------------------------------------------------
+    # -- inference (``Inference``'s, once the caller may) ------------------------------------
 
     def start(self, caller: Caller, request: InferRequest, done) -> InferCall:
-        """Serve one request through the dispatcher; ``done(result, None)`` or ``done(None,
-        error)`` is called once it is answered (maybe before this returns), unless the returned
-        call is cancelled first.  Inputs with ``shm`` are read from the caller's registered
-        region, inputs whose data is ``Incoming`` are received by ``request.body``; outputs asked
-        for with ``shm`` are written into one (their ``OutputTensor.data`` is then None).  Other
-        outputs' data are views of the arena: the door calls ``result.release()`` once it has
-        sent or copied them.
-
-        Raises V2Error (the request is refused and holds nothing): every code the dispatcher
-        refuses a request with, plus OVERLOADED (``max_inflight_per_uid``), BAD_INPUT (an
-        unknown or duplicate input or output, data of the wrong size), BAD_DTYPE (an unknown
-        datatype), BAD_SHAPE (a negative dimension), BAD_REGION (no such region for this caller,
-        offset or size outside it), TOO_LARGE.  ``done``'s error: every code a request can fail
-        with, plus BAD_REGION (an output larger than its region, a region shrunk under it)."""
+        """``Inference.start``, for a caller that may infer.  V2Error PERMISSION_DENIED, and as
+        ``Inference.start`` says."""
         self._need(caller, "infer")
-        self.ledger.take_request(caller.identity)
-        call = InferCall(self, caller, request, done)
-        try:
-            self._submit(call)
-        except BaseException:
-            call.let_go()
-            raise
-        return call
+        return self.inference.start(caller, request, done)
 
     async def infer(self, caller: Caller, request: InferRequest) -> InferResult:
         """``start``, awaited: the result, or the V2Error raised.  Cancelling the awaiting task
@@ -739,132 +378,6 @@ class V2Service:
         except asyncio.CancelledError:
             call.cancel()
             raise
-
-    def _submit(self, call: InferCall) -> None:
-        caller, request = call.caller, call.request
-        door = caller.door
-        known = self._known(request)
-        if known is not None:
-            check_inputs(request, known)
-        metas = _input_metas(request)
-        for t, meta in zip(request.inputs, metas):
-            what = f"input {t.name!r}"
-            nbytes = meta.nbytes
-            if t.shm is not None:
-                if t.shm.byte_size != nbytes:  # Triton reads exactly the tensor's bytes, never a prefix
-                    raise byte_size_mismatch(request, t.name, nbytes, t.shm.byte_size)
-                region = self.shm.take(caller.key, t.shm, nbytes, what)
-                call.held.append(region)
-                if nbytes:
-                    call.sources.append((region, t.shm, what))
-            else:
-                if t.data is None or len(t.data) != nbytes:
-                    raise byte_size_mismatch(request, t.name, nbytes, 0 if t.data is None else len(t.data))
-                if isinstance(t.data, Incoming) and request.body is None:
-                    raise V2Error(ErrorCode.INTERNAL, f"{what}: its bytes have no receiver")
-                if nbytes:
-                    call.sources.append(t.data)
-        call.wanted = self._wanted(request)
-        for o in call.wanted or ():
-            if o.shm is not None:
-                call.outputs[o.name] = region = self.shm.take(caller.key, o.shm, 0, f"output {o.name!r}")
-                call.held.append(region)
-        parsed = protocol.InferRequest(next(door.ids), request.model, metas, request.timeout_s,
-                                       version=version_number(request.model, request.version), key=request.key,
-                                       priority=request.priority)
-        try:
-            call.req = self.dispatcher.submit(door, parsed, payload_bytes=sum(m.nbytes for m in metas))
-        except ShmserveError as exc:
-            raise self._refusal(exc, request) from None
-        door.pending[call.req] = call
-        self.dispatcher.admit(call.req)
-
-    def count_items(self, call: InferCall) -> None:
-        """Count the batch items of ``call``, answered ok, beyond its one request (Triton's
-        ``inference_count`` counts a request of batch 4 as 4): its first input's first dimension
-        when its version's ``max_batch_size`` > 0."""
-        version = call.req.model
-        shape = call.request.inputs[0].shape if call.request.inputs else ()
-        if version.config.max_batch_size > 0 and shape and shape[0] > 1:
-            self.status.batch_items[(version.name, version.version)] += shape[0] - 1
-
-    def _give_back(self, regions: list) -> None:
-        for region in regions:
-            self.shm.give_back(region)
-
-    def _wanted(self, request: InferRequest):
-        if request.outputs is None:
-            return None
-        names = set()
-        for o in request.outputs:
-            if o.name in names:
-                raise V2Error(ErrorCode.BAD_INPUT, f"output '{o.name}' already exists in request", "INVALID_ARG")
-            names.add(o.name)
-        v = self._known(request)
-        if v is not None:
-            known = {t.name for t in v.spec.outputs}
-            for o in request.outputs:
-                if o.name not in known:
-                    raise unexpected_output(request.model, o.name)
-        return request.outputs
-
-    def _known(self, request: InferRequest) -> ModelState | None:
-        """The version whose spec a request is checked against in Triton's words before the
-        dispatcher sees it: the version it names, else the model's default; None when that is
-        not known yet (never loaded: the dispatcher checks it once it is) or does not exist (the
-        dispatcher refuses it: ``_refusal``)."""
-        model = self.models.get(request.model)
-        if model is None:
-            return None
-        try:
-            number = version_number(request.model, request.version)
-        except V2Error:
-            return None
-        v = model.versions.get(number if number is not None else model.default)
-        return v if v is not None and v.spec is not None else None
-
-    def _result(self, call: InferCall, answer: Outputs) -> tuple[InferResult, list]:
-        """The result of ``answer`` in the order asked for, and the region writes of its
-        shared-memory outputs still to make (done here when small; large ones are left for a
-        thread: ``(region, ref, view, what)``)."""
-        request, wanted = call.request, call.wanted
-        by_name = {o.name: o for o in answer.outputs}
-        order = [(o.name, o) for o in wanted] if wanted is not None else [(o.name, None) for o in answer.outputs]
-        out, writes = [], []
-        for name, asked in order:
-            o = by_name.get(name)
-            if o is None:
-                raise unexpected_output(request.model, name)
-            datatype = V2_NAMES.get(o.dtype, o.dtype.upper())
-            if asked is not None and asked.shm is not None:
-                what = f"output {name!r}"
-                SystemShm.fits(asked.shm, o.nbytes, what)
-                region = call.outputs[name]  # held by the call since it was submitted
-                if o.nbytes >= OFFLOAD_BYTES:
-                    writes.append((region, asked.shm, o.view, what))
-                elif o.nbytes:
-                    SystemShm.write_from(region, asked.shm, o.view, what)
-                out.append(OutputTensor(name, datatype, tuple(o.shape), None,
-                                        ShmRef(asked.shm.region, o.nbytes, asked.shm.offset), asked.binary))
-            elif asked is not None and asked.classification:
-                version = call.req.model
-                shape, data = classify.top_k(datatype, tuple(o.shape), o.view, asked.classification,
-                                             version.config.max_batch_size > 0, self._labels(version),
-                                             f"output {name!r}")
-                out.append(OutputTensor(name, "BYTES", shape, data, None, bool(asked.binary)))
-            else:
-                # As Triton's server: an output the request lists is binary only if its own
-                # binary_data says so; binary_data_output is the form of those it does not list.
-                out.append(OutputTensor(name, datatype, tuple(o.shape), o.view if o.nbytes else b"",
-                                        None, bool(asked.binary) if asked is not None else None))
-        return InferResult(request.model, str(call.req.model.version), request.id, out), writes
-
-    def _labels(self, version: ModelState) -> tuple[str, ...]:
-        """A version's class labels (``classify.read_labels``), read once."""
-        labels = self.labels.get((version.name, version.version))
-        if labels is None:
-            labels = self.labels[(version.name, version.version)] = classify.read_labels(version.config)
-        return labels
 
     # -- system shared memory ------------------------------------------------------------
 
@@ -910,18 +423,10 @@ class V2Service:
     # -- repository and statistics ---------------------------------------------------------
 
     def repository_index(self, caller: Caller, ready_only: bool = False) -> list[dict]:
-        """``[{"name", "version", "state", "reason"}]`` (state READY, UNAVAILABLE, LOADING,
-        UNLOADING).  V2Error PERMISSION_DENIED for a caller not on the admin list."""
+        """``Catalog.repository_index``.  V2Error PERMISSION_DENIED for a caller not on the admin
+        list."""
         self._need(caller, "repository_index")
-        out = []
-        for e in self.status.repository_index()["models"]:
-            phase = e["state"]
-            state = "READY" if phase == MODEL_READY else REPOSITORY_STATES.get(phase, "UNAVAILABLE")
-            if ready_only and state != "READY":
-                continue
-            out.append({"name": e["name"], "version": "" if e["version"] is None else str(e["version"]),
-                        "state": state, "reason": e.get("reason") or ""})
-        return out
+        return self.catalog.repository_index(ready_only)
 
     def _control_version(self, name: str, parameters: dict | None) -> int | None:
         parameters = parameters or {}
@@ -945,7 +450,7 @@ class V2Service:
         try:
             await self.lifecycle.load(name, version, None, by=f"{caller.identity.who} (v2)")
         except ShmserveError as exc:
-            raise _error(exc) from None
+            raise v2_error(exc) from None
 
     async def repository_unload(self, caller: Caller, name: str, parameters: dict | None = None) -> None:
         """Unload every loaded version of ``name`` (or ``parameters["version"]``).  V2Error
@@ -956,7 +461,7 @@ class V2Service:
         try:
             await self.lifecycle.unload(name, version, by=f"{caller.identity.who} (v2)")
         except ShmserveError as exc:
-            raise _error(exc) from None
+            raise v2_error(exc) from None
 
     @staticmethod
     def _check_name(name: str) -> None:
@@ -966,69 +471,6 @@ class V2Service:
             raise V2Error(ErrorCode.BAD_INPUT, exc.message) from None
 
     def statistics(self, caller: Caller, name: str | None, version: str | None) -> dict:
-        """Triton's statistics: ``{"model_stats": [{"name", "version", "last_inference",
-        "inference_count", "execution_count", "inference_stats": {"success", "fail", "queue",
-        "compute_input", "compute_infer", "compute_output": {"count", "ns"}}, "batch_stats":
-        []}]}`` from the counters and histograms the server keeps (``triton_counts``).  V2Error
-        UNKNOWN_MODEL."""
+        """``Catalog.statistics``.  V2Error PERMISSION_DENIED, UNKNOWN_MODEL."""
         self._need(caller, "statistics")
-        if name:
-            versions = [self._version(name, version)] if version else \
-                [v for v in self.models.versions() if v.name == name]
-            if not versions:
-                raise unknown_model(name)
-        else:
-            versions = self.models.versions()
-        snap = self.status.snapshot()
-        by_version = {(m.name, m.version): m for m in snap.models}
-        now_wall, now_mono = time.time(), time.monotonic()
-        stats = []
-        for v in versions:
-            m = by_version.get((v.name, v.version))
-            counts = triton_counts(snap, m) if m is not None else None
-
-            def stage(key, m=m):
-                if m is None:
-                    return {"count": 0, "ns": 0}
-                buckets, total_us = m.histograms[key]
-                return {"count": sum(buckets), "ns": int(total_us * 1000)}
-
-            stats.append({
-                "name": v.name, "version": str(v.version),
-                "last_inference": int((now_wall - (now_mono - v.last_used)) * 1000) if v.last_used else 0,
-                "inference_count": counts.items if counts else 0,
-                "execution_count": counts.executions if counts else 0,
-                "inference_stats": {"success": {"count": counts.success if counts else 0, "ns": stage("total")["ns"]},
-                                    "fail": {"count": counts.failure if counts else 0, "ns": 0},
-                                    "queue": stage("queue"), "compute_input": stage("copy_in"),
-                                    "compute_infer": stage("compute"), "compute_output": stage("copy_out")},
-                "batch_stats": []})
-        return {"model_stats": stats}
-
-
-def _input_metas(request: InferRequest) -> tuple[protocol.TensorMeta, ...]:
-    """The dispatcher's descriptions of a request's inputs, checked by the native protocol's own
-    rules (names, counts, ranks, dimension sizes; one owner of them).  V2Error BAD_INPUT,
-    BAD_DTYPE, BAD_SHAPE, BAD_FRAME (timeout, model name)."""
-    items = []
-    for t in request.inputs:
-        dtype = DATATYPES.get(t.datatype)
-        if dtype is None:
-            raise V2Error(ErrorCode.BAD_DTYPE, f"input {str(t.name)[:64]!r}: unknown datatype "
-                                               f"{str(t.datatype)[:20]!r} (one of {', '.join(DATATYPES)})")
-        item = {"name": t.name, "dtype": dtype, "shape": list(t.shape)}
-        if dtype not in FIXED_DTYPES:  # BYTES: its size is its data's
-            item["nbytes"] = t.shm.byte_size if t.shm is not None else len(t.data or b"")
-        items.append(item)
-    timeout = request.timeout_s
-    try:
-        protocol.parse_name(request.model, "the model name")
-        if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout <= protocol.MAX_TIMEOUT_S):
-            raise protocol.ProtocolViolation(ErrorCode.BAD_FRAME, f"the timeout must be in (0, "
-                                                                  f"{protocol.MAX_TIMEOUT_S}] seconds")
-        return protocol.parse_tensor_list(items, "inputs", with_offset=False)
-    except protocol.ProtocolViolation as exc:
-        raise V2Error(exc.code, exc.message) from None
-
-
-FIXED_DTYPES = frozenset(dtype for datatype, dtype in DATATYPES.items() if datatype in ITEMSIZE)
+        return self.catalog.statistics(name, version)

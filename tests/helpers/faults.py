@@ -21,7 +21,7 @@ unix.answer        ``ClientConnection.answer``                         InjectedF
 http.waiting       ``V2Door.waiting`` of an HTTP caller                InjectedFault
 http.admitted      ``V2Door.admitted`` of an HTTP caller               InjectedFault
 http.answer        ``V2Door.answer`` of an HTTP caller                 InjectedFault
-http.fill          ``HttpConnection.fill`` (``BodyReceiver``)          InjectedFault
+http.fill          ``BodyStream.fill`` (``BodyReceiver``)              InjectedFault
 http.done          ``HttpConnection._infer_done`` (its answer)         InjectedFault
 grpc.waiting       ``V2Door.waiting`` of a gRPC caller                 InjectedFault
 grpc.admitted      ``V2Door.admitted`` of a gRPC caller                InjectedFault
@@ -52,7 +52,7 @@ class InjectedFault(Exception):
 def _target(point: str):
     """(class, method name, predicate on the instance or None, exception factory) of ``point``."""
     from shmserve.frontend.unix import ClientConnection
-    from shmserve.v2.http import HttpConnection
+    from shmserve.v2.http import BodyStream, HttpConnection
     from shmserve.v2.service import V2Door
     from shmserve.v2.sysshm import SystemShm
 
@@ -64,7 +64,7 @@ def _target(point: str):
         http = door == "http"
         return V2Door, method, (lambda d: (d.on_abort is not None) == http), fault
     if point == "http.fill":
-        return HttpConnection, "fill", None, fault
+        return BodyStream, "fill", None, fault
     if point == "http.done":
         return HttpConnection, "_infer_done", None, fault
     if point == "sysshm.read":
