@@ -13,7 +13,9 @@ here: OMP_NUM_THREADS=1 for this process and the server it starts):
                                backend's own part, its adapter called in this process into memory
                                of its own, against the bare call; and each model's ``compute``
                                stage in its worker (the backend's call and its output copies, the
-                               mean over the round, from the arena's histograms)
+                               mean over the round, from the arena's histograms); then each
+                               model's lane calls in parts, from their slots' stamps (p50: the
+                               worker's claim, decode, compute, finish, the client's wake)
   after a sleep                the bare calls and the adapters of the small models again, each
                                call made after this thread slept ``--sleep-us`` (not timed): a
                                call met as a worker meets its requests, after waiting for them
@@ -179,6 +181,43 @@ def after_sleep(cases: dict, calls: int, sleep_s: float, cpu: int | None) -> dic
     return samples
 
 
+LANE_STAGES = ("claim", "decode", "compute", "finish", "client")  # between the slot's stamps, and DONE to read
+
+
+def lane_stages(calls: dict, n: int, cpu: int | None) -> dict[str, dict[str, float]]:
+    """The p50 (µs) of each part of ``n`` lane calls (``ZeroCopyCall``s by model, each model's back to back),
+    from the stamps in each call's lane slot, read just before the client frees it: ready to
+    claimed (``claim``: the worker's wait and wake-up), claimed to compute start (``decode``), the
+    backend's call with its output copies (``compute``), compute end to DONE (``finish``), DONE to
+    the client's read (``client``: its wait and wake-up).  ``ClientLane.read`` is wrapped only
+    for this pass, made on CPU ``cpu`` (the client's; None: where it runs)."""
+    from shmserve import lanes, layout
+
+    stamps: list = []
+    read = lanes.ClientLane.read
+
+    def stamped_read(lane, index, generation, *rest):
+        stamps.append((layout.read_stages(lane.buf, layout.LANE.slot_off(index)), time.monotonic_ns()))
+        return read(lane, index, generation, *rest)
+
+    parts: dict[str, list] = {m: [] for m in calls}
+    mine = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    lanes.ClientLane.read = stamped_read
+    try:
+        for model, call in calls.items():
+            for _ in range(n):
+                call.run()
+                (_, ready, claimed, start, end, done), now = stamps.pop()
+                parts[model].append((claimed - ready, start - claimed, end - start, done - end, now - done))
+    finally:
+        lanes.ClientLane.read = read
+        os.sched_setaffinity(0, mine)
+    return {m: {stage: statistics.median(r[i] for r in rows) / 1e3 for i, stage in enumerate(LANE_STAGES)}
+            for m, rows in parts.items()}
+
+
 def compute_means(instance: str, models) -> dict[str, tuple[int, float]]:
     """Each model's workers' ``compute`` stage so far (the backend's call with its output copies,
     timed in the worker): (count, sum in µs), from the arena (``shmserve.inspection``)."""
@@ -319,8 +358,10 @@ def main() -> int:
                     s_heavy = interleaved(heavy, args.heavy_rounds, args.heavy_per_round, SEED + run, warm=3,
                                           cpus=cpus_of(heavy))
                     worker = {m: (after[m][1] - before[m][1]) / max(1, after[m][0] - before[m][0]) for m in calls}
+                    stages = lane_stages({**calls, **heavy_calls}, args.rounds, client_cpu)
                     runs.append({"small": table(s_small, 1e6, "us"), "cold": table(s_cold, 1e6, "us"),
-                                 "heavy": table(s_heavy, 1e3, "ms"), "worker_compute_mean_us": worker})
+                                 "heavy": table(s_heavy, 1e3, "ms"), "worker_compute_mean_us": worker,
+                                 "lane_stages_p50_us": stages})
                     print(f"run {run + 1} of {args.repeat} done", file=sys.stderr)
                 for call in (*calls.values(), *heavy_calls.values()):
                     call.release()
@@ -342,6 +383,10 @@ def main() -> int:
         print(f"| {key}, after a sleep | {value:.1f} |")
     for model, value in summary["worker_compute_mean_us"].items():
         print(f"| worker's compute stage, {model} (mean) | {value:.1f} |")
+    print(f"\na lane call's parts, from its slot's stamps (p50 µs; {args.rounds} calls each per run)\n"
+          f"| model | {' | '.join(LANE_STAGES)} |\n| --- |{' ---: |' * len(LANE_STAGES)}")
+    for model, row in summary["lane_stages_p50_us"].items():
+        print(f"| {model} | {' | '.join(f'{row[stage]:.1f}' for stage in LANE_STAGES)} |")
     print(f"\n~10 ms models, {args.heavy_rounds} rounds x {args.heavy_per_round}\n"
           "| case | p50 ms | p50 over bare (per run) |\n| --- | ---: | ---: |")
     for key, row in summary["heavy"].items():
@@ -382,7 +427,10 @@ def summarize(runs: list[dict]) -> dict:
     cold = {key: statistics.median(r["cold"][key]["p50"] for r in runs) for key in runs[0]["cold"]}
     worker = {m: statistics.median(r["worker_compute_mean_us"][m] for r in runs)
               for m in runs[0]["worker_compute_mean_us"]}
-    return {"small": small, "heavy": heavy, "cold": cold, "worker_compute_mean_us": worker}
+    stages = {m: {stage: statistics.median(r["lane_stages_p50_us"][m][stage] for r in runs) for stage in LANE_STAGES}
+              for m in runs[0].get("lane_stages_p50_us", {})}
+    return {"small": small, "heavy": heavy, "cold": cold, "worker_compute_mean_us": worker,
+            "lane_stages_p50_us": stages}
 
 
 if __name__ == "__main__":
