@@ -1,5 +1,5 @@
 #!/bin/bash
-# The device run behind docs/performance.md "issue 26's glue: torch and Python backends on the CPU, ~10 ms
+# The device run behind docs/performance.md "Issue 26's glue: the torch and Python backends on the CPU, and ~10 ms
 # models" (2026-12-03): from the repository root on the 16-core H200 host, the wheels its image lacks in .whl/
 # (tools/device_env.sh installs them), $OUT a folder for the JSON.  Under 5 minutes, one call.
 #   tools/bench_glue.py --pin 2 --repeat 3 on this tree: 4 KiB through a lane (zero_copy) and infer for the
