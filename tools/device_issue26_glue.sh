@@ -17,12 +17,12 @@ HERE=$PWD
 quiet() { grep -v -i -E "warn|^ *$|deprecat"; }
 nproc; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null; date -u; git log -1 --format=%h 2>/dev/null
 echo "== glue, this tree, pinned to CPU 2 ($(date -u +%T))"
-timeout 150 python3 tools/bench_glue.py --pin 2 --repeat 3 --json-out "$OUT/glue_after.json" 2>&1 | quiet | tail -40
+timeout 150 python3 tools/bench_glue.py --pin 2 --repeat 3 --json-out "$OUT/glue_after.json" 2>&1 | quiet | tail -70
 if [ -d .ab/glue_before ]; then
     (cd .ab/glue_before && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) \
         || tail -5 "$OUT/before_build.log"
     echo "== glue, the tree before, pinned to CPU 2 ($(date -u +%T))"
     (cd .ab/glue_before && PYTHONPATH=$HERE/.ab/glue_before:${PYTHONPATH:-} timeout 110 python3 \
-        "$HERE/tools/bench_glue.py" --pin 2 --repeat 2 --json-out "$OUT/glue_before.json" 2>&1 | quiet | tail -40)
+        "$HERE/tools/bench_glue.py" --pin 2 --repeat 2 --json-out "$OUT/glue_before.json" 2>&1 | quiet | tail -70)
 fi
 echo "== done ($(date -u +%T))"
