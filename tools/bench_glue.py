@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What the torch (CPU) and Python backends' glue adds over the bare model (issue 26 item 2).
 
-Two measurements, each interleaved in shuffled rounds so the machine's noise falls on every case
-alike, with the bare model run in this process on one thread (as the workers run here:
-OMP_NUM_THREADS=1 for this process and the server it starts):
+Three measurements, the first and last interleaved in shuffled rounds so the machine's noise falls
+on every case alike, with the bare model run in this process on one thread (as the workers run
+here: OMP_NUM_THREADS=1 for this process and the server it starts):
 
   small (4 KiB, uint8[4096])   the Python identity (the floor: a lane's or infer's round trip),
                                a Python ``x + 0`` and a TorchScript ``x + 0``; per path (lane:
@@ -11,12 +11,24 @@ OMP_NUM_THREADS=1 for this process and the server it starts):
                                model's p50 less the identity's on the same path less the bare
                                model's p50 (target, as for ONNX Runtime: at most 5 us); and the
                                backend's own part, its adapter called in this process into memory
-                               of its own, against the bare call
+                               of its own, against the bare call; and each model's ``compute``
+                               stage in its worker (the backend's call and its output copies, the
+                               mean over the round, from the arena's histograms); then each
+                               model's lane calls in parts, from their slots' stamps (p50: the
+                               worker's claim, decode, compute, finish, the client's wake)
+  after a sleep                the bare calls and the adapters of the small models again, each
+                               call made after this thread slept ``--sleep-us`` (not timed): a
+                               call met as a worker meets its requests, after waiting for them
+                               (a worker that sleeps between requests runs its model cold)
   ~10 ms                       a TorchScript conv net of PP-OCRv4 recognition's sizes (float32
-                               [1, 3, 48, 320] in, [1, 40, 6625] out, 1.06 MB) and a Python model
-                               of numpy work sized here to ~10 ms; through a lane, ``Client.infer``
-                               and the socket (``lanes=False``); the overhead is p50 over the bare
-                               p50 (target: at most 1 %)
+                               [1, 3, 48, 320] in, [1, 40, 6625] out, 1.06 MB), a Python model
+                               of numpy work sized here to ~10 ms and a Python model that sleeps
+                               10 ms (the path alone: no CPU work to slow or warm); through a
+                               lane, ``Client.infer`` and the socket (``lanes=False``); the
+                               overhead is p50 over the bare p50 (target: at most 1 %)
+
+``--repeat N`` measures N times against the same server; the tables give the median over the
+runs of each p50 and of each run's glue and overhead (each against the floor of its own run).
 
 With ``--pin N`` every worker runs on CPU N (its model's ``cpus``), the bare models too, and the
 client on CPU N + a quarter of the CPUs (at least 1): on a VM whose vCPUs run the same code at
@@ -24,7 +36,8 @@ different speeds (the H200 host's differ up to 1.8x, docs/gpu.md) only that comp
 with the bare model.
 
 usage: python tools/bench_glue.py [--rounds 20] [--per-round 100] [--heavy-rounds 30]
-                                  [--heavy-per-round 4] [--pin CPU] [--json-out FILE]
+                                  [--heavy-per-round 4] [--repeat 1] [--sleep-us 50] [--pin CPU]
+                                  [--json-out FILE]
 Needs torch.  Prints Markdown tables.
 """
 
@@ -49,6 +62,8 @@ SEED = 20261202
 SMALL = 4096
 IN_SHAPE, STEPS, CLASSES = (1, 3, 48, 320), 40, 6625
 PY_MODELS = '''"""The Python models of tools/bench_glue.py."""
+import time
+
 import numpy as np
 
 ROUNDS = {rounds}
@@ -72,6 +87,16 @@ def heavy(inputs):
 
 heavy.inputs = [{{"name": "x", "dtype": "float32", "shape": [1, 3, 48, 320]}}]
 heavy.outputs = [{{"name": "y", "dtype": "float32", "shape": [1, 3, 48, 320]}}]
+
+
+def sleepy(inputs):
+    """10 ms asleep, then its input back: the path's own cost, with no CPU work to slow or warm."""
+    time.sleep(0.010)
+    return {{"y": inputs["x"]}}
+
+
+sleepy.inputs = heavy.inputs
+sleepy.outputs = heavy.outputs
 '''
 
 
@@ -114,9 +139,9 @@ def size_python_heavy(x: np.ndarray, target_s: float = 0.010) -> int:
     return max(1, round(target_s / ((time.perf_counter() - t0) / n)))
 
 
-def config_text(workdir: Path, add: Path, conv: Path, pin: int | None = None) -> str:
+def config_text(instance: str, add: Path, conv: Path, pin: int | None = None) -> str:
     u8 = '[{name = "x", dtype = "uint8", shape = ["n"]}]'
-    text = (f'[server]\ninstance = "glue-{uuid.uuid4().hex[:8]}"\nmax_request_bytes = {64 << 20}\n'
+    text = (f'[server]\ninstance = "{instance}"\nmax_request_bytes = {64 << 20}\n'
             '[[models]]\nname = "identity"\nbackend = "python"\npath = "shmserve.models:identity"\n'
             f'[[models]]\nname = "py_add"\nbackend = "python"\npath = "glue_models:add"\n'
             f'[[models]]\nname = "torch_add"\nbackend = "torch"\npath = "{add}"\ninputs = {u8}\n'
@@ -124,7 +149,8 @@ def config_text(workdir: Path, add: Path, conv: Path, pin: int | None = None) ->
             f'[[models]]\nname = "torch_conv"\nbackend = "torch"\npath = "{conv}"\n'
             f'inputs = [{{name = "x", dtype = "float32", shape = [1, 3, 48, 320]}}]\n'
             f'outputs = [{{name = "y", dtype = "float32", shape = [1, {STEPS}, {CLASSES}]}}]\n'
-            f'[[models]]\nname = "py_heavy"\nbackend = "python"\npath = "glue_models:heavy"\n')
+            f'[[models]]\nname = "py_heavy"\nbackend = "python"\npath = "glue_models:heavy"\n'
+            f'[[models]]\nname = "py_sleep"\nbackend = "python"\npath = "glue_models:sleepy"\n')
     if pin is not None:  # every worker on the CPU the bare models run on
         text = text.replace('[[models]]\n', f'[[models]]\ncpus = "{pin}"\n')
     return text
@@ -135,12 +161,87 @@ def table(samples: dict, scale: float, unit: str) -> dict:
                 "unit": unit} for k, v in samples.items()}
 
 
+def after_sleep(cases: dict, calls: int, sleep_s: float, cpu: int | None) -> dict[str, list[float]]:
+    """Seconds per call of each of ``cases``, each call made after this thread slept ``sleep_s``
+    (the calls alternate): a call met as a worker meets its requests, after waiting for them,
+    its caches cooled by whatever ran meanwhile (the sleep is not timed)."""
+    mine = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    try:
+        for _ in range(calls):
+            for key, f in cases.items():
+                time.sleep(sleep_s)
+                t0 = time.perf_counter()
+                f()
+                samples[key].append(time.perf_counter() - t0)
+    finally:
+        os.sched_setaffinity(0, mine)
+    return samples
+
+
+LANE_STAGES = ("claim", "decode", "compute", "finish", "client")  # between the slot's stamps, and DONE to read
+
+
+def lane_stages(calls: dict, n: int, cpu: int | None) -> dict[str, dict[str, float]]:
+    """The p50 (µs) of each part of ``n`` lane calls (``ZeroCopyCall``s by model, each model's back to back),
+    from the stamps in each call's lane slot, read just before the client frees it: ready to
+    claimed (``claim``: the worker's wait and wake-up), claimed to compute start (``decode``), the
+    backend's call with its output copies (``compute``), compute end to DONE (``finish``), DONE to
+    the client's read (``client``: its wait and wake-up).  ``ClientLane.read`` is wrapped only
+    for this pass, made on CPU ``cpu`` (the client's; None: where it runs)."""
+    from shmserve import lanes, layout
+
+    stamps: list = []
+    read = lanes.ClientLane.read
+
+    def stamped_read(lane, index, generation, *rest):
+        stamps.append((layout.read_stages(lane.buf, layout.LANE.slot_off(index)), time.monotonic_ns()))
+        return read(lane, index, generation, *rest)
+
+    parts: dict[str, list] = {m: [] for m in calls}
+    mine = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    lanes.ClientLane.read = stamped_read
+    try:
+        for model, call in calls.items():
+            for _ in range(n):
+                call.run()
+                (_, ready, claimed, start, end, done), now = stamps.pop()
+                parts[model].append((claimed - ready, start - claimed, end - start, done - end, now - done))
+    finally:
+        lanes.ClientLane.read = read
+        os.sched_setaffinity(0, mine)
+    return {m: {stage: statistics.median(r[i] for r in rows) / 1e3 for i, stage in enumerate(LANE_STAGES)}
+            for m, rows in parts.items()}
+
+
+def compute_means(instance: str, models) -> dict[str, tuple[int, float]]:
+    """Each model's workers' ``compute`` stage so far (the backend's call with its output copies,
+    timed in the worker): (count, sum in µs), from the arena (``shmserve.inspection``)."""
+    from shmserve.inspection import snapshot
+
+    latency = snapshot(instance)["latency_us"]
+    out = {}
+    for model in models:
+        stage = latency.get(model, {}).get("compute") or {}
+        n = stage.get("count") or 0
+        out[model] = (n, (stage.get("mean_us") or 0.0) * n)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=100)
     ap.add_argument("--heavy-rounds", type=int, default=30)
     ap.add_argument("--heavy-per-round", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="measure this many times against the same server; "
+                    "the tables give the median of the runs' p50s and of their per-run glue and overheads")
+    ap.add_argument("--sleep-us", type=float, default=50.0, help="the wait before each 'after a sleep' call "
+                    "(a worker's wait for its next request)")
     ap.add_argument("--pin", type=int, help="pin every worker and the bare models to this CPU, the client to "
                     "N + a quarter of the CPUs (a VM whose vCPUs differ in speed: the fair floor)")
     ap.add_argument("--json-out")
@@ -159,7 +260,8 @@ def main() -> int:
     x_small = rng.integers(0, 255, SMALL, dtype=np.uint8)
     x_img = rng.standard_normal(IN_SHAPE, dtype=np.float32)
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()}
+                    "torch_threads": torch.get_num_threads(), "repeat": args.repeat, "sleep_us": args.sleep_us}
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-glue-") as tmp:
         workdir = Path(tmp)
         add_path, conv_path = build_torch(workdir)
@@ -198,8 +300,9 @@ def main() -> int:
             for value in adapters["py_add"].run({"x": x_ro}).values():
                 np.copyto(out, value, casting="no")
 
+        instance = f"glue-{uuid.uuid4().hex[:8]}"
         cfg_path = workdir / "glue.toml"
-        cfg_path.write_text(config_text(workdir, add_path, conv_path, args.pin))
+        cfg_path.write_text(config_text(instance, add_path, conv_path, args.pin))
         client_cpu = None if args.pin is None else (args.pin + max(1, os.cpu_count() // 4)) % os.cpu_count()
         report["pin"] = {"workers_and_bare": args.pin, "client": client_cpu}
 
@@ -222,64 +325,112 @@ def main() -> int:
                          "bare Python x + 0 (this process)": lambda: glue_models.add({"x": x_small}),
                          "torch backend's run_into (this process)": torch_adapter,
                          "Python backend's run + copy (this process)": py_adapter}
+                cold = dict(small)
                 for name, call in calls.items():
                     small[f"lane, {name}"] = call.run
                     small[f"infer, {name}"] = (lambda n: lambda: c.infer(n, {"x": x_small}))(name)
-                s_small = interleaved(small, args.rounds, args.per_round, SEED, warm=200, cpus=cpus_of(small))
-                for call in calls.values():
-                    call.release()
 
                 ref_conv = bare_torch(torch_conv, t_img)
                 with torch.inference_mode():
                     expect_conv = torch_conv(t_img).numpy()
                 expect_py = glue_models.heavy({"x": x_img})["y"]
                 heavy_calls = {}
-                for name, expect in (("torch_conv", expect_conv), ("py_heavy", expect_py)):
+                for name, expect in (("torch_conv", expect_conv), ("py_heavy", expect_py), ("py_sleep", x_img)):
                     call = c.zero_copy(name, {"x": (IN_SHAPE, np.float32)})
                     call.inputs["x"][...] = x_img
                     np.testing.assert_allclose(call.run()["y"], expect, rtol=1e-5, atol=1e-6)
                     np.testing.assert_allclose(sock.infer(name, {"x": x_img})["y"], expect, rtol=1e-5, atol=1e-6)
                     heavy_calls[name] = call
                 heavy = {"bare torch conv net (this process)": ref_conv,
-                         "bare Python numpy model (this process)": lambda: glue_models.heavy({"x": x_img})}
+                         "bare Python numpy model (this process)": lambda: glue_models.heavy({"x": x_img}),
+                         "bare Python 10 ms sleep (this process)": lambda: glue_models.sleepy({"x": x_img})}
                 for name, call in heavy_calls.items():
                     heavy[f"lane, {name}"] = call.run
                     heavy[f"infer, {name}"] = (lambda n: lambda: c.infer(n, {"x": x_img}))(name)
                     heavy[f"socket, {name}"] = (lambda n: lambda: sock.infer(n, {"x": x_img}))(name)
-                s_heavy = interleaved(heavy, args.heavy_rounds, args.heavy_per_round, SEED, warm=3, cpus=cpus_of(heavy))
-                for call in heavy_calls.values():
+
+                for run in range(args.repeat):
+                    before = compute_means(instance, calls)
+                    s_small = interleaved(small, args.rounds, args.per_round, SEED + run, warm=200,
+                                          cpus=cpus_of(small))
+                    after = compute_means(instance, calls)
+                    s_cold = after_sleep(cold, args.rounds * args.per_round // 2, args.sleep_us / 1e6, args.pin)
+                    s_heavy = interleaved(heavy, args.heavy_rounds, args.heavy_per_round, SEED + run, warm=3,
+                                          cpus=cpus_of(heavy))
+                    worker = {m: (after[m][1] - before[m][1]) / max(1, after[m][0] - before[m][0]) for m in calls}
+                    stages = lane_stages({**calls, **heavy_calls}, args.rounds, client_cpu)
+                    runs.append({"small": table(s_small, 1e6, "us"), "cold": table(s_cold, 1e6, "us"),
+                                 "heavy": table(s_heavy, 1e3, "ms"), "worker_compute_mean_us": worker,
+                                 "lane_stages_p50_us": stages})
+                    print(f"run {run + 1} of {args.repeat} done", file=sys.stderr)
+                for call in (*calls.values(), *heavy_calls.values()):
                     call.release()
         finally:
             proc.terminate()
             proc.wait(30)
-    small_t, heavy_t = table(s_small, 1e6, "us"), table(s_heavy, 1e3, "ms")
-    report.update(small=small_t, heavy=heavy_t, python_heavy_rounds=rounds)
-    p = {k: v["p50"] for k, v in small_t.items()}
-    bare = {"py_add": p["bare Python x + 0 (this process)"], "torch_add": p["bare torch x + 0 (this process)"]}
-    print(f"{report['date']}, {report['cpus']} CPUs, one thread; {args.rounds} rounds x {args.per_round}; "
-          f"pinned: {report['pin']}")
-    print("\n| case (4 KiB) | p50 µs | p90 µs | glue: p50 − identity − bare µs |\n| --- | ---: | ---: | ---: |")
-    for key, row in small_t.items():
-        path, _, model = key.partition(", ")
-        glue = ""
-        if model in bare:
-            glue = f"{row['p50'] - p[f'{path}, identity'] - bare[model]:+.1f}"
-        elif key.startswith("torch backend"):
-            glue = f"{row['p50'] - bare['torch_add']:+.1f} (over the bare call)"
-        elif key.startswith("Python backend"):
-            glue = f"{row['p50'] - bare['py_add']:+.1f} (over the bare call)"
-        print(f"| {key} | {row['p50']:.1f} | {row['p90']:.1f} | {glue} |")
-    h = {k: v["p50"] for k, v in heavy_t.items()}
-    floors = {"torch_conv": h["bare torch conv net (this process)"], "py_heavy": h["bare Python numpy model (this process)"]}
+    report.update(runs=runs, python_heavy_rounds=rounds)
+    report["summary"] = summary = summarize(runs)
+    print(f"{report['date']}, {report['cpus']} CPUs, one thread; {args.repeat} run(s) of {args.rounds} rounds x "
+          f"{args.per_round}; pinned: {report['pin']}; medians over the runs")
+    print("\n| case (4 KiB) | p50 µs | glue: p50 − identity − bare µs (per run) |\n| --- | ---: | ---: |")
+    for key, row in summary["small"].items():
+        per_run = f" ({', '.join(f'{g:+.1f}' for g in row['glue_runs'])})" if row.get("glue_runs") else ""
+        glue = f"{row['glue']:+.1f}{per_run}" if "glue" in row else ""
+        print(f"| {key} | {row['p50']:.1f} | {glue} |")
+    print(f"\nafter a {args.sleep_us:g} µs sleep (this process; a worker's wait) and in the workers\n"
+          "| case (4 KiB) | p50 µs |\n| --- | ---: |")
+    for key, value in summary["cold"].items():
+        print(f"| {key}, after a sleep | {value:.1f} |")
+    for model, value in summary["worker_compute_mean_us"].items():
+        print(f"| worker's compute stage, {model} (mean) | {value:.1f} |")
+    print(f"\na lane call's parts, from its slot's stamps (p50 µs; {args.rounds} calls each per run)\n"
+          f"| model | {' | '.join(LANE_STAGES)} |\n| --- |{' ---: |' * len(LANE_STAGES)}")
+    for model, row in summary["lane_stages_p50_us"].items():
+        print(f"| {model} | {' | '.join(f'{row[stage]:.1f}' for stage in LANE_STAGES)} |")
     print(f"\n~10 ms models, {args.heavy_rounds} rounds x {args.heavy_per_round}\n"
-          "| case | p50 ms | p90 ms | p50 over bare |\n| --- | ---: | ---: | ---: |")
-    for key, row in heavy_t.items():
-        model = key.partition(", ")[2]
-        over = f"{100 * (row['p50'] / floors[model] - 1):+.2f} %" if model in floors else ""
-        print(f"| {key} | {row['p50']:.3f} | {row['p90']:.3f} | {over} |")
+          "| case | p50 ms | p50 over bare (per run) |\n| --- | ---: | ---: |")
+    for key, row in summary["heavy"].items():
+        over = ""
+        if "over" in row:
+            over = f"{row['over']:+.2f} % ({', '.join(f'{o:+.2f}' for o in row['over_runs'])})"
+        print(f"| {key} | {row['p50']:.3f} | {over} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+BARE_SMALL = {"py_add": "bare Python x + 0 (this process)", "torch_add": "bare torch x + 0 (this process)"}
+BARE_HEAVY = {"torch_conv": "bare torch conv net (this process)", "py_heavy": "bare Python numpy model (this process)",
+              "py_sleep": "bare Python 10 ms sleep (this process)"}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the runs: each case's p50, each model's glue (p50 − the identity's p50 on the
+    same path − the bare model's p50, per run) and each ~10 ms case's overhead over its bare
+    model (per run, in %)."""
+    small: dict = {}
+    for key in runs[0]["small"]:
+        path, _, model = key.partition(", ")
+        p50s = [r["small"][key]["p50"] for r in runs]
+        row = small[key] = {"p50": statistics.median(p50s)}
+        if model in BARE_SMALL:
+            glue = [r["small"][key]["p50"] - r["small"][f"{path}, identity"]["p50"] - r["small"][BARE_SMALL[model]]["p50"]
+                    for r in runs]
+            row.update(glue=statistics.median(glue), glue_runs=glue)
+    heavy: dict = {}
+    for key in runs[0]["heavy"]:
+        model = key.partition(", ")[2]
+        row = heavy[key] = {"p50": statistics.median(r["heavy"][key]["p50"] for r in runs)}
+        if model in BARE_HEAVY:
+            over = [100 * (r["heavy"][key]["p50"] / r["heavy"][BARE_HEAVY[model]]["p50"] - 1) for r in runs]
+            row.update(over=statistics.median(over), over_runs=over)
+    cold = {key: statistics.median(r["cold"][key]["p50"] for r in runs) for key in runs[0]["cold"]}
+    worker = {m: statistics.median(r["worker_compute_mean_us"][m] for r in runs)
+              for m in runs[0]["worker_compute_mean_us"]}
+    stages = {m: {stage: statistics.median(r["lane_stages_p50_us"][m][stage] for r in runs) for stage in LANE_STAGES}
+              for m in runs[0].get("lane_stages_p50_us", {})}
+    return {"small": small, "heavy": heavy, "cold": cold, "worker_compute_mean_us": worker,
+            "lane_stages_p50_us": stages}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Owns: loading a torch model, reading what it can of its tensor specs, and
 moving tensors between shared memory and the device in the model's I/O mode:
 
 * CPU: inputs are ``torch.from_numpy`` views of shared memory (no copy);
-  outputs are copied once into the output area.
+  outputs are copied once into the output area, by numpy from the tensor's
+  own memory (``Tensor.numpy``; what numpy cannot take, bfloat16 or a tensor
+  that requires grad, by torch's ``copy_``): ``_run_host``, the whole CPU call.
 * CUDA, ``io_mode = "mapped"``: inputs are CUDA tensors over the device
   address of the page-locked arena (``__cuda_array_interface__``, no copy on
   the host: kernels read through the mapping); outputs are written by the GPU
@@ -286,6 +288,9 @@ class TorchBackend:
         call costs one C call, where ``torch.cuda.stream``'s context costs several Python ones);
         whoever runs other CUDA work on the same thread names its own stream.  The writes are
         asynchronous: ``synchronize`` before reading them."""
+        if self._on_cpu:
+            self._run_host(inputs, allocate)
+            return
         with self._inference(True):
             self._use_stream()
             graph = bucket_of(tuple(inputs[n].shape for n in self._input_names), self._graphs) \
@@ -299,12 +304,55 @@ class TorchBackend:
                 results = self._forward(inputs)
                 self.runs["eager"] += 1
             for name, value in results.items():
-                if not value.is_contiguous():
-                    value = value.contiguous()
-                dtype = self._numpy_dtypes.get(value.dtype)
-                if dtype is None:
-                    dtype = self._numpy_dtypes[value.dtype] = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
-                self._write(value, allocate(name, tuple(value.shape), dtype))
+                self._write_tensor(name, value, allocate)
+
+    def _run_host(self, inputs, allocate) -> None:
+        """``run_into`` for a CPU model: the bare call and a numpy copy of each output.
+
+        Inputs are ``torch.from_numpy`` views (bfloat16: ``_host``); each output is taken as
+        the numpy array over its memory (``Tensor.numpy``, no copy) and copied into its area
+        with ``np.copyto`` (for a batch, each request's rows into its view): the same bytes as
+        torch's ``copy_``, through far less code, which matters most when the call runs cold
+        (a worker between requests; docs/performance.md, "issue 26's glue").  An output numpy
+        cannot take (bfloat16, a tensor that requires grad, a conjugate view) goes through
+        ``_write``."""
+        names = self._input_names or list(inputs)
+        from_numpy = self.torch.from_numpy
+        try:
+            args = [from_numpy(inputs[n]) for n in names]
+        except TypeError:  # a bfloat16 input: its bytes viewed (see the header)
+            args = [self._host(inputs[n]) for n in names]
+        with self._inference(True):
+            out = self._call(*args)
+        del args
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        out_names = self._output_names or [f"output{i}" for i in range(len(out))]
+        if len(out) != len(out_names):
+            raise ValueError(f"model returned {len(out)} outputs, {len(out_names)} declared")
+        self.runs["eager"] += 1
+        for name, value in zip(out_names, out):
+            try:
+                array = value.numpy()
+            except (TypeError, RuntimeError):  # bfloat16, requires grad, conjugate or negative bit
+                with self._inference(True):
+                    self._write_tensor(name, value, allocate)
+                continue
+            dst = allocate(name, array.shape, array.dtype)
+            if type(dst) is RowSplit:
+                for start, stop, view in dst.parts:
+                    np.copyto(view, array[start:stop], casting="no")
+            else:
+                np.copyto(dst, array, casting="no")
+
+    def _write_tensor(self, name: str, value, allocate) -> None:
+        """Write output ``name``'s tensor ``value`` into ``allocate``'s destination through torch
+        (``_write``; the caller holds inference mode)."""
+        if not value.is_contiguous():
+            value = value.contiguous()
+        dtype = self._numpy_dtypes.get(value.dtype)
+        if dtype is None:
+            dtype = self._numpy_dtypes[value.dtype] = layout.numpy_dtype(str(value.dtype).removeprefix("torch."))
+        self._write(value, allocate(name, tuple(value.shape), dtype))
 
     def _capture(self, inputs):
         """Capture the forward pass for ``inputs``' bucket (its static buffers filled from them);
