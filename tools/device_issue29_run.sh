@@ -2,13 +2,16 @@
 # The device runs behind docs/performance.md "Priorities", "Fairness between paths", the lane A/B of the
 # scheduler and docs/doors.md "Measuring" (issues 29 and 25, 2026-12-03): from the repository root on the
 # 16-core GPU host, the wheels its image lacks in .whl/, the tree before the scheduler (b7100ee, `git archive`)
-# in .ab/before, $OUT a folder for the JSON.  Two parts, each within one call:
+# in .ab/b7100ee, $OUT a folder for the JSON.  Two parts, each within one call:
 #   a: the lane round trip before and after, interleaved (1 and 16 clients, 4 KiB), then --priority-mix
 #      and --mix (sleepy 1 ms model, and identity)
 #   b: tools/doors_bench.py (doors 0, 2, 4, 8), the gRPC shared-memory case (1 MiB x 8) and bench_cancel
 #   c: py-spy (carried in .whl) on one worker of each tree under 16 lane clients: where the worker's time goes
 #   d: the lane round trip before and after only, 4 rounds interleaved
-# usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d
+#   e: the lane round trip of every tree in .ab/ (each a `git archive COMMIT shmserve workers setup.py
+#      pyproject.toml __init__.py`, named by its commit) and of this one, 2 rounds interleaved, each run followed
+#      by tools/lane_parts.py (one client's call in parts, from its slot's stamps): which commit cost what, where
+# usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d|e
 set -u
 OUT=${OUT:-/tmp/i29}
 . tools/device_env.sh || exit 1
@@ -17,11 +20,11 @@ nproc; nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 HERE=$PWD
 BENCH="python3 -m shmserve.cli bench"
 if [ "$1" = a ] || [ "$1" = d ]; then
-    (cd .ab/before && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
+    (cd .ab/b7100ee && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
     rounds="1 2 3"; [ "$1" = d ] && rounds="1 2 3 4"
     for round in $rounds; do
         for tree in before after; do
-            root=$HERE; [ $tree = before ] && root=$HERE/.ab/before
+            root=$HERE; [ $tree = before ] && root=$HERE/.ab/b7100ee
             echo "== lane $tree round $round ($(date -u +%T))"
             (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 150 python3 -m shmserve.cli bench --spawn-server \
                 --mode inline --payload 4KiB --clients 1,16 --requests 20000 --json-out "$OUT/lane_${tree}_$round.json" \
@@ -37,10 +40,25 @@ if [ "$1" = a ] || [ "$1" = d ]; then
     echo "== mix, identity ($(date -u +%T))"
     timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --duration 10 \
         --json-out "$OUT/mix_identity.json" 2>/dev/null
+elif [ "$1" = e ]; then
+    trees=$(ls .ab)
+    for t in $trees; do (cd .ab/$t && python3 setup.py -q build_ext --inplace > "$OUT/build_$t.log" 2>&1) || tail -3 "$OUT/build_$t.log"; done
+    for round in 1 2; do
+        for tree in $trees head; do
+            root=$HERE; [ $tree = head ] || root=$HERE/.ab/$tree
+            echo "== lane $tree round $round ($(date -u +%T))"
+            (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 100 python3 -m shmserve.cli bench --spawn-server \
+                --mode inline --payload 4KiB --clients 1,16 --requests 20000 --json-out "$OUT/lane_${tree}_$round.json" \
+                2>/dev/null | grep -E "^\| 4 KiB")
+            echo -n "parts: "
+            (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 60 python3 "$HERE/tools/lane_parts.py" --calls 10000 \
+                2>&1 | tail -1)
+        done
+    done
 elif [ "$1" = c ]; then
-    (cd .ab/before && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
+    (cd .ab/b7100ee && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
     for tree in before after; do
-        root=$HERE; [ $tree = before ] && root=$HERE/.ab/before
+        root=$HERE; [ $tree = before ] && root=$HERE/.ab/b7100ee
         echo "== py-spy $tree ($(date -u +%T))"
         (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 60 python3 -m shmserve.cli bench --spawn-server \
             --mode inline --payload 4KiB --clients 16 --duration 14 2>/dev/null | grep -E "^\| 4 KiB") &
