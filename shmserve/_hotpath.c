@@ -1092,6 +1092,63 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t n)
     return PyLong_FromUnsignedLongLong(index);
 }
 
+/* hotpath.claim_checked: Scheduler.alone's rule (reject), then claim, counted. */
+static PyObject *
+claim_checked(PyObject *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (not_ready() || !nargs("claim_checked", n, 9, 9)) return NULL;
+    table_t t;
+    uint64_t entry, now, timeout_ns, exempt, claimed_off, wait_off;
+    if (table_of(args[1], &t) < 0 || u64_arg(args[2], UINT64_MAX, &entry) < 0 || now_arg(args, n, 3, &now) < 0 ||
+        u64_arg(args[4], UINT64_MAX, &timeout_ns) < 0 || u64_arg(args[5], UINT32_MAX, &exempt) < 0 ||
+        u64_arg(args[7], PY_SSIZE_T_MAX, &claimed_off) < 0 || u64_arg(args[8], PY_SSIZE_T_MAX, &wait_off) < 0)
+        return NULL;
+    uint64_t index = entry & 0xFFFFFFFFu, generation = entry >> 32;
+    if (index >= (uint64_t)t.count) Py_RETURN_NONE; /* hostile or corrupt entry: nothing to answer */
+    Py_buffer view, counters;
+    char *base = export(args[0], &view, 1, table_end(&t));
+    if (base == NULL) return NULL;
+    if (PyObject_GetBuffer(args[6], &counters, PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if ((uint64_t)counters.len < 8 || claimed_off > (uint64_t)counters.len - 8 || wait_off > (uint64_t)counters.len - 8 ||
+        ((uintptr_t)counters.buf + claimed_off) % 8 || ((uintptr_t)counters.buf + wait_off) % 8) {
+        PyErr_Format(PyExc_ValueError, "the counters (at %llu and %llu) lie outside or unaligned in a %zd-byte buffer",
+                     (unsigned long long)claimed_off, (unsigned long long)wait_off, counters.len);
+        goto done;
+    }
+    char *slot = slot_at(base, &t, (Py_ssize_t)index);
+    /* what the slot asks (a lane's client wrote it: a wrong value only hurts its own call) */
+    uint64_t t_ready = get64(slot + K.stages_off + 8 * K.stage_ready), deadline = get64(slot + K.deadline_off);
+    uint32_t flags = get32(slot + K.flags_off);
+    if (deadline && deadline <= now) {
+        result = PyLong_FromLong(-1); /* hotpath.EXPIRED_DEADLINE */
+        goto done;
+    }
+    if (timeout_ns && !(flags & (uint32_t)exempt)) {
+        uint64_t since = (t_ready && t_ready <= now) ? t_ready : now;
+        if (since + timeout_ns >= since && since + timeout_ns <= now) { /* (a sum that wraps is past any now) */
+            result = PyLong_FromLong(-2); /* hotpath.EXPIRED_QUEUE */
+            goto done;
+        }
+    }
+    if (!cas64(slot + K.status_off, pack(generation, K.st_ready), pack(generation, K.st_running))) {
+        Py_INCREF(Py_None); /* failed or reused meanwhile */
+        result = Py_None;
+        goto done;
+    }
+    put64(slot + K.stages_off + 8 * K.stage_claimed, now);
+    add64((char *)counters.buf + claimed_off, 1);
+    if (t_ready && t_ready < now) add64((char *)counters.buf + wait_off, (now - t_ready) / 1000);
+    result = PyLong_FromUnsignedLongLong(index);
+done:
+    PyBuffer_Release(&counters);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyObject *
 decode_lane(PyObject *self, PyObject *const *args, Py_ssize_t n)
 {
@@ -1384,6 +1441,7 @@ static PyMethodDef methods[] = {
      "hotpath.wait_slice, compiled: spins and sleeps with the GIL released."},
     {"read", (PyCFunction)(void (*)(void))lane_read, METH_FASTCALL, "hotpath.read, compiled."},
     {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL, "hotpath.claim, compiled."},
+    {"claim_checked", (PyCFunction)(void (*)(void))claim_checked, METH_FASTCALL, "hotpath.claim_checked, compiled."},
     {"decode_lane", (PyCFunction)(void (*)(void))decode_lane, METH_FASTCALL, "hotpath.decode_lane, compiled."},
     {"encode_outputs", (PyCFunction)(void (*)(void))encode_outputs, METH_FASTCALL, "hotpath.encode_outputs, compiled."},
     {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL, "hotpath.publish, compiled."},

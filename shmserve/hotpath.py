@@ -10,7 +10,9 @@ tests run the same calls through each and compare the bytes: ``tests/test_hotpat
 client (lane)   ``submit`` (FREE -> WRITING, descriptors, request, stage times, WRITING ->
                 READY, push, wake the worker), ``wait_slice``, ``finished``, ``read`` (the
                 outputs checked against the output area; DONE | ERROR -> FREE)
-worker          ``claim`` (READY -> RUNNING, t_claimed), ``decode_lane`` (a lane slot's
+worker          ``claim`` (READY -> RUNNING, t_claimed), ``claim_checked`` (the same after the
+                request's deadline and queue timeout are checked, counted as claimed with its
+                wait; the default policy's every request: ``workers.worker``), ``decode_lane`` (a lane slot's
                 request and input descriptors, validated as untrusted), ``encode_outputs``,
                 ``publish`` (error, n_outputs, t_done, RUNNING -> DONE | ERROR, counters,
                 stage histograms, a lane call's outcome, push, wake the lane's client)
@@ -197,6 +199,38 @@ def claim(buf, geometry, entry: int, now: int = 0) -> int | None:
     return index
 
 
+EXPIRED_DEADLINE, EXPIRED_QUEUE = -1, -2  # claim_checked: a request it left unclaimed, and why
+
+
+def claim_checked(buf, geometry, entry: int, now: int, timeout_ns: int, exempt_flags: int,
+                  arena_buf, claimed_off: int, wait_off: int) -> int | None:
+    """``claim`` of a request that nothing else waits beside, checked first as
+    ``shmserve.scheduling.Scheduler.alone`` checks one (that rule, for a policy that rejects):
+    past its slot's ``deadline_ns`` it is EXPIRED_DEADLINE; waited ``timeout_ns`` (0: no queue
+    timeout) since its t_ready (one in the future or 0: now) it is EXPIRED_QUEUE, unless its slot's
+    flags have one of ``exempt_flags`` (``layout.SLOT_FLAG_OWN_TIMEOUT`` where the caller's own
+    timeout wins); either left READY, unclaimed, for the caller to answer TIMEOUT.  Claimed, it is
+    counted: 1 at ``claimed_off`` and its wait (µs from t_ready, if t_ready is in the past) at
+    ``wait_off`` of ``arena_buf`` (u64s), and the slot index is returned.  None as ``claim``: a bad
+    index, or not READY in that generation.  ``now``: the clock (0: read it), t_claimed's too.
+    What a lane slot says is its client's: a wrong deadline only hurts its own call."""
+    index, generation = layout.split_entry(entry)
+    if not 0 <= index < geometry.slot_count:
+        return None  # hostile or corrupt entry: nothing to answer
+    now = now or time.monotonic_ns()
+    t_ready, _, _, deadline, flags = layout.read_slot_schedule(buf, geometry, index)
+    if 0 < deadline <= now:
+        return EXPIRED_DEADLINE
+    if timeout_ns and not flags & exempt_flags and (t_ready if 0 < t_ready <= now else now) + timeout_ns <= now:
+        return EXPIRED_QUEUE
+    if claim(buf, geometry, entry, now) is None:
+        return None
+    atomics.fetch_add64(arena_buf, claimed_off, 1)
+    if 0 < t_ready < now:
+        atomics.fetch_add64(arena_buf, wait_off, (now - t_ready) // 1000)
+    return index
+
+
 def decode_lane(buf, index: int, region: int, floor: int, n_names: int):
     """Claimed lane slot ``index``'s request and input descriptors, every byte untrusted:
     (``layout.SlotRequest``, [(name index, dtype, shape, offset, nbytes)], signature, failure).
@@ -278,7 +312,8 @@ def publish(buf, geometry, index: int, entry: int, n_outputs: int, failure, ring
 
 _CLAIMED = layout.STAGE_FIELDS.index("t_claimed")
 assert layout.LANE_FAULT_CODES == (ErrorCode.MODEL_ERROR, ErrorCode.INTERNAL)
-_NAMES = ("submit", "finished", "wait_slice", "read", "claim", "decode_lane", "encode_outputs", "publish")
+_NAMES = ("submit", "finished", "wait_slice", "read", "claim", "claim_checked", "decode_lane", "encode_outputs",
+          "publish")
 PYTHON = types.SimpleNamespace(name="python", **{name: globals()[name] for name in _NAMES})
 
 _hotpath.configure(layout.hotpath_constants(), states=tuple(int(s) for s in SlotState),

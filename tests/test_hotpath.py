@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from shmserve import _hotpath, hotpath, lanes, layout
 from shmserve.errors import ErrorCode, ShmserveError
+from shmserve.scheduling import Policy, Scheduler
 from shmserve.rings import Ring
 from shmserve.slotstate import SlotState
 
@@ -263,6 +264,72 @@ def test_an_arena_slot_is_claimed_and_published_alike(twin):
         raised = twin.call("publish", "buf", layout.LANE, index, entry, 1, None, "ring", False, "arena", REQUESTS_OFF,
                            ERRORS_OFF, HIST_OFF, NOW + 5000)
         assert raised[:2] == ("raised", "SlotConflict")
+
+
+CLAIMED_OFF, WAIT_OFF = 16, 24  # claim_checked's counters in the twin's arena
+
+
+def status_of(buf, index: int) -> tuple[int, int]:
+    """(generation, state) of lane slot ``index``."""
+    off = layout.LANE.slot_off(index) + layout.SLOT.offset("status")
+    return layout.unpack_status(int.from_bytes(buf[off:off + 8], "little"))
+times = st.one_of(st.integers(0, 3 * NOW), st.integers(0, 2**64 - 1), st.just(0))
+
+
+@HYPOTHESIS
+@given(data=st.data())
+@fresh
+def test_claim_checked_is_scheduler_alones_rule_then_claim_alike(twin, data):
+    """``claim_checked`` on a slot whose scheduling fields a client wrote (any u64 deadline and
+    t_ready, any flags): both implementations leave the same bytes and counters, and what they
+    decide is ``Scheduler.alone``'s verdict under a rejecting policy of the same queue timeout:
+    expired (deadline or queue timeout: left READY, nothing counted), else claimed (RUNNING at
+    ``now``, counted with its wait) if it is READY in that generation, else None."""
+    t_ready, deadline, now = data.draw(times), data.draw(times), data.draw(st.integers(1, 3 * NOW))
+    flags, own_wins = data.draw(st.integers(0, 2**32 - 1)), data.draw(st.booleans())
+    timeout_us = data.draw(st.one_of(st.just(0), st.integers(0, 2 * NOW // 1000), st.just(2**44)))
+    generation, ready = data.draw(st.integers(0, 4)), data.draw(st.booleans())
+    index = 3
+    off = layout.LANE.slot_off(index)
+    state = SlotState.READY if ready else SlotState.DONE
+    twin.scribble([(off, layout.pack_status(generation, state).to_bytes(8, "little")),
+                   (off + layout.SLOT.offset("flags"), flags.to_bytes(4, "little")),
+                   (off + layout.SLOT.offset("deadline_ns"), deadline.to_bytes(8, "little")),
+                   (off + layout.SLOT.offset("t_ready"), t_ready.to_bytes(8, "little"))])
+    exempt = layout.SLOT_FLAG_OWN_TIMEOUT if own_wins else 0
+    kind, got = twin.call("claim_checked", "buf", layout.LANE, layout.slot_entry(index, 2), now, timeout_us * 1000,
+                          exempt, "arena", CLAIMED_OFF, WAIT_OFF)
+    assert kind == "returned"
+    policy = Policy(default_timeout_us=timeout_us, allow_timeout_override=own_wins)
+    _, why = Scheduler(policy, clock=lambda: now).alone(0, deadline, flags, t_ready)
+    counters = twin.arenas["c"]
+    claimed, waited = (int.from_bytes(counters[o:o + 8], "little") for o in (CLAIMED_OFF, WAIT_OFF))
+    if why:
+        assert got == {"deadline": hotpath.EXPIRED_DEADLINE, "queue timeout": hotpath.EXPIRED_QUEUE}[why]
+        assert status_of(twin.bufs["c"], index) == (generation, state)
+        assert (claimed, waited) == (0, 0)
+    elif ready and generation == 2:
+        assert got == index and status_of(twin.bufs["c"], index) == (2, SlotState.RUNNING)
+        assert layout.read_stages(twin.bufs["c"], off)[2] == now  # t_claimed
+        assert (claimed, waited) == (1, (now - t_ready) // 1000 if 0 < t_ready < now else 0)
+    else:
+        assert got is None and (claimed, waited) == (0, 0)
+
+
+def test_claim_checked_refuses_counters_outside_its_buffer():
+    """The counters' offsets are the worker's, checked all the same: outside the buffer or unaligned,
+    ValueError, and the slot is not claimed."""
+    lane = mmap.mmap(-1, LANE_SIZE)
+    lanes.init_header(lane, 0)
+    lane[layout.LANE.slot_off(0):layout.LANE.slot_off(0) + 8] = layout.pack_status(1, SlotState.READY).to_bytes(8, "little")
+    arena = mmap.mmap(-1, ARENA_SIZE)
+    for claimed_off, wait_off in ((ARENA_SIZE - 4, 0), (0, ARENA_SIZE), (4, 8), (2**63, 0)):
+        with pytest.raises((ValueError, OverflowError)):
+            _hotpath.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, arena, claimed_off, wait_off)
+    assert status_of(lane, 0) == (1, SlotState.READY)
+    assert _hotpath.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, arena, 0, 8) == 0
+    lane.close()
+    arena.close()
 
 
 @pytest.mark.parametrize("wake, rung", [(hotpath.LANE_FUTEX, 1), (True, 1), (hotpath.LANE_EVENTFD, 0)])

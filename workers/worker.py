@@ -53,6 +53,7 @@ CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
+_claim_checked = hotpath.active.claim_checked  # serve_in_turn's claim: compiled, or the reference
 MAX_CALLERS_REMEMBERED = 1 << 16  # in_turn's memory of when each caller was last served, at most
 LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
 
@@ -69,23 +70,27 @@ def caller_key(space: Space, caller: int) -> int:
     return LANE_CALLERS + space.region
 
 
+def gathered_key(space: Space, entry: int) -> int:
+    """The ``caller_key`` of a gathered request (ring ``entry`` of ``space``): a client's lane needs
+    no read; an arena or door-lane slot's caller is read from it (an entry out of range: caller 0)."""
+    if space.is_lane and space.wake != hotpath.LANE_EVENTFD:
+        return LANE_CALLERS + space.region
+    index, caller = entry & 0xFFFFFFFF, 0  # layout.split_entry's index
+    if index < space.geometry.slot_count:
+        caller = layout.read_slot_schedule(space.buf, space.geometry, index)[2]
+    return caller_key(space, caller)
+
+
 def in_turn(work: list[tuple[Space, int]], last_served: dict[int, int]) -> list[tuple[int, Space, int]]:
     """``work`` (gathered: (space, entry)) as (caller key, space, entry) with its callers
     (``caller_key``) in turn: the caller served longest ago first (``last_served``: key -> when it
     was last served, in any increasing count; a caller never served, first of all, in the order
     the callers first appear), its first request, then the next caller's...; then each one's
     second, and so on.  Round after round that is round-robin: a caller's turn does not depend on
-    where its last request fell in a gather.  Each client lane is one caller and needs no read; an
-    arena or door-lane slot's caller is read from it (an entry out of range: caller 0)."""
+    where its last request fell in a gather (each request's caller: ``gathered_key``)."""
     queues: dict[int, list] = {}
     for space, entry in work:
-        if space.is_lane and space.wake != hotpath.LANE_EVENTFD:
-            key = LANE_CALLERS + space.region
-        else:
-            index, caller = entry & 0xFFFFFFFF, 0  # layout.split_entry's index
-            if index < space.geometry.slot_count:
-                caller = layout.read_slot_schedule(space.buf, space.geometry, index)[2]
-            key = caller_key(space, caller)
+        key = gathered_key(space, entry)
         queue = queues.get(key)
         if queue is None:
             queues[key] = [(key, space, entry)]
@@ -233,7 +238,8 @@ class Worker:
                                 and (not config.default_timeout_us or config.timeout_action == "reject"))
         self.round_robin = config.fairness == "callers"
         self._queue_timeout_ns = config.default_timeout_us * 1000  # (serve_in_turn: Scheduler.alone's rule)
-        self._own_timeout_wins = config.allow_timeout_override
+        # a request whose deadline is its caller's own timeout is not held to the queue timeout where that wins
+        self._exempt_flags = layout.SLOT_FLAG_OWN_TIMEOUT if config.allow_timeout_override else 0
         self._last_served: dict[int, int] = {}  # caller key -> when it was last served (``in_turn``)
         self._served = 0
         self._told_demoted = self._told_expired = 0
@@ -268,8 +274,11 @@ class Worker:
                 if self.dropped:
                     self._unmap_dropped()
                 continue
-            if in_turn and not stop and not sched:
-                stop = self.serve_in_turn(work)  # one level, no queue limit, nothing to delay: no scheduler
+            if in_turn and not stop and not sched:  # one level, no queue limit, nothing to delay: no scheduler
+                if len(work) == 1:
+                    self.serve_alone(*work[0])
+                else:
+                    stop = self.serve_in_turn(work)
                 if self.dropped:
                     self._unmap_dropped()
                 if not stop:
@@ -399,20 +408,22 @@ class Worker:
         nothing delayed: ``in_turn_will_do``), its callers in turn (fairness "callers": ``in_turn``,
         the caller served longest ago first; "arrival": as gathered); whether a stop came.  Each is
         checked as ``Scheduler.alone`` checks one (its deadline, the queue timeout: expired, it is
-        answered TIMEOUT unrun), inline: this is every request's path under the default policy.
-        Before the last one of a round it looks for more and serves what came behind it (those
-        served early in the round are back by then).  The round counts as queued at level 1 until
-        it is done; claims, waits and expiries are added to the arena's counters once a round."""
-        buf, last, step = self.buf, self._last_served, self.step
-        claim, serve_claimed, read = step.claim, step.serve_claimed, layout.read_slot_schedule
-        timeout_ns, own = self._queue_timeout_ns, self._own_timeout_wins
+        answered TIMEOUT unrun) and counted as claimed with its wait, in one compiled call
+        (``hotpath.claim_checked``): this is every request's path under the default policy.  A
+        gather of one request is served at once (``_serve_checked``); a round of several counts as
+        queued at level 1 until it is done, and before its last request the worker looks for more
+        and serves what came behind it (those served early in the round are back by then)."""
+        if len(work) == 1:
+            self.serve_alone(*work[0])
+            return False
+        buf, last = self.buf, self._last_served
         if self.round_robin:
             queue = collections.deque(in_turn(work, last))
         else:
             queue = collections.deque((0, space, entry) for space, entry in work)
         held = len(queue)
         atomics.fetch_add64(buf, self._queued_off[1], held)
-        stop, served, claimed, wait_us, expired = False, 0, 0, 0, 0
+        stop, served = False, 0
         try:
             while queue:
                 if served and len(queue) == 1 and not stop and self.pending():
@@ -425,35 +436,45 @@ class Worker:
                 served += 1
                 self._served += 1
                 last[key] = self._served
-                index, now, t_ready = entry & 0xFFFFFFFF, time.monotonic_ns(), 0
-                if index < space.geometry.slot_count:
-                    t_ready, _, _, deadline, flags = read(space.buf, space.geometry, index)
-                    why = "deadline" if 0 < deadline <= now else ""
-                    if not why and timeout_ns and not (own and flags & layout.SLOT_FLAG_OWN_TIMEOUT) \
-                            and (t_ready if 0 < t_ready <= now else now) + timeout_ns <= now:
-                        why = "queue timeout"
-                    if why:
-                        expired += 1
-                        self._answer((space, entry), ErrorCode.TIMEOUT, self.sched.expiry_message(why))
-                        continue
-                index = claim(space, entry)
-                if index is None:  # taken back by its client or the front-end, or a hostile entry
-                    continue
-                claimed += 1
-                if 0 < t_ready < now:
-                    wait_us += (now - t_ready) // 1000
-                serve_claimed(space, entry, index)
+                self._serve_checked(space, entry)
         finally:
             atomics.fetch_add64(buf, self._queued_off[1], -held)
-            if claimed:
-                atomics.fetch_add64(buf, self._claimed_off[1], claimed)
-            if wait_us:
-                atomics.fetch_add64(buf, self._wait_off[1], wait_us)
-            if expired:
-                atomics.fetch_add64(buf, self._expired_off, expired)
             if len(last) > MAX_CALLERS_REMEMBERED:  # connections come and go: forget them all, rarely
                 last.clear()
         return stop
+
+    def serve_alone(self, space: Space, entry: int) -> None:
+        """``serve_in_turn`` of a gather of one request: its caller's turn noted, then
+        ``_serve_checked`` (inline: the path of every request of one client)."""
+        if self.round_robin:
+            self._served += 1
+            self._last_served[gathered_key(space, entry)] = self._served
+        index = _claim_checked(space.buf, space.geometry, entry, 0, self._queue_timeout_ns, self._exempt_flags,
+                               self.buf, self._claimed_off[1], self._wait_off[1])
+        if index is not None:
+            if index >= 0:
+                self.step.serve_claimed(space, entry, index)
+            else:
+                self._expired(space, entry, index)
+
+    def _serve_checked(self, space: Space, entry: int) -> None:
+        """Claim and serve one request of ``serve_in_turn`` (``hotpath.claim_checked``: checked,
+        counted); expired, it is answered TIMEOUT unrun (``_expired``)."""
+        index = _claim_checked(space.buf, space.geometry, entry, 0, self._queue_timeout_ns, self._exempt_flags,
+                               self.buf, self._claimed_off[1], self._wait_off[1])
+        if index is None:  # taken back by its client or the front-end, or a hostile entry
+            return
+        if index < 0:
+            self._expired(space, entry, index)
+            return
+        self.step.serve_claimed(space, entry, index)
+
+    def _expired(self, space: Space, entry: int, why: int) -> None:
+        """Answer TIMEOUT, unrun, a request ``claim_checked`` found expired (``why``: EXPIRED_DEADLINE
+        or EXPIRED_QUEUE), counted in the arena's expired."""
+        atomics.fetch_add64(self.buf, self._expired_off, 1)
+        reason = "deadline" if why == hotpath.EXPIRED_DEADLINE else "queue timeout"
+        self._answer((space, entry), ErrorCode.TIMEOUT, self.sched.expiry_message(reason))
 
     def take(self) -> tuple[Space, int, int] | None:
         """The next request in the scheduler's order, claimed: (space, entry, slot index); None when
