@@ -11,7 +11,10 @@
 #   e: the lane round trip of every tree in .ab/ (each a `git archive COMMIT shmserve workers setup.py
 #      pyproject.toml __init__.py`, named by its commit) and of this one, 2 rounds interleaved, each run followed
 #      by tools/lane_parts.py (one client's call in parts, from its slot's stamps): which commit cost what, where
-# usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d|e
+#   f: tools/lane_pinned.py (every process on a CPU of its own: workers 2 and 3, main 1, clients from 4) on
+#      .ab/b7100ee, .ab/a9df4ac (before the compiled checked claim) and this tree, 6 rounds interleaved; then, with
+#      GLUE=1, tools/device_issue26_glue.sh in the same call
+# usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d|e|f
 set -u
 OUT=${OUT:-/tmp/i29}
 . tools/device_env.sh || exit 1
@@ -55,6 +58,18 @@ elif [ "$1" = e ]; then
                 2>&1 | tail -1)
         done
     done
+elif [ "$1" = f ]; then
+    trees="b7100ee a9df4ac"
+    for t in $trees; do (cd .ab/$t && python3 setup.py -q build_ext --inplace > "$OUT/build_$t.log" 2>&1) || tail -3 "$OUT/build_$t.log"; done
+    for round in 1 2 3 4 5 6; do
+        for tree in $trees head; do
+            root=$HERE; [ $tree = head ] || root=$HERE/.ab/$tree
+            echo -n "$tree round $round ($(date -u +%T)): "
+            (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 60 python3 "$HERE/tools/lane_pinned.py" --calls 20000 \
+                --clients 12 2>&1 | tail -1)
+        done
+    done
+    [ -n "${GLUE:-}" ] && bash tools/device_issue26_glue.sh
 elif [ "$1" = c ]; then
     (cd .ab/b7100ee && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
     for tree in before after; do

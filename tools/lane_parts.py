@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=20000, help="calls measured (default 20000, after 2000 warm-up)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (timeout(1)): the server it starts is stopped
 
     from shmserve import Client, bench, lanes, layout
 

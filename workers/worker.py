@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import struct
 import threading
 import time
 from typing import Callable
@@ -70,14 +71,18 @@ def caller_key(space: Space, caller: int) -> int:
     return LANE_CALLERS + space.region
 
 
+_CALLER = struct.Struct("<I")  # a slot's caller field (layout.SLOT's), read without a call into layout: in_turn's
+_CALLER_OFF, _SLOT_SIZE = layout.SLOT.offset("caller"), layout.SLOT_SIZE  # cost is per request
+
+
 def gathered_key(space: Space, entry: int) -> int:
     """The ``caller_key`` of a gathered request (ring ``entry`` of ``space``): a client's lane needs
     no read; an arena or door-lane slot's caller is read from it (an entry out of range: caller 0)."""
-    if space.is_lane and space.wake != hotpath.LANE_EVENTFD:
+    if space.wake == hotpath.LANE_FUTEX:  # a client's lane
         return LANE_CALLERS + space.region
-    index, caller = entry & 0xFFFFFFFF, 0  # layout.split_entry's index
-    if index < space.geometry.slot_count:
-        caller = layout.read_slot_schedule(space.buf, space.geometry, index)[2]
+    index, g, caller = entry & 0xFFFFFFFF, space.geometry, 0  # layout.split_entry's index
+    if index < g.slot_count:
+        caller = _CALLER.unpack_from(space.buf, g.slot_table_off + index * _SLOT_SIZE + _CALLER_OFF)[0]
     return caller_key(space, caller)
 
 
@@ -88,19 +93,22 @@ def in_turn(work: list[tuple[Space, int]], last_served: dict[int, int]) -> list[
     the callers first appear), its first request, then the next caller's...; then each one's
     second, and so on.  Round after round that is round-robin: a caller's turn does not depend on
     where its last request fell in a gather (each request's caller: ``gathered_key``)."""
+    keyed = [(gathered_key(space, entry), space, entry) for space, entry in work]
+    callers = {item[0] for item in keyed}
+    if len(callers) == 1:
+        return keyed
+    served = last_served.get
+    if len(callers) == len(keyed):  # one request each (the usual round): by when each was served, stable
+        keyed.sort(key=lambda item: served(item[0], -1))
+        return keyed
     queues: dict[int, list] = {}
-    for space, entry in work:
-        key = gathered_key(space, entry)
-        queue = queues.get(key)
+    for item in keyed:
+        queue = queues.get(item[0])
         if queue is None:
-            queues[key] = [(key, space, entry)]
+            queues[item[0]] = [item]
         else:
-            queue.append((key, space, entry))
-    if len(queues) == 1:
-        return next(iter(queues.values()))
-    lists = [queues[k] for k in sorted(queues, key=lambda k: last_served.get(k, -1))]
-    if len(lists) == len(work):
-        return [q[0] for q in lists]
+            queue.append(item)
+    lists = sorted(queues.values(), key=lambda q: served(q[0][0], -1))
     ordered = []
     for i in range(max(map(len, lists))):
         ordered.extend(q[i] for q in lists if i < len(q))
@@ -249,6 +257,8 @@ class Worker:
         self._queued_off = [0, *(layout.sched_level_off(base, level, "queued") for level in levels)]
         self._claimed_off = [0, *(layout.sched_level_off(base, level, "claimed") for level in levels)]
         self._wait_off = [0, *(layout.sched_level_off(base, level, "wait_us") for level in levels)]
+        # hotpath.claim_checked's arguments after the entry and clock (serve_alone, serve_in_turn): level 1's counters
+        self._checks = (self._queue_timeout_ns, self._exempt_flags, self.buf, self._claimed_off[1], self._wait_off[1])
         for level in range(1, layout.SCHED_LEVELS + 1):  # a gauge: what a predecessor in this entry held is gone
             atomics.store64(self.buf, layout.sched_level_off(base, level, "queued"), 0)
 
@@ -410,64 +420,61 @@ class Worker:
         checked as ``Scheduler.alone`` checks one (its deadline, the queue timeout: expired, it is
         answered TIMEOUT unrun) and counted as claimed with its wait, in one compiled call
         (``hotpath.claim_checked``): this is every request's path under the default policy.  A
-        gather of one request is served at once (``_serve_checked``); a round of several counts as
+        gather of one request is served at once (``serve_alone``); a round of several counts as
         queued at level 1 until it is done, and before its last request the worker looks for more
         and serves what came behind it (those served early in the round are back by then)."""
         if len(work) == 1:
             self.serve_alone(*work[0])
             return False
-        buf, last = self.buf, self._last_served
-        if self.round_robin:
+        buf, last, queued_off, round_robin = self.buf, self._last_served, self._queued_off[1], self.round_robin
+        if round_robin:
             queue = collections.deque(in_turn(work, last))
         else:
             queue = collections.deque((0, space, entry) for space, entry in work)
         held = len(queue)
-        atomics.fetch_add64(buf, self._queued_off[1], held)
-        stop, served = False, 0
+        atomics.fetch_add64(buf, queued_off, held)
+        stop, served, turn = False, 0, self._served
+        checks, serve_claimed, pop = self._checks, self.step.serve_claimed, queue.popleft
         try:
             while queue:
                 if served and len(queue) == 1 and not stop and self.pending():
                     more, stop = self.gather()
                     if more:
-                        queue.extend(in_turn(more, last) if self.round_robin else ((0, s, e) for s, e in more))
-                        atomics.fetch_add64(buf, self._queued_off[1], len(more))
+                        queue.extend(in_turn(more, last) if round_robin else ((0, s, e) for s, e in more))
+                        atomics.fetch_add64(buf, queued_off, len(more))
                         held += len(more)
-                key, space, entry = queue.popleft()
+                key, space, entry = pop()
                 served += 1
-                self._served += 1
-                last[key] = self._served
-                self._serve_checked(space, entry)
+                last[key] = turn + served
+                # serve_alone's claim, inline (every request of a busy worker under the default policy)
+                index = _claim_checked(space.buf, space.geometry, entry, 0, *checks)
+                if index is None:  # taken back by its client or the front-end, or a hostile entry
+                    continue
+                if index < 0:
+                    self._expired(space, entry, index)
+                    continue
+                serve_claimed(space, entry, index)
         finally:
-            atomics.fetch_add64(buf, self._queued_off[1], -held)
+            self._served = turn + served
+            atomics.fetch_add64(buf, queued_off, -held)
             if len(last) > MAX_CALLERS_REMEMBERED:  # connections come and go: forget them all, rarely
                 last.clear()
         return stop
 
     def serve_alone(self, space: Space, entry: int) -> None:
-        """``serve_in_turn`` of a gather of one request: its caller's turn noted, then
-        ``_serve_checked`` (inline: the path of every request of one client)."""
+        """``serve_in_turn`` of a gather of one request (the path of every request of one client):
+        its caller's turn noted, then checked, claimed and counted in one compiled call
+        (``hotpath.claim_checked``) and served; not ours (taken back by its client or the
+        front-end, or a hostile entry), nothing; expired, ``_expired``."""
         if self.round_robin:
             self._served += 1
             self._last_served[gathered_key(space, entry)] = self._served
-        index = _claim_checked(space.buf, space.geometry, entry, 0, self._queue_timeout_ns, self._exempt_flags,
-                               self.buf, self._claimed_off[1], self._wait_off[1])
+        index = _claim_checked(space.buf, space.geometry, entry, 0, *self._checks)
         if index is not None:
             if index >= 0:
                 self.step.serve_claimed(space, entry, index)
             else:
                 self._expired(space, entry, index)
-
-    def _serve_checked(self, space: Space, entry: int) -> None:
-        """Claim and serve one request of ``serve_in_turn`` (``hotpath.claim_checked``: checked,
-        counted); expired, it is answered TIMEOUT unrun (``_expired``)."""
-        index = _claim_checked(space.buf, space.geometry, entry, 0, self._queue_timeout_ns, self._exempt_flags,
-                               self.buf, self._claimed_off[1], self._wait_off[1])
-        if index is None:  # taken back by its client or the front-end, or a hostile entry
-            return
-        if index < 0:
-            self._expired(space, entry, index)
-            return
-        self.step.serve_claimed(space, entry, index)
 
     def _expired(self, space: Space, entry: int, why: int) -> None:
         """Answer TIMEOUT, unrun, a request ``claim_checked`` found expired (``why``: EXPIRED_DEADLINE
