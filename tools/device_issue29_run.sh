@@ -13,7 +13,8 @@
 #      by tools/lane_parts.py (one client's call in parts, from its slot's stamps): which commit cost what, where
 #   f: tools/lane_pinned.py (every process on a CPU of its own: workers 2 and 3, main 1, clients from 4) on
 #      .ab/b7100ee, .ab/a9df4ac (before the compiled checked claim) and this tree, 6 rounds interleaved; then, with
-#      GLUE=1, tools/device_issue26_glue.sh in the same call
+#      EXTRA=1, part e's unpinned bench of b7100ee and this tree (2 rounds) and --mix on a 1 ms model; with GLUE=1,
+#      tools/device_issue26_glue.sh, in the same call
 # usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d|e|f
 set -u
 OUT=${OUT:-/tmp/i29}
@@ -69,6 +70,19 @@ elif [ "$1" = f ]; then
                 --clients 12 2>&1 | tail -1)
         done
     done
+    if [ -n "${EXTRA:-}" ]; then
+        for round in 1 2; do
+            for tree in b7100ee head; do
+                root=$HERE; [ $tree = head ] || root=$HERE/.ab/$tree
+                echo "== lane, unpinned, $tree round $round ($(date -u +%T))"
+                (cd "$root" && PYTHONPATH=$root:${PYTHONPATH:-} timeout 100 python3 -m shmserve.cli bench --spawn-server \
+                    --mode inline --payload 4KiB --clients 1,16 --requests 20000 2>/dev/null | grep -E "^\| 4 KiB")
+            done
+        done
+        echo "== mix, 1 ms model ($(date -u +%T))"
+        timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --model-us 1000 --duration 8 \
+            2>/dev/null | tail -8
+    fi
     [ -n "${GLUE:-}" ] && bash tools/device_issue26_glue.sh
 elif [ "$1" = c ]; then
     (cd .ab/b7100ee && python3 setup.py -q build_ext --inplace > "$OUT/before_build.log" 2>&1) || tail -5 "$OUT/before_build.log"
