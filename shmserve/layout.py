@@ -627,6 +627,9 @@ def reset_stages(buf, geometry: "Geometry", index: int, t_acquired: int, t_ready
 
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
+# For the per-request paths that cannot afford a call per field (workers.step's stage times, workers.worker's
+# caller of each gathered request): a slot field's codec, its offset from SLOT.offset; the encoding stays here.
+U64, U32 = _U64, struct.Struct("<I")
 _STAGE_OFFSETS = {stage: SLOT.offset(stage) for stage in STAGE_FIELDS}
 SlotRequest = namedtuple("SlotRequest", "request_id model_id worker n_inputs n_outputs flags out_region out_off "
                                         "out_capacity")
@@ -1234,11 +1237,19 @@ def read_histograms(buf, geometry: Geometry, workers, stage: str) -> tuple[tuple
     return tuple(counts), total
 
 
+def sample_offsets(geometry: Geometry, worker: int, stage: str, value: int) -> tuple[int, int]:
+    """Where ``record_sample`` counts ``value`` (>= 0) in one worker's histogram for ``stage``: (its
+    bucket's counter, the sum), for one who counts the same value often (a worker's runs of one
+    request: ``workers.step``).  LayoutError for a worker out of range."""
+    base = geometry.hist_off(worker, stage)
+    return base + 8 * hist_bucket(value), base + _HIST_SUM
+
+
 def record_sample(buf, geometry: Geometry, worker: int, stage: str, value: int) -> None:
     """Count ``value`` (>= 0) in one worker's histogram for ``stage``."""
-    base = geometry.hist_off(worker, stage)
-    atomics.fetch_add64(buf, base + 8 * hist_bucket(value), 1)
-    atomics.fetch_add64(buf, base + _HIST_SUM, value)
+    bucket, total = sample_offsets(geometry, worker, stage, value)
+    atomics.fetch_add64(buf, bucket, 1)
+    atomics.fetch_add64(buf, total, value)
 
 
 def record_stages(arena_buf, geometry: Geometry, worker: int, slot_buf, slot_off: int) -> None:

@@ -62,7 +62,7 @@ elif [ "$1" = e ]; then
 elif [ "$1" = f ]; then
     trees="b7100ee a9df4ac"
     for t in $trees; do (cd .ab/$t && python3 setup.py -q build_ext --inplace > "$OUT/build_$t.log" 2>&1) || tail -3 "$OUT/build_$t.log"; done
-    for round in 1 2 3 4 5 6; do
+    for round in $(seq 1 ${ROUNDS:-6}); do
         for tree in $trees head; do
             root=$HERE; [ $tree = head ] || root=$HERE/.ab/$tree
             echo -n "$tree round $round ($(date -u +%T)): "

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from shmserve import hotpath, lanes, layout, reservations
+from shmserve._atomics import fetch_add64
 from shmserve.errors import ErrorCode, ShmserveError
 from shmserve.protocol import TensorMeta
 from shmserve.rings import Ring
@@ -46,6 +47,8 @@ LANE_SIGNATURES_MAX = 1024  # input signatures of lane requests remembered as va
 
 _BYTES = layout.BYTES_DTYPE
 _LANE_FUTEX = hotpath.LANE_FUTEX
+_put_u64 = layout.U64.pack_into  # a stage time (layout.stamp's encoding), where run() stamps two a request
+_T_COMPUTE_START, _T_COMPUTE_END = layout.SLOT.offset("t_compute_start"), layout.SLOT.offset("t_compute_end")
 _HOT = hotpath.active  # claim, decode_lane, encode_outputs, publish: compiled, or the reference
 
 
@@ -240,6 +243,8 @@ class Step:
         self._requests_off = entry_off + layout.WORKER.offset("requests")
         self._errors_off = entry_off + layout.WORKER.offset("errors")
         self._hist_off = arena.geometry.hist_off(index, layout.HIST_STAGES[0])
+        # a run of one request in the batch-size histogram (serve_claimed: every unbatched request)
+        self._one_run, self._one_run_sum = layout.sample_offsets(arena.geometry, index, "batch_size", 1)
         self._uncounted = bytearray(64 + layout.HIST_WORKER_SIZE)  # where a short answer's counts go (finish)
         # Hot path: what the adapter states, bound once.
         self._run_into, self._run, self._sync = adapter.run_into, adapter.run, adapter.synchronize
@@ -264,15 +269,16 @@ class Step:
         except Exception as exc:  # a bug here must fail one request, not kill the worker
             n_outputs, failure = 0, worker_failure(exc)
         self.finish(space, entry, index, n_outputs, failure)
-        self.record_batch(1)
+        fetch_add64(self.arena_buf, self._one_run, 1)  # record_batch(1), its offsets bound once
+        fetch_add64(self.arena_buf, self._one_run_sum, 1)
 
     def run(self, space: Space, index: int) -> int:
         """Run the claimed slot ``index``: its outputs placed and described; how many.  RequestFailed
         if it cannot run (its inputs or output area are bad, or the model failed)."""
         slot, inputs = self.decode(space, index)
         placer = self.place(space, index, slot)
-        buf, g = space.buf, space.geometry
-        layout.stamp(buf, g, index, "t_compute_start", time.monotonic_ns())
+        buf, slot_off = space.buf, space.geometry.slot_off(index)
+        _put_u64(buf, slot_off + _T_COMPUTE_START, time.monotonic_ns())  # layout.stamp, inline
         try:
             if self._run_into is not None:  # writes outputs itself (GPU: straight into shared memory)
                 self._run_into(inputs, placer.allocate)
@@ -288,7 +294,7 @@ class Step:
             raise RequestFailed(*model_failure(exc)) from None
         finally:
             del inputs
-        layout.stamp(buf, g, index, "t_compute_end", time.monotonic_ns())
+        _put_u64(buf, slot_off + _T_COMPUTE_END, time.monotonic_ns())
         self._sync()  # a GPU backend's writes must land before the descriptors and DONE
         return placer.finish()
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 import time
 from typing import Callable
@@ -70,8 +69,8 @@ def caller_key(space: Space, caller: int) -> int:
     return LANE_CALLERS + space.region
 
 
-_CALLER = struct.Struct("<I")  # a slot's caller field (layout.SLOT's), read without a call into layout: in_turn's
-_CALLER_OFF, _SLOT_SIZE = layout.SLOT.offset("caller"), layout.SLOT_SIZE  # cost is per request
+_CALLER = layout.U32  # a slot's caller field, read without a call into layout: in_turn's cost is per request
+_CALLER_OFF, _SLOT_SIZE = layout.SLOT.offset("caller"), layout.SLOT_SIZE
 
 
 def gathered_key(space: Space, entry: int) -> int:
