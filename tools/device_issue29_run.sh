@@ -14,7 +14,7 @@
 #   f: tools/lane_pinned.py (every process on a CPU of its own: workers 2 and 3, main 1, clients from 4) on
 #      .ab/b7100ee, .ab/a9df4ac (before the compiled checked claim) and this tree, 6 rounds interleaved; then, with
 #      EXTRA=1, part e's unpinned bench of b7100ee and this tree (2 rounds) and --mix on a 1 ms model; with GLUE=1,
-#      tools/device_issue26_glue.sh, in the same call
+#      tools/device_issue26_glue.sh, in the same call (TREES: the .ab trees, ROUNDS: how many, NOMIX=1: no --mix)
 # usage: OUT=/tmp/i29 bash tools/device_issue29_run.sh a|b|c|d|e|f
 set -u
 OUT=${OUT:-/tmp/i29}
@@ -60,7 +60,7 @@ elif [ "$1" = e ]; then
         done
     done
 elif [ "$1" = f ]; then
-    trees="b7100ee a9df4ac"
+    trees=${TREES:-b7100ee a9df4ac}
     for t in $trees; do (cd .ab/$t && python3 setup.py -q build_ext --inplace > "$OUT/build_$t.log" 2>&1) || tail -3 "$OUT/build_$t.log"; done
     for round in $(seq 1 ${ROUNDS:-6}); do
         for tree in $trees head; do
@@ -79,9 +79,11 @@ elif [ "$1" = f ]; then
                     --mode inline --payload 4KiB --clients 1,16 --requests 20000 2>/dev/null | grep -E "^\| 4 KiB")
             done
         done
-        echo "== mix, 1 ms model ($(date -u +%T))"
-        timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --model-us 1000 --duration 8 \
-            2>/dev/null | tail -8
+        if [ -z "${NOMIX:-}" ]; then
+            echo "== mix, 1 ms model ($(date -u +%T))"
+            timeout 90 $BENCH --spawn-server --mix inline:2,zero-copy:2,socket:2,http:2 --model-us 1000 --duration 8 \
+                2>/dev/null | tail -8
+        fi
     fi
     [ -n "${GLUE:-}" ] && bash tools/device_issue26_glue.sh
 elif [ "$1" = c ]; then
