@@ -402,6 +402,20 @@ def test_under_a_one_level_policy_a_gather_is_served_its_callers_in_turn_without
                 np.testing.assert_array_equal(front.answer(calls[i])["y"], xs[i] * 2)
             counters = layout.read_sched_counters(front.buf, front.g, 0)
             assert counters.expired == 1 and counters.levels[0].queued == 0 and counters.levels[0].claimed == 5
+            assert batch_runs(front) == (5, 5)  # five runs of one (Step's bound offsets), the expired one none
+            # a gather of one (serve_alone): run, or answered TIMEOUT unrun if its deadline passed
+            late = front.submit(xs[0], caller=4, deadline_ns=1)
+            work, _ = worker.gather()
+            assert len(work) == 1
+            worker.serve_alone(*work[0])
+            fine = front.submit(xs[1], caller=4)
+            work, _ = worker.gather()
+            assert len(work) == 1
+            worker.serve_alone(*work[0])
+            assert front.answer(late)[0] is ErrorCode.TIMEOUT
+            np.testing.assert_array_equal(front.answer(fine)["y"], xs[1] * 2)
+            counters = layout.read_sched_counters(front.buf, front.g, 0)
+            assert (counters.expired, counters.levels[0].claimed, batch_runs(front)) == (2, 6, (6, 6))
 
 
 def test_in_turn_is_round_robin_across_gathers_whoever_came_last():
