@@ -200,6 +200,7 @@ def claim(buf, geometry, entry: int, now: int = 0) -> int | None:
 
 
 EXPIRED_DEADLINE, EXPIRED_QUEUE = -1, -2  # claim_checked: a request it left unclaimed, and why
+_U64_MAX, _SSIZE_MAX = 2**64 - 1, 2**63 - 1
 
 
 def claim_checked(buf, geometry, entry: int, now: int, timeout_ns: int, exempt_flags: int,
@@ -213,10 +214,23 @@ def claim_checked(buf, geometry, entry: int, now: int, timeout_ns: int, exempt_f
     counted: 1 at ``claimed_off`` and its wait (µs from t_ready, if t_ready is in the past) at
     ``wait_off`` of ``arena_buf`` (u64s), and the slot index is returned.  None as ``claim``: a bad
     index, or not READY in that generation.  ``now``: the clock (0: read it), t_claimed's too.
-    What a lane slot says is its client's: a wrong deadline only hurts its own call."""
+    What a lane slot says is its client's: a wrong deadline only hurts its own call.  Before
+    anything is read or claimed: TypeError or OverflowError for an argument that is no unsigned
+    int of its width (the offsets at most 2**63 - 1); then, for an entry in range, BufferError for
+    read-only counters and ValueError for an offset whose u64 lies outside them or unaligned."""
+    for value, most in ((entry, _U64_MAX), (now, _U64_MAX), (timeout_ns, _U64_MAX), (exempt_flags, 0xFFFFFFFF),
+                        (claimed_off, _SSIZE_MAX), (wait_off, _SSIZE_MAX)):
+        _unsigned(value, most)
     index, generation = layout.split_entry(entry)
     if not 0 <= index < geometry.slot_count:
         return None  # hostile or corrupt entry: nothing to answer
+    counters = memoryview(arena_buf)
+    if counters.readonly:
+        raise BufferError("Object is not writable.")
+    size = counters.nbytes
+    if size < 8 or claimed_off > size - 8 or wait_off > size - 8 or claimed_off % 8 or wait_off % 8:
+        raise ValueError(f"the counters (at {claimed_off} and {wait_off}) lie outside or unaligned in a "
+                         f"{size}-byte buffer")
     now = now or time.monotonic_ns()
     t_ready, _, _, deadline, flags = layout.read_slot_schedule(buf, geometry, index)
     if 0 < deadline <= now:

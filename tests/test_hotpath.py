@@ -316,20 +316,35 @@ def test_claim_checked_is_scheduler_alones_rule_then_claim_alike(twin, data):
         assert got is None and (claimed, waited) == (0, 0)
 
 
-def test_claim_checked_refuses_counters_outside_its_buffer():
-    """The counters' offsets are the worker's, checked all the same: outside the buffer or unaligned,
-    ValueError, and the slot is not claimed."""
-    lane = mmap.mmap(-1, LANE_SIZE)
-    lanes.init_header(lane, 0)
-    lane[layout.LANE.slot_off(0):layout.LANE.slot_off(0) + 8] = layout.pack_status(1, SlotState.READY).to_bytes(8, "little")
-    arena = mmap.mmap(-1, ARENA_SIZE)
-    for claimed_off, wait_off in ((ARENA_SIZE - 4, 0), (0, ARENA_SIZE), (4, 8), (2**63, 0)):
-        with pytest.raises((ValueError, OverflowError)):
-            _hotpath.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, arena, claimed_off, wait_off)
-    assert status_of(lane, 0) == (1, SlotState.READY)
-    assert _hotpath.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, arena, 0, 8) == 0
-    lane.close()
-    arena.close()
+@pytest.mark.parametrize("args", [
+    (NOW, 0, 0, ARENA_SIZE - 4, 0), (NOW, 0, 0, 0, ARENA_SIZE), (NOW, 0, 0, 4, 8), (NOW, 0, 0, 2**63, 0),
+    (NOW, -1, 0, 0, 8), (NOW, 0, 2**32, 0, 8), (-1, 0, 0, 0, 8), (NOW, "1", 0, 0, 8)])
+def test_claim_checked_refuses_arguments_alike_and_claims_nothing(twin, args):
+    """Counters outside the buffer or unaligned, an argument out of its width: both implementations
+    raise the same, before the slot is claimed (an expired one too: nothing is decided)."""
+    off = layout.LANE.slot_off(0)
+    twin.scribble([(off, layout.pack_status(1, SlotState.READY).to_bytes(8, "little"))])
+    now, timeout_ns, exempt, claimed_off, wait_off = args
+    kind, *_ = twin.call("claim_checked", "buf", layout.LANE, layout.slot_entry(0, 1), now, timeout_ns, exempt,
+                         "arena", claimed_off, wait_off)
+    assert kind == "raised"
+    assert status_of(twin.bufs["c"], 0) == (1, SlotState.READY)
+    twin.scribble([(off + layout.SLOT.offset("deadline_ns"), (1).to_bytes(8, "little"))])  # expired: still refused
+    assert twin.call("claim_checked", "buf", layout.LANE, layout.slot_entry(0, 1), now, timeout_ns, exempt,
+                     "arena", claimed_off, wait_off)[0] == "raised"
+
+
+def test_claim_checked_refuses_read_only_counters_in_either():
+    """Read-only counters (bytes): BufferError, the slot left READY, in both implementations."""
+    for impl in (PY, C):
+        lane = bytearray(LANE_SIZE)
+        lanes.init_header(lane, 0)
+        off = layout.LANE.slot_off(0)
+        lane[off:off + 8] = layout.pack_status(1, SlotState.READY).to_bytes(8, "little")
+        with pytest.raises(BufferError):
+            impl.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, bytes(ARENA_SIZE), 0, 8)
+        assert status_of(lane, 0) == (1, SlotState.READY)
+        assert impl.claim_checked(lane, layout.LANE, layout.slot_entry(0, 1), NOW, 0, 0, bytearray(64), 0, 8) == 0
 
 
 @pytest.mark.parametrize("wake, rung", [(hotpath.LANE_FUTEX, 1), (True, 1), (hotpath.LANE_EVENTFD, 0)])

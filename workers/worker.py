@@ -52,7 +52,7 @@ CPUS = os.cpu_count() or 1
 IDLE_TICK_S = 0.5  # heartbeat period, and how often an idle worker looks for orphaning
 SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its input-signature counts
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
-_claim_checked = hotpath.active.claim_checked  # serve_in_turn's claim: compiled, or the reference
+_claim_checked = hotpath.active.claim_checked  # serve_alone's and serve_in_turn's claim: compiled, or the reference
 MAX_CALLERS_REMEMBERED = 1 << 16  # in_turn's memory of when each caller was last served, at most
 LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
 
@@ -413,8 +413,9 @@ class Worker:
         nothing delayed: ``in_turn_will_do``), its callers in turn (fairness "callers": ``in_turn``,
         the caller served longest ago first; "arrival": as gathered).  Each is
         checked as ``Scheduler.alone`` checks one (its deadline, the queue timeout: expired, it is
-        answered TIMEOUT unrun) and counted as claimed with its wait, in one compiled call
-        (``hotpath.claim_checked``): this is every request's path under the default policy.  A
+        answered TIMEOUT unrun) and counted as claimed with its wait, in one call
+        (``hotpath.claim_checked``, compiled unless SHMSERVE_HOTPATH=python): this is every
+        request's path under the default policy.  A
         gather of one request is served at once (``serve_alone``); a round of several counts as
         queued at level 1 until it is done.  It does not look at the rings again until the round is
         done: what came meanwhile is the next gather's, ordered by when each caller was last served
@@ -448,12 +449,15 @@ class Worker:
 
     def serve_alone(self, space: Space, entry: int) -> None:
         """``serve_in_turn`` of a gather of one request (the path of every request of one client):
-        its caller's turn noted, then checked, claimed and counted in one compiled call
+        its caller's turn noted, then checked, claimed and counted in one call
         (``hotpath.claim_checked``) and served; not ours (taken back by its client or the
         front-end, or a hostile entry), nothing; expired, ``_expired``."""
         if self.round_robin:
             self._served += 1
-            self._last_served[gathered_key(space, entry)] = self._served
+            last = self._last_served
+            last[gathered_key(space, entry)] = self._served
+            if len(last) > MAX_CALLERS_REMEMBERED:  # connections come and go: forget them all, rarely
+                last.clear()
         index = _claim_checked(space.buf, space.geometry, entry, 0, *self._checks)
         if index is not None:
             if index >= 0:
