@@ -146,9 +146,16 @@ def test_permission_denied_names_the_group(tmp_path):
     assert "permission denied" in r.stderr and f"group {group!r}" in r.stderr and path in r.stderr
 
 
+def interruptible() -> None:
+    """In the child, before exec: Ctrl-C's default back, as a terminal's shell gives it (a suite started
+    in the background of a script inherits SIGINT ignored, and so would the command under test)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_quietly(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "inspect", "--watch", "0.2", "--instance",
-                             new_instance("nobody")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             new_instance("nobody")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     try:
         # Well into its loop (a signal sooner would still exit 130): once it has printed a view, however
         # long a busy machine takes to start it (was: 2 s, which a loaded CI machine did not give it).
@@ -176,7 +183,8 @@ def test_ctrl_c_stops_a_bench_and_its_processes_quietly():
     printed a KeyboardInterrupt traceback; this test failed so under load.)"""
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "bench", "--spawn-server", "--payload", "64",
                              "--mode", "inline", "--clients", "2", "--duration", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=interruptible)
     seen = []
     try:
         deadline = time.monotonic() + 120

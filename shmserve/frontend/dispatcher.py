@@ -572,9 +572,13 @@ class Dispatcher:
     def _publish(self, req: Request) -> None:
         """Hand ``req`` to the ready worker of its model with the fewest in flight: an ADMITTED
         request (its inputs complete), or a QUEUED one taken back unclaimed from a dead worker's
-        ring.  No ready worker: it is parked (or answered, if the model cannot be loaded)."""
+        ring.  No ready worker: it is parked (or answered, if the model cannot be loaded).  Its
+        deadline already past (its upload outlasted it), it is answered TIMEOUT here, unpublished."""
         if self.stopping:
             self._answer_unclaimed(req, Failure(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            return
+        if req.deadline <= self.clock.monotonic():  # it passed while the inputs arrived: no worker sees it
+            self._answer_unclaimed(req, Failure(ErrorCode.TIMEOUT, self._timed_out(req)))
             return
         worker = self._route(req)
         if worker is None:
