@@ -999,9 +999,12 @@ def slot_entry(index: int, generation: int) -> int:
     return (generation & GENERATION_MASK) << 32 | index
 
 
+ENTRY_INDEX_MASK = 0xFFFFFFFF  # a slot entry's index bits (split_entry's, for a hot path that takes only the index)
+
+
 def split_entry(entry: int) -> tuple[int, int]:
     """(slot index, generation) of a slot entry (untrusted: the caller checks the index)."""
-    return entry & 0xFFFFFFFF, entry >> 32
+    return entry & ENTRY_INDEX_MASK, entry >> 32
 
 
 def command_entry(op: int, argument: int) -> int:

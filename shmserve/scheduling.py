@@ -1,7 +1,8 @@
 """The order in which a worker takes the requests it holds: priorities, fairness, deadlines and the queue policy.
 
 Owns: ``Policy`` (a model's scheduling keys, from its ``ModelConfig``),
-``effective_level`` (the level a request's ``priority`` field stands for), and
+``effective_level`` (the level a request's ``priority`` field stands for), the caller keys of
+lanes (``lane_caller``), ``in_turn`` (the default policy's order of what one look brought), and
 ``Scheduler``: the requests a worker has taken off its rings (its own and its
 lanes') and not yet claimed, and which one it takes next.  Pure logic: no
 shared memory, no rings, and the clock injected (``clock()``: CLOCK_MONOTONIC
@@ -86,6 +87,47 @@ class Policy:
         return cls(config.priority_levels, config.default_priority_level, config.priority_starvation_limit,
                    config.fairness, config.max_queue_size, config.default_timeout_us, config.timeout_action,
                    config.allow_timeout_override, config.name)
+
+
+# Caller keys (fairness "callers"): an arena slot's caller field as the front-end wrote it (a u32);
+# a lane's keys lie above every u32, apart from each other (``lane_caller``).
+LANE_CALLERS = 1 << 32
+
+
+def lane_caller(region: int, connection: int | None = None) -> int:
+    """The caller key of a lane's calls: a client's lane is one caller, its region; a door
+    process's lane (``connection``: the u32 its door wrote) one caller per connection."""
+    if connection is None:
+        return LANE_CALLERS + region
+    return LANE_CALLERS + region + ((connection + 1) << 33)
+
+
+def in_turn(keyed: list[tuple], last_served: dict[int, int]) -> list[tuple]:
+    """``keyed`` (what one look brought, each a tuple whose first item is its caller key, in the
+    order gathered) with its callers in turn: the caller served longest ago first (``last_served``:
+    key -> when it was last served, in any increasing count; a caller never served, first of all,
+    in the order the callers first appear), its first request, then the next caller's...; then each
+    one's second, and so on.  Round after round that is round-robin: a caller's turn does not depend
+    on where its last request fell in a look.  The default policy's order (``workers.worker``
+    serves what one look brings in it, holding nothing)."""
+    callers = {item[0] for item in keyed}
+    if len(callers) == 1:
+        return keyed
+    served = last_served.get
+    if len(callers) == len(keyed):  # one request each (the usual look): by when each was served, stable
+        return sorted(keyed, key=lambda item: served(item[0], -1))
+    queues: dict[int, list] = {}
+    for item in keyed:
+        queue = queues.get(item[0])
+        if queue is None:
+            queues[item[0]] = [item]
+        else:
+            queue.append(item)
+    lists = sorted(queues.values(), key=lambda q: served(q[0][0], -1))
+    ordered = []
+    for i in range(max(map(len, lists))):
+        ordered.extend(q[i] for q in lists if i < len(q))
+    return ordered
 
 
 def effective_level(priority: int, levels: int, default: int) -> int:

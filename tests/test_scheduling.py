@@ -297,3 +297,16 @@ def test_many_requests_leave_nothing_behind():
     assert s.take() is None and not s.timers
     assert all(not lv.count for lv in s.levels)
     assert sum(len(lv.arrivals) for lv in s.levels) <= 3
+
+
+def test_in_turn_takes_each_callers_first_request_then_their_second_the_one_served_longest_ago_first():
+    """The default policy's order of one look, pure: callers never served first in the order they
+    appear, then by when each was last served; a caller's burst waits behind every other caller's
+    first request; one caller alone keeps its order."""
+    from shmserve.scheduling import in_turn
+
+    look = [(1, "a1"), (1, "a2"), (1, "a3"), (2, "b1"), (3, "c1"), (2, "b2")]
+    assert [x for _, x in in_turn(look, {})] == ["a1", "b1", "c1", "a2", "b2", "a3"]
+    assert [x for _, x in in_turn(look, {1: 9, 2: 5, 3: 7})] == ["b1", "c1", "a1", "b2", "a2", "a3"]
+    assert [x for _, x in in_turn([(3, "c"), (1, "a"), (2, "b")], {1: 2, 2: 1})] == ["c", "b", "a"]
+    assert in_turn([(4, "x"), (4, "y")], {4: 1}) == [(4, "x"), (4, "y")]

@@ -16,7 +16,9 @@ detection, holding what it gathered in a ``shmserve.scheduling.Scheduler``
 (each slot's priority, deadline and flags read, untrusted, before the
 claim; the caller: an arena slot's ``caller`` field, a lane's region) and
 handing requests in its order to ``workers.step`` one by one or to
-``workers.batching``, answering those it expired or refused (``timeout``,
+``workers.batching`` (under the default policy, without batching, what one
+look brings in ``scheduling.in_turn``'s order, each request checked, claimed
+and counted in one ``hotpath.claim_checked``), answering those it expired or refused (``timeout``,
 ``overloaded``) unrun, the scheduling counters in the arena
 (``layout.sched_base``), and when to tell the front-end the step's
 input-signature counts (at most once a second while busy, at once when
@@ -40,7 +42,8 @@ from shmserve import hotpath, lanes, layout, workerlink
 from shmserve.arena import Arena
 from shmserve.config import ModelConfig
 from shmserve.errors import ErrorCode
-from shmserve.scheduling import Policy, Scheduler
+from shmserve.scheduling import LANE_CALLERS, Policy, Scheduler, lane_caller
+from shmserve.scheduling import in_turn as scheduling_in_turn
 from shmserve.rings import EventfdDoorbell, Ring, wait_any
 from workers import memory
 from workers.adapter import BackendAdapter
@@ -54,7 +57,6 @@ SIGNATURES_EVERY_S = 1.0  # the most often a busy worker tells the front-end its
 HEARTBEAT_JOIN_S = 2.0  # the heartbeat thread writes into the arena: it is joined before the arena is unmapped
 _claim_checked = hotpath.active.claim_checked  # serve_alone's and serve_in_turn's claim: compiled, or the reference
 MAX_CALLERS_REMEMBERED = 1 << 16  # in_turn's memory of when each caller was last served, at most
-LANE_CALLERS = 1 << 32  # a lane's caller key: this plus its region id (an arena slot's caller field is a u32)
 
 
 def caller_key(space: Space, caller: int) -> int:
@@ -64,53 +66,28 @@ def caller_key(space: Space, caller: int) -> int:
     server's own) is one caller per connection the door wrote, apart from every other lane."""
     if not space.is_lane:
         return caller
-    if space.wake == hotpath.LANE_EVENTFD:
-        return LANE_CALLERS + space.region + ((caller + 1) << 33)
-    return LANE_CALLERS + space.region
+    return lane_caller(space.region, caller if space.wake == hotpath.LANE_EVENTFD else None)
 
 
 _CALLER = layout.U32  # a slot's caller field, read without a call into layout: in_turn's cost is per request
-_CALLER_OFF, _SLOT_SIZE = layout.SLOT.offset("caller"), layout.SLOT_SIZE
+_CALLER_OFF, _SLOT_SIZE, _INDEX = layout.SLOT.offset("caller"), layout.SLOT_SIZE, layout.ENTRY_INDEX_MASK
 
 
 def gathered_key(space: Space, entry: int) -> int:
     """The ``caller_key`` of a gathered request (ring ``entry`` of ``space``): a client's lane needs
     no read; an arena or door-lane slot's caller is read from it (an entry out of range: caller 0)."""
-    if space.wake == hotpath.LANE_FUTEX:  # a client's lane
+    if space.wake == hotpath.LANE_FUTEX:  # a client's lane: lane_caller(region), inline
         return LANE_CALLERS + space.region
-    index, g, caller = entry & 0xFFFFFFFF, space.geometry, 0  # layout.split_entry's index
+    index, g, caller = entry & _INDEX, space.geometry, 0
     if index < g.slot_count:
         caller = _CALLER.unpack_from(space.buf, g.slot_table_off + index * _SLOT_SIZE + _CALLER_OFF)[0]
     return caller_key(space, caller)
 
 
 def in_turn(work: list[tuple[Space, int]], last_served: dict[int, int]) -> list[tuple[int, Space, int]]:
-    """``work`` (gathered: (space, entry)) as (caller key, space, entry) with its callers
-    (``caller_key``) in turn: the caller served longest ago first (``last_served``: key -> when it
-    was last served, in any increasing count; a caller never served, first of all, in the order
-    the callers first appear), its first request, then the next caller's...; then each one's
-    second, and so on.  Round after round that is round-robin: a caller's turn does not depend on
-    where its last request fell in a gather (each request's caller: ``gathered_key``)."""
-    keyed = [(gathered_key(space, entry), space, entry) for space, entry in work]
-    callers = {item[0] for item in keyed}
-    if len(callers) == 1:
-        return keyed
-    served = last_served.get
-    if len(callers) == len(keyed):  # one request each (the usual round): by when each was served, stable
-        keyed.sort(key=lambda item: served(item[0], -1))
-        return keyed
-    queues: dict[int, list] = {}
-    for item in keyed:
-        queue = queues.get(item[0])
-        if queue is None:
-            queues[item[0]] = [item]
-        else:
-            queue.append(item)
-    lists = sorted(queues.values(), key=lambda q: served(q[0][0], -1))
-    ordered = []
-    for i in range(max(map(len, lists))):
-        ordered.extend(q[i] for q in lists if i < len(q))
-    return ordered
+    """``work`` (gathered: (space, entry)) as (caller key, space, entry) in ``scheduling.in_turn``'s
+    order (each request's caller: ``gathered_key``)."""
+    return scheduling_in_turn([(gathered_key(space, entry), space, entry) for space, entry in work], last_served)
 
 
 class StartFailed(Exception):
