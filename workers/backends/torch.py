@@ -273,12 +273,15 @@ class TorchBackend:
 
     def _forward(self, inputs):
         names = self._input_names or list(inputs)
-        out = self._call(*[self._input(inputs[n]) for n in names])
+        return dict(self._named(self._call(*[self._input(inputs[n]) for n in names])))
+
+    def _named(self, out) -> list[tuple[str, object]]:
+        """The model's return value as (output name, tensor) pairs; ValueError for a count other than declared."""
         out = out if isinstance(out, (tuple, list)) else (out,)
         out_names = self._output_names or [f"output{i}" for i in range(len(out))]
         if len(out) != len(out_names):
             raise ValueError(f"model returned {len(out)} outputs, {len(out_names)} declared")
-        return dict(zip(out_names, out))
+        return list(zip(out_names, out))
 
     def run_into(self, inputs, allocate) -> None:
         """Run one request (or batch) and write each output into ``allocate(name, shape, dtype)``.
@@ -325,12 +328,9 @@ class TorchBackend:
         with self._inference(True):
             out = self._call(*args)
         del args
-        out = out if isinstance(out, (tuple, list)) else (out,)
-        out_names = self._output_names or [f"output{i}" for i in range(len(out))]
-        if len(out) != len(out_names):
-            raise ValueError(f"model returned {len(out)} outputs, {len(out_names)} declared")
+        named = self._named(out)
         self.runs["eager"] += 1
-        for name, value in zip(out_names, out):
+        for name, value in named:
             try:
                 array = value.numpy()
             except (TypeError, RuntimeError):  # bfloat16, requires grad, conjugate or negative bit
